@@ -1,0 +1,125 @@
+#include "backend/checks.h"
+
+#include <cmath>
+
+namespace oomless {
+
+MatmulDims check_matmul(const Tensor& c, const Tensor& a, const Tensor& b, bool ta, bool tb, DType act) {
+  const char* op = "[matmul]";
+  OOM_CHECK(a.ndim == 2 && b.ndim == 2 && c.ndim == 2, op, " needs 2-D tensors, got a ", a.str(), ", b ", b.str(),
+            ", c ", c.str());
+  check_dtype(op, "a", a, {act, DType::bf16});
+  OOM_CHECK(a.dtype == b.dtype, op, " a ", a.str(), " and b ", b.str(), " must share a dtype");
+  check_dtype(op, "c", c, {act});
+  int64_t M = ta ? a.dims[1] : a.dims[0], K = ta ? a.dims[0] : a.dims[1];
+  int64_t Kb = tb ? b.dims[1] : b.dims[0], N = tb ? b.dims[0] : b.dims[1];
+  OOM_CHECK(K == Kb, op, " inner dimensions differ: op(a) is ", M, "x", K, ", op(b) is ", Kb, "x", N);
+  check_shape(op, "c", c, {M, N});
+  return {M, N, K};
+}
+
+RowsCols check_embedding(const char* op, const Tensor& rows_out, const Tensor& ids, const Tensor& table, DType act,
+                         bool table_may_be_bf16) {
+  OOM_CHECK(ids.ndim == 1, op, " ids must be 1-D (T), got ", ids.str());
+  check_dtype(op, "ids", ids, {DType::i32});
+  OOM_CHECK(table.ndim == 2, op, " table must be (V, E), got ", table.str());
+  if (table_may_be_bf16)
+    check_dtype(op, "table", table, {act, DType::bf16});
+  else
+    check_dtype(op, "table", table, {act});
+  check_dtype(op, "rows", rows_out, {act});
+  check_shape(op, "rows", rows_out, {ids.dims[0], table.dims[1]});
+  const int32_t* id = static_cast<const int32_t*>(ids.data);
+  for (int64_t t = 0; t < ids.dims[0]; ++t)
+    OOM_CHECK(id[t] >= 0 && id[t] < table.dims[0], op, " id ", id[t], " at position ", t, " is outside the vocabulary [0, ",
+              table.dims[0], ")");
+  return {ids.dims[0], table.dims[1]};
+}
+
+RowsCols check_rmsnorm(const char* op, const Tensor& out, const Tensor& rstd, const Tensor& in, const Tensor& weight,
+                       DType act) {
+  check_dtype(op, "in", in, {act});
+  check_dtype(op, "out", out, {act});
+  check_dtype(op, "weight", weight, {act});
+  check_dtype(op, "rstd", rstd, {act});
+  OOM_CHECK(in.ndim >= 1, op, " in must have at least one dimension");
+  int64_t R = in.rows(), E = in.cols();
+  OOM_CHECK(out.numel() == in.numel() && out.cols() == E, op, " out ", out.str(), " does not match in ", in.str());
+  check_shape(op, "weight", weight, {E});
+  OOM_CHECK(rstd.numel() == R, op, " rstd ", rstd.str(), " must hold one value per row (", R, ")");
+  return {R, E};
+}
+
+RopeDims check_rope(const char* op, const Tensor& out, const Tensor& in, const Tensor& pos, DType act) {
+  check_dtype(op, "in", in, {act});
+  check_dtype(op, "out", out, {act});
+  check_dtype(op, "pos", pos, {DType::i32});
+  OOM_CHECK(in.ndim == 3, op, " in must be (T, H, D), got ", in.str());
+  check_same_shape(op, "out", out, "in", in);
+  OOM_CHECK(in.dims[2] % 2 == 0, op, " head dim D = ", in.dims[2], " must be even");
+  check_shape(op, "pos", pos, {in.dims[0]});
+  return {in.dims[0], in.dims[1], in.dims[2]};
+}
+
+void check_elementwise(const char* op, std::initializer_list<const Tensor*> ts, DType act) {
+  const Tensor* first = *ts.begin();
+  for (const Tensor* t : ts) {
+    check_dtype(op, "operand", *t, {act});
+    OOM_CHECK(t->same_shape(*first), op, " operands ", first->str(), " and ", t->str(), " must have the same shape");
+    OOM_CHECK(t->data != nullptr || t->numel() == 0, op, " operand has no data");
+  }
+}
+
+AttentionDims check_attention(const char* op, const Tensor& o, const Tensor& lse, const Tensor& q, const KvBlocks& kv,
+                              const Tensor& q_pos, DType act) {
+  check_dtype(op, "q", q, {act});
+  OOM_CHECK(q.ndim == 3, op, " q must be (T, H, D), got ", q.str());
+  int64_t T = q.dims[0], H = q.dims[1], D = q.dims[2];
+  check_dtype(op, "o", o, {act});
+  check_shape(op, "o", o, {T, H, D});
+  check_dtype(op, "lse", lse, {act});
+  check_shape(op, "lse", lse, {H, T});
+  check_dtype(op, "q_pos", q_pos, {DType::i32});
+  check_shape(op, "q_pos", q_pos, {T});
+  OOM_CHECK(kv.D == D, op, " kv head dim ", kv.D, " differs from q's ", D);
+  OOM_CHECK(kv.Hkv > 0 && H % kv.Hkv == 0, op, " query heads H = ", H, " must be a multiple of kv heads Hkv = ", kv.Hkv);
+  OOM_CHECK(kv.P > 0 || kv.n_blocks == 0, op, " block size P must be positive, got ", kv.P);
+  OOM_CHECK(kv.n_blocks >= 0 && (kv.blocks != nullptr || kv.n_blocks == 0), op, " block table is missing");
+  for (int64_t b = 0; b < kv.n_blocks; ++b) {
+    const KvBlock& blk = kv.blocks[b];
+    OOM_CHECK(blk.len >= 0 && blk.len <= kv.P, op, " block ", b, " holds ", blk.len, " keys, outside [0, P = ", kv.P, "]");
+    OOM_CHECK(blk.len == 0 || (blk.k != nullptr && blk.v != nullptr), op, " block ", b, " has no key/value data");
+    OOM_CHECK(blk.start >= 0, op, " block ", b, " starts at negative position ", blk.start);
+  }
+  return {T, H, kv.Hkv, D};
+}
+
+CeDims check_cross_entropy(const char* op, const Tensor& lse, const Tensor& h, const Tensor& w, const Tensor& targets,
+                           int32_t ignore_index, DType act) {
+  check_dtype(op, "h", h, {act});
+  OOM_CHECK(h.ndim == 2, op, " h must be (T, E), got ", h.str());
+  OOM_CHECK(w.ndim == 2, op, " w must be (V, E), got ", w.str());
+  check_dtype(op, "w", w, {act, DType::bf16});
+  int64_t T = h.dims[0], E = h.dims[1], V = w.dims[0];
+  OOM_CHECK(w.dims[1] == E, op, " w ", w.str(), " and h ", h.str(), " disagree on the width E");
+  check_dtype(op, "lse", lse, {act});
+  check_shape(op, "lse", lse, {T});
+  check_dtype(op, "targets", targets, {DType::i32});
+  check_shape(op, "targets", targets, {T});
+  const int32_t* tg = static_cast<const int32_t*>(targets.data);
+  for (int64_t t = 0; t < T; ++t)
+    OOM_CHECK(tg[t] == ignore_index || (tg[t] >= 0 && tg[t] < V), op, " target ", tg[t], " of row ", t,
+              " is outside the vocabulary [0, ", V, ") and is not the ignore index ", ignore_index);
+  return {T, E, V};
+}
+
+void check_adamw(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWConfig& cfg,
+                 DType act) {
+  check_elementwise("[adamw]", {&param, &grad, &m, &v}, act);
+  OOM_CHECK(cfg.step >= 1, "[adamw] step counts from 1, got ", cfg.step);
+  OOM_CHECK(cfg.beta1 >= 0 && cfg.beta1 < 1 && cfg.beta2 >= 0 && cfg.beta2 < 1, "[adamw] betas must be in [0, 1), got ",
+            cfg.beta1, ", ", cfg.beta2);
+  OOM_CHECK(cfg.eps > 0 && std::isfinite(cfg.lr), "[adamw] eps must be positive and lr finite");
+}
+
+}  // namespace oomless

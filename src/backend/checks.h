@@ -1,0 +1,45 @@
+// Argument validation shared by every backend, so each op checks the same things with the same
+// "[op] ..." messages whatever the backend. Each returns the dimensions the kernel needs.
+#pragma once
+#include "backend/ops.h"
+
+namespace oomless {
+
+struct MatmulDims {
+  int64_t M, N, K;
+};
+// a, b: `act` or bf16 (same dtype); c: act.
+MatmulDims check_matmul(const Tensor& c, const Tensor& a, const Tensor& b, bool ta, bool tb, DType act);
+
+struct RowsCols {
+  int64_t rows, cols;
+};
+RowsCols check_embedding(const char* op, const Tensor& rows_out, const Tensor& ids, const Tensor& table, DType act,
+                         bool table_may_be_bf16);
+RowsCols check_rmsnorm(const char* op, const Tensor& out, const Tensor& rstd, const Tensor& in, const Tensor& weight,
+                       DType act);
+struct RopeDims {
+  int64_t T, H, D;
+};
+RopeDims check_rope(const char* op, const Tensor& out, const Tensor& in, const Tensor& pos, DType act);
+// Every tensor of `ts` has act dtype and the shape of the first.
+void check_elementwise(const char* op, std::initializer_list<const Tensor*> ts, DType act);
+
+struct AttentionDims {
+  int64_t T, H, Hkv, D;
+};
+// kv blocks: kv.dtype == kv_dtype, lens within [0, P]; lse (H, T) act; q_pos (T) i32.
+AttentionDims check_attention(const char* op, const Tensor& o, const Tensor& lse, const Tensor& q, const KvBlocks& kv,
+                              const Tensor& q_pos, DType act);
+
+struct CeDims {
+  int64_t T, E, V;
+};
+// Also checks that every target is in [0, V) or equals ignore_index.
+CeDims check_cross_entropy(const char* op, const Tensor& lse, const Tensor& h, const Tensor& w, const Tensor& targets,
+                           int32_t ignore_index, DType act);
+
+void check_adamw(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWConfig& cfg,
+                 DType act);
+
+}  // namespace oomless

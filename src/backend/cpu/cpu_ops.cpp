@@ -1,0 +1,297 @@
+// CPU kernels for the element-wise and row-wise ops, and matmul through Gemm. Attention and the fused
+// cross-entropy are in their own files. Reductions across rows (parameter gradients) are parallel over
+// columns, each column summed over rows in order; global sums use a fixed partition of the data into
+// chunks whose partial sums are added sequentially: results never depend on the thread count.
+#include "backend/cpu/cpu_ops.h"
+
+#include <omp.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "backend/checks.h"
+#include "backend/cpu/gemm.h"
+#include "backend/ref/ref_ops.h"
+
+namespace oomless {
+
+namespace {
+constexpr DType kAct = DType::f32;
+constexpr int64_t kColBlock = 64;        // columns per task in column-parallel reductions
+constexpr int64_t kSumChunk = 1 << 14;   // elements per partial sum in sum_squares
+
+float* f32p(const Tensor& t) { return static_cast<float*>(t.data); }
+const int32_t* i32p(const Tensor& t) { return static_cast<const int32_t*>(t.data); }
+}  // namespace
+
+CpuOps::CpuOps(Arena* workspace) {
+  if (!workspace) {
+    own_ledger_ = std::make_unique<Ledger>();
+    own_arena_ = std::make_unique<Arena>(Tier::Host, std::numeric_limits<size_t>::max(), *own_ledger_);
+    workspace = own_arena_.get();
+  }
+  ws_ = workspace;
+  gemm_ = std::make_unique<Gemm>(*ws_);
+}
+
+CpuOps::~CpuOps() = default;
+
+Buffer CpuOps::scratch(size_t bytes, const char* what) { return ws_->alloc(bytes, Category::workspace, what); }
+
+void CpuOps::matmul(Tensor c, Tensor a, Tensor b, bool ta, bool tb, bool accumulate) {
+  auto [M, N, K] = check_matmul(c, a, b, ta, tb, kAct);
+  GemmShape s;
+  s.M = M;
+  s.N = N;
+  s.K = K;
+  s.ta = ta;
+  s.tb = tb;
+  s.ab = a.dtype;
+  s.accumulate = accumulate;
+  gemm_->run(s, a.data, b.data, f32p(c));
+}
+
+void CpuOps::embedding_forward(Tensor out, Tensor ids, Tensor table) {
+  auto [T, E] = check_embedding("[embedding]", out, ids, table, kAct, true);
+  const int32_t* id = i32p(ids);
+  float* o = f32p(out);
+  if (table.dtype == DType::bf16) {
+    const uint16_t* w = static_cast<const uint16_t*>(table.data);
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t e = 0; e < E; ++e) o[t * E + e] = bf16_to_f32(w[id[t] * E + e]);
+  } else {
+    const float* w = f32p(table);
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t e = 0; e < E; ++e) o[t * E + e] = w[id[t] * E + e];
+  }
+}
+
+void CpuOps::embedding_backward(Tensor dtable, Tensor dout, Tensor ids) {
+  auto [T, E] = check_embedding("[embedding_backward]", dout, ids, dtable, kAct, false);
+  const int32_t* id = i32p(ids);
+  const float* g = f32p(dout);
+  float* w = f32p(dtable);
+  // Column blocks in parallel, tokens in order: repeated ids accumulate in a fixed order.
+  int64_t nb = (E + kColBlock - 1) / kColBlock;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < nb; ++b) {
+    int64_t e0 = b * kColBlock, e1 = std::min(E, e0 + kColBlock);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t e = e0; e < e1; ++e) w[id[t] * E + e] += g[t * E + e];
+  }
+}
+
+void CpuOps::rmsnorm_forward(Tensor out, Tensor rstd, Tensor in, Tensor weight, double eps) {
+  auto [R, E] = check_rmsnorm("[rmsnorm]", out, rstd, in, weight, kAct);
+  const float* x = f32p(in);
+  const float* w = f32p(weight);
+  float* y = f32p(out);
+  float* rs = f32p(rstd);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < R; ++r) {
+    double ss = 0;
+    for (int64_t e = 0; e < E; ++e) ss += static_cast<double>(x[r * E + e]) * x[r * E + e];
+    float s = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(E) + eps));
+    rs[r] = s;
+    for (int64_t e = 0; e < E; ++e) y[r * E + e] = x[r * E + e] * s * w[e];
+  }
+}
+
+void CpuOps::rmsnorm_backward(Tensor din, Tensor dweight, Tensor dout, Tensor in, Tensor weight, Tensor rstd) {
+  auto [R, E] = check_rmsnorm("[rmsnorm_backward]", dout, rstd, in, weight, kAct);
+  check_elementwise("[rmsnorm_backward]", {&din, &in}, kAct);
+  check_same_shape("[rmsnorm_backward]", "dweight", dweight, "weight", weight);
+  const float* x = f32p(in);
+  const float* dy = f32p(dout);
+  const float* w = f32p(weight);
+  const float* rs = f32p(rstd);
+  float* dx = f32p(din);
+  float* dw = f32p(dweight);
+  // dweight first: din may alias dout.
+  int64_t nb = (E + kColBlock - 1) / kColBlock;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < nb; ++b) {
+    int64_t e0 = b * kColBlock, e1 = std::min(E, e0 + kColBlock);
+    double acc[kColBlock] = {};
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t e = e0; e < e1; ++e) acc[e - e0] += static_cast<double>(dy[r * E + e]) * x[r * E + e] * rs[r];
+    for (int64_t e = e0; e < e1; ++e) dw[e] += static_cast<float>(acc[e - e0]);
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < R; ++r) {
+    double dot = 0;
+    for (int64_t e = 0; e < E; ++e) dot += static_cast<double>(dy[r * E + e]) * w[e] * x[r * E + e];
+    float s = rs[r];
+    float k = static_cast<float>(dot * s * s * s / static_cast<double>(E));
+    for (int64_t e = 0; e < E; ++e) dx[r * E + e] = s * dy[r * E + e] * w[e] - x[r * E + e] * k;
+  }
+}
+
+namespace {
+// Rotates pairs (x[i], x[i + D/2]) by +angle (forward, sign 1) or -angle (backward, sign -1). The
+// angles and their cos/sin are computed in double, then applied in f32.
+void cpu_rope(const char* op, Tensor out, Tensor in, Tensor pos, const RopeConfig& cfg, float sign) {
+  auto [T, H, D] = check_rope(op, out, in, pos, kAct);
+  int64_t half = D / 2;
+  std::vector<double> inv(half);
+  rope_inv_freq(inv.data(), D, cfg);
+  const float* x = f32p(in);
+  float* y = f32p(out);
+  const int32_t* p = i32p(pos);
+#pragma omp parallel
+  {
+    std::vector<float> cs(half), sn(half);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t i = 0; i < half; ++i) {
+        double ang = static_cast<double>(p[t]) * inv[i];
+        cs[i] = static_cast<float>(std::cos(ang));
+        sn[i] = sign * static_cast<float>(std::sin(ang));
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        const float* a = x + (t * H + h) * D;
+        float* b = y + (t * H + h) * D;
+        for (int64_t i = 0; i < half; ++i) {
+          float x1 = a[i], x2 = a[i + half];
+          b[i] = x1 * cs[i] - x2 * sn[i];
+          b[i + half] = x2 * cs[i] + x1 * sn[i];
+        }
+      }
+    }
+  }
+}
+}  // namespace
+
+void CpuOps::rope_forward(Tensor out, Tensor in, Tensor pos, const RopeConfig& cfg) {
+  cpu_rope("[rope]", out, in, pos, cfg, 1.0f);
+}
+void CpuOps::rope_backward(Tensor din, Tensor dout, Tensor pos, const RopeConfig& cfg) {
+  cpu_rope("[rope_backward]", din, dout, pos, cfg, -1.0f);
+}
+
+void CpuOps::swiglu_forward(Tensor out, Tensor gate, Tensor up) {
+  check_elementwise("[swiglu]", {&out, &gate, &up}, kAct);
+  const float* g = f32p(gate);
+  const float* u = f32p(up);
+  float* y = f32p(out);
+  int64_t n = out.numel();
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) y[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+
+void CpuOps::swiglu_backward(Tensor dgate, Tensor dup, Tensor dout, Tensor gate, Tensor up) {
+  check_elementwise("[swiglu_backward]", {&dgate, &dup, &dout, &gate, &up}, kAct);
+  const float* g = f32p(gate);
+  const float* u = f32p(up);
+  const float* dy = f32p(dout);
+  float* dg = f32p(dgate);
+  float* du = f32p(dup);
+  int64_t n = dout.numel();
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    float s = 1.0f / (1.0f + std::exp(-g[i]));
+    float d = dy[i];
+    float gi = g[i], ui = u[i];
+    du[i] = d * gi * s;
+    dg[i] = d * ui * s * (1.0f + gi * (1.0f - s));
+  }
+}
+
+void CpuOps::add(Tensor out, Tensor a, Tensor b) {
+  check_elementwise("[add]", {&out, &a, &b}, kAct);
+  const float* x = f32p(a);
+  const float* y = f32p(b);
+  float* o = f32p(out);
+  int64_t n = out.numel();
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) o[i] = x[i] + y[i];
+}
+
+void CpuOps::axpy(Tensor y, double alpha, Tensor x) {
+  check_elementwise("[axpy]", {&y, &x}, kAct);
+  float a = static_cast<float>(alpha);
+  const float* xs = f32p(x);
+  float* ys = f32p(y);
+  int64_t n = y.numel();
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) ys[i] += a * xs[i];
+}
+
+void CpuOps::scale(Tensor x, double alpha) {
+  check_elementwise("[scale]", {&x}, kAct);
+  float a = static_cast<float>(alpha);
+  float* xs = f32p(x);
+  int64_t n = x.numel();
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) xs[i] *= a;
+}
+
+void CpuOps::fill(Tensor x, double value) {
+  check_elementwise("[fill]", {&x}, kAct);
+  float v = static_cast<float>(value);
+  float* xs = f32p(x);
+  int64_t n = x.numel();
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) xs[i] = v;
+}
+
+double CpuOps::sum_squares(Tensor x) {
+  check_elementwise("[sum_squares]", {&x}, kAct);
+  const float* xs = f32p(x);
+  int64_t n = x.numel();
+  int64_t chunks = (n + kSumChunk - 1) / kSumChunk;
+  std::vector<double> part(static_cast<size_t>(chunks));
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < chunks; ++c) {
+    int64_t i0 = c * kSumChunk, i1 = std::min(n, i0 + kSumChunk);
+    double s = 0;
+    for (int64_t i = i0; i < i1; ++i) s += static_cast<double>(xs[i]) * xs[i];
+    part[c] = s;
+  }
+  double total = 0;
+  for (double p : part) total += p;
+  return total;
+}
+
+void CpuOps::convert(Tensor dst, Tensor src) {
+  OOM_CHECK(dst.numel() == src.numel(), "[convert] dst ", dst.str(), " and src ", src.str(), " differ in size");
+  int64_t n = src.numel();
+  constexpr int64_t kChunk = 1 << 16;
+  int64_t chunks = (n + kChunk - 1) / kChunk;
+  // Validate the pair once (throws for unsupported pairs) before the parallel loop.
+  oomless::convert(dst.data, dst.dtype, src.data, src.dtype, 0);
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < chunks; ++c) {
+    int64_t i0 = c * kChunk, len = std::min(n, i0 + kChunk) - i0;
+    oomless::convert(static_cast<uint8_t*>(dst.data) + dtype_bytes(dst.dtype, i0), dst.dtype,
+                     static_cast<const uint8_t*>(src.data) + dtype_bytes(src.dtype, i0), src.dtype, len);
+  }
+}
+
+void CpuOps::adamw_step(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamWConfig& cfg) {
+  check_adamw(param, grad, m, v, cfg, kAct);
+  float b1 = static_cast<float>(cfg.beta1), b2 = static_cast<float>(cfg.beta2);
+  float inv_bc1 = static_cast<float>(1.0 / (1.0 - std::pow(cfg.beta1, static_cast<double>(cfg.step))));
+  float inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(cfg.beta2, static_cast<double>(cfg.step))));
+  float lr = static_cast<float>(cfg.lr), wd = static_cast<float>(cfg.weight_decay), eps = static_cast<float>(cfg.eps);
+  float* p = f32p(param);
+  const float* g = f32p(grad);
+  float* ms = f32p(m);
+  float* vs = f32p(v);
+  int64_t n = param.numel();
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    float gi = g[i];
+    float mi = b1 * ms[i] + (1.0f - b1) * gi;
+    float vi = b2 * vs[i] + (1.0f - b2) * gi * gi;
+    ms[i] = mi;
+    vs[i] = vi;
+    float update = (mi * inv_bc1) / (std::sqrt(vi) * inv_sqrt_bc2 + eps);
+    p[i] -= lr * (update + wd * p[i]);
+  }
+}
+
+}  // namespace oomless

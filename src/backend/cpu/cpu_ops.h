@@ -1,0 +1,59 @@
+// The CPU backend: OpenMP loops with static schedules and GEMMs through oneDNN (runtime ISA dispatch).
+// Activations are f32; matmul and embedding weights may be bf16. Every kernel is deterministic for
+// any thread count: no floating-point reductions across threads except over a partition that does not
+// depend on the thread count, combined in a fixed order.
+#pragma once
+#include <memory>
+
+#include "backend/ops.h"
+#include "memory/arena.h"
+
+namespace oomless {
+
+class Gemm;
+
+class CpuOps final : public Ops {
+ public:
+  // Scratch memory (oneDNN scratchpads, attention tiles, CE chunks) is charged to `workspace`
+  // under Category::workspace; null gives a private unlimited arena.
+  explicit CpuOps(Arena* workspace);
+  ~CpuOps() override;
+  const char* name() const override { return "cpu"; }
+  DType act_dtype() const override { return DType::f32; }
+
+  void matmul(Tensor c, Tensor a, Tensor b, bool ta, bool tb, bool accumulate) override;
+  void embedding_forward(Tensor out, Tensor ids, Tensor table) override;
+  void embedding_backward(Tensor dtable, Tensor dout, Tensor ids) override;
+  void rmsnorm_forward(Tensor out, Tensor rstd, Tensor in, Tensor weight, double eps) override;
+  void rmsnorm_backward(Tensor din, Tensor dweight, Tensor dout, Tensor in, Tensor weight, Tensor rstd) override;
+  void rope_forward(Tensor out, Tensor in, Tensor pos, const RopeConfig& cfg) override;
+  void rope_backward(Tensor din, Tensor dout, Tensor pos, const RopeConfig& cfg) override;
+  void swiglu_forward(Tensor out, Tensor gate, Tensor up) override;
+  void swiglu_backward(Tensor dgate, Tensor dup, Tensor dout, Tensor gate, Tensor up) override;
+  void add(Tensor out, Tensor a, Tensor b) override;
+  void axpy(Tensor y, double alpha, Tensor x) override;
+  void scale(Tensor x, double alpha) override;
+  void fill(Tensor x, double value) override;
+  double sum_squares(Tensor x) override;
+  void convert(Tensor dst, Tensor src) override;
+  void attention_forward(Tensor o, Tensor lse, Tensor q, const KvBlocks& kv, Tensor q_pos, double scale) override;
+  void attention_backward(Tensor dq, const KvBlocks& dkv, Tensor dout, Tensor q, const KvBlocks& kv, Tensor o,
+                          Tensor lse, Tensor q_pos, double scale) override;
+  CeResult linear_cross_entropy_forward(Tensor lse, Tensor h, Tensor w, Tensor targets, int32_t ignore_index) override;
+  void linear_cross_entropy_backward(Tensor dh, Tensor dw, Tensor h, Tensor w, Tensor targets, Tensor lse,
+                                     int32_t ignore_index, double grad_scale) override;
+  void adamw_step(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamWConfig& cfg) override;
+
+  // Scratch from the workspace arena (Category::workspace).
+  Buffer scratch(size_t bytes, const char* what);
+  Arena& workspace() { return *ws_; }
+  Gemm& gemm() { return *gemm_; }
+
+ private:
+  std::unique_ptr<Ledger> own_ledger_;
+  std::unique_ptr<Arena> own_arena_;
+  Arena* ws_;
+  std::unique_ptr<Gemm> gemm_;
+};
+
+}  // namespace oomless

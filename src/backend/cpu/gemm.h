@@ -1,0 +1,41 @@
+// The one GEMM interface of the CPU backend. Every matrix product on the CPU goes through it, so a
+// faster kernel can replace oneDNN's without touching callers.
+//
+// Row-major: c (M, N) [+]= op(a) (M, K) . op(b) (K, N), fp32 accumulation. a is stored (M, K) with
+// leading dimension lda (or (K, M) when ta), b is (K, N) with ldb (or (N, K) when tb), c has ldc.
+// a and b are both f32 or both bf16; c is f32.
+#pragma once
+#include <cstdint>
+#include <memory>
+
+#include "core/dtype.h"
+
+namespace oomless {
+
+class Arena;
+
+struct GemmShape {
+  int64_t M = 0, N = 0, K = 0;
+  bool ta = false, tb = false;
+  int64_t lda = 0, ldb = 0, ldc = 0;  // 0: the packed default (K or M for a, N or K for b, N for c)
+  DType ab = DType::f32;
+  bool accumulate = false;
+};
+
+class Gemm {
+ public:
+  // Scratchpads come from `workspace` (Category::workspace).
+  explicit Gemm(Arena& workspace);
+  ~Gemm();
+  // Multi-threaded (the OpenMP pool) product; oneDNN primitives are cached by shape.
+  void run(const GemmShape& s, const void* a, const void* b, float* c);
+  // Single-threaded product for use inside an OpenMP parallel region (tiles of attention and
+  // cross-entropy): f32 only, no allocation, deterministic.
+  static void tile(const GemmShape& s, const float* a, const float* b, float* c);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace oomless

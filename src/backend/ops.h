@@ -1,0 +1,136 @@
+// Ops: every kernel the model needs, one pure-virtual entry each, so a backend that lacks a kernel
+// does not compile. Backends: ref (float64 loops, the oracle used by tests), cpu (OpenMP + oneDNN),
+// cuda (later). The float dtype of activations is the backend's: f64 for ref, f32 for cpu; matmul and
+// embedding inputs (weights) may also be bf16 on cpu. Integer inputs (ids, targets, positions) are i32.
+//
+// Gradient rule, said once: parameter gradients ACCUMULATE (+=) so micro-batches and chunks add up;
+// activation gradients OVERWRITE (=), except where a signature says "+=" (residual stream, KV blocks).
+//
+// Shapes use the project names: T tokens, E width, F MLP width, H heads, Hkv kv heads, D head dim,
+// V vocab, P tokens per KV block (page).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string_view>
+
+#include "core/tensor.h"
+
+namespace oomless {
+
+class Arena;
+
+// Rotary embedding angles, as transformers computes them but in double precision:
+// inv_freq[i] = theta^(-2i/D); with llama3 scaling the low frequencies are divided by `factor` and the
+// band between low_freq_factor and high_freq_factor is interpolated smoothly (rope_type "llama3").
+// Pairs are (x[i], x[i + D/2]) ("rotate_half" layout), angle = position * inv_freq[i].
+struct RopeConfig {
+  double theta = 10000.0;
+  bool llama3 = false;
+  double factor = 8.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  double original_max_position = 8192.0;
+};
+
+// One block of keys and values: k and v each (Hkv, P, D) of KvBlocks::dtype; slots [0, len) hold the
+// keys at absolute positions start .. start+len-1. A contiguous K/V is the one-block case (P = T).
+struct KvBlock {
+  void* k = nullptr;
+  void* v = nullptr;
+  int32_t start = 0;
+  int32_t len = 0;
+};
+struct KvBlocks {
+  const KvBlock* blocks = nullptr;
+  int64_t n_blocks = 0;
+  int64_t Hkv = 0, P = 0, D = 0;
+  DType dtype = DType::f32;
+};
+
+struct CeResult {
+  double loss_sum = 0.0;   // sum of -log softmax(logits)[target] over supervised rows
+  int64_t count = 0;       // supervised rows (target != ignore_index)
+};
+
+struct AdamWConfig {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;  // decoupled: param -= lr * wd * param
+  int64_t step = 1;           // 1-based, for bias correction
+};
+
+class Ops {
+ public:
+  virtual ~Ops() = default;
+  virtual const char* name() const = 0;
+  // The float dtype this backend computes activations in (f64 for ref, f32 for cpu).
+  virtual DType act_dtype() const = 0;
+
+  // c (M, N) = op(a) (M, K) . op(b) (K, N), or += when accumulate. a is stored (M, K), or (K, M) when
+  // ta; b is stored (K, N), or (N, K) when tb. a and b share a dtype (act dtype or bf16); c is act dtype.
+  virtual void matmul(Tensor c, Tensor a, Tensor b, bool ta, bool tb, bool accumulate) = 0;
+
+  // out (T, E) = table[ids]; table (V, E) act dtype or bf16; ids (T) i32 in [0, V).
+  virtual void embedding_forward(Tensor out, Tensor ids, Tensor table) = 0;
+  // dtable (V, E) += scatter of dout (T, E) by ids (T).
+  virtual void embedding_backward(Tensor dtable, Tensor dout, Tensor ids) = 0;
+
+  // out (R, E) = in * rstd * weight, rstd (R) = 1/sqrt(mean(in^2) + eps). R rows (tokens, or tokens x
+  // heads for per-head q/k norms). out may alias in.
+  virtual void rmsnorm_forward(Tensor out, Tensor rstd, Tensor in, Tensor weight, double eps) = 0;
+  // din (R, E) = ; dweight (E) +=.
+  virtual void rmsnorm_backward(Tensor din, Tensor dweight, Tensor dout, Tensor in, Tensor weight, Tensor rstd) = 0;
+
+  // out (T, H, D) = rotate(in) by the angles of pos (T); out may alias in. D even.
+  virtual void rope_forward(Tensor out, Tensor in, Tensor pos, const RopeConfig& cfg) = 0;
+  // din (T, H, D) = inverse rotation of dout; din may alias dout.
+  virtual void rope_backward(Tensor din, Tensor dout, Tensor pos, const RopeConfig& cfg) = 0;
+
+  // out (T, F) = silu(gate) * up.
+  virtual void swiglu_forward(Tensor out, Tensor gate, Tensor up) = 0;
+  // dgate, dup (T, F) = .
+  virtual void swiglu_backward(Tensor dgate, Tensor dup, Tensor dout, Tensor gate, Tensor up) = 0;
+
+  // out = a + b (any equal shapes); out may alias a or b (the residual stream).
+  virtual void add(Tensor out, Tensor a, Tensor b) = 0;
+  // y += alpha * x.
+  virtual void axpy(Tensor y, double alpha, Tensor x) = 0;
+  // x *= alpha.
+  virtual void scale(Tensor x, double alpha) = 0;
+  // x = value.
+  virtual void fill(Tensor x, double value) = 0;
+  // sum of x^2 in double, combined in a fixed order (deterministic for any thread count).
+  virtual double sum_squares(Tensor x) = 0;
+  // dst = src converted element-wise (float dtypes; rounding to nearest even).
+  virtual void convert(Tensor dst, Tensor src) = 0;
+
+  // Causal attention over a block table. q (T, H, D) at absolute positions q_pos (T); a query at
+  // position p sees the keys with position <= p. H is a multiple of Hkv (GQA: query head h reads kv
+  // head h / (H / Hkv)). o (T, H, D); lse (H, T) = log-sum-exp of the scaled scores (natural log), -inf
+  // and o = 0 for a query that sees no key. scores = scale * q.k. Never forms a T x T buffer.
+  virtual void attention_forward(Tensor o, Tensor lse, Tensor q, const KvBlocks& kv, Tensor q_pos, double scale) = 0;
+  // dq (T, H, D) = ; dkv: blocks of act dtype with the same table as kv, dk and dv ACCUMULATE (+=).
+  virtual void attention_backward(Tensor dq, const KvBlocks& dkv, Tensor dout, Tensor q, const KvBlocks& kv,
+                                  Tensor o, Tensor lse, Tensor q_pos, double scale) = 0;
+
+  // Fused LM head + cross-entropy over vocabulary chunks, never a (T, V) buffer.
+  // logits = h (T, E) . w (V, E)^T; lse (T) = logsumexp(logits) (0 for ignored rows);
+  // targets (T) i32, rows with target == ignore_index are not supervised. The caller divides.
+  virtual CeResult linear_cross_entropy_forward(Tensor lse, Tensor h, Tensor w, Tensor targets,
+                                                int32_t ignore_index) = 0;
+  // With dlogits = grad_scale * (softmax - onehot(target)) on supervised rows and 0 elsewhere:
+  // dh (T, E) = dlogits . w; dw (V, E) += dlogits^T . h (act dtype).
+  virtual void linear_cross_entropy_backward(Tensor dh, Tensor dw, Tensor h, Tensor w, Tensor targets, Tensor lse,
+                                             int32_t ignore_index, double grad_scale) = 0;
+
+  // AdamW with bias correction and decoupled weight decay, in place on param, m, v (same shape).
+  virtual void adamw_step(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamWConfig& cfg) = 0;
+};
+
+// "ref" or "cpu" (and "cuda" when built). workspace: the arena that scratch memory is charged to;
+// null gives the backend a private unlimited one (tests). Throws for an unknown or unbuilt name.
+std::unique_ptr<Ops> make_ops(std::string_view name, Arena* workspace = nullptr);
+
+}  // namespace oomless

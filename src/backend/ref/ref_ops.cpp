@@ -1,0 +1,200 @@
+// Float64 reference kernels: obvious loops, no tiling, no threads. Attention and cross-entropy live in
+// their own files of this folder.
+#include "backend/ref/ref_ops.h"
+
+#include <cmath>
+#include <numbers>
+#include <vector>
+
+#include "backend/checks.h"
+
+namespace oomless {
+
+namespace {
+constexpr DType kAct = DType::f64;
+
+double* f64(const Tensor& t) { return static_cast<double*>(t.data); }
+const int32_t* i32(const Tensor& t) { return static_cast<const int32_t*>(t.data); }
+
+// Element i of an f64 or bf16 tensor as double.
+double load(const Tensor& t, int64_t i) {
+  if (t.dtype == DType::bf16) return bf16_to_f32(static_cast<const uint16_t*>(t.data)[i]);
+  return static_cast<const double*>(t.data)[i];
+}
+}  // namespace
+
+void RefOps::matmul(Tensor c, Tensor a, Tensor b, bool ta, bool tb, bool accumulate) {
+  auto [M, N, K] = check_matmul(c, a, b, ta, tb, kAct);
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      double s = 0;
+      for (int64_t k = 0; k < K; ++k)
+        s += load(a, ta ? k * M + i : i * K + k) * load(b, tb ? j * K + k : k * N + j);
+      f64(c)[i * N + j] = accumulate ? f64(c)[i * N + j] + s : s;
+    }
+}
+
+void RefOps::matmul_magnitude(Tensor bound, Tensor a, Tensor b, bool ta, bool tb) {
+  auto [M, N, K] = check_matmul(bound, a, b, ta, tb, kAct);
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      double s = 0;
+      for (int64_t k = 0; k < K; ++k)
+        s += std::fabs(load(a, ta ? k * M + i : i * K + k)) * std::fabs(load(b, tb ? j * K + k : k * N + j));
+      f64(bound)[i * N + j] = s;
+    }
+}
+
+void RefOps::embedding_forward(Tensor out, Tensor ids, Tensor table) {
+  auto [T, E] = check_embedding("[embedding]", out, ids, table, kAct, true);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t e = 0; e < E; ++e) f64(out)[t * E + e] = load(table, i32(ids)[t] * E + e);
+}
+
+void RefOps::embedding_backward(Tensor dtable, Tensor dout, Tensor ids) {
+  auto [T, E] = check_embedding("[embedding_backward]", dout, ids, dtable, kAct, false);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t e = 0; e < E; ++e) f64(dtable)[i32(ids)[t] * E + e] += f64(dout)[t * E + e];
+}
+
+void RefOps::rmsnorm_forward(Tensor out, Tensor rstd, Tensor in, Tensor weight, double eps) {
+  auto [R, E] = check_rmsnorm("[rmsnorm]", out, rstd, in, weight, kAct);
+  for (int64_t r = 0; r < R; ++r) {
+    double ss = 0;
+    for (int64_t e = 0; e < E; ++e) ss += f64(in)[r * E + e] * f64(in)[r * E + e];
+    double rs = 1.0 / std::sqrt(ss / static_cast<double>(E) + eps);
+    f64(rstd)[r] = rs;
+    for (int64_t e = 0; e < E; ++e) f64(out)[r * E + e] = f64(in)[r * E + e] * rs * f64(weight)[e];
+  }
+}
+
+// y = x * r * w with r = (mean(x^2) + eps)^-1/2:
+// dx = r * (w*dy) - x * r^3 / E * sum(w*dy*x);  dw += dy * x * r.
+void RefOps::rmsnorm_backward(Tensor din, Tensor dweight, Tensor dout, Tensor in, Tensor weight, Tensor rstd) {
+  auto [R, E] = check_rmsnorm("[rmsnorm_backward]", dout, rstd, in, weight, kAct);
+  check_elementwise("[rmsnorm_backward]", {&din, &in}, kAct);
+  check_same_shape("[rmsnorm_backward]", "dweight", dweight, "weight", weight);
+  for (int64_t r = 0; r < R; ++r) {
+    const double* x = f64(in) + r * E;
+    const double* dy = f64(dout) + r * E;
+    double rs = f64(rstd)[r], dot = 0;
+    for (int64_t e = 0; e < E; ++e) dot += dy[e] * f64(weight)[e] * x[e];
+    for (int64_t e = 0; e < E; ++e) {
+      double dx = rs * dy[e] * f64(weight)[e] - x[e] * rs * rs * rs * dot / static_cast<double>(E);
+      f64(dweight)[e] += dy[e] * x[e] * rs;
+      f64(din)[r * E + e] = dx;
+    }
+  }
+}
+
+void rope_inv_freq(double* inv_freq, int64_t D, const RopeConfig& cfg) {
+  for (int64_t i = 0; i < D / 2; ++i) {
+    double f = 1.0 / std::pow(cfg.theta, static_cast<double>(2 * i) / static_cast<double>(D));
+    if (cfg.llama3) {
+      // transformers' _compute_llama3_parameters, in double.
+      double low_wavelen = cfg.original_max_position / cfg.low_freq_factor;
+      double high_wavelen = cfg.original_max_position / cfg.high_freq_factor;
+      double wavelen = 2.0 * std::numbers::pi / f;
+      double scaled = wavelen > low_wavelen ? f / cfg.factor : f;
+      bool medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
+      if (medium) {
+        double smooth = (cfg.original_max_position / wavelen - cfg.low_freq_factor) /
+                        (cfg.high_freq_factor - cfg.low_freq_factor);
+        scaled = (1.0 - smooth) * scaled / cfg.factor + smooth * scaled;
+      }
+      f = scaled;
+    }
+    inv_freq[i] = f;
+  }
+}
+
+namespace {
+// Rotates pairs (x[i], x[i + D/2]) by +angle (forward) or -angle (backward).
+void ref_rope(const char* op, Tensor out, Tensor in, Tensor pos, const RopeConfig& cfg, double sign) {
+  auto [T, H, D] = check_rope(op, out, in, pos, kAct);
+  std::vector<double> inv(D / 2);
+  rope_inv_freq(inv.data(), D, cfg);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < D / 2; ++i) {
+        double ang = static_cast<double>(i32(pos)[t]) * inv[i];
+        double c = std::cos(ang), s = sign * std::sin(ang);
+        int64_t base = (t * H + h) * D;
+        double x1 = f64(in)[base + i], x2 = f64(in)[base + i + D / 2];
+        f64(out)[base + i] = x1 * c - x2 * s;
+        f64(out)[base + i + D / 2] = x2 * c + x1 * s;
+      }
+}
+double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+}  // namespace
+
+void RefOps::rope_forward(Tensor out, Tensor in, Tensor pos, const RopeConfig& cfg) {
+  ref_rope("[rope]", out, in, pos, cfg, 1.0);
+}
+void RefOps::rope_backward(Tensor din, Tensor dout, Tensor pos, const RopeConfig& cfg) {
+  ref_rope("[rope_backward]", din, dout, pos, cfg, -1.0);
+}
+
+void RefOps::swiglu_forward(Tensor out, Tensor gate, Tensor up) {
+  check_elementwise("[swiglu]", {&out, &gate, &up}, kAct);
+  for (int64_t i = 0; i < out.numel(); ++i) {
+    double g = f64(gate)[i];
+    f64(out)[i] = g * sigmoid(g) * f64(up)[i];
+  }
+}
+
+void RefOps::swiglu_backward(Tensor dgate, Tensor dup, Tensor dout, Tensor gate, Tensor up) {
+  check_elementwise("[swiglu_backward]", {&dgate, &dup, &dout, &gate, &up}, kAct);
+  for (int64_t i = 0; i < dout.numel(); ++i) {
+    double g = f64(gate)[i], s = sigmoid(g), dy = f64(dout)[i];
+    f64(dup)[i] = dy * g * s;
+    f64(dgate)[i] = dy * f64(up)[i] * s * (1.0 + g * (1.0 - s));
+  }
+}
+
+void RefOps::add(Tensor out, Tensor a, Tensor b) {
+  check_elementwise("[add]", {&out, &a, &b}, kAct);
+  for (int64_t i = 0; i < out.numel(); ++i) f64(out)[i] = f64(a)[i] + f64(b)[i];
+}
+
+void RefOps::axpy(Tensor y, double alpha, Tensor x) {
+  check_elementwise("[axpy]", {&y, &x}, kAct);
+  for (int64_t i = 0; i < y.numel(); ++i) f64(y)[i] += alpha * f64(x)[i];
+}
+
+void RefOps::scale(Tensor x, double alpha) {
+  check_elementwise("[scale]", {&x}, kAct);
+  for (int64_t i = 0; i < x.numel(); ++i) f64(x)[i] *= alpha;
+}
+
+void RefOps::fill(Tensor x, double value) {
+  check_elementwise("[fill]", {&x}, kAct);
+  for (int64_t i = 0; i < x.numel(); ++i) f64(x)[i] = value;
+}
+
+double RefOps::sum_squares(Tensor x) {
+  check_elementwise("[sum_squares]", {&x}, kAct);
+  double s = 0;
+  for (int64_t i = 0; i < x.numel(); ++i) s += f64(x)[i] * f64(x)[i];
+  return s;
+}
+
+void RefOps::convert(Tensor dst, Tensor src) {
+  OOM_CHECK(dst.numel() == src.numel(), "[convert] dst ", dst.str(), " and src ", src.str(), " differ in size");
+  oomless::convert(dst.data, dst.dtype, src.data, src.dtype, src.numel());
+}
+
+void RefOps::adamw_step(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamWConfig& cfg) {
+  check_adamw(param, grad, m, v, cfg, kAct);
+  double bc1 = 1.0 - std::pow(cfg.beta1, static_cast<double>(cfg.step));
+  double bc2 = 1.0 - std::pow(cfg.beta2, static_cast<double>(cfg.step));
+  for (int64_t i = 0; i < param.numel(); ++i) {
+    double g = f64(grad)[i];
+    f64(m)[i] = cfg.beta1 * f64(m)[i] + (1.0 - cfg.beta1) * g;
+    f64(v)[i] = cfg.beta2 * f64(v)[i] + (1.0 - cfg.beta2) * g * g;
+    double mh = f64(m)[i] / bc1, vh = f64(v)[i] / bc2;
+    f64(param)[i] -= cfg.lr * (mh / (std::sqrt(vh) + cfg.eps) + cfg.weight_decay * f64(param)[i]);
+  }
+}
+
+}  // namespace oomless

@@ -1,0 +1,11 @@
+// One function per subcommand: takes the arguments after the command name, returns the exit code.
+// Errors are thrown as oomless::Error and printed by main.
+#pragma once
+#include <string>
+#include <vector>
+
+namespace oomless::cli {
+
+int probe(const std::vector<std::string>& args);
+
+}  // namespace oomless::cli

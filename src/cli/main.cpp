@@ -1,0 +1,42 @@
+// The oomless command line.
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cli/commands.h"
+#include "core/error.h"
+
+namespace {
+
+const char* kUsage =
+    "oomless - train and fine-tune Llama-family models inside a hard memory budget\n"
+    "\n"
+    "usage: oomless <command> [options]\n"
+    "\n"
+    "commands:\n"
+    "  probe      measure this machine: CPU, ISA, GEMM and attention GFLOP/s, memory bandwidth\n"
+    "\n"
+    "Run `oomless <command> --help` for a command's options.\n";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h") || !std::strcmp(argv[1], "help")) {
+    std::fputs(kUsage, argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  std::string cmd = argv[1];
+  std::vector<std::string> args(argv + 2, argv + argc);
+  try {
+    if (cmd == "probe") return oomless::cli::probe(args);
+    std::fprintf(stderr, "oomless: unknown command '%s'\n\n%s", cmd.c_str(), kUsage);
+    return 2;
+  } catch (const oomless::Error& e) {
+    std::fprintf(stderr, "oomless %s: %s\n", cmd.c_str(), e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "oomless %s: internal error: %s\n", cmd.c_str(), e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,63 @@
+// Tensor: a non-owning, contiguous, row-major view of up to 4 dimensions.
+// Owners are arena Buffers (memory/arena.h); a Tensor never frees. Shapes are documented at each use
+// with the project-wide dimension names: T tokens, E width, F MLP width, H heads, Hkv kv heads,
+// D head dim, V vocab, P page tokens, C chunk, L layers, B batch.
+#pragma once
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/tier.h"
+
+namespace oomless {
+
+template <class T> constexpr DType dtype_of();
+template <> constexpr DType dtype_of<float>() { return DType::f32; }
+template <> constexpr DType dtype_of<double>() { return DType::f64; }
+template <> constexpr DType dtype_of<int32_t>() { return DType::i32; }
+template <> constexpr DType dtype_of<int8_t>() { return DType::i8; }
+
+struct Tensor {
+  void* data = nullptr;
+  DType dtype = DType::f32;
+  int ndim = 0;
+  int64_t dims[4] = {0, 0, 0, 0};
+  Tier tier = Tier::Host;
+
+  Tensor() = default;
+  Tensor(void* d, DType t, std::initializer_list<int64_t> shape, Tier where = Tier::Host);
+  template <class T>
+  static Tensor of(T* d, std::initializer_list<int64_t> shape, Tier where = Tier::Host) {
+    return Tensor(const_cast<std::remove_const_t<T>*>(d), dtype_of<std::remove_const_t<T>>(), shape, where);
+  }
+
+  int64_t numel() const;
+  int64_t nbytes() const { return dtype_bytes(dtype, numel()); }
+  // dim(-1) is the last dimension.
+  int64_t dim(int i) const { return dims[i < 0 ? ndim + i : i]; }
+  // Rows when viewed as a matrix (all leading dims folded) and the last dimension.
+  int64_t rows() const { return ndim == 0 ? 1 : numel() / dims[ndim - 1]; }
+  int64_t cols() const { return ndim == 0 ? 1 : dims[ndim - 1]; }
+  // The same data under another shape with the same element count.
+  Tensor reshape(std::initializer_list<int64_t> shape) const;
+  // Typed pointer; throws when T does not match dtype (bf16/f16 are read as uint16_t).
+  template <class T> T* as(const char* op) const {
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      OOM_CHECK(dtype == DType::bf16 || dtype == DType::f16, op, " expected a 16-bit float tensor, got ", str());
+    } else {
+      OOM_CHECK(dtype == dtype_of<T>(), op, " expected ", dtype_name(dtype_of<T>()), ", got ", str());
+    }
+    return static_cast<T*>(data);
+  }
+  std::string str() const;  // e.g. "f32[7, 33]"
+  bool same_shape(const Tensor& o) const;
+};
+
+// Argument checks shared by every backend. Each throws oomless::Error "[op] ...".
+void check_shape(const char* op, const char* name, const Tensor& t, std::initializer_list<int64_t> shape);
+void check_dtype(const char* op, const char* name, const Tensor& t, std::initializer_list<DType> allowed);
+void check_same_shape(const char* op, const char* a_name, const Tensor& a, const char* b_name, const Tensor& b);
+
+}  // namespace oomless

@@ -1,0 +1,246 @@
+// The conformance matrix: every non-attention, non-cross-entropy op of every built backend against the
+// float64 reference, on random inputs, odd and round shapes, each input dtype the op takes. Outputs are
+// checked for NaN/Inf, guard bytes and error (relative L2, or the elementwise matmul bound).
+#include <cmath>
+#include <functional>
+#include <map>
+
+#include "backend/ref/ref_ops.h"
+#include "util/harness.h"
+
+namespace oomless::test {
+namespace {
+
+struct Case {
+  std::string op;
+  std::vector<int64_t> dims;  // op-specific sizes
+  DType in;                   // dtype of the weights/inputs given to the backend (f32 or bf16)
+  std::string backend;
+};
+
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.op << " " << dtype_name(c.in) << " on " << c.backend << " dims";
+  for (int64_t d : c.dims) *os << " " << d;
+}
+
+std::string case_name(const testing::TestParamInfo<Case>& info) {
+  std::string s = info.param.op + "_" + dtype_name(info.param.in) + "_" + info.param.backend;
+  for (int64_t d : info.param.dims) s += "_" + std::to_string(d);
+  return s;
+}
+
+// Runs the same op on `ops` (f32 activations) and on ref (f64), comparing every output.
+class OpsConformance : public testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    ops = make_ops(GetParam().backend);
+    rng.seed(1234 + GetParam().dims.size() * 7 + GetParam().dims[0]);
+  }
+  // Random activations: same values in f32 (backend) and f64 (ref).
+  std::pair<HostTensor, HostTensor> act(std::vector<int64_t> shape, double sd = 1.0) {
+    HostTensor a(DType::f32, shape);
+    a.randn(rng, sd);
+    return {a, a.as(DType::f64)};
+  }
+  std::unique_ptr<Ops> ops;
+  RefOps ref;
+  std::mt19937_64 rng;
+  const double tol = tol_for(DType::f32);
+};
+
+TEST_P(OpsConformance, MatchesReference) {
+  const Case& c = GetParam();
+  const auto& d = c.dims;
+  if (c.op.rfind("matmul", 0) == 0) {
+    bool ta = c.op == "matmul_tn", tb = c.op == "matmul_nt";
+    bool acc = d.size() > 3 && d[3];
+    int64_t M = d[0], N = d[1], K = d[2];
+    HostTensor a(c.in, ta ? std::vector<int64_t>{K, M} : std::vector<int64_t>{M, K});
+    HostTensor b(c.in, tb ? std::vector<int64_t>{N, K} : std::vector<int64_t>{K, N});
+    a.randn(rng);
+    b.randn(rng);
+    auto [cc, cr] = act({M, N});
+    ops->matmul(cc, a, b, ta, tb, acc);
+    HostTensor a64 = a.as(DType::f64), b64 = b.as(DType::f64), bound(DType::f64, {M, N});
+    ref.matmul(cr, a64, b64, ta, tb, acc);
+    ref.matmul_magnitude(bound, a64, b64, ta, tb);
+    if (acc) {  // the old value of c is part of the bound
+      HostTensor old = cr.clone();
+      for (int64_t i = 0; i < bound.numel(); ++i) bound.set(i, bound.get(i) + std::fabs(old.get(i)));
+    }
+    expect_within_bound(cc, cr, bound, eps_of(DType::f32), K, 2.0, c.op);
+  } else if (c.op == "embedding") {
+    int64_t T = d[0], V = d[1], E = d[2];
+    HostTensor table(c.in, {V, E}), ids(DType::i32, {T});
+    table.randn(rng);
+    ids.randint(rng, 0, static_cast<int32_t>(V));
+    auto [oc, orf] = act({T, E});
+    ops->embedding_forward(oc, ids, table);
+    ref.embedding_forward(orf, ids, table.as(DType::f64));
+    expect_close(oc, orf, 0.0, "embedding out");
+    auto [dtc, dtr] = act({V, E});
+    auto [gc, gr] = act({T, E});
+    ops->embedding_backward(dtc, gc, ids);
+    ref.embedding_backward(dtr, gr, ids);
+    expect_close(dtc, dtr, tol, "embedding dtable");
+  } else if (c.op == "rmsnorm") {
+    int64_t R = d[0], E = d[1];
+    auto [xc, xr] = act({R, E});
+    auto [wc, wr] = act({E});
+    auto [yc, yr] = act({R, E});
+    auto [sc, sr] = act({R});
+    ops->rmsnorm_forward(yc, sc, xc, wc, 1e-5);
+    ref.rmsnorm_forward(yr, sr, xr, wr, 1e-5);
+    expect_close(yc, yr, tol, "rmsnorm out");
+    expect_close(sc, sr, tol, "rmsnorm rstd");
+    auto [gc, gr] = act({R, E});
+    auto [dxc, dxr] = act({R, E});
+    auto [dwc, dwr] = act({E});
+    ops->rmsnorm_backward(dxc, dwc, gc, xc, wc, sc);
+    ref.rmsnorm_backward(dxr, dwr, gr, xr, wr, sr);
+    expect_close(dxc, dxr, tol, "rmsnorm din");
+    expect_close(dwc, dwr, tol, "rmsnorm dweight (+=)");
+  } else if (c.op == "rope" || c.op == "rope_llama3") {
+    int64_t T = d[0], H = d[1], D = d[2];
+    RopeConfig cfg;
+    cfg.theta = c.op == "rope" ? 10000.0 : 500000.0;
+    cfg.llama3 = c.op == "rope_llama3";
+    HostTensor pos(DType::i32, {T});
+    pos.randint(rng, 0, 200000);  // absolute positions, large ones included
+    auto [xc, xr] = act({T, H, D});
+    auto [yc, yr] = act({T, H, D});
+    ops->rope_forward(yc, xc, pos, cfg);
+    ref.rope_forward(yr, xr, pos, cfg);
+    expect_close(yc, yr, tol, "rope out");
+    ops->rope_backward(xc, xc, pos, cfg);  // in place, as the model uses it
+    ref.rope_backward(xr, xr, pos, cfg);
+    expect_close(xc, xr, tol, "rope din (in place)");
+  } else if (c.op == "swiglu") {
+    int64_t T = d[0], F = d[1];
+    auto [gc, gr] = act({T, F}, 3.0);
+    auto [uc, ur] = act({T, F});
+    auto [yc, yr] = act({T, F});
+    ops->swiglu_forward(yc, gc, uc);
+    ref.swiglu_forward(yr, gr, ur);
+    expect_close(yc, yr, tol, "swiglu out");
+    auto [dc, dr] = act({T, F});
+    auto [dgc, dgr] = act({T, F});
+    auto [duc, dur] = act({T, F});
+    ops->swiglu_backward(dgc, duc, dc, gc, uc);
+    ref.swiglu_backward(dgr, dur, dr, gr, ur);
+    expect_close(dgc, dgr, tol, "swiglu dgate");
+    expect_close(duc, dur, tol, "swiglu dup");
+  } else if (c.op == "elementwise") {
+    int64_t n = d[0];
+    auto [ac, ar] = act({n});
+    auto [bc, br] = act({n});
+    auto [oc, orf] = act({n});
+    ops->add(oc, ac, bc);
+    ref.add(orf, ar, br);
+    expect_close(oc, orf, tol, "add");
+    ops->add(ac, ac, bc);  // aliasing: the residual stream
+    ref.add(ar, ar, br);
+    expect_close(ac, ar, tol, "add in place");
+    ops->axpy(ac, -0.37, bc);
+    ref.axpy(ar, -0.37, br);
+    expect_close(ac, ar, tol, "axpy");
+    ops->scale(ac, 1.7);
+    ref.scale(ar, 1.7);
+    expect_close(ac, ar, tol, "scale");
+    double sc = ops->sum_squares(ac), sr = ref.sum_squares(ar);
+    EXPECT_LE(std::fabs(sc - sr), 1e-6 * sr + 1e-30) << "sum_squares";
+    ops->fill(ac, 0.25);
+    ref.fill(ar, 0.25);
+    expect_close(ac, ar, 0.0, "fill");
+    HostTensor h16(DType::bf16, {n});
+    ops->convert(h16, bc);
+    for (int64_t i = 0; i < n; ++i)
+      ASSERT_EQ(h16.ptr<uint16_t>()[i], f32_to_bf16(bc.ptr<float>()[i])) << "convert f32->bf16 at " << i;
+    EXPECT_TRUE(h16.guards_intact());
+  } else if (c.op == "adamw") {
+    int64_t n = d[0];
+    auto [pc, pr] = act({n});
+    auto [gc, gr] = act({n});
+    auto [mc, mr] = act({n}, 0.1);
+    HostTensor vc(DType::f32, {n});
+    vc.uniform(rng, 0.0, 0.05);
+    HostTensor vr = vc.as(DType::f64);
+    AdamWConfig cfg;
+    cfg.lr = 1e-2;
+    cfg.weight_decay = 0.1;
+    for (int64_t step = 1; step <= 3; ++step) {
+      cfg.step = step;
+      ops->adamw_step(pc, gc, mc, vc, cfg);
+      ref.adamw_step(pr, gr, mr, vr, cfg);
+    }
+    expect_close(pc, pr, tol, "adamw param");
+    expect_close(mc, mr, tol, "adamw m");
+    expect_close(vc, vr, tol, "adamw v");
+  } else {
+    FAIL() << "no such op row " << c.op;
+  }
+}
+
+std::vector<Case> all_cases() {
+  std::vector<Case> cs;
+  for (const std::string& be : backends_under_test()) {
+    for (DType t : {DType::f32, DType::bf16}) {
+      for (const char* op : {"matmul_nn", "matmul_nt", "matmul_tn"})
+        for (std::vector<int64_t> d : {std::vector<int64_t>{1, 1, 1, 0}, {7, 33, 257, 0}, {257, 7, 33, 1},
+                                       {33, 257, 7, 1}, {128, 64, 256, 0}, {64, 128, 96, 1}})
+          cs.push_back({op, d, t, be});
+      for (std::vector<int64_t> d : {std::vector<int64_t>{1, 7, 1}, {33, 257, 7}, {257, 33, 64}})
+        cs.push_back({"embedding", d, t, be});
+    }
+    // E = 1 is left out: there din = r w dy eps / (x^2 + eps) is a cancellation no float kernel can
+    // reproduce to a relative tolerance; one-token rows (R = 1) are in.
+    for (std::vector<int64_t> d : {std::vector<int64_t>{1, 7}, {7, 33}, {257, 64}, {33, 257}, {128, 128}})
+      cs.push_back({"rmsnorm", d, DType::f32, be});
+    for (const char* op : {"rope", "rope_llama3"})
+      for (std::vector<int64_t> d : {std::vector<int64_t>{1, 1, 2}, {7, 3, 16}, {33, 4, 64}, {257, 2, 128}})
+        cs.push_back({op, d, DType::f32, be});
+    for (std::vector<int64_t> d : {std::vector<int64_t>{1, 1}, {7, 33}, {257, 64}, {33, 257}})
+      cs.push_back({"swiglu", d, DType::f32, be});
+    for (int64_t n : {1, 7, 33, 257, 100000}) {
+      cs.push_back({"elementwise", {n}, DType::f32, be});
+      cs.push_back({"adamw", {n}, DType::f32, be});
+    }
+  }
+  return cs;
+}
+
+INSTANTIATE_TEST_SUITE_P(Matrix, OpsConformance, testing::ValuesIn(all_cases()), case_name);
+
+// Bad input: every op names itself and the problem.
+TEST(OpsErrors, ShapeAndDtypeMismatchesNameTheOp) {
+  for (const std::string& be : std::vector<std::string>{"ref", "cpu"}) {
+    auto ops = make_ops(be);
+    DType act = ops->act_dtype();
+    HostTensor a(act, {4, 5}), b(act, {6, 7}), c(act, {4, 7}), ids(DType::i32, {4}), bad_ids(DType::i32, {4});
+    bad_ids.fill(99);
+    auto expect_err = [&](auto&& fn, const std::string& prefix) {
+      try {
+        fn();
+        ADD_FAILURE() << be << ": no error for " << prefix;
+      } catch (const Error& e) {
+        EXPECT_EQ(std::string(e.what()).rfind(prefix, 0), 0u) << be << ": " << e.what();
+      }
+    };
+    expect_err([&] { ops->matmul(c, a, b, false, false, false); }, "[matmul]");
+    expect_err([&] { ops->embedding_forward(a, bad_ids, b); }, "[embedding]");
+    expect_err([&] { ops->add(a, a, c); }, "[add]");
+    HostTensor i32x(DType::i32, {4, 5});
+    expect_err([&] { ops->scale(i32x, 2.0); }, "[scale]");
+    HostTensor odd(act, {2, 2, 3}), pos(DType::i32, {2});
+    expect_err([&] { ops->rope_forward(odd, odd, pos, RopeConfig{}); }, "[rope]");
+    HostTensor w(act, {6}), rstd(act, {4});
+    expect_err([&] { ops->rmsnorm_forward(a, rstd, a, w, 1e-5); }, "[rmsnorm]");
+    AdamWConfig cfg;
+    cfg.step = 0;
+    expect_err([&] { ops->adamw_step(a, a, a, a, cfg); }, "[adamw]");
+  }
+  EXPECT_THROW(make_ops("tpu"), Error);
+}
+
+}  // namespace
+}  // namespace oomless::test

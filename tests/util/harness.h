@@ -1,0 +1,73 @@
+// Test harness shared by every test file: host tensors with guard bytes, random fills, comparison
+// against the float64 reference with the per-dtype tolerance table, and the list of built backends.
+#pragma once
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/ops.h"
+#include "core/tensor.h"
+
+namespace oomless::test {
+
+// Host memory of one dtype surrounded by 64 guard bytes on each side that must survive every op.
+class HostTensor {
+ public:
+  HostTensor() = default;
+  HostTensor(DType t, std::initializer_list<int64_t> shape);
+  HostTensor(DType t, const std::vector<int64_t>& shape);
+  // Copies are deep (the view is re-pointed at the copy's storage); moves keep the storage.
+  HostTensor(const HostTensor& o);
+  HostTensor& operator=(const HostTensor& o);
+  HostTensor(HostTensor&&) noexcept = default;
+  HostTensor& operator=(HostTensor&&) noexcept = default;
+  Tensor t() const { return view_; }
+  operator Tensor() const { return view_; }
+  DType dtype() const { return view_.dtype; }
+  int64_t numel() const { return view_.numel(); }
+  template <class T> T* ptr() const { return static_cast<T*>(view_.data); }
+  bool guards_intact() const;
+
+  // Random fills, rounded to the tensor's dtype (so both backends see identical values).
+  void randn(std::mt19937_64& rng, double stddev = 1.0);
+  void uniform(std::mt19937_64& rng, double lo, double hi);
+  void randint(std::mt19937_64& rng, int32_t lo, int32_t hi_exclusive);  // i32 only
+  void fill(double v);
+  void set(int64_t i, double v);   // element i, rounded to dtype
+  double get(int64_t i) const;     // element i as double
+  std::vector<double> to_f64() const;
+  // A copy converted to another float dtype (exact when widening).
+  HostTensor as(DType t) const;
+  HostTensor clone() const { return as(dtype()); }
+
+ private:
+  std::vector<uint8_t> storage_;
+  std::vector<int64_t> shape_;
+  Tensor view_;
+};
+
+// Relative L2 error ||got - ref|| / ||ref|| (absolute when ||ref|| == 0), in double.
+double rel_l2(const HostTensor& got, const HostTensor& ref);
+// True when every element is finite.
+bool all_finite(const HostTensor& t);
+
+// Per-dtype relative tolerance for ops whose output is a few roundings of its inputs' dtype.
+double tol_for(DType compute);
+// Unit roundoff of a dtype (2^-24 for f32, 2^-8 for bf16, 2^-53 for f64).
+double eps_of(DType t);
+
+// EXPECT: finite, guards intact, rel_l2 <= tol. `what` names the op and tensor in the failure.
+void expect_close(const HostTensor& got, const HostTensor& ref, double tol, const std::string& what);
+// EXPECT elementwise |got - ref| <= c * eps * sqrt(K) * bound (+ tiny absolute floor) for
+// matmul-like outputs, where bound = sum |a||b| from RefOps::matmul_magnitude.
+void expect_within_bound(const HostTensor& got, const HostTensor& ref, const HostTensor& bound, double eps, int64_t K,
+                         double c, const std::string& what);
+
+// Backends to test against ref: "cpu", plus "cuda" when built and a device is present.
+std::vector<std::string> backends_under_test();
+
+}  // namespace oomless::test
