@@ -1,0 +1,207 @@
+// Kernel benchmarks: GEMM at model shapes through oomless (CpuOps::matmul) beside oneDNN called
+// directly (one multi-threaded primitive created once), and causal attention forward+backward.
+// Runs alternate (ours, direct, ours, ...) and each figure is the median of `--reps` runs.
+//
+// usage: bench_kernels [--reps N] [--quick] [--threads N]
+#include <dnnl.hpp>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/cpu_ops.h"
+#include "core/cpu_info.h"
+#include "memory/arena.h"
+
+using namespace oomless;
+
+namespace {
+
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+struct GemmCase {
+  const char* what;
+  int64_t M, N, K;
+  bool ta, tb;
+};
+
+// oneDNN called directly: one primitive for the whole product, oneDNN's own threading and scratchpad.
+struct Direct {
+  dnnl::engine eng{dnnl::engine::kind::cpu, 0};
+  dnnl::stream strm{eng};
+  dnnl::matmul prim;
+  dnnl::memory am, bm, cm;
+  bool ok = false;
+  Direct(const GemmCase& g, DType t, void* a, void* b, float* c) {
+    using dt = dnnl::memory::data_type;
+    dt ab = t == DType::bf16 ? dt::bf16 : dt::f32;
+    dnnl::memory::desc ad({g.M, g.K}, ab, g.ta ? dnnl::memory::dims{1, g.M} : dnnl::memory::dims{g.K, 1});
+    dnnl::memory::desc bd({g.K, g.N}, ab, g.tb ? dnnl::memory::dims{1, g.K} : dnnl::memory::dims{g.N, 1});
+    dnnl::memory::desc cd({g.M, g.N}, dt::f32, dnnl::memory::dims{g.N, 1});
+    try {
+      dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(ad, bd, cd), eng);
+      prim = dnnl::matmul(pd);
+      am = dnnl::memory(ad, eng, a);
+      bm = dnnl::memory(bd, eng, b);
+      cm = dnnl::memory(cd, eng, c);
+      ok = true;
+    } catch (const dnnl::error&) {
+      ok = false;  // no implementation for this dtype on this CPU
+    }
+  }
+  void run() {
+    prim.execute(strm, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
+    strm.wait();
+  }
+};
+
+void fill(void* p, DType t, int64_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0.f, 1.f);
+  std::vector<float> tmp(static_cast<size_t>(n));
+  for (auto& v : tmp) v = d(rng);
+  convert(p, t, tmp.data(), DType::f32, n);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int reps = 5;
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
+    else if (!std::strcmp(argv[i], "--quick")) quick = true;
+    else if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) set_threads(std::atoi(argv[++i]));
+    else {
+      std::fprintf(stderr, "usage: bench_kernels [--reps N] [--quick] [--threads N]\n");
+      return 2;
+    }
+  }
+  CpuInfo cpu = detect_cpu();
+  std::printf("# oomless kernel bench\n\ncpu: %s, %d threads, isa: %s\n\n", cpu.model.c_str(), get_threads(),
+              cpu.isa_summary().c_str());
+  CpuMemory mem(size_t(20) << 30);
+  CpuOps ops(&mem.device);
+
+  // SmolLM2-135M's widths (E 576, F 1536, V 49152) and a Llama-style one (E 2048, F 5632).
+  std::vector<int64_t> Ts = quick ? std::vector<int64_t>{1024} : std::vector<int64_t>{1024, 4096};
+  std::vector<GemmCase> cases;
+  for (int64_t T : Ts) {
+    cases.push_back({"T x E . E   (q/o proj)", T, 576, 576, false, false});
+    cases.push_back({"T x E . F   (up/gate)", T, 1536, 576, false, false});
+    cases.push_back({"T x F . E   (down)", T, 576, 1536, false, false});
+    cases.push_back({"T x E . V^T (lm head)", T, quick ? 8192 : 49152, 576, false, true});
+    cases.push_back({"E x T . F   (weight grad)", 576, 1536, T, true, false});
+    cases.push_back({"T x 2048 . 5632", T, 5632, 2048, false, false});
+  }
+  cases.push_back({"skinny 1 x E . F (decode)", 1, 1536, 576, false, false});
+  cases.push_back({"skinny 16 x 2048 . 5632", 16, 5632, 2048, false, false});
+
+  std::printf("## GEMM (median of %d alternating runs)\n\n", reps);
+  std::printf("| shape | M | N | K | dtype | oomless GFLOP/s | oneDNN direct GFLOP/s | ratio |\n");
+  std::printf("|---|---|---|---|---|---|---|---|\n");
+  double ref_rate = 0;
+  std::vector<double> f32_ratios;
+  for (DType t : {DType::f32, DType::bf16}) {
+    for (const GemmCase& g : cases) {
+      size_t esz = dtype_bytes(t, 1);
+      Buffer a = mem.device.alloc(esz * g.M * g.K, Category::workspace, "bench a");
+      Buffer b = mem.device.alloc(esz * g.K * g.N, Category::workspace, "bench b");
+      Buffer c = mem.device.alloc(sizeof(float) * g.M * g.N, Category::workspace, "bench c");
+      fill(a.data(), t, g.M * g.K, 1);
+      fill(b.data(), t, g.K * g.N, 2);
+      Tensor ta(a.data(), t, {g.ta ? g.K : g.M, g.ta ? g.M : g.K});
+      Tensor tb(b.data(), t, {g.tb ? g.N : g.K, g.tb ? g.K : g.N});
+      Tensor tc = c.view(DType::f32, {g.M, g.N});
+      Direct direct(g, t, a.data(), b.data(), c.as<float>());
+      std::vector<double> ours, theirs;
+      ops.matmul(tc, ta, tb, g.ta, g.tb, false);  // warm-up: primitive creation
+      if (direct.ok) direct.run();
+      for (int r = 0; r < reps; ++r) {
+        double t0 = now();
+        ops.matmul(tc, ta, tb, g.ta, g.tb, false);
+        ours.push_back(now() - t0);
+        if (direct.ok) {
+          t0 = now();
+          direct.run();
+          theirs.push_back(now() - t0);
+        }
+      }
+      double flops = 2.0 * g.M * g.N * g.K;
+      double r_ours = flops / median(ours) * 1e-9;
+      if (t == DType::f32 && std::string(g.what).find("up/gate") != std::string::npos && ref_rate == 0)
+        ref_rate = r_ours;
+      if (direct.ok) {
+        double r_dir = flops / median(theirs) * 1e-9;
+        if (t == DType::f32 && g.M > 16) f32_ratios.push_back(r_ours / r_dir);
+        std::printf("| %s | %lld | %lld | %lld | %s | %.1f | %.1f | %.2f |\n", g.what, (long long)g.M, (long long)g.N,
+                    (long long)g.K, dtype_name(t), r_ours, r_dir, r_ours / r_dir);
+      } else {
+        std::printf("| %s | %lld | %lld | %lld | %s | %.1f | n/a (no %s matmul on this CPU) | - |\n", g.what,
+                    (long long)g.M, (long long)g.N, (long long)g.K, dtype_name(t), r_ours, dtype_name(t));
+      }
+      std::fflush(stdout);
+    }
+  }
+  if (!f32_ratios.empty())
+    std::printf("\nf32 model-shape ratio oomless/direct: median %.2f, min %.2f\n", median(f32_ratios),
+                *std::min_element(f32_ratios.begin(), f32_ratios.end()));
+
+  std::printf("\n## Causal attention forward+backward (median of %d runs)\n\n", reps);
+  std::printf("FLOPs counted as 4*T*T*D*H/2 forward and 2.5x that backward; reference GEMM rate %.1f GFLOP/s "
+              "(f32 T x E . F, this run)\n\n",
+              ref_rate);
+  std::printf("| T | H | Hkv | D | fwd GFLOP/s | fwd+bwd GFLOP/s | fwd+bwd / GEMM |\n|---|---|---|---|---|---|---|\n");
+  struct AttnCase {
+    int64_t T, H, Hkv, D;
+  };
+  int64_t TA = quick ? 1024 : 4096;
+  for (AttnCase ac : {AttnCase{TA, 9, 3, 64}, AttnCase{TA, 8, 2, 128}}) {
+    int64_t T = ac.T, H = ac.H, Hkv = ac.Hkv, D = ac.D;
+    auto act = [&](int64_t n, Category c, const char* w) { return mem.device.alloc(sizeof(float) * n, c, w); };
+    Buffer q = act(T * H * D, Category::activations, "q"), o = act(T * H * D, Category::activations, "o");
+    Buffer dq = act(T * H * D, Category::activations, "dq"), dout = act(T * H * D, Category::activations, "dout");
+    Buffer lse = act(T * H, Category::activations, "lse"), kv = act(2 * T * Hkv * D, Category::kv, "kv");
+    Buffer dkv = act(2 * T * Hkv * D, Category::kv_grad, "dkv");
+    Buffer pos = mem.device.alloc(sizeof(int32_t) * T, Category::activations, "pos");
+    fill(q.data(), DType::f32, T * H * D, 3);
+    fill(dout.data(), DType::f32, T * H * D, 4);
+    fill(kv.data(), DType::f32, 2 * T * Hkv * D, 5);
+    for (int64_t t = 0; t < T; ++t) pos.as<int32_t>()[t] = static_cast<int32_t>(t);
+    KvBlock blk{kv.as<float>(), kv.as<float>() + T * Hkv * D, 0, static_cast<int32_t>(T)};
+    KvBlock dblk{dkv.as<float>(), dkv.as<float>() + T * Hkv * D, 0, static_cast<int32_t>(T)};
+    KvBlocks kvs{&blk, 1, Hkv, T, D, DType::f32}, dkvs{&dblk, 1, Hkv, T, D, DType::f32};
+    Tensor tq = q.view(DType::f32, {T, H, D}), to = o.view(DType::f32, {T, H, D});
+    Tensor tdq = dq.view(DType::f32, {T, H, D}), tdo = dout.view(DType::f32, {T, H, D});
+    Tensor tl = lse.view(DType::f32, {H, T}), tp = pos.view(DType::i32, {T});
+    double scale = 1.0 / std::sqrt(static_cast<double>(D));
+    std::vector<double> fwd, both;
+    ops.attention_forward(to, tl, tq, kvs, tp, scale);
+    for (int r = 0; r < reps; ++r) {
+      double t0 = now();
+      ops.attention_forward(to, tl, tq, kvs, tp, scale);
+      double t1 = now();
+      ops.attention_backward(tdq, dkvs, tdo, tq, kvs, to, tl, tp, scale);
+      double t2 = now();
+      fwd.push_back(t1 - t0);
+      both.push_back(t2 - t0);
+    }
+    double f = 4.0 * T * T * D * H / 2;
+    double r_fwd = f / median(fwd) * 1e-9, r_both = 3.5 * f / median(both) * 1e-9;
+    std::printf("| %lld | %lld | %lld | %lld | %.1f | %.1f | %.2f |\n", (long long)T, (long long)H, (long long)Hkv,
+                (long long)D, r_fwd, r_both, ref_rate > 0 ? r_both / ref_rate : 0.0);
+    std::fflush(stdout);
+  }
+  std::printf("\nledger peak (all bench buffers and scratch): %s\n", format_bytes(mem.ledger.peak_all()).c_str());
+  return 0;
+}
