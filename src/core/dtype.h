@@ -51,8 +51,11 @@ float f8e4m3_to_f32(uint8_t b);
 uint8_t f32_to_f8e5m2(float f, bool saturate = false);
 float f8e5m2_to_f32(uint8_t b);
 
-// Element-wise conversion between float types (f32, f64, bf16, f16, f8_*) and i32<->i32.
-// Throws for pairs without a meaning (e.g. nf4, which needs scales: see the quantization ops).
+// Element-wise conversion between any two float types (f32, f64, bf16, f16, f8_*), plus i32->i32 and
+// i8->i8 copies. Narrowing rounds once, to nearest even (f64 sources are not rounded through f32),
+// with the scalar defaults for overflow: f8_e4m3 saturates, f8_e5m2, f16 and bf16 give inf. Same-type
+// pairs are byte copies. Throws for pairs without a meaning (e.g. nf4, which needs scales: see the
+// quantization ops).
 void convert(void* dst, DType dst_type, const void* src, DType src_type, int64_t n);
 
 }  // namespace oomless

@@ -56,8 +56,7 @@ void HostTensor::set(int64_t i, double v) {
     case DType::i32: ptr<int32_t>()[i] = static_cast<int32_t>(v); return;
     case DType::f64: ptr<double>()[i] = v; return;
     default: {
-      float f = static_cast<float>(v);
-      oomless::convert(static_cast<uint8_t*>(view_.data) + dtype_bytes(dtype(), i), dtype(), &f, DType::f32, 1);
+      oomless::convert(static_cast<uint8_t*>(view_.data) + dtype_bytes(dtype(), i), dtype(), &v, DType::f64, 1);
     }
   }
 }
