@@ -71,7 +71,7 @@ void check_elementwise(const char* op, std::initializer_list<const Tensor*> ts, 
 }
 
 AttentionDims check_attention(const char* op, const Tensor& o, const Tensor& lse, const Tensor& q, const KvBlocks& kv,
-                              const Tensor& q_pos, DType act) {
+                              const Tensor& q_pos, DType act, std::initializer_list<DType> kv_dtypes) {
   check_dtype(op, "q", q, {act});
   OOM_CHECK(q.ndim == 3, op, " q must be (T, H, D), got ", q.str());
   int64_t T = q.dims[0], H = q.dims[1], D = q.dims[2];
@@ -81,6 +81,9 @@ AttentionDims check_attention(const char* op, const Tensor& o, const Tensor& lse
   check_shape(op, "lse", lse, {H, T});
   check_dtype(op, "q_pos", q_pos, {DType::i32});
   check_shape(op, "q_pos", q_pos, {T});
+  bool kv_ok = false;
+  for (DType t : kv_dtypes) kv_ok = kv_ok || kv.dtype == t;
+  OOM_CHECK(kv_ok, op, " kv blocks are ", dtype_name(kv.dtype), ", which this backend does not take");
   OOM_CHECK(kv.D == D, op, " kv head dim ", kv.D, " differs from q's ", D);
   OOM_CHECK(kv.Hkv > 0 && H % kv.Hkv == 0, op, " query heads H = ", H, " must be a multiple of kv heads Hkv = ", kv.Hkv);
   OOM_CHECK(kv.P > 0 || kv.n_blocks == 0, op, " block size P must be positive, got ", kv.P);
@@ -92,6 +95,24 @@ AttentionDims check_attention(const char* op, const Tensor& o, const Tensor& lse
     OOM_CHECK(blk.start >= 0, op, " block ", b, " starts at negative position ", blk.start);
   }
   return {T, H, kv.Hkv, D};
+}
+
+void check_attention_backward(const char* op, const AttentionDims& d, const Tensor& dq, const Tensor& dout,
+                              const KvBlocks& dkv, const KvBlocks& kv, DType act) {
+  check_dtype(op, "dq", dq, {act});
+  check_shape(op, "dq", dq, {d.T, d.H, d.D});
+  check_dtype(op, "dout", dout, {act});
+  check_shape(op, "dout", dout, {d.T, d.H, d.D});
+  OOM_CHECK(dkv.dtype == act, op, " dkv blocks are ", dtype_name(dkv.dtype), ", gradients are ", dtype_name(act));
+  OOM_CHECK(dkv.n_blocks == kv.n_blocks && dkv.Hkv == kv.Hkv && dkv.P == kv.P && dkv.D == kv.D, op,
+            " dkv table (", dkv.n_blocks, " blocks of Hkv=", dkv.Hkv, ", P=", dkv.P, ", D=", dkv.D,
+            ") differs from the kv table (", kv.n_blocks, " blocks of Hkv=", kv.Hkv, ", P=", kv.P, ", D=", kv.D, ")");
+  for (int64_t b = 0; b < kv.n_blocks; ++b) {
+    const KvBlock &g = dkv.blocks[b], &f = kv.blocks[b];
+    OOM_CHECK(g.start == f.start && g.len == f.len, op, " dkv block ", b, " covers [", g.start, ", +", g.len,
+              ") but the kv block covers [", f.start, ", +", f.len, ")");
+    OOM_CHECK(g.len == 0 || (g.k != nullptr && g.v != nullptr), op, " dkv block ", b, " has no data");
+  }
 }
 
 CeDims check_cross_entropy(const char* op, const Tensor& lse, const Tensor& h, const Tensor& w, const Tensor& targets,

@@ -28,9 +28,13 @@ void check_elementwise(const char* op, std::initializer_list<const Tensor*> ts, 
 struct AttentionDims {
   int64_t T, H, Hkv, D;
 };
-// kv blocks: kv.dtype == kv_dtype, lens within [0, P]; lse (H, T) act; q_pos (T) i32.
+// q, o (T, H, D) and lse (H, T) act; q_pos (T) i32; kv blocks of one of kv_dtypes, lens within [0, P].
 AttentionDims check_attention(const char* op, const Tensor& o, const Tensor& lse, const Tensor& q, const KvBlocks& kv,
-                              const Tensor& q_pos, DType act);
+                              const Tensor& q_pos, DType act, std::initializer_list<DType> kv_dtypes);
+// The backward's extra arguments: dq, dout (T, H, D) act; dkv describes the same blocks as kv (geometry,
+// positions, lengths) in act dtype.
+void check_attention_backward(const char* op, const AttentionDims& d, const Tensor& dq, const Tensor& dout,
+                              const KvBlocks& dkv, const KvBlocks& kv, DType act);
 
 struct CeDims {
   int64_t T, E, V;

@@ -1,0 +1,515 @@
+// Causal GQA attention over a block table on the CPU, flash-style: tiles of kBq queries x kBk keys,
+// online softmax, never a T x T buffer. Forward saves only O and lse (H, T); backward recomputes the
+// probabilities from lse.
+//
+// Keys are cut into key tiles that never cross a block: block b, slots [j0, j0 + n), at positions
+// [start_b + j0, start_b + j0 + n). Queries are cut into query tiles of consecutive rows; since query
+// positions are arbitrary, each tile carries its lowest and highest position. A key tile whose first
+// position is past a query tile's highest is skipped; keys past that highest position are trimmed off
+// the tile; a row at position p sees the first clamp(p - first + 1, 0, n) keys of a tile (keys are in
+// position order within a block), so masking is a per-row column count, not an element test.
+//
+// Scores are kept in base 2: x = scale log2(e) q.k, so every exponential is exp2 and
+//   lse = ln(2) (m + log2 l)   with m the row maximum of x and l = sum 2^(x - m).
+//
+// Forward, parallel over (query tile, head), for each visible key tile:
+//   S = Q K^T (Gemm::tile), m' = max(m, rowmax x), P = 2^(x - m'), l = l 2^(m - m') + rowsum P,
+//   O = O 2^(m - m') + P V (Gemm::tile, accumulating into o itself); at the end O /= l.
+// Backward, with D_i = rowsum(dO_i * O_i) precomputed and P = 2^(x - lse log2 e):
+//   pass 1, parallel over (key tile, kv head), looping over the group's query heads and every query
+//   tile that sees the key tile:  dV += P^T dO,  dP = dO V^T,  dS = scale P (dP - D),  dK += dS^T Q;
+//   pass 2, parallel over (query tile, head), looping over the visible key tiles:
+//   dQ += dS K (S, P, dP, dS recomputed).
+// Each output tile (O, dK, dV or dQ rows) is owned by one task, which adds its terms in a fixed order:
+// no atomics, and results are bitwise identical for any thread count. Tasks are dealt round-robin
+// (schedule(static, 1)) so the causal triangle's uneven task costs spread evenly.
+//
+// K/V may be f32 or bf16; bf16 key tiles are widened to f32 per tile. dK/dV blocks are f32 and
+// accumulate (+=). Scratch (per-thread tiles, tile tables, D and lse in base 2) is one workspace
+// allocation per call, sized by omp_get_max_threads().
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "backend/checks.h"
+#include "backend/cpu/cpu_ops.h"
+#include "backend/cpu/gemm.h"
+
+namespace oomless {
+
+namespace {
+constexpr DType kAct = DType::f32;
+constexpr const char* kOp = "[attention]";
+constexpr int64_t kBq = 96;   // queries per tile (a multiple of the GEMM's 6-row micro tile)
+constexpr int64_t kBk = 128;  // keys per tile (a multiple of its 16-column micro tile)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr double kLog2e = 1.4426950408889634;
+constexpr double kLn2 = 0.6931471805599453;
+
+struct KeyTile {
+  int64_t block, j0, n;  // slots [j0, j0 + n) of block `block`
+  int64_t lo;            // position of slot j0; slot j0 + j is at lo + j
+};
+struct QueryTile {
+  int64_t r0, n;   // rows [r0, r0 + n)
+  int64_t lo, hi;  // lowest and highest position among them
+};
+
+// Everything a task reads; pointers into the caller's tensors and the call's scratch.
+struct Ctx {
+  int64_t T, H, Hkv, D, P, group, ldq;  // ldq = H * D: the row stride of q, o, dout, dq
+  const float* q;
+  const int32_t* pos;
+  float* o;
+  float* lse;
+  const KvBlocks* kv;
+  const KvBlocks* dkv;
+  const float* dout;
+  float* dq;
+  const float* lse2;  // (H, T) lse log2(e), backward only
+  const float* dsum;  // (H, T) D = rowsum(dout * o), backward only
+  float c;            // scale log2(e)
+  float scale;
+  const KeyTile* kt;
+  int64_t n_kt;
+  const QueryTile* qt;
+  int64_t n_qt;
+};
+
+// n rounded up to 16 floats, so that every scratch region starts 64-byte aligned.
+int64_t padded(int64_t n) { return (n + 15) / 16 * 16; }
+
+// Eight floats, or eight int32, as a GCC vector: the row loops below are written on them explicitly so
+// that every ISA clone gets the same eight-wide code (two SSE halves by default, one AVX2 register
+// under x86-64-v3), with identical lanes and therefore identical sums. The helpers pass them by value
+// only between inline functions of this file, so GCC's note that a 32-byte vector argument has another
+// ABI without AVX does not apply.
+#pragma GCC diagnostic ignored "-Wpsabi"
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+inline v8f splat(float a) { return v8f{a, a, a, a, a, a, a, a}; }
+inline v8f load8(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
+inline v8f vmax(v8f a, v8f b) { return a > b ? a : b; }
+inline float hmax(v8f a) {
+  float m = a[0];
+  for (int k = 1; k < 8; ++k) m = m > a[k] ? m : a[k];
+  return m;
+}
+inline float hsum(v8f a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
+
+// 2^x in f32, relative error about 1e-7: x = n + f with n an integer and |f| <= 1/2, 2^f from its
+// degree-7 Taylor polynomial in f ln 2, 2^n from the exponent bits. Below -126 it returns 0 (masked
+// and negligible terms); the arguments here are <= 0 up to rounding, clamped at 127.
+inline v8f exp2_v8(v8f x) {
+  const v8f round = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer in the low bits
+  const v8f lo = splat(-126.0f), hi = splat(127.0f);
+  v8f xc = x < lo ? lo : x;
+  xc = xc > hi ? hi : xc;
+  const v8f t = xc + round;
+  const v8f n = t - round;
+  const v8f f = xc - n;
+  const v8i e = (((v8i)t - (v8i)round) + 127) << 23;
+  v8f p = splat(1.5252733804059840e-05f);
+  p = p * f + 1.5403530393381609e-04f;
+  p = p * f + 1.3333558146428443e-03f;
+  p = p * f + 9.6181291076284772e-03f;
+  p = p * f + 5.5504108664821580e-02f;
+  p = p * f + 2.4022650695910071e-01f;
+  p = p * f + 6.9314718055994531e-01f;
+  p = p * f + 1.0f;
+  const v8f y = p * (v8f)e;
+  return x < lo ? splat(0.0f) : y;
+}
+inline float exp2_f32(float x) { return exp2_v8(splat(x))[0]; }
+
+// Keys of a tile that a query at position p sees: the first clamp(p - lo + 1, 0, n).
+inline int64_t visible(int32_t p, int64_t lo, int64_t n) { return std::clamp<int64_t>(p - lo + 1, 0, n); }
+
+// Applies y = f(x) in place to x[0, n) sixteen at a time, the last partial sixteen through a copy
+// padded with `pad`; folds each y into the lane-wise reduction r = g(r, y) over 16 fixed lanes (two
+// vectors; padded lanes included, so `pad` must map to g's identity).
+template <class F, class G>
+inline void map_reduce(float* x, int64_t n, float pad, v8f* r0, v8f* r1, F f, G g) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const v8f y0 = f(load8(x + j)), y1 = f(load8(x + j + 8));
+    store8(x + j, y0);
+    store8(x + j + 8, y1);
+    *r0 = g(*r0, y0);
+    *r1 = g(*r1, y1);
+  }
+  if (j < n) {
+    alignas(32) float tail[16];
+    for (int k = 0; k < 16; ++k) tail[k] = j + k < n ? x[j + k] : pad;
+    const v8f y0 = f(load8(tail)), y1 = f(load8(tail + 8));
+    *r0 = g(*r0, y0);
+    *r1 = g(*r1, y1);
+    store8(tail, y0);
+    store8(tail + 8, y1);
+    for (int k = 0; j + k < n; ++k) x[j + k] = tail[k];
+  }
+}
+
+// x[j] *= c for j < n, returns max_j x[j] (-inf when n == 0).
+inline float scale_max(float* x, int64_t n, float c) {
+  v8f m0 = splat(kNegInf), m1 = m0;
+  map_reduce(x, n, kNegInf, &m0, &m1, [c](v8f v) { return v * c; }, vmax);
+  return hmax(vmax(m0, m1));
+}
+
+// x[j] = 2^(x[j] - shift) for j < n, returns their sum over 16 fixed lanes.
+inline float exp2_sum(float* x, int64_t n, float shift) {
+  v8f s0 = splat(0.0f), s1 = s0;
+  map_reduce(x, n, kNegInf, &s0, &s1, [shift](v8f v) { return exp2_v8(v - shift); },
+             [](v8f a, v8f b) { return a + b; });
+  return hsum(s0 + s1);
+}
+
+// The online-softmax step of the forward for one (nq, nk) score tile S: turns S into P in place,
+// updates the running max m and sum l of each row and rescales the row of O (nq, D; stride ldo).
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+void online_softmax(float* S, int64_t nq, int64_t nk, float c, const int32_t* qpos, int64_t klo, float* m, float* l,
+                    float* O, int64_t ldo, int64_t D) {
+  for (int64_t r = 0; r < nq; ++r) {
+    float* x = S + r * nk;
+    const int64_t n = visible(qpos[r], klo, nk);
+    const float mt = scale_max(x, n, c);
+    const float mn = std::max(m[r], mt);
+    if (mn == kNegInf) {  // nothing visible yet: the row stays empty
+      std::fill(x, x + nk, 0.0f);
+      continue;
+    }
+    const float alpha = exp2_f32(m[r] - mn);  // 0 when m[r] = -inf
+    const float sum = exp2_sum(x, n, mn);
+    std::fill(x + n, x + nk, 0.0f);
+    l[r] = l[r] * alpha + sum;
+    m[r] = mn;
+    if (alpha != 1.0f) {
+      float* orow = O + r * ldo;
+      for (int64_t d = 0; d < D; ++d) orow[d] *= alpha;
+    }
+  }
+}
+
+// P = 2^(c S - lse2) in place for the visible keys of each row, 0 elsewhere and on rows that see no
+// key at all (lse = -inf).
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+void probabilities(float* S, int64_t nq, int64_t nk, float c, const int32_t* qpos, int64_t klo, const float* lse2) {
+  for (int64_t r = 0; r < nq; ++r) {
+    float* x = S + r * nk;
+    const int64_t n = lse2[r] == kNegInf ? 0 : visible(qpos[r], klo, nk);
+    const float shift = lse2[r];
+    v8f none0{}, none1{};  // no reduction wanted
+    map_reduce(x, n, 0.0f, &none0, &none1, [c, shift](v8f v) { return exp2_v8(v * c - shift); },
+               [](v8f r, v8f) { return r; });
+    std::fill(x + n, x + nk, 0.0f);
+  }
+}
+
+// dS = scale P (dP - D) in place of dP, tiles (nq, nk).
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+void score_grads(float* dP, const float* P, int64_t nq, int64_t nk, const float* dsum, float scale) {
+  for (int64_t r = 0; r < nq; ++r) {
+    float* g = dP + r * nk;
+    const float* p = P + r * nk;
+    const float dr = dsum[r];
+    for (int64_t j = 0; j < nk; ++j) g[j] = scale * p[j] * (g[j] - dr);
+  }
+}
+
+// o /= l per row (o = 0 stays where nothing was seen); lse = ln 2 (m + log2 l), -inf for empty rows.
+void finish_rows(float* O, int64_t ldo, int64_t D, int64_t nq, const float* m, const float* l, float* lse) {
+  for (int64_t r = 0; r < nq; ++r) {
+    if (m[r] == kNegInf) {
+      lse[r] = kNegInf;
+      continue;
+    }
+    const float inv = 1.0f / l[r];
+    float* orow = O + r * ldo;
+    for (int64_t d = 0; d < D; ++d) orow[d] *= inv;
+    lse[r] = static_cast<float>(kLn2 * (static_cast<double>(m[r]) + std::log2(static_cast<double>(l[r]))));
+  }
+}
+
+// c (M, N) [+]= op(a) . op(b) with explicit leading dimensions, single-threaded.
+void tile_gemm(int64_t M, int64_t N, int64_t K, bool ta, bool tb, const float* a, int64_t lda, const float* b,
+               int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  GemmShape s;
+  s.M = M;
+  s.N = N;
+  s.K = K;
+  s.ta = ta;
+  s.tb = tb;
+  s.lda = lda;
+  s.ldb = ldb;
+  s.ldc = ldc;
+  s.accumulate = accumulate;
+  Gemm::tile(s, a, b, c);
+}
+
+// The K and V rows (n, D) of key tile kt under kv head g: pointers into the block when f32, else
+// widened from bf16 into kbuf and vbuf.
+void key_rows(const Ctx& x, const KeyTile& kt, int64_t g, int64_t n, const float** K, const float** V, float* kbuf,
+              float* vbuf) {
+  const KvBlock& blk = x.kv->blocks[kt.block];
+  const int64_t off = (g * x.P + kt.j0) * x.D;
+  if (x.kv->dtype == DType::f32) {
+    *K = static_cast<const float*>(blk.k) + off;
+    *V = static_cast<const float*>(blk.v) + off;
+    return;
+  }
+  const uint16_t* k16 = static_cast<const uint16_t*>(blk.k) + off;
+  const uint16_t* v16 = static_cast<const uint16_t*>(blk.v) + off;
+  for (int64_t i = 0; i < n * x.D; ++i) {
+    kbuf[i] = bf16_to_f32(k16[i]);
+    vbuf[i] = bf16_to_f32(v16[i]);
+  }
+  *K = kbuf;
+  *V = vbuf;
+}
+
+// Per-thread scratch of one task: score tiles and widened key tiles.
+struct Tiles {
+  float* s;   // (kBq, kBk) scores, then probabilities
+  float* ds;  // (kBq, kBk) dP, then dS (backward)
+  float* m;   // (kBq) running max (forward)
+  float* l;   // (kBq) running sum (forward)
+  float* k;   // (kBk, D) widened keys (bf16 K/V)
+  float* v;   // (kBk, D) widened values
+};
+
+int64_t tiles_floats(int64_t D, bool widen) {
+  return 2 * padded(kBq * kBk) + 2 * padded(kBq) + (widen ? 2 * padded(kBk * D) : 0);
+}
+
+Tiles carve_tiles(float* base, int64_t D, bool widen) {
+  Tiles t{};
+  t.s = base;
+  t.ds = t.s + padded(kBq * kBk);
+  t.m = t.ds + padded(kBq * kBk);
+  t.l = t.m + padded(kBq);
+  t.k = widen ? t.l + padded(kBq) : nullptr;
+  t.v = widen ? t.k + padded(kBk * D) : nullptr;
+  return t;
+}
+
+int64_t count_key_tiles(const KvBlocks& kv) {
+  int64_t n = 0;
+  for (int64_t b = 0; b < kv.n_blocks; ++b) n += (kv.blocks[b].len + kBk - 1) / kBk;
+  return n;
+}
+
+void fill_key_tiles(KeyTile* out, const KvBlocks& kv) {
+  for (int64_t b = 0; b < kv.n_blocks; ++b) {
+    const KvBlock& blk = kv.blocks[b];
+    for (int64_t j0 = 0; j0 < blk.len; j0 += kBk)
+      *out++ = KeyTile{b, j0, std::min<int64_t>(kBk, blk.len - j0), static_cast<int64_t>(blk.start) + j0};
+  }
+}
+
+void fill_query_tiles(QueryTile* out, const int32_t* pos, int64_t T) {
+  for (int64_t r0 = 0; r0 < T; r0 += kBq) {
+    QueryTile qt{r0, std::min(kBq, T - r0), std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::min()};
+    for (int64_t r = r0; r < r0 + qt.n; ++r) {
+      qt.lo = std::min<int64_t>(qt.lo, pos[r]);
+      qt.hi = std::max<int64_t>(qt.hi, pos[r]);
+    }
+    *out++ = qt;
+  }
+}
+
+// One workspace allocation: the tile tables, `extra` floats of shared arrays, and per-thread tiles.
+struct Scratch {
+  Buffer buf;
+  KeyTile* kt;
+  QueryTile* qt;
+  float* extra;
+  float* tiles;
+  int64_t tile_floats;
+};
+
+Scratch make_scratch(CpuOps& ops, int64_t n_kt, int64_t n_qt, int64_t extra_floats, int64_t tile_floats) {
+  const int threads = std::max(1, omp_get_max_threads());
+  const int64_t kt_bytes = (n_kt * static_cast<int64_t>(sizeof(KeyTile)) + 63) / 64 * 64;
+  const int64_t qt_bytes = (n_qt * static_cast<int64_t>(sizeof(QueryTile)) + 63) / 64 * 64;
+  const int64_t floats = padded(extra_floats) + threads * tile_floats;
+  Scratch s;
+  s.buf = ops.scratch(static_cast<size_t>(kt_bytes + qt_bytes + 4 * floats), "attention");
+  char* p = s.buf.as<char>();
+  s.kt = reinterpret_cast<KeyTile*>(p);
+  s.qt = reinterpret_cast<QueryTile*>(p + kt_bytes);
+  s.extra = reinterpret_cast<float*>(p + kt_bytes + qt_bytes);
+  s.tiles = s.extra + padded(extra_floats);
+  s.tile_floats = tile_floats;
+  return s;
+}
+
+Ctx make_ctx(const AttentionDims& dims, const Tensor& q, const Tensor& o, const Tensor& lse, const KvBlocks& kv,
+             const Tensor& q_pos, double scale) {
+  Ctx x{};
+  x.T = dims.T;
+  x.H = dims.H;
+  x.Hkv = dims.Hkv;
+  x.D = dims.D;
+  x.P = kv.P;
+  x.group = dims.H / dims.Hkv;
+  x.ldq = dims.H * dims.D;
+  x.q = static_cast<const float*>(q.data);
+  x.pos = static_cast<const int32_t*>(q_pos.data);
+  x.o = static_cast<float*>(o.data);
+  x.lse = static_cast<float*>(lse.data);
+  x.kv = &kv;
+  x.c = static_cast<float>(scale * kLog2e);
+  x.scale = static_cast<float>(scale);
+  return x;
+}
+
+// ---- tasks ------------------------------------------------------------------------------------------
+
+void forward_task(const Ctx& x, int64_t h, const QueryTile& qt, const Tiles& w) {
+  const int64_t g = h / x.group, nq = qt.n;
+  const float* Q = x.q + qt.r0 * x.ldq + h * x.D;
+  float* O = x.o + qt.r0 * x.ldq + h * x.D;
+  const int32_t* qpos = x.pos + qt.r0;
+  for (int64_t r = 0; r < nq; ++r) {
+    std::fill(O + r * x.ldq, O + r * x.ldq + x.D, 0.0f);
+    w.m[r] = kNegInf;
+    w.l[r] = 0.0f;
+  }
+  for (int64_t i = 0; i < x.n_kt; ++i) {
+    const KeyTile& kt = x.kt[i];
+    if (kt.lo > qt.hi) continue;
+    const int64_t nk = std::min(kt.n, qt.hi - kt.lo + 1);
+    const float *K, *V;
+    key_rows(x, kt, g, nk, &K, &V, w.k, w.v);
+    tile_gemm(nq, nk, x.D, false, true, Q, x.ldq, K, x.D, w.s, nk, false);  // S = Q K^T
+    online_softmax(w.s, nq, nk, x.c, qpos, kt.lo, w.m, w.l, O, x.ldq, x.D);
+    tile_gemm(nq, x.D, nk, false, false, w.s, nk, V, x.D, O, x.ldq, true);  // O += P V
+  }
+  finish_rows(O, x.ldq, x.D, nq, w.m, w.l, x.lse + h * x.T + qt.r0);
+}
+
+// S, P and dS of one (query tile, key tile) pair under head h into w.s (P) and w.ds (dS).
+void recompute_scores(const Ctx& x, int64_t h, const QueryTile& qt, const KeyTile& kt, int64_t nk, const float* K,
+                      const float* V, const Tiles& w) {
+  const float* Q = x.q + qt.r0 * x.ldq + h * x.D;
+  const float* dO = x.dout + qt.r0 * x.ldq + h * x.D;
+  tile_gemm(qt.n, nk, x.D, false, true, Q, x.ldq, K, x.D, w.s, nk, false);    // S = Q K^T
+  probabilities(w.s, qt.n, nk, x.c, x.pos + qt.r0, kt.lo, x.lse2 + h * x.T + qt.r0);
+  tile_gemm(qt.n, nk, x.D, false, true, dO, x.ldq, V, x.D, w.ds, nk, false);  // dP = dO V^T
+  score_grads(w.ds, w.s, qt.n, nk, x.dsum + h * x.T + qt.r0, x.scale);
+}
+
+void kv_grad_task(const Ctx& x, int64_t g, const KeyTile& kt, const Tiles& w) {
+  const KvBlock& dblk = x.dkv->blocks[kt.block];
+  const int64_t off = (g * x.P + kt.j0) * x.D;
+  float* dK = static_cast<float*>(dblk.k) + off;
+  float* dV = static_cast<float*>(dblk.v) + off;
+  const float *K, *V;
+  key_rows(x, kt, g, kt.n, &K, &V, w.k, w.v);
+  for (int64_t h = g * x.group; h < (g + 1) * x.group; ++h) {
+    for (int64_t i = 0; i < x.n_qt; ++i) {
+      const QueryTile& qt = x.qt[i];
+      if (qt.hi < kt.lo) continue;
+      const int64_t nk = std::min(kt.n, qt.hi - kt.lo + 1);
+      const float* Q = x.q + qt.r0 * x.ldq + h * x.D;
+      const float* dO = x.dout + qt.r0 * x.ldq + h * x.D;
+      recompute_scores(x, h, qt, kt, nk, K, V, w);
+      tile_gemm(nk, x.D, qt.n, true, false, w.s, nk, dO, x.ldq, dV, x.D, true);  // dV += P^T dO
+      tile_gemm(nk, x.D, qt.n, true, false, w.ds, nk, Q, x.ldq, dK, x.D, true);  // dK += dS^T Q
+    }
+  }
+}
+
+void q_grad_task(const Ctx& x, int64_t h, const QueryTile& qt, const Tiles& w) {
+  const int64_t g = h / x.group;
+  float* dQ = x.dq + qt.r0 * x.ldq + h * x.D;
+  for (int64_t r = 0; r < qt.n; ++r) std::fill(dQ + r * x.ldq, dQ + r * x.ldq + x.D, 0.0f);
+  for (int64_t i = 0; i < x.n_kt; ++i) {
+    const KeyTile& kt = x.kt[i];
+    if (kt.lo > qt.hi) continue;
+    const int64_t nk = std::min(kt.n, qt.hi - kt.lo + 1);
+    const float *K, *V;
+    key_rows(x, kt, g, nk, &K, &V, w.k, w.v);
+    recompute_scores(x, h, qt, kt, nk, K, V, w);
+    tile_gemm(qt.n, x.D, nk, false, false, w.ds, nk, K, x.D, dQ, x.ldq, true);  // dQ += dS K
+  }
+}
+
+}  // namespace
+
+void CpuOps::attention_forward(Tensor o, Tensor lse, Tensor q, const KvBlocks& kv, Tensor q_pos, double scale) {
+  const AttentionDims dims = check_attention(kOp, o, lse, q, kv, q_pos, kAct, {DType::f32, DType::bf16});
+  if (dims.T == 0 || dims.H == 0) return;
+  Ctx x = make_ctx(dims, q, o, lse, kv, q_pos, scale);
+  const bool widen = kv.dtype == DType::bf16;
+  x.n_kt = count_key_tiles(kv);
+  x.n_qt = (x.T + kBq - 1) / kBq;
+  Scratch s = make_scratch(*this, x.n_kt, x.n_qt, 0, tiles_floats(x.D, widen));
+  fill_key_tiles(s.kt, kv);
+  fill_query_tiles(s.qt, x.pos, x.T);
+  x.kt = s.kt;
+  x.qt = s.qt;
+  const int64_t tasks = x.n_qt * x.H;
+#pragma omp parallel
+  {
+    const Tiles w = carve_tiles(s.tiles + omp_get_thread_num() * s.tile_floats, x.D, widen);
+#pragma omp for schedule(static, 1)
+    for (int64_t t = 0; t < tasks; ++t) forward_task(x, t % x.H, x.qt[t / x.H], w);
+  }
+}
+
+void CpuOps::attention_backward(Tensor dq, const KvBlocks& dkv, Tensor dout, Tensor q, const KvBlocks& kv, Tensor o,
+                                Tensor lse, Tensor q_pos, double scale) {
+  const AttentionDims dims = check_attention(kOp, o, lse, q, kv, q_pos, kAct, {DType::f32, DType::bf16});
+  check_attention_backward(kOp, dims, dq, dout, dkv, kv, kAct);
+  if (dims.T == 0 || dims.H == 0) return;
+  Ctx x = make_ctx(dims, q, o, lse, kv, q_pos, scale);
+  x.dkv = &dkv;
+  x.dout = static_cast<const float*>(dout.data);
+  x.dq = static_cast<float*>(dq.data);
+  const bool widen = kv.dtype == DType::bf16;
+  x.n_kt = count_key_tiles(kv);
+  x.n_qt = (x.T + kBq - 1) / kBq;
+  const int64_t HT = x.H * x.T;
+  Scratch s = make_scratch(*this, x.n_kt, x.n_qt, 2 * padded(HT), tiles_floats(x.D, widen));
+  fill_key_tiles(s.kt, kv);
+  fill_query_tiles(s.qt, x.pos, x.T);
+  x.kt = s.kt;
+  x.qt = s.qt;
+  float* lse2 = s.extra;
+  float* dsum = s.extra + padded(HT);
+  x.lse2 = lse2;
+  x.dsum = dsum;
+  const int64_t kv_tasks = x.n_kt * x.Hkv, q_tasks = x.n_qt * x.H;
+#pragma omp parallel
+  {
+    const Tiles w = carve_tiles(s.tiles + omp_get_thread_num() * s.tile_floats, x.D, widen);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < HT; ++i) {  // i = h * T + t
+      const int64_t h = i / x.T, t = i % x.T;
+      const float* orow = x.o + t * x.ldq + h * x.D;
+      const float* grow = x.dout + t * x.ldq + h * x.D;
+      float acc = 0.0f;
+      for (int64_t d = 0; d < x.D; ++d) acc += orow[d] * grow[d];
+      dsum[i] = acc;
+      lse2[i] = static_cast<float>(static_cast<double>(x.lse[i]) * kLog2e);
+    }
+#pragma omp for schedule(static, 1)
+    for (int64_t t = 0; t < kv_tasks; ++t) kv_grad_task(x, t % x.Hkv, x.kt[t / x.Hkv], w);
+#pragma omp for schedule(static, 1)
+    for (int64_t t = 0; t < q_tasks; ++t) q_grad_task(x, t % x.H, x.qt[t / x.H], w);
+  }
+}
+
+}  // namespace oomless

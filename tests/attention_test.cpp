@@ -1,0 +1,493 @@
+// Causal GQA attention over a block table: every built backend against the float64 reference (forward
+// o and lse, backward dq and the accumulated dk, dv) over contiguous and paged layouts, a
+// finite-difference check of the reference backward, bitwise determinism across thread counts,
+// queries that see no key, and bad input. Also the single-threaded tile GEMM the cpu kernel is built
+// on, against RefOps::matmul, over shapes the attention cases do not reach (several k and column
+// blocks, K = 0, leading dimensions past the packed ones).
+//
+// Paged problems put the queries after `off` tokens of history, so the first blocks are pure history
+// (a later chunk attending to earlier pages), and the last block is partial. Block slots past a
+// block's length hold NaN keys and values: a kernel that reads them poisons its output.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <numeric>
+
+#include "backend/cpu/gemm.h"
+#include "backend/ref/ref_ops.h"
+#include "util/harness.h"
+
+namespace oomless::test {
+namespace {
+
+struct Shape {
+  int64_t T, H, Hkv, D;
+  int64_t P;     // tokens per block; P = T and off = 0 is the contiguous one-block case
+  int64_t off;   // position of the first query; keys cover positions [0, off + T)
+  bool shuffle;  // block table in a random order and query positions permuted
+};
+
+// One random instance. Block i of the table is block i of the storage.
+struct Problem {
+  Shape s;
+  std::vector<int32_t> starts, lens;  // per table entry
+  HostTensor q;                       // (T, H, D) f32
+  HostTensor pos;                     // (T) i32
+  HostTensor k, v;                    // (n_blocks, Hkv, P, D) f32 or bf16, NaN past each block's length
+  HostTensor dout;                    // (T, H, D) f32
+  HostTensor dk0, dv0;                // (n_blocks, Hkv, P, D) f32, what dk and dv accumulate onto
+  int64_t n_blocks() const { return static_cast<int64_t>(starts.size()); }
+};
+
+Problem make_problem(const Shape& s, DType kv_dtype, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const int64_t keys = s.off + s.T, nb = (keys + s.P - 1) / s.P;
+  Problem p{s,
+            {},
+            {},
+            HostTensor(DType::f32, {s.T, s.H, s.D}),
+            HostTensor(DType::i32, {s.T}),
+            HostTensor(kv_dtype, {nb, s.Hkv, s.P, s.D}),
+            HostTensor(kv_dtype, {nb, s.Hkv, s.P, s.D}),
+            HostTensor(DType::f32, {s.T, s.H, s.D}),
+            HostTensor(DType::f32, {nb, s.Hkv, s.P, s.D}),
+            HostTensor(DType::f32, {nb, s.Hkv, s.P, s.D})};
+  std::vector<int64_t> order(static_cast<size_t>(nb));
+  std::iota(order.begin(), order.end(), 0);
+  if (s.shuffle) std::shuffle(order.begin(), order.end(), rng);
+  for (int64_t b : order) {
+    p.starts.push_back(static_cast<int32_t>(b * s.P));
+    p.lens.push_back(static_cast<int32_t>(std::min(s.P, keys - b * s.P)));
+  }
+  std::vector<int32_t> positions(static_cast<size_t>(s.T));
+  std::iota(positions.begin(), positions.end(), static_cast<int32_t>(s.off));
+  if (s.shuffle) std::shuffle(positions.begin(), positions.end(), rng);
+  for (int64_t t = 0; t < s.T; ++t) p.pos.set(t, positions[t]);
+  p.q.randn(rng, 1.5);
+  p.k.randn(rng);
+  p.v.randn(rng);
+  p.dout.randn(rng);
+  // O(1) like the gradients: where a gradient is 0 in exact arithmetic (a query that sees one key gets
+  // dS = P (dP - D) = 0), the f32 rounding left in it is measured against what it accumulates onto.
+  p.dk0.randn(rng);
+  p.dv0.randn(rng);
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t g = 0; g < s.Hkv; ++g)
+      for (int64_t j = p.lens[b]; j < s.P; ++j)
+        for (int64_t d = 0; d < s.D; ++d) {
+          p.k.set(((b * s.Hkv + g) * s.P + j) * s.D + d, nan);
+          p.v.set(((b * s.Hkv + g) * s.P + j) * s.D + d, nan);
+        }
+  return p;
+}
+
+// The block table over storage k, v (n_blocks, Hkv, P, D).
+struct Table {
+  std::vector<KvBlock> blocks;
+  KvBlocks kv;
+};
+
+Table make_table(const Problem& p, const HostTensor& k, const HostTensor& v) {
+  Table tb;
+  const int64_t per = dtype_bytes(k.dtype(), p.s.Hkv * p.s.P * p.s.D);
+  for (int64_t b = 0; b < p.n_blocks(); ++b)
+    tb.blocks.push_back(KvBlock{static_cast<char*>(k.t().data) + b * per, static_cast<char*>(v.t().data) + b * per,
+                                p.starts[b], p.lens[b]});
+  tb.kv = KvBlocks{tb.blocks.data(), p.n_blocks(), p.s.Hkv, p.s.P, p.s.D, k.dtype()};
+  return tb;
+}
+
+struct Outputs {
+  HostTensor o, lse, dq, dk, dv;
+};
+
+// Forward then backward on `ops`. Floats are converted to the backend's act dtype; K/V stay in their
+// dtype on a backend that takes it (bf16 on cpu) and are widened exactly to f64 for ref. Outputs start
+// as garbage so that every element must be written; dk and dv start as dk0 and dv0.
+Outputs run(Ops& ops, const Problem& p, double scale) {
+  const DType act = ops.act_dtype();
+  const Shape& s = p.s;
+  HostTensor q = p.q.as(act), dout = p.dout.as(act);
+  HostTensor k = act == DType::f64 ? p.k.as(DType::f64) : p.k.clone();
+  HostTensor v = act == DType::f64 ? p.v.as(DType::f64) : p.v.clone();
+  Outputs out{HostTensor(act, {s.T, s.H, s.D}), HostTensor(act, {s.H, s.T}), HostTensor(act, {s.T, s.H, s.D}),
+              p.dk0.as(act), p.dv0.as(act)};
+  out.o.fill(777.0);
+  out.lse.fill(12345.0);
+  out.dq.fill(-3.0);
+  Table kv = make_table(p, k, v), dkv = make_table(p, out.dk, out.dv);
+  ops.attention_forward(out.o, out.lse, q, kv.kv, p.pos, scale);
+  ops.attention_backward(out.dq, dkv.kv, dout, q, kv.kv, out.o, out.lse, p.pos, scale);
+  EXPECT_TRUE(q.guards_intact() && dout.guards_intact() && k.guards_intact() && v.guards_intact()) << ops.name();
+  return out;
+}
+
+// got - base, in f64.
+HostTensor minus(const HostTensor& got, const HostTensor& base) {
+  HostTensor d(DType::f64, {got.numel()});
+  for (int64_t i = 0; i < got.numel(); ++i) d.set(i, got.get(i) - base.get(i));
+  return d;
+}
+
+// dk, dv slots past each block's length are never touched.
+void expect_unused_slots_kept(const Problem& p, const Outputs& got, const std::string& what) {
+  const Shape& s = p.s;
+  int64_t changed = 0;
+  for (int64_t b = 0; b < p.n_blocks(); ++b)
+    for (int64_t g = 0; g < s.Hkv; ++g)
+      for (int64_t j = p.lens[b]; j < s.P; ++j)
+        for (int64_t d = 0; d < s.D; ++d) {
+          const int64_t i = ((b * s.Hkv + g) * s.P + j) * s.D + d;
+          changed += got.dk.get(i) != p.dk0.get(i) || got.dv.get(i) != p.dv0.get(i);
+        }
+  EXPECT_EQ(changed, 0) << what << ": dk/dv slots past a block's length were written";
+}
+
+void expect_matches(const Outputs& got, const Outputs& ref, const Problem& p, double tol, const std::string& what) {
+  expect_close(got.o, ref.o, tol, what + " o");
+  expect_close(got.lse, ref.lse, tol, what + " lse");
+  expect_close(got.dq, ref.dq, tol, what + " dq");
+  expect_close(got.dk, ref.dk, tol, what + " dk (+= onto dk0)");
+  expect_close(got.dv, ref.dv, tol, what + " dv (+= onto dv0)");
+  expect_close(minus(got.dk, p.dk0), minus(ref.dk, p.dk0), tol, what + " dk - dk0");
+  expect_close(minus(got.dv, p.dv0), minus(ref.dv, p.dv0), tol, what + " dv - dv0");
+  expect_unused_slots_kept(p, got, what);
+}
+
+double scale_for(int64_t D) { return 1.0 / std::sqrt(static_cast<double>(D)); }
+
+enum class Layout { contiguous, paged16, paged64, shuffled16 };
+
+struct Case {
+  int64_t T, D, H, Hkv;
+  Layout layout;
+  DType kv;
+  std::string backend;
+};
+
+Shape shape_of(const Case& c) {
+  switch (c.layout) {
+    case Layout::contiguous: return {c.T, c.H, c.Hkv, c.D, c.T, 0, false};
+    case Layout::paged16: return {c.T, c.H, c.Hkv, c.D, 16, 32, false};
+    case Layout::paged64: return {c.T, c.H, c.Hkv, c.D, 64, 128, false};
+    case Layout::shuffled16: return {c.T, c.H, c.Hkv, c.D, 16, 48, true};
+  }
+  return {};
+}
+
+const char* layout_name(Layout l) {
+  switch (l) {
+    case Layout::contiguous: return "contiguous";
+    case Layout::paged16: return "paged16";
+    case Layout::paged64: return "paged64";
+    case Layout::shuffled16: return "shuffled16";
+  }
+  return "?";
+}
+
+std::string case_name(const testing::TestParamInfo<Case>& info) {
+  const Case& c = info.param;
+  return c.backend + "_T" + std::to_string(c.T) + "_D" + std::to_string(c.D) + "_H" + std::to_string(c.H) + "_Hkv" +
+         std::to_string(c.Hkv) + "_" + layout_name(c.layout) + "_" + dtype_name(c.kv);
+}
+
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.backend << " T=" << c.T << " D=" << c.D << " H=" << c.H << " Hkv=" << c.Hkv << " "
+      << layout_name(c.layout) << " kv " << dtype_name(c.kv);
+}
+
+class AttentionMatrix : public testing::TestWithParam<Case> {};
+
+// bf16 K/V are compared against ref on the same bf16 values, so the tolerance stays f32's.
+TEST_P(AttentionMatrix, MatchesReference) {
+  const Case& c = GetParam();
+  const Problem p = make_problem(shape_of(c), c.kv, 1000 * c.T + 100 * c.D + 10 * c.H + c.Hkv);
+  auto ops = make_ops(c.backend);
+  RefOps ref;
+  const double scale = scale_for(c.D);
+  const Outputs got = run(*ops, p, scale), want = run(ref, p, scale);
+  expect_matches(got, want, p, tol_for(DType::f32), c.backend);
+}
+
+std::vector<Case> all_cases() {
+  const std::pair<int64_t, int64_t> heads[] = {{4, 4}, {4, 2}, {6, 2}, {8, 1}};
+  std::vector<Case> cs;
+  for (const std::string& be : backends_under_test()) {
+    for (int64_t T : {1, 7, 33, 128, 257})
+      for (int64_t D : {16, 64})
+        for (auto [H, Hkv] : heads)
+          for (Layout l : {Layout::contiguous, Layout::paged16, Layout::paged64}) {
+            if (T == 257 && D == 64 && Hkv != 1) continue;  // the ref side dominates; one GQA row is enough
+            cs.push_back({T, D, H, Hkv, l, DType::f32, be});
+          }
+    cs.push_back({128, 128, 4, 2, Layout::paged64, DType::f32, be});
+    cs.push_back({257, 128, 4, 1, Layout::contiguous, DType::f32, be});
+    for (int64_t T : {7, 100}) cs.push_back({T, 16, 6, 2, Layout::shuffled16, DType::f32, be});
+    for (Layout l : {Layout::contiguous, Layout::paged64}) cs.push_back({33, 64, 4, 2, l, DType::bf16, be});
+  }
+  return cs;
+}
+
+INSTANTIATE_TEST_SUITE_P(Matrix, AttentionMatrix, testing::ValuesIn(all_cases()), case_name);
+
+// Central differences in float64 of L = sum(o * W) against the reference backward, over every entry of
+// q, k and v (GQA, two blocks, the second partial, queries after one token of history).
+TEST(AttentionRef, BackwardMatchesFiniteDifferences) {
+  const Shape s{6, 4, 2, 5, 4, 1, false};
+  Problem p = make_problem(s, DType::f32, 11);
+  HostTensor q = p.q.as(DType::f64), k = p.k.as(DType::f64), v = p.v.as(DType::f64);
+  HostTensor w = p.dout.as(DType::f64);
+  HostTensor o(DType::f64, {s.T, s.H, s.D}), lse(DType::f64, {s.H, s.T});
+  const Table kv = make_table(p, k, v);
+  ASSERT_EQ(kv.kv.n_blocks, 2);
+  const double scale = 0.7;
+  RefOps ref;
+  auto loss = [&] {
+    ref.attention_forward(o, lse, q, kv.kv, p.pos, scale);
+    double l = 0;
+    for (int64_t i = 0; i < o.numel(); ++i) l += o.get(i) * w.get(i);
+    return l;
+  };
+  loss();
+  HostTensor dq(DType::f64, {s.T, s.H, s.D}), dk(DType::f64, {2, s.Hkv, s.P, s.D}), dv(DType::f64, {2, s.Hkv, s.P, s.D});
+  dk.fill(0.0);
+  dv.fill(0.0);
+  const Table dkv = make_table(p, dk, dv);
+  ref.attention_backward(dq, dkv.kv, w, q, kv.kv, o, lse, p.pos, scale);
+  for (auto [x, g, name] : {std::tuple{&q, &dq, "dq"}, std::tuple{&k, &dk, "dk"}, std::tuple{&v, &dv, "dv"}}) {
+    HostTensor numeric(DType::f64, {x->numel()}), analytic(DType::f64, {x->numel()});
+    for (int64_t i = 0; i < x->numel(); ++i) {
+      const double x0 = x->get(i);
+      if (std::isnan(x0)) {  // an unused slot: no gradient
+        EXPECT_EQ(g->get(i), 0.0) << name << "[" << i << "] of an unused slot";
+        numeric.set(i, 0.0);
+        analytic.set(i, 0.0);
+        continue;
+      }
+      const double step = 1e-5 * std::max(1.0, std::fabs(x0));
+      x->set(i, x0 + step);
+      const double up = loss();
+      x->set(i, x0 - step);
+      const double down = loss();
+      x->set(i, x0);
+      numeric.set(i, (up - down) / (2 * step));
+      analytic.set(i, g->get(i));
+    }
+    const double err = rel_l2(analytic, numeric);
+    EXPECT_LE(err, 1e-8) << name << ": backward vs central differences, relative L2 " << err;
+  }
+}
+
+// Same results, bit for bit, for 1, 2 and 3 threads (a fresh backend each time).
+TEST(Attention, BitwiseIdenticalAcrossThreadCounts) {
+  const int max_threads = omp_get_max_threads();
+  for (const std::string& be : backends_under_test())
+    for (const Shape& s : {Shape{257, 8, 2, 64, 64, 64, false}, Shape{300, 4, 1, 32, 300, 0, false}}) {
+      const Problem p = make_problem(s, DType::f32, 99);
+      std::vector<Outputs> outs;
+      for (int threads : {1, 2, 3}) {
+        omp_set_num_threads(threads);
+        auto ops = make_ops(be);
+        outs.push_back(run(*ops, p, scale_for(s.D)));
+      }
+      omp_set_num_threads(max_threads);
+      for (size_t n = 1; n < outs.size(); ++n) {
+        const std::string what = be + " T=" + std::to_string(s.T) + ", threads 1 vs " + std::to_string(n + 1);
+        for (auto [m, name] : {std::pair{&Outputs::o, "o"}, std::pair{&Outputs::lse, "lse"},
+                               std::pair{&Outputs::dq, "dq"}, std::pair{&Outputs::dk, "dk"},
+                               std::pair{&Outputs::dv, "dv"}})
+          EXPECT_EQ(std::memcmp((outs[0].*m).t().data, (outs[n].*m).t().data, (outs[0].*m).t().nbytes()), 0)
+              << what << ": " << name << " differs";
+      }
+    }
+}
+
+// Queries before every key (keys start at position 10, queries at 4..) and an empty block table:
+// o = 0, lse = -inf and dq = 0 for them, and no gradient reaches K/V from them.
+TEST(Attention, QueryThatSeesNoKey) {
+  std::vector<std::string> bes = backends_under_test();
+  bes.push_back("ref");
+  for (const std::string& be : bes) {
+    for (bool empty_table : {false, true}) {
+      const Shape s{12, 4, 2, 16, 8, 4, false};
+      Problem p = make_problem(s, DType::f32, 3);
+      // Shift every block 10 positions later: keys start at 10, so the queries at 4..9 see nothing.
+      for (auto& st : p.starts) st += 10;
+      if (empty_table) {
+        p.starts.clear();
+        p.lens.clear();
+      }
+      auto ops = make_ops(be);
+      RefOps ref;
+      const Outputs got = run(*ops, p, 0.25), want = run(ref, p, 0.25);
+      const std::string what = be + (empty_table ? " (no blocks)" : "");
+      int64_t blind = 0;
+      for (int64_t t = 0; t < s.T; ++t) {
+        const int32_t pos = static_cast<int32_t>(p.pos.get(t));
+        if (!empty_table && pos >= 10) continue;
+        ++blind;
+        for (int64_t h = 0; h < s.H; ++h) {
+          EXPECT_EQ(got.lse.get(h * s.T + t), -std::numeric_limits<double>::infinity()) << what << " t=" << t;
+          for (int64_t d = 0; d < s.D; ++d) {
+            EXPECT_EQ(got.o.get((t * s.H + h) * s.D + d), 0.0) << what << " o t=" << t;
+            EXPECT_EQ(got.dq.get((t * s.H + h) * s.D + d), 0.0) << what << " dq t=" << t;
+          }
+        }
+      }
+      EXPECT_EQ(blind, empty_table ? s.T : 6) << what;
+      if (be == "ref") continue;
+      // Everything else as ref (lse compared only where finite).
+      expect_close(got.o, want.o, tol_for(DType::f32), what + " o");
+      expect_close(got.dq, want.dq, tol_for(DType::f32), what + " dq");
+      expect_close(got.dk, want.dk, tol_for(DType::f32), what + " dk");
+      expect_close(got.dv, want.dv, tol_for(DType::f32), what + " dv");
+      for (int64_t i = 0; i < got.lse.numel(); ++i)
+        if (std::isfinite(want.lse.get(i))) {
+          EXPECT_NEAR(got.lse.get(i), want.lse.get(i), 1e-5) << what << " lse " << i;
+        }
+    }
+  }
+}
+
+// Gemm::tile against RefOps::matmul: every transpose pair, accumulate or not, odd sizes, K past one
+// k block (256) and N past one column block (64), and leading dimensions with a gap (the gap is NaN:
+// reading it poisons c; c's gap must survive).
+TEST(GemmTile, MatchesReference) {
+  std::mt19937_64 rng(17);
+  RefOps ref;
+  const int64_t sizes[][3] = {{1, 1, 1}, {7, 33, 5}, {6, 16, 64}, {13, 70, 300}, {96, 128, 64}, {5, 9, 0}, {40, 17, 513}};
+  for (auto [M, N, K] : sizes)
+    for (int ta = 0; ta < 2; ++ta)
+      for (int tb = 0; tb < 2; ++tb)
+        for (int acc = 0; acc < 2; ++acc) {
+          const std::string what = "M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K) +
+                                   " ta=" + std::to_string(ta) + " tb=" + std::to_string(tb) + " acc=" + std::to_string(acc);
+          const int64_t ar = ta ? K : M, ac = ta ? M : K, br = tb ? N : K, bc = tb ? K : N;
+          const int64_t lda = ac + 3, ldb = bc + 1, ldc = N + 2;
+          HostTensor a(DType::f32, {ar, ac}), b(DType::f32, {br, bc}), c0(DType::f32, {M, N});
+          a.randn(rng);
+          b.randn(rng);
+          c0.randn(rng);
+          // The same values in strided storage, NaN in the gaps; c's gap holds a marker.
+          const double nan = std::numeric_limits<double>::quiet_NaN();
+          HostTensor as(DType::f32, {std::max<int64_t>(ar * lda, 1)}), bs(DType::f32, {std::max<int64_t>(br * ldb, 1)});
+          HostTensor cs(DType::f32, {M * ldc});
+          as.fill(nan);
+          bs.fill(nan);
+          cs.fill(-5.0);
+          for (int64_t i = 0; i < ar * ac; ++i) as.set(i / ac * lda + i % ac, a.get(i));
+          for (int64_t i = 0; i < br * bc; ++i) bs.set(i / bc * ldb + i % bc, b.get(i));
+          for (int64_t i = 0; i < M * N; ++i) cs.set(i / N * ldc + i % N, c0.get(i));
+          GemmShape s;
+          s.M = M;
+          s.N = N;
+          s.K = K;
+          s.ta = ta;
+          s.tb = tb;
+          s.lda = lda;
+          s.ldb = ldb;
+          s.ldc = ldc;
+          s.accumulate = acc;
+          Gemm::tile(s, as.ptr<float>(), bs.ptr<float>(), cs.ptr<float>());
+          HostTensor want = c0.as(DType::f64), got(DType::f32, {M, N}), bound(DType::f64, {M, N});
+          ref.matmul(want, a.as(DType::f64), b.as(DType::f64), ta, tb, acc);
+          ref.matmul_magnitude(bound, a.as(DType::f64), b.as(DType::f64), ta, tb);
+          if (acc)  // the old value of c is part of the bound
+            for (int64_t i = 0; i < M * N; ++i) bound.set(i, bound.get(i) + std::fabs(c0.get(i)));
+          int64_t gap_changed = 0;
+          for (int64_t i = 0; i < M * ldc; ++i) {
+            if (i % ldc < N) got.set(i / ldc * N + i % ldc, cs.get(i));
+            else gap_changed += cs.get(i) != -5.0;
+          }
+          EXPECT_EQ(gap_changed, 0) << what << ": wrote between rows of c";
+          EXPECT_TRUE(as.guards_intact() && bs.guards_intact() && cs.guards_intact()) << what;
+          EXPECT_TRUE(all_finite(got)) << what;
+          expect_within_bound(got, want, bound, eps_of(DType::f32), K, 2.0, what);
+        }
+}
+
+// Calls `f` and expects an oomless::Error whose message starts with "[attention]".
+void expect_attention_error(const std::function<void()>& f, const std::string& what) {
+  try {
+    f();
+    ADD_FAILURE() << what << ": no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("[attention]", 0), 0u) << what << ": " << e.what();
+  }
+}
+
+TEST(Attention, BadInputThrows) {
+  std::vector<std::string> bes = backends_under_test();
+  bes.push_back("ref");
+  for (const std::string& be : bes) {
+    auto ops = make_ops(be);
+    const DType act = ops->act_dtype(), other = act == DType::f64 ? DType::f32 : DType::f64;
+    const Shape s{9, 4, 2, 8, 4, 3, false};
+    const Problem p = make_problem(s, DType::f32, 5);
+    HostTensor q = p.q.as(act), dout = p.dout.as(act), k = p.k.as(act), v = p.v.as(act);
+    HostTensor o(act, {s.T, s.H, s.D}), lse(act, {s.H, s.T}), dq(act, {s.T, s.H, s.D});
+    HostTensor dk = p.dk0.as(act), dv = p.dv0.as(act);
+    const Table kv = make_table(p, k, v), dkv = make_table(p, dk, dv);
+    const double sc = 0.3;
+    auto fwd = [&](Tensor to, Tensor tl, Tensor tq, const KvBlocks& b, Tensor tp) {
+      return [&ops, to, tl, tq, &b, tp, sc] { ops->attention_forward(to, tl, tq, b, tp, sc); };
+    };
+    // Sanity: the good call works.
+    ops->attention_forward(o, lse, q, kv.kv, p.pos, sc);
+    ops->attention_backward(dq, dkv.kv, dout, q, kv.kv, o, lse, p.pos, sc);
+
+    HostTensor q_other = p.q.as(other), lse_t(act, {s.T, s.H}), o_short(act, {s.T - 1, s.H, s.D});
+    HostTensor pos_f(act, {s.T}), pos_short(DType::i32, {s.T - 1});
+    const std::string w = be + ": ";
+    expect_attention_error(fwd(o, lse, q_other, kv.kv, p.pos), w + "q of the wrong dtype");
+    expect_attention_error(fwd(o, lse_t, q, kv.kv, p.pos), w + "lse (T, H) instead of (H, T)");
+    expect_attention_error(fwd(o_short, lse, q, kv.kv, p.pos), w + "o with fewer rows");
+    expect_attention_error(fwd(o, lse, q, kv.kv, pos_f), w + "float positions");
+    expect_attention_error(fwd(o, lse, q, kv.kv, pos_short), w + "positions of the wrong length");
+    expect_attention_error(fwd(o, lse, q.t().reshape({s.T, s.H * s.D}), kv.kv, p.pos), w + "2-d q");
+
+    KvBlocks bad = kv.kv;
+    bad.Hkv = 3;
+    expect_attention_error(fwd(o, lse, q, bad, p.pos), w + "H not a multiple of Hkv");
+    bad = kv.kv;
+    bad.D = s.D + 1;
+    expect_attention_error(fwd(o, lse, q, bad, p.pos), w + "head dims differ");
+    bad = kv.kv;
+    bad.dtype = DType::i32;
+    expect_attention_error(fwd(o, lse, q, bad, p.pos), w + "i32 kv blocks");
+    std::vector<KvBlock> long_blocks = kv.blocks;
+    long_blocks[0].len = static_cast<int32_t>(s.P + 1);
+    bad = kv.kv;
+    bad.blocks = long_blocks.data();
+    expect_attention_error(fwd(o, lse, q, bad, p.pos), w + "block longer than P");
+
+    auto bwd = [&](Tensor tdq, const KvBlocks& g, Tensor tdo) {
+      return [&ops, tdq, &g, tdo, &q, &kv, &o, &lse, &p, sc] {
+        ops->attention_backward(tdq, g, tdo, q, kv.kv, o, lse, p.pos, sc);
+      };
+    };
+    HostTensor dq_other(other, {s.T, s.H, s.D}), dout_short(act, {s.T, s.H, s.D - 1});
+    expect_attention_error(bwd(dq_other, dkv.kv, dout), w + "dq of the wrong dtype");
+    expect_attention_error(bwd(dq, dkv.kv, dout_short), w + "dout of the wrong shape");
+    KvBlocks g = dkv.kv;
+    g.n_blocks = dkv.kv.n_blocks - 1;
+    expect_attention_error(bwd(dq, g, dout), w + "dkv table with fewer blocks");
+    g = dkv.kv;
+    g.dtype = other;
+    expect_attention_error(bwd(dq, g, dout), w + "dkv of the wrong dtype");
+    std::vector<KvBlock> moved = dkv.blocks;
+    moved[1].start += 1;
+    g = dkv.kv;
+    g.blocks = moved.data();
+    expect_attention_error(bwd(dq, g, dout), w + "dkv block at another position");
+    EXPECT_TRUE(o.guards_intact() && lse.guards_intact() && dq.guards_intact() && dk.guards_intact()) << be;
+  }
+}
+
+}  // namespace
+}  // namespace oomless::test
