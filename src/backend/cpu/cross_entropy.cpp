@@ -1,0 +1,280 @@
+// Fused LM head + cross-entropy on the CPU, never holding a (T, V) logits buffer.
+//
+// The vocabulary is cut into chunks of Vc columns and the tokens into chunks of Tc rows. For each
+// (vocab chunk, token chunk) one GEMM gives the logits tile (Tc, Vc) = h_chunk . w_chunk^T; the rest is
+// row-wise work on that tile, rows spread over OpenMP threads with a static schedule.
+//
+// Forward keeps, per row, a running maximum m and a running sum s = sum exp(logit - m) (online
+// log-sum-exp): a tile with maximum c updates m' = max(m, c), s' = s exp(m - m') + sum exp(x - m').
+// The target's logit is picked up from the tile that holds it. lse = m + log s, loss_t = lse - logit_target.
+//
+// Backward recomputes each tile (same GEMM shapes as the forward, so the same logits), turns it in place
+// into dlogits = grad_scale (exp(logit - lse) - onehot(target)) (0 on ignored rows), then
+//   dh_chunk (Tc, E) = / += dlogits . w_chunk     (the first vocab chunk overwrites)
+//   dw_chunk (Vc, E) += dlogits^T . h_chunk
+// The second product reads a transposed copy of dlogits, written band by band while the band is in
+// cache: a GEMM whose A operand is stored transposed runs at about half speed in oneDNN on AVX2.
+//
+// Scratch, one workspace allocation per call; it does not grow with V, and with T only through the
+// forward's 16 bytes of row state. The sizes are measured choices (a 2-core AVX2 machine, E = 576,
+// V = 49152: tiles from 4 to 32 MiB and Vc from 1024 to 8192 were within noise of each other, the
+// smallest ones a little slower):
+//   logits tile       Tc * Vc * 4 bytes   <= kTileBytes (8 MiB)
+//   transposed tile   Tc * Vc * 4 bytes   <= kTileBytes, backward only
+//   w chunk in f32    Vc * E * 4 bytes    <= kWChunkBytes (16 MiB) unless E > 16384, only when w is bf16
+//                                            (widened once per vocab chunk: the GEMMs stay f32)
+//   row state         T * 16 bytes        forward only (running max, running sum, target logit)
+// so at most 32 MiB + 16 T bytes, plus the GEMM scratchpads that Gemm charges to the same arena.
+//
+// Determinism: chunk sizes depend on (T, E, V) only; each row is handled by one thread; per-row sums use
+// a fixed lane pattern; partial results across tiles combine in loop order; the loss is summed over
+// rows sequentially in double. Results are bitwise identical for any thread count provided the GEMMs are.
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "backend/checks.h"
+#include "backend/cpu/cpu_ops.h"
+#include "backend/cpu/gemm.h"
+
+namespace oomless {
+
+namespace {
+constexpr DType kAct = DType::f32;
+constexpr const char* kOp = "[cross_entropy]";
+constexpr int64_t kMaxVocabChunk = 4096;
+constexpr int64_t kMinVocabChunk = 256;
+constexpr int64_t kWChunkBytes = int64_t{16} << 20;
+constexpr int64_t kTileBytes = int64_t{8} << 20;
+constexpr int kLanes = 8;        // fixed summation lanes of the per-row exp sums
+constexpr int64_t kBand = 16;    // rows per band when dlogits are transposed (one 64-byte line)
+
+struct Plan {
+  int64_t Vc, Tc;
+};
+
+// Vc: as wide as kMaxVocabChunk while an f32 copy of the w chunk stays within kWChunkBytes (a multiple
+// of 64 columns); Tc: as many rows as keep the logits tile within kTileBytes.
+Plan plan_for(int64_t T, int64_t E, int64_t V) {
+  int64_t vc = std::clamp(kWChunkBytes / (4 * std::max<int64_t>(E, 1)), kMinVocabChunk, kMaxVocabChunk);
+  vc = std::min(vc / 64 * 64, V);
+  int64_t tc = std::clamp(kTileBytes / (4 * std::max<int64_t>(vc, 1)), int64_t{1}, std::max<int64_t>(T, 1));
+  return {vc, tc};
+}
+
+// n rounded up to a multiple of 16 elements, so that every scratch region starts 64-byte aligned.
+size_t padded(int64_t n) { return static_cast<size_t>((n + 15) / 16 * 16); }
+
+// exp(x) in f32 to within 1.4 ulp (checked over every float in [-87, 88]). Cody-Waite reduction
+// x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial for exp(r) and the exponent bits of 2^n. Below -87
+// it returns 0 (the true value is under 2^-125, invisible next to a sum >= 1), above 88 inf, NaN for NaN.
+// The range tests are integer compares on the bits and masks, not float branches, so that loops over
+// it vectorise (float compares may trap, which keeps the compiler from if-converting them).
+inline float exp_f32(float x) {
+  constexpr float kLog2e = 1.44269504088896341f;
+  constexpr float kLn2Hi = 0.693359375f;
+  constexpr float kLn2Lo = -2.12194440e-4f;
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer in the low bits
+  const uint32_t ux = std::bit_cast<uint32_t>(x);
+  const uint32_t lo = 0u - static_cast<uint32_t>(ux > std::bit_cast<uint32_t>(-87.0f));  // x < -87, -NaN
+  const uint32_t hi = 0u - static_cast<uint32_t>(static_cast<int32_t>(ux) > std::bit_cast<int32_t>(88.0f));
+  const uint32_t nan = 0u - static_cast<uint32_t>((ux & 0x7fffffffu) > 0x7f800000u);
+  const float xs = std::bit_cast<float>(ux & ~(lo | hi));  // out-of-range inputs computed as 0
+  const float t = xs * kLog2e + kRound;
+  const float n = t - kRound;
+  const uint32_t ni = std::bit_cast<uint32_t>(t) - std::bit_cast<uint32_t>(kRound);
+  float r = xs - n * kLn2Hi;
+  r = r - n * kLn2Lo;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  uint32_t uy = std::bit_cast<uint32_t>(p * std::bit_cast<float>((ni + 127u) << 23));
+  uy = (uy & ~(lo | hi)) | (hi & 0x7f800000u);
+  uy = (uy & ~nan) | (nan & 0x7fc00000u);
+  return std::bit_cast<float>(uy);
+}
+
+// The maximum of x[0, n), taken over the order-preserving integer image of the floats: an integer max
+// vectorises where a float one does not (see exp_f32). A NaN need not win here; exp_f32 passes it on.
+inline int32_t order_key(int32_t bits) { return bits ^ ((bits >> 31) & 0x7fffffff); }  // an involution
+
+float row_max(const float* x, int64_t n) {
+  int32_t m = order_key(std::bit_cast<int32_t>(-std::numeric_limits<float>::infinity()));
+  for (int64_t j = 0; j < n; ++j) {
+    const int32_t k = order_key(std::bit_cast<int32_t>(x[j]));
+    m = k > m ? k : m;
+  }
+  return std::bit_cast<float>(order_key(m));
+}
+
+// x[j] = exp(x[j] - shift) in place; returns their sum in double over kLanes fixed lanes.
+double exp_shift_sum(float* x, int64_t n, float shift) {
+  for (int64_t j = 0; j < n; ++j) x[j] = exp_f32(x[j] - shift);
+  double lane[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int k = 0; k < kLanes; ++k) lane[k] += x[j + k];
+  for (int k = 0; j < n; ++j, ++k) lane[k] += x[j];
+  return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
+
+// The f32 rows [v0, v0 + nv) of w: a pointer into w when it is f32, else widened into `dst`.
+const float* w_chunk(const Tensor& w, int64_t v0, int64_t nv, int64_t E, float* dst) {
+  if (w.dtype == DType::f32) return static_cast<const float*>(w.data) + v0 * E;
+  const uint16_t* src = static_cast<const uint16_t*>(w.data) + v0 * E;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < nv * E; ++i) dst[i] = bf16_to_f32(src[i]);
+  return dst;
+}
+
+// logits (nt, nv) = h (nt, E) . wv (nv, E)^T
+void tile_logits(Gemm& g, float* logits, const float* h, const float* wv, int64_t nt, int64_t nv, int64_t E) {
+  GemmShape s;
+  s.M = nt;
+  s.N = nv;
+  s.K = E;
+  s.tb = true;
+  g.run(s, h, wv, logits);
+}
+
+int64_t supervised_rows(const int32_t* tg, int64_t T, int32_t ignore_index) {
+  int64_t n = 0;
+  for (int64_t t = 0; t < T; ++t) n += tg[t] != ignore_index;
+  return n;
+}
+}  // namespace
+
+CeResult CpuOps::linear_cross_entropy_forward(Tensor lse, Tensor h, Tensor w, Tensor targets, int32_t ignore_index) {
+  auto [T, E, V] = check_cross_entropy(kOp, lse, h, w, targets, ignore_index, kAct);
+  const float* hp = static_cast<const float*>(h.data);
+  const int32_t* tg = static_cast<const int32_t*>(targets.data);
+  float* lp = static_cast<float*>(lse.data);
+  CeResult res;
+  res.count = supervised_rows(tg, T, ignore_index);
+  if (res.count == 0) {
+    std::fill(lp, lp + T, 0.0f);
+    return res;
+  }
+  const Plan pl = plan_for(T, E, V);
+  const bool widen = w.dtype == DType::bf16;
+  const size_t tile_n = padded(pl.Tc * pl.Vc), wc_n = widen ? padded(pl.Vc * E) : 0;
+  Buffer buf = scratch(4 * (tile_n + wc_n) + 16 * padded(T), "cross_entropy");
+  float* tile = buf.as<float>();                                 // (Tc, Vc)
+  float* wc = tile + tile_n;                                     // (Vc, E) when w is bf16
+  float* rmax = wc + wc_n;                                       // (T) running max
+  double* rsum = reinterpret_cast<double*>(rmax + padded(T));    // (T) running sum of exp(logit - rmax)
+  float* tlogit = reinterpret_cast<float*>(rsum + padded(T));    // (T) the target's logit
+  for (int64_t t = 0; t < T; ++t) {
+    rsum[t] = 0.0;
+    rmax[t] = -std::numeric_limits<float>::infinity();
+    tlogit[t] = 0.0f;
+  }
+
+  for (int64_t v0 = 0; v0 < V; v0 += pl.Vc) {
+    const int64_t nv = std::min(pl.Vc, V - v0);
+    const float* wv = w_chunk(w, v0, nv, E, wc);
+    for (int64_t t0 = 0; t0 < T; t0 += pl.Tc) {
+      const int64_t nt = std::min(pl.Tc, T - t0);
+      tile_logits(gemm(), tile, hp + t0 * E, wv, nt, nv, E);
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < nt; ++i) {
+        const int64_t t = t0 + i;
+        if (tg[t] == ignore_index) continue;
+        float* x = tile + i * nv;
+        if (tg[t] >= v0 && tg[t] < v0 + nv) tlogit[t] = x[tg[t] - v0];
+        const float m = std::max(rmax[t], row_max(x, nv));
+        const double cs = exp_shift_sum(x, nv, m);
+        rsum[t] = rsum[t] * std::exp(static_cast<double>(rmax[t]) - static_cast<double>(m)) + cs;
+        rmax[t] = m;
+      }
+    }
+  }
+
+  for (int64_t t = 0; t < T; ++t) {
+    if (tg[t] == ignore_index) {
+      lp[t] = 0.0f;
+      continue;
+    }
+    const double l = static_cast<double>(rmax[t]) + std::log(rsum[t]);
+    lp[t] = static_cast<float>(l);
+    res.loss_sum += l - static_cast<double>(tlogit[t]);
+  }
+  return res;
+}
+
+void CpuOps::linear_cross_entropy_backward(Tensor dh, Tensor dw, Tensor h, Tensor w, Tensor targets, Tensor lse,
+                                           int32_t ignore_index, double grad_scale) {
+  auto [T, E, V] = check_cross_entropy(kOp, lse, h, w, targets, ignore_index, kAct);
+  check_dtype(kOp, "dh", dh, {kAct});
+  check_shape(kOp, "dh", dh, {T, E});
+  check_dtype(kOp, "dw", dw, {kAct});
+  check_shape(kOp, "dw", dw, {V, E});
+  const float* hp = static_cast<const float*>(h.data);
+  const int32_t* tg = static_cast<const int32_t*>(targets.data);
+  const float* lp = static_cast<const float*>(lse.data);
+  float* dhp = static_cast<float*>(dh.data);
+  float* dwp = static_cast<float*>(dw.data);
+  if (supervised_rows(tg, T, ignore_index) == 0) {  // every dlogit is 0: dh = 0, dw unchanged
+    std::fill(dhp, dhp + T * E, 0.0f);
+    return;
+  }
+  const Plan pl = plan_for(T, E, V);
+  const bool widen = w.dtype == DType::bf16;
+  const size_t tile_n = padded(pl.Tc * pl.Vc), wc_n = widen ? padded(pl.Vc * E) : 0;
+  Buffer buf = scratch(4 * (2 * tile_n + wc_n), "cross_entropy");
+  float* tile = buf.as<float>();     // (Tc, Vc) logits, then dlogits in place
+  float* tile_t = tile + tile_n;     // (Vc, Tc) dlogits transposed
+  float* wc = tile_t + tile_n;       // (Vc, E) when w is bf16
+  const float gs = static_cast<float>(grad_scale);
+
+  for (int64_t v0 = 0; v0 < V; v0 += pl.Vc) {
+    const int64_t nv = std::min(pl.Vc, V - v0);
+    const float* wv = w_chunk(w, v0, nv, E, wc);
+    for (int64_t t0 = 0; t0 < T; t0 += pl.Tc) {
+      const int64_t nt = std::min(pl.Tc, T - t0);
+      tile_logits(gemm(), tile, hp + t0 * E, wv, nt, nv, E);
+      // Bands of kBand rows: dlogits in place, then the band is copied transposed into tile_t while it
+      // is still in cache (each tile_t row gets kBand contiguous floats).
+      const int64_t nbands = (nt + kBand - 1) / kBand;
+#pragma omp parallel for schedule(static)
+      for (int64_t b = 0; b < nbands; ++b) {
+        const int64_t i0 = b * kBand, i1 = std::min(i0 + kBand, nt);
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t t = t0 + i;
+          float* x = tile + i * nv;
+          if (tg[t] == ignore_index) {
+            std::memset(x, 0, static_cast<size_t>(nv) * sizeof(float));
+            continue;
+          }
+          const float l = lp[t];
+          const int64_t jt = tg[t] >= v0 && tg[t] < v0 + nv ? tg[t] - v0 : -1;
+          const float pt = jt >= 0 ? exp_f32(x[jt] - l) : 0.0f;
+          for (int64_t j = 0; j < nv; ++j) x[j] = gs * exp_f32(x[j] - l);
+          if (jt >= 0) x[jt] = gs * (pt - 1.0f);
+        }
+        for (int64_t j = 0; j < nv; ++j)
+          for (int64_t i = i0; i < i1; ++i) tile_t[j * nt + i] = tile[i * nv + j];
+      }
+      GemmShape sdh;  // dh (nt, E) = / += dlogits (nt, nv) . wv (nv, E)
+      sdh.M = nt;
+      sdh.N = E;
+      sdh.K = nv;
+      sdh.accumulate = v0 > 0;
+      gemm().run(sdh, tile, wv, dhp + t0 * E);
+      GemmShape sdw;  // dw (nv, E) += dlogits^T (nv, nt) . h (nt, E)
+      sdw.M = nv;
+      sdw.N = E;
+      sdw.K = nt;
+      sdw.accumulate = true;
+      gemm().run(sdw, tile_t, hp + t0 * E, dwp + v0 * E);
+    }
+  }
+}
+
+}  // namespace oomless

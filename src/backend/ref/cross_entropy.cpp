@@ -1,0 +1,88 @@
+// Float64 reference of the fused LM head + cross-entropy: the full logits row of one token at a time
+// (a V-long vector, fine for the oracle), softmax with the maximum subtracted.
+//
+//   logits_v = h_t . w_v,  lse_t = m + log sum_v exp(logits_v - m),  m = max_v logits_v
+//   loss_t   = lse_t - logits_target
+//   dlogits_v = grad_scale * (exp(logits_v - lse_t) - [v == target])
+//   dh_t = sum_v dlogits_v w_v,  dw_v += dlogits_v h_t
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "backend/checks.h"
+#include "backend/ref/ref_ops.h"
+
+namespace oomless {
+
+namespace {
+constexpr DType kAct = DType::f64;
+constexpr const char* kOp = "[cross_entropy]";
+
+// Element i of an f64 or bf16 tensor as double.
+double load(const Tensor& t, int64_t i) {
+  if (t.dtype == DType::bf16) return bf16_to_f32(static_cast<const uint16_t*>(t.data)[i]);
+  return static_cast<const double*>(t.data)[i];
+}
+
+// logits (V) of row t.
+void row_logits(std::vector<double>& logits, const double* h, const Tensor& w, int64_t t, int64_t E, int64_t V) {
+  for (int64_t v = 0; v < V; ++v) {
+    double s = 0;
+    for (int64_t e = 0; e < E; ++e) s += h[t * E + e] * load(w, v * E + e);
+    logits[v] = s;
+  }
+}
+}  // namespace
+
+CeResult RefOps::linear_cross_entropy_forward(Tensor lse, Tensor h, Tensor w, Tensor targets, int32_t ignore_index) {
+  auto [T, E, V] = check_cross_entropy(kOp, lse, h, w, targets, ignore_index, kAct);
+  const double* hp = static_cast<const double*>(h.data);
+  const int32_t* tg = static_cast<const int32_t*>(targets.data);
+  double* lp = static_cast<double*>(lse.data);
+  CeResult r;
+  std::vector<double> logits(static_cast<size_t>(V));
+  for (int64_t t = 0; t < T; ++t) {
+    if (tg[t] == ignore_index) {
+      lp[t] = 0.0;
+      continue;
+    }
+    row_logits(logits, hp, w, t, E, V);
+    double m = -std::numeric_limits<double>::infinity();
+    for (int64_t v = 0; v < V; ++v) m = std::fmax(m, logits[v]);
+    double s = 0;
+    for (int64_t v = 0; v < V; ++v) s += std::exp(logits[v] - m);
+    lp[t] = m + std::log(s);
+    r.loss_sum += lp[t] - logits[tg[t]];
+    ++r.count;
+  }
+  return r;
+}
+
+void RefOps::linear_cross_entropy_backward(Tensor dh, Tensor dw, Tensor h, Tensor w, Tensor targets, Tensor lse,
+                                           int32_t ignore_index, double grad_scale) {
+  auto [T, E, V] = check_cross_entropy(kOp, lse, h, w, targets, ignore_index, kAct);
+  check_dtype(kOp, "dh", dh, {kAct});
+  check_shape(kOp, "dh", dh, {T, E});
+  check_dtype(kOp, "dw", dw, {kAct});
+  check_shape(kOp, "dw", dw, {V, E});
+  const double* hp = static_cast<const double*>(h.data);
+  const int32_t* tg = static_cast<const int32_t*>(targets.data);
+  const double* lp = static_cast<const double*>(lse.data);
+  double* dhp = static_cast<double*>(dh.data);
+  double* dwp = static_cast<double*>(dw.data);
+  std::vector<double> logits(static_cast<size_t>(V));
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t e = 0; e < E; ++e) dhp[t * E + e] = 0.0;
+    if (tg[t] == ignore_index) continue;
+    row_logits(logits, hp, w, t, E, V);
+    for (int64_t v = 0; v < V; ++v) {
+      double d = grad_scale * (std::exp(logits[v] - lp[t]) - (v == tg[t] ? 1.0 : 0.0));
+      for (int64_t e = 0; e < E; ++e) {
+        dhp[t * E + e] += d * load(w, v * E + e);
+        dwp[v * E + e] += d * hp[t * E + e];
+      }
+    }
+  }
+}
+
+}  // namespace oomless

@@ -1,0 +1,271 @@
+// Fused LM head + cross-entropy: every built backend against the float64 reference (forward lse, loss
+// and count; backward dh and the accumulated dw), a finite-difference check of the reference backward,
+// bitwise determinism across thread counts, ignored rows, large logits and bad input.
+#include <omp.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+
+#include "backend/ref/ref_ops.h"
+#include "util/harness.h"
+
+namespace oomless::test {
+namespace {
+
+constexpr int32_t kIgnore = -100;
+
+// One random instance, given to the backend as is and to ref widened exactly to f64.
+struct Problem {
+  HostTensor h;        // (T, E) f32
+  HostTensor w;        // (V, E) f32 or bf16
+  HostTensor targets;  // (T) i32, about a fifth of them kIgnore
+  HostTensor dw0;      // (V, E) f32, the gradient dw accumulates onto
+};
+
+Problem make_problem(int64_t T, int64_t E, int64_t V, DType wt, uint64_t seed, double h_scale = 1.0) {
+  std::mt19937_64 rng(seed);
+  Problem p{HostTensor(DType::f32, {T, E}), HostTensor(wt, {V, E}), HostTensor(DType::i32, {T}),
+            HostTensor(DType::f32, {V, E})};
+  p.h.randn(rng, h_scale);
+  p.w.randn(rng, 1.0 / std::sqrt(static_cast<double>(E)));  // logits of about h_scale
+  p.targets.randint(rng, 0, static_cast<int32_t>(V));
+  std::bernoulli_distribution ignored(0.2);
+  for (int64_t t = 0; t < T; ++t)
+    if (ignored(rng)) p.targets.set(t, kIgnore);
+  p.dw0.randn(rng, 1e-3);
+  return p;
+}
+
+struct Outputs {
+  CeResult r;
+  HostTensor lse;  // (T)
+  HostTensor dh;   // (T, E)
+  HostTensor dw;   // (V, E), dw0 + the gradient
+};
+
+// Forward then backward on `ops` in its activation dtype. lse and dh start as garbage so that every
+// element must be written; dw starts as dw0.
+Outputs run(Ops& ops, const Problem& p, double grad_scale) {
+  const DType act = ops.act_dtype();
+  const int64_t T = p.h.t().dims[0], E = p.h.t().dims[1];
+  HostTensor h = p.h.as(act);
+  HostTensor w = act == DType::f64 ? p.w.as(DType::f64) : p.w.clone();  // exact: the same bf16 values
+  Outputs o{CeResult{}, HostTensor(act, {T}), HostTensor(act, {T, E}), p.dw0.as(act)};
+  o.lse.fill(12345.0);
+  o.dh.fill(7.0);
+  o.r = ops.linear_cross_entropy_forward(o.lse, h, w, p.targets, kIgnore);
+  ops.linear_cross_entropy_backward(o.dh, o.dw, h, w, p.targets, o.lse, kIgnore, grad_scale);
+  return o;
+}
+
+// got - base, in f64.
+HostTensor minus(const HostTensor& got, const HostTensor& base) {
+  HostTensor d(DType::f64, {got.numel()});
+  for (int64_t i = 0; i < got.numel(); ++i) d.set(i, got.get(i) - base.get(i));
+  return d;
+}
+
+// Compares a backend's outputs with ref's at relative tolerance `tol`. The loss is a sum of
+// differences lse - logit of values as large as |lse|, so its error is measured against sum |lse|.
+void expect_matches(const Outputs& got, const Outputs& ref, const Problem& p, double tol, const std::string& what) {
+  EXPECT_EQ(got.r.count, ref.r.count) << what;
+  double lse_mass = 0;
+  for (int64_t t = 0; t < ref.lse.numel(); ++t) lse_mass += std::fabs(ref.lse.get(t));
+  EXPECT_NEAR(got.r.loss_sum, ref.r.loss_sum, tol * (std::fabs(ref.r.loss_sum) + lse_mass) + 1e-30)
+      << what << " loss_sum";
+  expect_close(got.lse, ref.lse, tol, what + " lse");
+  expect_close(got.dh, ref.dh, tol, what + " dh");
+  expect_close(got.dw, ref.dw, tol, what + " dw (+= onto dw0)");
+  expect_close(minus(got.dw, p.dw0), minus(ref.dw, p.dw0), tol, what + " dw - dw0");
+}
+
+double grad_scale_for(const Problem& p) {
+  int64_t n = 0;
+  for (int64_t t = 0; t < p.targets.numel(); ++t) n += p.targets.get(t) != kIgnore;
+  return n ? 1.0 / static_cast<double>(n) : 0.5;
+}
+
+struct Case {
+  int64_t T, E, V;
+  DType w;
+  std::string backend;
+};
+
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.backend << " T=" << c.T << " E=" << c.E << " V=" << c.V << " w " << dtype_name(c.w);
+}
+
+std::string case_name(const testing::TestParamInfo<Case>& info) {
+  const Case& c = info.param;
+  return c.backend + "_T" + std::to_string(c.T) + "_E" + std::to_string(c.E) + "_V" + std::to_string(c.V) + "_" +
+         dtype_name(c.w);
+}
+
+class CrossEntropyMatrix : public testing::TestWithParam<Case> {};
+
+// A bf16 w is compared against ref on the same bf16-rounded weights, so the tolerance stays f32's.
+TEST_P(CrossEntropyMatrix, MatchesReference) {
+  const Case& c = GetParam();
+  Problem p = make_problem(c.T, c.E, c.V, c.w, 1000 * c.T + 10 * c.E + c.V);
+  auto ops = make_ops(c.backend);
+  RefOps ref;
+  const double gs = grad_scale_for(p);
+  Outputs got = run(*ops, p, gs), want = run(ref, p, gs);
+  expect_matches(got, want, p, tol_for(DType::f32), c.backend);
+}
+
+std::vector<Case> all_cases() {
+  std::vector<Case> cs;
+  for (const std::string& be : backends_under_test())
+    for (DType w : {DType::f32, DType::bf16})
+      for (int64_t T : {1, 7, 33, 257})
+        for (int64_t E : {16, 64})
+          for (int64_t V : {1, 7, 100, 8192, 10007}) cs.push_back({T, E, V, w, be});
+  // Several token chunks and a one-column last vocab chunk: the CPU kernel's 8 MiB tile holds 512
+  // rows of 4096 logits.
+  for (const std::string& be : backends_under_test())
+    for (DType w : {DType::f32, DType::bf16}) cs.push_back({1100, 16, 4097, w, be});
+  return cs;
+}
+
+INSTANTIATE_TEST_SUITE_P(Matrix, CrossEntropyMatrix, testing::ValuesIn(all_cases()), case_name);
+
+// Central differences in float64 of grad_scale * loss_sum against the reference backward.
+TEST(CrossEntropyRef, BackwardMatchesFiniteDifferences) {
+  const int64_t T = 4, E = 3, V = 5;
+  std::mt19937_64 rng(7);
+  HostTensor h(DType::f64, {T, E}), w(DType::f64, {V, E}), targets(DType::i32, {T}), lse(DType::f64, {T});
+  h.randn(rng);
+  w.randn(rng);
+  const int32_t tg[T] = {1, kIgnore, 4, 0};
+  for (int64_t t = 0; t < T; ++t) targets.set(t, tg[t]);
+  const double gs = 0.7, step = 1e-5;
+  RefOps ref;
+  auto loss = [&] { return gs * ref.linear_cross_entropy_forward(lse, h, w, targets, kIgnore).loss_sum; };
+  loss();
+  HostTensor dh(DType::f64, {T, E}), dw(DType::f64, {V, E});
+  dw.fill(0.0);
+  ref.linear_cross_entropy_backward(dh, dw, h, w, targets, lse, kIgnore, gs);
+  for (auto [x, g, name] : {std::tuple{&h, &dh, "dh"}, std::tuple{&w, &dw, "dw"}}) {
+    for (int64_t i = 0; i < x->numel(); ++i) {
+      const double x0 = x->get(i);
+      x->set(i, x0 + step);
+      const double up = loss();
+      x->set(i, x0 - step);
+      const double down = loss();
+      x->set(i, x0);
+      const double fd = (up - down) / (2 * step);
+      EXPECT_NEAR(g->get(i), fd, 1e-8 * (1.0 + std::fabs(fd))) << name << "[" << i << "]";
+    }
+  }
+  // The ignored row gets no gradient.
+  for (int64_t e = 0; e < E; ++e) EXPECT_EQ(dh.get(1 * E + e), 0.0);
+}
+
+// Same results, bit for bit, for 1, 2 and 3 threads (a fresh backend each time).
+TEST(CrossEntropy, BitwiseIdenticalAcrossThreadCounts) {
+  const int max_threads = omp_get_max_threads();
+  for (const std::string& be : backends_under_test())
+    for (DType wt : {DType::f32, DType::bf16}) {
+      Problem p = make_problem(1100, 64, 10007, wt, 99);  // several token and vocab chunks
+      std::vector<Outputs> outs;
+      for (int threads : {1, 2, 3}) {
+        omp_set_num_threads(threads);
+        auto ops = make_ops(be);
+        outs.push_back(run(*ops, p, 0.25));
+      }
+      omp_set_num_threads(max_threads);
+      for (size_t k = 1; k < outs.size(); ++k) {
+        const std::string what = be + " w " + dtype_name(wt) + ", threads 1 vs " + std::to_string(k + 1);
+        EXPECT_EQ(std::memcmp(&outs[0].r.loss_sum, &outs[k].r.loss_sum, sizeof(double)), 0) << what << " loss";
+        EXPECT_EQ(outs[0].r.count, outs[k].r.count) << what;
+        for (auto m : {&Outputs::lse, &Outputs::dh, &Outputs::dw})
+          EXPECT_EQ(std::memcmp((outs[0].*m).t().data, (outs[k].*m).t().data, (outs[0].*m).t().nbytes()), 0) << what;
+      }
+    }
+}
+
+// Every row ignored: no loss, lse 0, dh 0, dw untouched; on ref too.
+TEST(CrossEntropy, AllRowsIgnored) {
+  std::vector<std::string> bes = backends_under_test();
+  bes.push_back("ref");
+  for (const std::string& be : bes) {
+    Problem p = make_problem(33, 16, 100, DType::f32, 5);
+    p.targets.fill(kIgnore);
+    auto ops = make_ops(be);
+    Outputs o = run(*ops, p, 0.5);
+    EXPECT_EQ(o.r.count, 0) << be;
+    EXPECT_EQ(o.r.loss_sum, 0.0) << be;
+    for (int64_t i = 0; i < o.lse.numel(); ++i) ASSERT_EQ(o.lse.get(i), 0.0) << be << " lse[" << i << "]";
+    for (int64_t i = 0; i < o.dh.numel(); ++i) ASSERT_EQ(o.dh.get(i), 0.0) << be << " dh[" << i << "]";
+    for (int64_t i = 0; i < o.dw.numel(); ++i) ASSERT_EQ(o.dw.get(i), p.dw0.get(i)) << be << " dw[" << i << "]";
+  }
+}
+
+// Logits of a few tens, the largest past 88.7 where exp overflows f32 (so only the max shift keeps
+// them finite), stay finite and as accurate as ordinary ones.
+TEST(CrossEntropy, LargeLogitsStayFiniteAndAccurate) {
+  const double scale = 25.0;
+  for (const std::string& be : backends_under_test())
+    for (DType wt : {DType::f32, DType::bf16}) {
+      Problem p = make_problem(33, 64, 1000, wt, 11, scale);
+      auto ops = make_ops(be);
+      RefOps ref;
+      const double gs = grad_scale_for(p);
+      Outputs got = run(*ops, p, gs), want = run(ref, p, gs);
+      double max_lse = 0;
+      for (int64_t t = 0; t < want.lse.numel(); ++t) max_lse = std::max(max_lse, std::fabs(want.lse.get(t)));
+      EXPECT_GT(max_lse, 88.7) << "the case must reach logits whose exp overflows f32";
+      EXPECT_TRUE(std::isfinite(got.r.loss_sum));
+      expect_matches(got, want, p, tol_for(DType::f32), be + " w " + dtype_name(wt) + " large logits");
+    }
+}
+
+void expect_error(const std::function<void()>& fn, std::initializer_list<const char*> parts, const std::string& what) {
+  try {
+    fn();
+    ADD_FAILURE() << what << ": no error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(msg.rfind("[cross_entropy]", 0), 0u) << what << ": " << msg;
+    for (const char* s : parts) EXPECT_NE(msg.find(s), std::string::npos) << what << ": '" << s << "' not in " << msg;
+  }
+}
+
+TEST(CrossEntropy, BadInputThrows) {
+  std::vector<std::string> bes = backends_under_test();
+  bes.push_back("ref");
+  for (const std::string& be : bes) {
+    auto ops = make_ops(be);
+    const DType act = ops->act_dtype();
+    const int64_t T = 5, E = 4, V = 10;
+    HostTensor h(act, {T, E}), w(act, {V, E}), lse(act, {T}), dh(act, {T, E}), dw(act, {V, E});
+    HostTensor targets(DType::i32, {T});
+    h.fill(0.1);
+    w.fill(0.2);
+    dw.fill(0.0);
+    targets.fill(2);
+    targets.set(3, 10);  // == V
+    expect_error([&] { ops->linear_cross_entropy_forward(lse, h, w, targets, kIgnore); }, {"target 10", "row 3"},
+                 be + " target == V");
+    expect_error([&] { ops->linear_cross_entropy_backward(dh, dw, h, w, targets, lse, kIgnore, 1.0); },
+                 {"target 10", "row 3"}, be + " backward target == V");
+    targets.set(3, -1);  // negative and not the ignore index
+    expect_error([&] { ops->linear_cross_entropy_forward(lse, h, w, targets, kIgnore); }, {"target -1", "row 3"},
+                 be + " target -1");
+    targets.set(3, 2);
+    HostTensor w_wide(act, {V, E + 1}), lse_short(act, {T - 1}), dw_short(act, {V - 1, E}), h_i32(DType::i32, {T, E});
+    HostTensor dw_bf16(DType::bf16, {V, E});
+    expect_error([&] { ops->linear_cross_entropy_forward(lse, h, w_wide, targets, kIgnore); }, {"w"}, be + " width");
+    expect_error([&] { ops->linear_cross_entropy_forward(lse_short, h, w, targets, kIgnore); }, {"lse"}, be + " lse");
+    expect_error([&] { ops->linear_cross_entropy_forward(lse, h_i32, w, targets, kIgnore); }, {"h"}, be + " h dtype");
+    expect_error([&] { ops->linear_cross_entropy_backward(dh, dw_short, h, w, targets, lse, kIgnore, 1.0); }, {"dw"},
+                 be + " dw shape");
+    expect_error([&] { ops->linear_cross_entropy_backward(dh, dw_bf16, h, w, targets, lse, kIgnore, 1.0); }, {"dw"},
+                 be + " dw dtype");
+  }
+}
+
+}  // namespace
+}  // namespace oomless::test
