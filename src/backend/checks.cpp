@@ -134,6 +134,13 @@ CeDims check_cross_entropy(const char* op, const Tensor& lse, const Tensor& h, c
   return {T, E, V};
 }
 
+void check_cross_entropy_backward(const char* op, const CeDims& d, const Tensor& dh, const Tensor& dw, DType act) {
+  check_dtype(op, "dh", dh, {act});
+  check_shape(op, "dh", dh, {d.T, d.E});
+  check_dtype(op, "dw", dw, {act});
+  check_shape(op, "dw", dw, {d.V, d.E});
+}
+
 void check_adamw(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWConfig& cfg,
                  DType act) {
   check_elementwise("[adamw]", {&param, &grad, &m, &v}, act);

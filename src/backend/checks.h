@@ -43,6 +43,9 @@ struct CeDims {
 CeDims check_cross_entropy(const char* op, const Tensor& lse, const Tensor& h, const Tensor& w, const Tensor& targets,
                            int32_t ignore_index, DType act);
 
+// The backward's outputs: dh (T, E) and dw (V, E), both act dtype.
+void check_cross_entropy_backward(const char* op, const CeDims& d, const Tensor& dh, const Tensor& dw, DType act);
+
 void check_adamw(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWConfig& cfg,
                  DType act);
 

@@ -60,11 +60,9 @@ CeResult RefOps::linear_cross_entropy_forward(Tensor lse, Tensor h, Tensor w, Te
 
 void RefOps::linear_cross_entropy_backward(Tensor dh, Tensor dw, Tensor h, Tensor w, Tensor targets, Tensor lse,
                                            int32_t ignore_index, double grad_scale) {
-  auto [T, E, V] = check_cross_entropy(kOp, lse, h, w, targets, ignore_index, kAct);
-  check_dtype(kOp, "dh", dh, {kAct});
-  check_shape(kOp, "dh", dh, {T, E});
-  check_dtype(kOp, "dw", dw, {kAct});
-  check_shape(kOp, "dw", dw, {V, E});
+  const CeDims dims = check_cross_entropy(kOp, lse, h, w, targets, ignore_index, kAct);
+  check_cross_entropy_backward(kOp, dims, dh, dw, kAct);
+  auto [T, E, V] = dims;
   const double* hp = static_cast<const double*>(h.data);
   const int32_t* tg = static_cast<const int32_t*>(targets.data);
   const double* lp = static_cast<const double*>(lse.data);
