@@ -1,5 +1,5 @@
 // Ops: every kernel the model needs, one pure-virtual entry each, so a backend that lacks a kernel
-// does not compile. Backends: ref (float64 loops, the oracle used by tests), cpu (OpenMP + oneDNN),
+// does not compile. Backends: ref (float64 loops, the oracle used by tests), cpu (OpenMP + a blocked GEMM),
 // cuda (later). The float dtype of activations is the backend's: f64 for ref, f32 for cpu; matmul and
 // embedding inputs (weights) may also be bf16 on cpu. Integer inputs (ids, targets, positions) are i32.
 //

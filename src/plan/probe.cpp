@@ -97,7 +97,6 @@ ProbeResult run_probe(bool quick) {
   int reps = quick ? 3 : 7;
   r.gemm_f32_gflops = gemm_rate(ops, mem, r.gemm_n, DType::f32, reps);
   r.gemm_bf16_gflops = gemm_rate(ops, mem, r.gemm_n, DType::bf16, reps);
-  r.bf16_native = r.cpu.avx512_bf16 || r.cpu.amx_bf16;
   r.attn_T = quick ? 256 : 2048;
   r.attn_H = 8;
   r.attn_D = 64;
@@ -127,12 +126,12 @@ std::string ProbeResult::text() const {
                 "logical cpus   %d (using %d threads)\n"
                 "isa            %s\n"
                 "gemm f32       %.1f GFLOP/s (n=%d)\n"
-                "gemm bf16      %.1f GFLOP/s (n=%d, %s)\n"
+                "gemm bf16      %.1f GFLOP/s (n=%d, bf16 operands widened to f32 while packing)\n"
                 "attention      %.1f GFLOP/s fwd+bwd (T=%d H=%d D=%d causal)\n"
                 "bandwidth      %.1f GB/s (triad over 3 x %.0f MiB)\n"
                 "cuda           %s\n",
                 cpu.model.c_str(), cpu.logical_cpus, cpu.threads, cpu.isa_summary().c_str(), gemm_f32_gflops, gemm_n,
-                gemm_bf16_gflops, gemm_n, bf16_native ? "native" : "widened to f32: no AVX-512 bf16/AMX", attention_gflops,
+                gemm_bf16_gflops, gemm_n, attention_gflops,
                 attn_T, attn_H, attn_D, bandwidth_gbs, bandwidth_bytes / 1048576.0, cuda.c_str());
   return buf;
 }
@@ -142,7 +141,7 @@ std::string ProbeResult::json() const {
   os << "{\"cpu\": \"" << cpu.model << "\", \"logical_cpus\": " << cpu.logical_cpus << ", \"threads\": " << cpu.threads
      << ", \"isa\": \"" << cpu.isa_summary() << "\", \"avx512\": " << (cpu.avx512f ? "true" : "false")
      << ", \"amx\": " << (cpu.amx_bf16 ? "true" : "false") << ", \"gemm_f32_gflops\": " << gemm_f32_gflops
-     << ", \"gemm_bf16_gflops\": " << gemm_bf16_gflops << ", \"bf16_native\": " << (bf16_native ? "true" : "false")
+     << ", \"gemm_bf16_gflops\": " << gemm_bf16_gflops 
      << ", \"gemm_n\": " << gemm_n << ", \"attention_gflops\": " << attention_gflops << ", \"attention_shape\": {\"T\": "
      << attn_T << ", \"H\": " << attn_H << ", \"D\": " << attn_D << "}, \"bandwidth_gbs\": " << bandwidth_gbs << ", \"cuda\": \"" << cuda << "\"}";
   return os.str();

@@ -14,7 +14,6 @@ struct ProbeResult {
   double gemm_bf16_gflops = 0;
   double attention_gflops = 0;  // causal fwd+bwd, counted as 3.5 * 4*T*T*D*H/2
   double bandwidth_gbs = 0;     // a[i] = b[i] + s*c[i], bytes read + written
-  bool bf16_native = false;     // oneDNN runs bf16 GEMM natively (else widened to f32)
   int gemm_n = 0, attn_T = 0, attn_H = 0, attn_D = 0;
   size_t bandwidth_bytes = 0;
   std::string cuda;             // "not built", "built, no device (...)", or the device

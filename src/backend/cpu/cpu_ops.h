@@ -1,4 +1,4 @@
-// The CPU backend: OpenMP loops with static schedules and GEMMs through oneDNN (runtime ISA dispatch).
+// The CPU backend: OpenMP loops with static schedules and a blocked GEMM (Gemm, runtime ISA dispatch).
 // Activations are f32; matmul and embedding weights may be bf16. Every kernel is deterministic for
 // any thread count: no floating-point reductions across threads except over a partition that does not
 // depend on the thread count, combined in a fixed order.
@@ -14,7 +14,7 @@ class Gemm;
 
 class CpuOps final : public Ops {
  public:
-  // Scratch memory (oneDNN scratchpads, attention tiles, CE chunks) is charged to `workspace`
+  // Scratch memory (GEMM packing buffers, attention tiles, CE chunks) is charged to `workspace`
   // under Category::workspace; null gives a private unlimited arena.
   explicit CpuOps(Arena* workspace);
   ~CpuOps() override;

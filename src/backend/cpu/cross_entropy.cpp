@@ -13,7 +13,8 @@
 //   dh_chunk (Tc, E) = / += dlogits . w_chunk     (the first vocab chunk overwrites)
 //   dw_chunk (Vc, E) += dlogits^T . h_chunk
 // The second product reads a transposed copy of dlogits, written band by band while the band is in
-// cache: a GEMM whose A operand is stored transposed runs at about half speed in oneDNN on AVX2.
+// cache. It was measured faster when transposed-A products ran at half speed; the packed GEMM now
+// transposes while packing, so whether the copy still pays is to be re-measured.
 //
 // Scratch, one workspace allocation per call; it does not grow with V, and with T only through the
 // forward's 16 bytes of row state. The sizes are measured choices (a 2-core AVX2 machine, E = 576,

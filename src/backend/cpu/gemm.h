@@ -1,5 +1,6 @@
 // The one GEMM interface of the CPU backend. Every matrix product on the CPU goes through it, so a
-// faster kernel can replace oneDNN's without touching callers.
+// faster kernel can replace this one without touching callers. run() is a blocked GotoBLAS-style GEMM
+// (gemm_blocked.cpp), tile() a single-threaded one for use inside parallel regions (gemm_tile.cpp).
 //
 // Row-major: c (M, N) [+]= op(a) (M, K) . op(b) (K, N), fp32 accumulation. a is stored (M, K) with
 // leading dimension lda (or (K, M) when ta), b is (K, N) with ldb (or (N, K) when tb), c has ldc.
@@ -27,7 +28,8 @@ class Gemm {
   // Scratchpads come from `workspace` (Category::workspace).
   explicit Gemm(Arena& workspace);
   ~Gemm();
-  // Multi-threaded (the OpenMP pool) product; oneDNN primitives are cached by shape.
+  // Multi-threaded (the OpenMP pool) product, bitwise the same for any thread count; packing buffers
+  // come from the workspace arena and are kept between calls.
   void run(const GemmShape& s, const void* a, const void* b, float* c);
   // Single-threaded product for use inside an OpenMP parallel region (tiles of attention and
   // cross-entropy): f32 only, no allocation, deterministic.

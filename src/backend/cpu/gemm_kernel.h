@@ -1,0 +1,287 @@
+// Internal to the CPU GEMMs (Gemm::tile in gemm_tile.cpp, the blocked Gemm::run in gemm_blocked.cpp):
+// the 6x16 micro-kernel and the panel packing routines, written once for both.
+//
+// The micro-kernel computes a 6 x 16 tile (or fewer rows) of C from a(i, k) = a[i * ras + k * cas] and
+// a packed B panel b(k, j) = b[k * 16 + j], summing k in ascending order for every output, and either
+// overwrites C or adds the sum to it. A packed A strip (6 rows interleaved, a[k * 6 + i]) is the
+// ras = 1, cas = 6 case. There is an AVX2+FMA version (eight-wide vectors, two per row, twelve
+// accumulators in registers) chosen at run time when the CPU has AVX2 and FMA, and a portable scalar
+// version; a given CPU always takes the same one, so results are bitwise reproducible on it.
+#pragma once
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+#include "backend/cpu/gemm.h"
+#include "core/dtype.h"
+
+namespace oomless::gemm_detail {
+
+constexpr int kMr = 6;   // rows of the micro tile
+constexpr int kNr = 16;  // columns of the micro tile
+
+// Where the micro-kernel finds its operands. a(i, k) = a[i * ras + k * cas]; b(k, j) = b[k * 16 + j]
+// (a packed panel); c(i, j) = c[i * ldc + j] for j < n.
+struct Micro {
+  const float* a;
+  int64_t ras, cas;
+  const float* b;
+  float* c;
+  int64_t ldc;
+  int64_t kc;
+  int n;     // valid columns, 1..16
+  bool acc;  // add to c instead of overwriting it
+};
+
+// ---- portable micro-kernel --------------------------------------------------------------------------
+
+template <int M>
+void micro_generic(const Micro& u) {
+  float acc[M][kNr] = {};
+  for (int64_t k = 0; k < u.kc; ++k) {
+    const float* bk = u.b + k * kNr;
+    for (int i = 0; i < M; ++i) {
+      const float ai = u.a[i * u.ras + k * u.cas];
+      for (int j = 0; j < kNr; ++j) acc[i][j] += ai * bk[j];
+    }
+  }
+  for (int i = 0; i < M; ++i) {
+    float* ci = u.c + i * u.ldc;
+    for (int j = 0; j < u.n; ++j) ci[j] = u.acc ? ci[j] + acc[i][j] : acc[i][j];
+  }
+}
+
+// ---- AVX2 + FMA micro-kernel ------------------------------------------------------------------------
+
+// Lane masks for the last, partial panel: lanes [0, n) of a 16-wide row set.
+__attribute__((target("avx2,fma"))) inline void lane_masks(int n, __m256i* lo, __m256i* hi) {
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  *lo = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), idx);
+  *hi = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8), idx);
+}
+
+// TA: a(i, k) = a[k * cas + i] (a stored (K, M)), else a[i * ras + k]; PACKED: a packed strip,
+// a(i, k) = a[k * 6 + i], whose constant stride lets the unrolled loop use immediate offsets. The
+// template lets the compiler keep the six row pointers (or the one column pointer) in registers.
+template <int M, bool TA, bool PACKED = false>
+__attribute__((target("avx2,fma"))) void micro_avx2(const Micro& u) {
+  // In the blocked GEMM C is out of cache (each k slice passes over all of it) and is read or written
+  // only after the k loop: fetching its lines now hides the misses. Gemm::tile's C is in cache.
+  if constexpr (PACKED) {
+#pragma GCC unroll 6
+    for (int i = 0; i < M; ++i) {
+      _mm_prefetch(reinterpret_cast<const char*>(u.c + i * u.ldc), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(u.c + i * u.ldc + kNr - 1), _MM_HINT_T0);
+    }
+  }
+  __m256 c0[M], c1[M];
+#pragma GCC unroll 6
+  for (int i = 0; i < M; ++i) {
+    c0[i] = _mm256_setzero_ps();
+    c1[i] = _mm256_setzero_ps();
+  }
+  const float* b = u.b;
+  if constexpr (PACKED) {
+    const float* a = u.a;
+    const int64_t kc = u.kc;
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < kc; ++k) {
+      const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+#pragma GCC unroll 6
+      for (int i = 0; i < M; ++i) {
+        const __m256 ai = _mm256_broadcast_ss(a + i);
+        c0[i] = _mm256_fmadd_ps(ai, b0, c0[i]);
+        c1[i] = _mm256_fmadd_ps(ai, b1, c1[i]);
+      }
+      a += kMr;
+      b += kNr;
+    }
+  } else if constexpr (TA) {
+    const float* a = u.a;
+    const int64_t lda = u.cas, kc = u.kc;
+    for (int64_t k = 0; k < kc; ++k) {
+      const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+#pragma GCC unroll 6
+      for (int i = 0; i < M; ++i) {
+        const __m256 ai = _mm256_broadcast_ss(a + i);
+        c0[i] = _mm256_fmadd_ps(ai, b0, c0[i]);
+        c1[i] = _mm256_fmadd_ps(ai, b1, c1[i]);
+      }
+      a += lda;
+      b += kNr;
+    }
+  } else {
+    const float* ar[kMr];
+#pragma GCC unroll 6
+    for (int i = 0; i < M; ++i) ar[i] = u.a + i * u.ras;
+    for (int64_t k = 0; k < u.kc; ++k) {
+      const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+#pragma GCC unroll 6
+      for (int i = 0; i < M; ++i) {
+        const __m256 ai = _mm256_broadcast_ss(ar[i] + k);
+        c0[i] = _mm256_fmadd_ps(ai, b0, c0[i]);
+        c1[i] = _mm256_fmadd_ps(ai, b1, c1[i]);
+      }
+      b += kNr;
+    }
+  }
+  if (u.n == kNr) {
+#pragma GCC unroll 6
+    for (int i = 0; i < M; ++i) {
+      float* ci = u.c + i * u.ldc;
+      if (u.acc) {
+        c0[i] = _mm256_add_ps(_mm256_loadu_ps(ci), c0[i]);
+        c1[i] = _mm256_add_ps(_mm256_loadu_ps(ci + 8), c1[i]);
+      }
+      _mm256_storeu_ps(ci, c0[i]);
+      _mm256_storeu_ps(ci + 8, c1[i]);
+    }
+  } else {
+    __m256i lo, hi;
+    lane_masks(u.n, &lo, &hi);
+#pragma GCC unroll 6
+    for (int i = 0; i < M; ++i) {
+      float* ci = u.c + i * u.ldc;
+      if (u.acc) {
+        c0[i] = _mm256_add_ps(_mm256_maskload_ps(ci, lo), c0[i]);
+        c1[i] = _mm256_add_ps(_mm256_maskload_ps(ci + 8, hi), c1[i]);
+      }
+      _mm256_maskstore_ps(ci, lo, c0[i]);
+      _mm256_maskstore_ps(ci + 8, hi, c1[i]);
+    }
+  }
+}
+
+// ---- B packing: panels of 16 columns, each kc x 16 contiguous floats, columns past nc zero ----------
+
+// Packs columns [0, nc) of b(k, j) = src[j * ld + k] (b stored (N, K), the transposed case) for k in
+// [0, kc); panel p (columns 16p..16p+15) starts at dst + 16p * kc.
+inline void pack_bt_generic(float* dst, const float* src, int64_t ld, int64_t kc, int64_t nc) {
+  for (int64_t p = 0; p < nc; p += kNr) {
+    float* d = dst + p * kc;
+    for (int64_t k = 0; k < kc; ++k)
+      for (int j = 0; j < kNr; ++j) d[k * kNr + j] = p + j < nc ? src[(p + j) * ld + k] : 0.0f;
+  }
+}
+
+// Values as floats: T is float or uint16_t (bf16 bits); load8 reads eight consecutive ones.
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) { return bf16_to_f32(v); }
+__attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma"))) inline __m256 load8(const uint16_t* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+// The same with 8x8 register transposes for the full 8 x 8 pieces (and bf16 widened on the way).
+template <class T>
+__attribute__((target("avx2,fma"))) void pack_bt_avx2(float* dst, const T* src, int64_t ld, int64_t kc, int64_t nc) {
+  for (int64_t p = 0; p < nc; p += kNr) {
+    float* d = dst + p * kc;
+    for (int half = 0; half < 2; ++half) {
+      const int64_t j0 = p + 8 * half;
+      const int64_t nj = std::clamp<int64_t>(nc - j0, 0, 8);
+      int64_t k = 0;
+      if (nj == 8) {
+        for (; k + 8 <= kc; k += 8) {
+          __m256 r[8];
+          for (int j = 0; j < 8; ++j) r[j] = load8(src + (j0 + j) * ld + k);
+          const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+          const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+          const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+          const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+          const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+          const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+          const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+          const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+          float* o = d + k * kNr + 8 * half;
+          _mm256_storeu_ps(o + 0 * kNr, _mm256_permute2f128_ps(s0, s4, 0x20));
+          _mm256_storeu_ps(o + 1 * kNr, _mm256_permute2f128_ps(s1, s5, 0x20));
+          _mm256_storeu_ps(o + 2 * kNr, _mm256_permute2f128_ps(s2, s6, 0x20));
+          _mm256_storeu_ps(o + 3 * kNr, _mm256_permute2f128_ps(s3, s7, 0x20));
+          _mm256_storeu_ps(o + 4 * kNr, _mm256_permute2f128_ps(s0, s4, 0x31));
+          _mm256_storeu_ps(o + 5 * kNr, _mm256_permute2f128_ps(s1, s5, 0x31));
+          _mm256_storeu_ps(o + 6 * kNr, _mm256_permute2f128_ps(s2, s6, 0x31));
+          _mm256_storeu_ps(o + 7 * kNr, _mm256_permute2f128_ps(s3, s7, 0x31));
+        }
+      }
+      for (; k < kc; ++k)
+        for (int j = 0; j < 8; ++j) d[k * kNr + 8 * half + j] = j < nj ? widen(src[(j0 + j) * ld + k]) : 0.0f;
+    }
+  }
+}
+
+// Copies b(k, j) = src[k * ld + j], j < n <= 16, into one zero-padded kc x 16 panel.
+inline void pack_b_panel(float* dst, const float* src, int64_t ld, int64_t kc, int64_t n) {
+  if (n == kNr) {
+    for (int64_t k = 0; k < kc; ++k) std::memcpy(dst + k * kNr, src + k * ld, kNr * sizeof(float));
+    return;
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    float* d = dst + k * kNr;
+    for (int j = 0; j < kNr; ++j) d[j] = j < n ? src[k * ld + j] : 0.0f;
+  }
+}
+
+// ---- run-time dispatch ------------------------------------------------------------------------------
+
+using MicroFn = void (*)(const Micro&);
+
+struct Kernels {
+  MicroFn micro[2][kMr + 1];  // [ta][rows]
+  MicroFn packed[kMr + 1];    // [rows], a packed A strip (ras = 1, cas = 6)
+  void (*pack_bt)(float*, const float*, int64_t, int64_t, int64_t);
+  bool avx2;                  // the AVX2+FMA versions were chosen
+};
+
+template <bool TA, bool PACKED, int... M>
+void fill_avx2(MicroFn* f, std::integer_sequence<int, M...>) {
+  ((f[M + 1] = &micro_avx2<M + 1, TA, PACKED>), ...);
+}
+template <int... M>
+void fill_generic(MicroFn* f, std::integer_sequence<int, M...>) {
+  ((f[M + 1] = &micro_generic<M + 1>), ...);
+}
+
+inline Kernels choose_kernels() {
+  Kernels k{};
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    fill_avx2<false, false>(k.micro[0], std::make_integer_sequence<int, kMr>{});
+    fill_avx2<true, false>(k.micro[1], std::make_integer_sequence<int, kMr>{});
+    fill_avx2<true, true>(k.packed, std::make_integer_sequence<int, kMr>{});
+    k.pack_bt = &pack_bt_avx2<float>;
+    k.avx2 = true;
+  } else {
+    fill_generic(k.micro[0], std::make_integer_sequence<int, kMr>{});
+    fill_generic(k.micro[1], std::make_integer_sequence<int, kMr>{});
+    fill_generic(k.packed, std::make_integer_sequence<int, kMr>{});
+    k.pack_bt = &pack_bt_generic;
+  }
+  return k;
+}
+
+inline const Kernels& kernels() {
+  static const Kernels k = choose_kernels();
+  return k;
+}
+
+// ---- the blocked multi-threaded GEMM (gemm_blocked.cpp) ---------------------------------------------
+
+// Floats of packing buffer the blocked GEMM needs for shape `s` (defaults filled): one shared B panel
+// and one A block per thread.
+struct BlockedSizes {
+  size_t b_floats = 0;
+  size_t a_floats_per_thread = 0;
+};
+BlockedSizes blocked_sizes(const GemmShape& s);
+
+// c (+)= op(a) op(b) for f32 or bf16 a, b (leading dims filled in `s`), on the OpenMP threads.
+// `bpack` holds b_floats, `apack` threads x a_floats_per_thread (threads = omp_get_max_threads()).
+// Bitwise the same for any thread count.
+void gemm_blocked(const GemmShape& s, const void* a, const void* b, float* c, float* bpack, float* apack);
+
+}  // namespace oomless::gemm_detail

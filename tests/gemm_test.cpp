@@ -1,0 +1,145 @@
+// Gemm::run (the blocked multi-threaded GEMM) against a float64 product computed here: every transpose
+// pair, f32 and bf16 operands, accumulate on and off, sub-matrix views (leading dimensions past the
+// packed ones, whose extra columns must not change), odd sizes and sizes that cross every block
+// boundary (k slices, column panels, row blocks, 6 x 16 micro tiles). Then bitwise equality of the
+// output for 1, 2 and 3 threads.
+#include <omp.h>
+
+#include <cmath>
+#include <cstring>
+#include <tuple>
+
+#include "backend/cpu/gemm.h"
+#include "memory/arena.h"
+#include "util/harness.h"
+
+namespace oomless::test {
+namespace {
+
+struct Dims {
+  int64_t M, N, K;
+};
+
+// (ta, tb, dtype of a and b)
+using Param = std::tuple<bool, bool, DType>;
+
+std::string param_name(const testing::TestParamInfo<Param>& info) {
+  auto [ta, tb, t] = info.param;
+  return std::string(ta ? "t" : "n") + (tb ? "t" : "n") + "_" + dtype_name(t);
+}
+
+class GemmRun : public testing::TestWithParam<Param> {
+ protected:
+  GemmRun() : mem(size_t(1) << 30), gemm(mem.device) {}
+
+  // Storage for a rows x cols matrix with leading dimension ld >= cols.
+  static HostTensor matrix(DType t, int64_t rows, int64_t ld) { return HostTensor(t, {std::max<int64_t>(rows, 1), ld}); }
+
+  // One product checked against float64; `pad` widens every leading dimension.
+  void check(Dims d, bool acc, int64_t pad) {
+    auto [ta, tb, t] = GetParam();
+    const int64_t M = d.M, N = d.N, K = d.K;
+    const int64_t a_rows = ta ? K : M, a_cols = ta ? M : K, b_rows = tb ? N : K, b_cols = tb ? K : N;
+    GemmShape s;
+    s.M = M, s.N = N, s.K = K, s.ta = ta, s.tb = tb, s.ab = t, s.accumulate = acc;
+    s.lda = a_cols + pad, s.ldb = b_cols + pad, s.ldc = N + pad;
+    HostTensor a = matrix(t, a_rows, s.lda), b = matrix(t, b_rows, s.ldb), c = matrix(DType::f32, M, s.ldc);
+    a.randn(rng);
+    b.randn(rng);
+    c.randn(rng);
+    const HostTensor c_old = c.clone();
+    gemm.run(s, a.ptr<void>(), b.ptr<void>(), c.ptr<float>());
+
+    // op(a) as (M, K) and op(b) as (N, K) rows in float64, so the reference loop runs over contiguous k.
+    const std::vector<double> a64 = a.to_f64(), b64 = b.to_f64();
+    std::vector<double> ar(static_cast<size_t>(M * K)), br(static_cast<size_t>(N * K));
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t k = 0; k < K; ++k) ar[i * K + k] = a64[ta ? k * s.lda + i : i * s.lda + k];
+    for (int64_t j = 0; j < N; ++j)
+      for (int64_t k = 0; k < K; ++k) br[j * K + k] = b64[tb ? j * s.ldb + k : k * s.ldb + j];
+    HostTensor got(DType::f32, {M, N}), ref(DType::f64, {M, N}), bound(DType::f64, {M, N});
+    int64_t pad_changed = 0;
+    for (int64_t i = 0; i < M; ++i) {
+      for (int64_t j = 0; j < N; ++j) {
+        double sum = 0, mag = 0;
+        const double* x = &ar[i * K];
+        const double* y = &br[j * K];
+        for (int64_t k = 0; k < K; ++k) {
+          sum += x[k] * y[k];
+          mag += std::fabs(x[k] * y[k]);
+        }
+        const double old = c_old.get(i * s.ldc + j);
+        ref.ptr<double>()[i * N + j] = acc ? old + sum : sum;
+        bound.ptr<double>()[i * N + j] = acc ? mag + std::fabs(old) : mag;
+        got.ptr<float>()[i * N + j] = c.ptr<float>()[i * s.ldc + j];
+      }
+      for (int64_t j = N; j < s.ldc; ++j) pad_changed += c.get(i * s.ldc + j) != c_old.get(i * s.ldc + j);
+    }
+    const std::string what = "M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K) +
+                             (acc ? " accumulate" : "") + " pad=" + std::to_string(pad);
+    EXPECT_TRUE(c.guards_intact()) << what << ": wrote outside c";
+    EXPECT_EQ(pad_changed, 0) << what << ": wrote between N and ldc";
+    expect_within_bound(got, ref, bound, eps_of(DType::f32), K, 2.0, what);
+  }
+
+  CpuMemory mem;
+  Gemm gemm;
+  std::mt19937_64 rng{20240611};
+};
+
+TEST_P(GemmRun, SmallOddShapes) {
+  const int64_t sizes[] = {1, 5, 6, 7, 16, 17, 33};
+  for (int64_t M : sizes)
+    for (int64_t N : sizes)
+      for (int64_t K : {int64_t(1), int64_t(7), int64_t(33)}) {
+        check({M, N, K}, false, 0);
+        check({M, N, K}, true, 3);
+      }
+}
+
+// Past the block sizes: K > the k slice (256), N > the column panel (4096), M over many row blocks.
+TEST_P(GemmRun, BlockBoundaries) {
+  for (Dims d : {Dims{257, 300, 33}, Dims{300, 257, 300}, Dims{33, 17, 600}, Dims{31, 4100, 300}, Dims{1, 4113, 257},
+                 Dims{1300, 23, 270}}) {
+    check(d, false, 0);
+    check(d, true, 5);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Gemm, GemmRun,
+                         testing::Combine(testing::Bool(), testing::Bool(), testing::Values(DType::f32, DType::bf16)),
+                         param_name);
+
+// The same product with 1, 2 and 3 threads gives the same bits.
+TEST(GemmDeterminism, SameBitsForAnyThreadCount) {
+  CpuMemory mem(size_t(1) << 30);
+  Gemm gemm(mem.device);
+  std::mt19937_64 rng(7);
+  const int saved = omp_get_max_threads();
+  for (DType t : {DType::f32, DType::bf16})
+    for (Dims d : {Dims{50, 4100, 300}, Dims{5, 1000, 777}, Dims{1300, 40, 300}})
+      for (int tr = 0; tr < 4; ++tr) {
+        const bool ta = tr & 1, tb = tr & 2;
+        GemmShape s;
+        s.M = d.M, s.N = d.N, s.K = d.K, s.ta = ta, s.tb = tb, s.ab = t, s.accumulate = true;
+        HostTensor a(t, {d.M * d.K}), b(t, {d.K * d.N}), c0(DType::f32, {d.M * d.N});
+        a.randn(rng);
+        b.randn(rng);
+        c0.randn(rng);
+        std::vector<HostTensor> out;
+        for (int threads : {1, 2, 3}) {
+          omp_set_num_threads(threads);
+          HostTensor c = c0.clone();
+          gemm.run(s, a.ptr<void>(), b.ptr<void>(), c.ptr<float>());
+          out.push_back(std::move(c));
+        }
+        omp_set_num_threads(saved);
+        for (size_t i = 1; i < out.size(); ++i)
+          EXPECT_EQ(std::memcmp(out[0].ptr<float>(), out[i].ptr<float>(), sizeof(float) * d.M * d.N), 0)
+              << dtype_name(t) << " M=" << d.M << " N=" << d.N << " K=" << d.K << " ta=" << ta << " tb=" << tb
+              << ": " << (i + 1) << " threads differ from 1";
+      }
+}
+
+}  // namespace
+}  // namespace oomless::test
