@@ -383,16 +383,8 @@ TEST(GemmTile, MatchesReference) {
           for (int64_t i = 0; i < ar * ac; ++i) as.set(i / ac * lda + i % ac, a.get(i));
           for (int64_t i = 0; i < br * bc; ++i) bs.set(i / bc * ldb + i % bc, b.get(i));
           for (int64_t i = 0; i < M * N; ++i) cs.set(i / N * ldc + i % N, c0.get(i));
-          GemmShape s;
-          s.M = M;
-          s.N = N;
-          s.K = K;
-          s.ta = ta;
-          s.tb = tb;
-          s.lda = lda;
-          s.ldb = ldb;
-          s.ldc = ldc;
-          s.accumulate = acc;
+          const GemmShape s{.M = M, .N = N, .K = K, .ta = ta != 0, .tb = tb != 0, .lda = lda, .ldb = ldb, .ldc = ldc,
+                            .accumulate = acc != 0};
           Gemm::tile(s, as.ptr<float>(), bs.ptr<float>(), cs.ptr<float>());
           HostTensor want = c0.as(DType::f64), got(DType::f32, {M, N}), bound(DType::f64, {M, N});
           ref.matmul(want, a.as(DType::f64), b.as(DType::f64), ta, tb, acc);

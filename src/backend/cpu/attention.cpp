@@ -244,17 +244,9 @@ void finish_rows(float* O, int64_t ldo, int64_t D, int64_t nq, const float* m, c
 // c (M, N) [+]= op(a) . op(b) with explicit leading dimensions, single-threaded.
 void tile_gemm(int64_t M, int64_t N, int64_t K, bool ta, bool tb, const float* a, int64_t lda, const float* b,
                int64_t ldb, float* c, int64_t ldc, bool accumulate) {
-  GemmShape s;
-  s.M = M;
-  s.N = N;
-  s.K = K;
-  s.ta = ta;
-  s.tb = tb;
-  s.lda = lda;
-  s.ldb = ldb;
-  s.ldc = ldc;
-  s.accumulate = accumulate;
-  Gemm::tile(s, a, b, c);
+  Gemm::tile(GemmShape{.M = M, .N = N, .K = K, .ta = ta, .tb = tb, .lda = lda, .ldb = ldb, .ldc = ldc,
+                       .accumulate = accumulate},
+             a, b, c);
 }
 
 // The K and V rows (n, D) of key tile kt under kv head g: pointers into the block when f32, else

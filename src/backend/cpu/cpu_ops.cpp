@@ -41,15 +41,8 @@ Buffer CpuOps::scratch(size_t bytes, const char* what) { return ws_->alloc(bytes
 
 void CpuOps::matmul(Tensor c, Tensor a, Tensor b, bool ta, bool tb, bool accumulate) {
   auto [M, N, K] = check_matmul(c, a, b, ta, tb, kAct);
-  GemmShape s;
-  s.M = M;
-  s.N = N;
-  s.K = K;
-  s.ta = ta;
-  s.tb = tb;
-  s.ab = a.dtype;
-  s.accumulate = accumulate;
-  gemm_->run(s, a.data, b.data, f32p(c));
+  gemm_->run(GemmShape{.M = M, .N = N, .K = K, .ta = ta, .tb = tb, .ab = a.dtype, .accumulate = accumulate}, a.data,
+             b.data, f32p(c));
 }
 
 void CpuOps::embedding_forward(Tensor out, Tensor ids, Tensor table) {

@@ -116,23 +116,7 @@ __attribute__((target("avx2,fma"))) void pack_a_strip_avx2(float* d, const T* sr
     __m256 r[8];
     for (int i = 0; i < kMr; ++i) r[i] = load8(src + i * ld + k);
     r[6] = r[7] = _mm256_setzero_ps();
-    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-    const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-    const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-    const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-    const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-    float* o = d + k * kMr;
-    _mm256_storeu_ps(o + 0 * kMr, _mm256_permute2f128_ps(s0, s4, 0x20));
-    _mm256_storeu_ps(o + 1 * kMr, _mm256_permute2f128_ps(s1, s5, 0x20));
-    _mm256_storeu_ps(o + 2 * kMr, _mm256_permute2f128_ps(s2, s6, 0x20));
-    _mm256_storeu_ps(o + 3 * kMr, _mm256_permute2f128_ps(s3, s7, 0x20));
-    _mm256_storeu_ps(o + 4 * kMr, _mm256_permute2f128_ps(s0, s4, 0x31));
-    _mm256_storeu_ps(o + 5 * kMr, _mm256_permute2f128_ps(s1, s5, 0x31));
-    _mm256_storeu_ps(o + 6 * kMr, _mm256_permute2f128_ps(s2, s6, 0x31));
-    _mm256_storeu_ps(o + 7 * kMr, _mm256_permute2f128_ps(s3, s7, 0x31));
+    store_transposed8(d + k * kMr, kMr, r);
   }
   for (; k < kc; ++k)
     for (int i = 0; i < kMr; ++i) d[k * kMr + i] = widen(src[i * ld + k]);
