@@ -12,20 +12,17 @@
 // into dlogits = grad_scale (exp(logit - lse) - onehot(target)) (0 on ignored rows), then
 //   dh_chunk (Tc, E) = / += dlogits . w_chunk     (the first vocab chunk overwrites)
 //   dw_chunk (Vc, E) += dlogits^T . h_chunk
-// The second product reads a transposed copy of dlogits, written band by band while the band is in
-// cache. It was measured faster when transposed-A products ran at half speed; the packed GEMM now
-// transposes while packing, so whether the copy still pays is to be re-measured.
+// The second product reads dlogits as a transposed operand; the GEMM transposes while packing.
 //
 // Scratch, one workspace allocation per call; it does not grow with V, and with T only through the
 // forward's 16 bytes of row state. The sizes are measured choices (a 2-core AVX2 machine, E = 576,
 // V = 49152: tiles from 4 to 32 MiB and Vc from 1024 to 8192 were within noise of each other, the
 // smallest ones a little slower):
 //   logits tile       Tc * Vc * 4 bytes   <= kTileBytes (8 MiB)
-//   transposed tile   Tc * Vc * 4 bytes   <= kTileBytes, backward only
 //   w chunk in f32    Vc * E * 4 bytes    <= kWChunkBytes (16 MiB) unless E > 16384, only when w is bf16
 //                                            (widened once per vocab chunk: the GEMMs stay f32)
 //   row state         T * 16 bytes        forward only (running max, running sum, target logit)
-// so at most 32 MiB + 16 T bytes, plus the GEMM scratchpads that Gemm charges to the same arena.
+// so at most 24 MiB + 16 T bytes, plus the GEMM scratchpads that Gemm charges to the same arena.
 //
 // Determinism: chunk sizes depend on (T, E, V) only; each row is handled by one thread; per-row sums use
 // a fixed lane pattern; partial results across tiles combine in loop order; the loss is summed over
@@ -50,7 +47,6 @@ constexpr int64_t kMinVocabChunk = 256;
 constexpr int64_t kWChunkBytes = int64_t{16} << 20;
 constexpr int64_t kTileBytes = int64_t{8} << 20;
 constexpr int kLanes = 8;        // fixed summation lanes of the per-row exp sums
-constexpr int64_t kBand = 16;    // rows per band when dlogits are transposed (one 64-byte line)
 
 struct Plan {
   int64_t Vc, Tc;
@@ -226,10 +222,9 @@ void CpuOps::linear_cross_entropy_backward(Tensor dh, Tensor dw, Tensor h, Tenso
   const Plan pl = plan_for(T, E, V);
   const bool widen = w.dtype == DType::bf16;
   const size_t tile_n = padded(pl.Tc * pl.Vc), wc_n = widen ? padded(pl.Vc * E) : 0;
-  Buffer buf = scratch(4 * (2 * tile_n + wc_n), "cross_entropy");
+  Buffer buf = scratch(4 * (tile_n + wc_n), "cross_entropy");
   float* tile = buf.as<float>();     // (Tc, Vc) logits, then dlogits in place
-  float* tile_t = tile + tile_n;     // (Vc, Tc) dlogits transposed
-  float* wc = tile_t + tile_n;       // (Vc, E) when w is bf16
+  float* wc = tile + tile_n;         // (Vc, E) when w is bf16
   const float gs = static_cast<float>(grad_scale);
 
   for (int64_t v0 = 0; v0 < V; v0 += pl.Vc) {
@@ -238,40 +233,25 @@ void CpuOps::linear_cross_entropy_backward(Tensor dh, Tensor dw, Tensor h, Tenso
     for (int64_t t0 = 0; t0 < T; t0 += pl.Tc) {
       const int64_t nt = std::min(pl.Tc, T - t0);
       tile_logits(gemm(), tile, hp + t0 * E, wv, nt, nv, E);
-      // Bands of kBand rows: dlogits in place, then the band is copied transposed into tile_t while it
-      // is still in cache (each tile_t row gets kBand contiguous floats).
-      const int64_t nbands = (nt + kBand - 1) / kBand;
+      // dlogits in place, row by row.
 #pragma omp parallel for schedule(static)
-      for (int64_t b = 0; b < nbands; ++b) {
-        const int64_t i0 = b * kBand, i1 = std::min(i0 + kBand, nt);
-        for (int64_t i = i0; i < i1; ++i) {
-          const int64_t t = t0 + i;
-          float* x = tile + i * nv;
-          if (tg[t] == ignore_index) {
-            std::memset(x, 0, static_cast<size_t>(nv) * sizeof(float));
-            continue;
-          }
-          const float l = lp[t];
-          const int64_t jt = tg[t] >= v0 && tg[t] < v0 + nv ? tg[t] - v0 : -1;
-          const float pt = jt >= 0 ? exp_f32(x[jt] - l) : 0.0f;
-          for (int64_t j = 0; j < nv; ++j) x[j] = gs * exp_f32(x[j] - l);
-          if (jt >= 0) x[jt] = gs * (pt - 1.0f);
+      for (int64_t i = 0; i < nt; ++i) {
+        const int64_t t = t0 + i;
+        float* x = tile + i * nv;
+        if (tg[t] == ignore_index) {
+          std::memset(x, 0, static_cast<size_t>(nv) * sizeof(float));
+          continue;
         }
-        for (int64_t j = 0; j < nv; ++j)
-          for (int64_t i = i0; i < i1; ++i) tile_t[j * nt + i] = tile[i * nv + j];
+        const float l = lp[t];
+        const int64_t jt = tg[t] >= v0 && tg[t] < v0 + nv ? tg[t] - v0 : -1;
+        const float pt = jt >= 0 ? exp_f32(x[jt] - l) : 0.0f;
+        for (int64_t j = 0; j < nv; ++j) x[j] = gs * exp_f32(x[j] - l);
+        if (jt >= 0) x[jt] = gs * (pt - 1.0f);
       }
-      GemmShape sdh;  // dh (nt, E) = / += dlogits (nt, nv) . wv (nv, E)
-      sdh.M = nt;
-      sdh.N = E;
-      sdh.K = nv;
-      sdh.accumulate = v0 > 0;
-      gemm().run(sdh, tile, wv, dhp + t0 * E);
-      GemmShape sdw;  // dw (nv, E) += dlogits^T (nv, nt) . h (nt, E)
-      sdw.M = nv;
-      sdw.N = E;
-      sdw.K = nt;
-      sdw.accumulate = true;
-      gemm().run(sdw, tile_t, hp + t0 * E, dwp + v0 * E);
+      // dh (nt, E) = / += dlogits (nt, nv) . wv (nv, E)
+      gemm().run(GemmShape{.M = nt, .N = E, .K = nv, .accumulate = v0 > 0}, tile, wv, dhp + t0 * E);
+      // dw (nv, E) += dlogits^T (nv, nt) . h (nt, E); the GEMM transposes dlogits while packing.
+      gemm().run(GemmShape{.M = nv, .N = E, .K = nt, .ta = true, .accumulate = true}, tile, hp + t0 * E, dwp + v0 * E);
     }
   }
 }
