@@ -368,6 +368,11 @@ Ctx make_ctx(const AttentionDims& dims, const Tensor& q, const Tensor& o, const 
 
 // ---- tasks ------------------------------------------------------------------------------------------
 
+// Keys of tile kt that some query of tile qt can see: the first n of the tile (0 when none).
+int64_t visible_keys(const KeyTile& kt, const QueryTile& qt) {
+  return kt.lo > qt.hi ? 0 : std::min(kt.n, qt.hi - kt.lo + 1);
+}
+
 void forward_task(const Ctx& x, int64_t h, const QueryTile& qt, const Tiles& w) {
   const int64_t g = h / x.group, nq = qt.n;
   const float* Q = x.q + qt.r0 * x.ldq + h * x.D;
@@ -380,8 +385,8 @@ void forward_task(const Ctx& x, int64_t h, const QueryTile& qt, const Tiles& w) 
   }
   for (int64_t i = 0; i < x.n_kt; ++i) {
     const KeyTile& kt = x.kt[i];
-    if (kt.lo > qt.hi) continue;
-    const int64_t nk = std::min(kt.n, qt.hi - kt.lo + 1);
+    const int64_t nk = visible_keys(kt, qt);
+    if (nk == 0) continue;
     const float *K, *V;
     key_rows(x, kt, g, nk, &K, &V, w.k, w.v);
     tile_gemm(nq, nk, x.D, false, true, Q, x.ldq, K, x.D, w.s, nk, false);  // S = Q K^T
@@ -412,8 +417,8 @@ void kv_grad_task(const Ctx& x, int64_t g, const KeyTile& kt, const Tiles& w) {
   for (int64_t h = g * x.group; h < (g + 1) * x.group; ++h) {
     for (int64_t i = 0; i < x.n_qt; ++i) {
       const QueryTile& qt = x.qt[i];
-      if (qt.hi < kt.lo) continue;
-      const int64_t nk = std::min(kt.n, qt.hi - kt.lo + 1);
+      const int64_t nk = visible_keys(kt, qt);
+      if (nk == 0) continue;
       const float* Q = x.q + qt.r0 * x.ldq + h * x.D;
       const float* dO = x.dout + qt.r0 * x.ldq + h * x.D;
       recompute_scores(x, h, qt, kt, nk, K, V, w);
@@ -429,8 +434,8 @@ void q_grad_task(const Ctx& x, int64_t h, const QueryTile& qt, const Tiles& w) {
   for (int64_t r = 0; r < qt.n; ++r) std::fill(dQ + r * x.ldq, dQ + r * x.ldq + x.D, 0.0f);
   for (int64_t i = 0; i < x.n_kt; ++i) {
     const KeyTile& kt = x.kt[i];
-    if (kt.lo > qt.hi) continue;
-    const int64_t nk = std::min(kt.n, qt.hi - kt.lo + 1);
+    const int64_t nk = visible_keys(kt, qt);
+    if (nk == 0) continue;
     const float *K, *V;
     key_rows(x, kt, g, nk, &K, &V, w.k, w.v);
     recompute_scores(x, h, qt, kt, nk, K, V, w);
