@@ -1,0 +1,292 @@
+// Dequantisation of ggml block formats to float32.
+//
+// Each format is a run of fixed-size blocks; the layouts below are ggml's (ggml-common.h). Every output
+// element is produced by the same float operations in the same order as ggml's reference dequantisers
+// and gguf-py's numpy versions (which agree), so results are bit-identical. Products are stored into a
+// named float before an offset is added so that no compiler fuses them into an FMA, which would round
+// once instead of twice and differ from the reference in the last bit.
+#include <cstring>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "io/gguf.h"
+
+namespace oomless {
+
+namespace {
+
+constexpr int QK = 32;    // elements per block of the 32-element formats
+constexpr int QK_K = 256; // elements per super-block of the K formats
+
+float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return f16_to_f32(h);
+}
+
+// y = d*q - m with the product rounded on its own (see the file comment).
+inline float mul_sub(float d, float q, float m) {
+  const float p = d * q;
+  return p - m;
+}
+inline float mul_add(float d, float q, float m) {
+  const float p = d * q;
+  return p + m;
+}
+
+// block_q4_0 {f16 d; u8 qs[16]}: x[j] = (lo nibble - 8)*d, x[j+16] = (hi nibble - 8)*d.
+void deq_q4_0(const uint8_t* b, float* y) {
+  const float d = half(b);
+  const uint8_t* qs = b + 2;
+  for (int j = 0; j < QK / 2; ++j) {
+    y[j] = static_cast<float>((qs[j] & 0x0F) - 8) * d;
+    y[j + QK / 2] = static_cast<float>((qs[j] >> 4) - 8) * d;
+  }
+}
+
+// block_q4_1 {f16 d; f16 m; u8 qs[16]}: x = q*d + m.
+void deq_q4_1(const uint8_t* b, float* y) {
+  const float d = half(b), m = half(b + 2);
+  const uint8_t* qs = b + 4;
+  for (int j = 0; j < QK / 2; ++j) {
+    y[j] = mul_add(d, static_cast<float>(qs[j] & 0x0F), m);
+    y[j + QK / 2] = mul_add(d, static_cast<float>(qs[j] >> 4), m);
+  }
+}
+
+// 5-bit formats: the fifth bit of element j is bit j of the little-endian u32 qh.
+uint32_t load_u32(const uint8_t* p) {
+  return static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 | static_cast<uint32_t>(p[2]) << 16 |
+         static_cast<uint32_t>(p[3]) << 24;
+}
+
+// block_q5_0 {f16 d; u8 qh[4]; u8 qs[16]}: x = (q5 - 16)*d.
+void deq_q5_0(const uint8_t* b, float* y) {
+  const float d = half(b);
+  const uint32_t qh = load_u32(b + 2);
+  const uint8_t* qs = b + 6;
+  for (int j = 0; j < QK / 2; ++j) {
+    const int x0 = static_cast<int>((qs[j] & 0x0F) | (((qh >> j) & 1u) << 4)) - 16;
+    const int x1 = static_cast<int>((qs[j] >> 4) | (((qh >> (j + 16)) & 1u) << 4)) - 16;
+    y[j] = static_cast<float>(x0) * d;
+    y[j + QK / 2] = static_cast<float>(x1) * d;
+  }
+}
+
+// block_q5_1 {f16 d; f16 m; u8 qh[4]; u8 qs[16]}: x = q5*d + m.
+void deq_q5_1(const uint8_t* b, float* y) {
+  const float d = half(b), m = half(b + 2);
+  const uint32_t qh = load_u32(b + 4);
+  const uint8_t* qs = b + 8;
+  for (int j = 0; j < QK / 2; ++j) {
+    const uint32_t x0 = (qs[j] & 0x0Fu) | (((qh >> j) & 1u) << 4);
+    const uint32_t x1 = (qs[j] >> 4) | (((qh >> (j + 16)) & 1u) << 4);
+    y[j] = mul_add(d, static_cast<float>(x0), m);
+    y[j + QK / 2] = mul_add(d, static_cast<float>(x1), m);
+  }
+}
+
+// block_q8_0 {f16 d; i8 qs[32]}: x = q*d.
+void deq_q8_0(const uint8_t* b, float* y) {
+  const float d = half(b);
+  for (int j = 0; j < QK; ++j) y[j] = static_cast<float>(static_cast<int8_t>(b[2 + j])) * d;
+}
+
+// block_q2_K {u8 scales[16]; u8 qs[64]; f16 d; f16 dmin}: 16 groups of 16; group scale byte holds a
+// 4-bit scale (low) and 4-bit min (high). Each 128-element half reads 32 qs bytes four times, two bits
+// at a time.
+void deq_q2_k(const uint8_t* b, float* y) {
+  const uint8_t* scales = b;
+  const uint8_t* q = b + 16;
+  const float d = half(b + 80), dmin = half(b + 82);
+  int is = 0;
+  for (int n = 0; n < QK_K; n += 128) {
+    for (int shift = 0; shift < 8; shift += 2) {
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t sc = scales[is++];
+        const float dl = d * static_cast<float>(sc & 0xF);
+        const float ml = dmin * static_cast<float>(sc >> 4);
+        for (int l = 0; l < 16; ++l) *y++ = mul_sub(dl, static_cast<float>((q[l + 16 * h] >> shift) & 3), ml);
+      }
+    }
+    q += 32;
+  }
+}
+
+// block_q3_K {u8 hmask[32]; u8 qs[64]; u8 scales[12]; f16 d}: 16 six-bit signed scales (stored +32):
+// low 4 bits of scale s are nibble s/8 of byte s%8, high 2 bits are bits 2*(s/4).. of byte 8 + s%4.
+// An element is its 2 low bits minus 4 unless its hmask bit is set.
+void deq_q3_k(const uint8_t* b, float* y) {
+  const uint8_t* hm = b;
+  const uint8_t* q = b + 32;
+  const uint8_t* sc = b + 96;
+  const float d_all = half(b + 108);
+  int scale[16];
+  for (int s = 0; s < 16; ++s) {
+    const int lo = s < 8 ? (sc[s] & 0xF) : (sc[s - 8] >> 4);
+    const int hi = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
+    scale[s] = (lo | (hi << 4)) - 32;
+  }
+  int is = 0;
+  uint8_t m = 1;
+  for (int n = 0; n < QK_K; n += 128) {
+    for (int shift = 0; shift < 8; shift += 2) {
+      for (int h = 0; h < 2; ++h) {
+        const float dl = d_all * static_cast<float>(scale[is++]);
+        for (int l = 16 * h; l < 16 * h + 16; ++l) {
+          const int v = ((q[l] >> shift) & 3) - ((hm[l] & m) ? 0 : 4);
+          *y++ = dl * static_cast<float>(v);
+        }
+      }
+      m = static_cast<uint8_t>(m << 1);
+    }
+    q += 32;
+  }
+}
+
+// Q4_K/Q5_K pack 8 six-bit scales and 8 six-bit mins in 12 bytes (ggml's get_scale_min_k4).
+void scale_min_k4(int j, const uint8_t* q, uint8_t* d, uint8_t* m) {
+  if (j < 4) {
+    *d = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *d = static_cast<uint8_t>((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+    *m = static_cast<uint8_t>((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+  }
+}
+
+// block_q4_K {f16 d; f16 dmin; u8 scales[12]; u8 qs[128]}: 8 groups of 32; x = d*sc*q - dmin*m.
+void deq_q4_k(const uint8_t* b, float* y) {
+  const float d = half(b), dmin = half(b + 2);
+  const uint8_t* scales = b + 4;
+  const uint8_t* q = b + 16;
+  for (int j = 0, is = 0; j < QK_K; j += 64, is += 2) {
+    uint8_t sc, m;
+    scale_min_k4(is, scales, &sc, &m);
+    const float d1 = d * static_cast<float>(sc), m1 = dmin * static_cast<float>(m);
+    scale_min_k4(is + 1, scales, &sc, &m);
+    const float d2 = d * static_cast<float>(sc), m2 = dmin * static_cast<float>(m);
+    for (int l = 0; l < 32; ++l) *y++ = mul_sub(d1, static_cast<float>(q[l] & 0xF), m1);
+    for (int l = 0; l < 32; ++l) *y++ = mul_sub(d2, static_cast<float>(q[l] >> 4), m2);
+    q += 32;
+  }
+}
+
+// block_q5_K {f16 d; f16 dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]}: as Q4_K with a fifth bit from qh
+// (bit 2*(j/64) for the low nibbles, the next bit for the high ones).
+void deq_q5_k(const uint8_t* b, float* y) {
+  const float d = half(b), dmin = half(b + 2);
+  const uint8_t* scales = b + 4;
+  const uint8_t* qh = b + 16;
+  const uint8_t* ql = b + 48;
+  uint8_t u1 = 1, u2 = 2;
+  for (int j = 0, is = 0; j < QK_K; j += 64, is += 2) {
+    uint8_t sc, m;
+    scale_min_k4(is, scales, &sc, &m);
+    const float d1 = d * static_cast<float>(sc), m1 = dmin * static_cast<float>(m);
+    scale_min_k4(is + 1, scales, &sc, &m);
+    const float d2 = d * static_cast<float>(sc), m2 = dmin * static_cast<float>(m);
+    for (int l = 0; l < 32; ++l) *y++ = mul_sub(d1, static_cast<float>((ql[l] & 0xF) + ((qh[l] & u1) ? 16 : 0)), m1);
+    for (int l = 0; l < 32; ++l) *y++ = mul_sub(d2, static_cast<float>((ql[l] >> 4) + ((qh[l] & u2) ? 16 : 0)), m2);
+    ql += 32;
+    u1 = static_cast<uint8_t>(u1 << 2);
+    u2 = static_cast<uint8_t>(u2 << 2);
+  }
+}
+
+// block_q6_K {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}: 6-bit q - 32, 16 groups of 16;
+// x = (d*scale)*q.
+void deq_q6_k(const uint8_t* b, float* y) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = half(b + 208);
+  for (int n = 0; n < QK_K; n += 128) {
+    for (int l = 0; l < 32; ++l) {
+      const int is = l / 16;
+      const int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+      const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+      const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+      const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+      y[l] = (d * static_cast<float>(sc[is + 0])) * static_cast<float>(q1);
+      y[l + 32] = (d * static_cast<float>(sc[is + 2])) * static_cast<float>(q2);
+      y[l + 64] = (d * static_cast<float>(sc[is + 4])) * static_cast<float>(q3);
+      y[l + 96] = (d * static_cast<float>(sc[is + 6])) * static_cast<float>(q4);
+    }
+    y += 128;
+    ql += 64;
+    qh += 32;
+    sc += 8;
+  }
+}
+
+// block_q8_K {f32 d; i8 qs[256]; i16 bsums[16]}: x = d*q (bsums only speed up dot products).
+void deq_q8_k(const uint8_t* b, float* y) {
+  float d;
+  std::memcpy(&d, b, 4);
+  for (int j = 0; j < QK_K; ++j) y[j] = d * static_cast<float>(static_cast<int8_t>(b[4 + j]));
+}
+
+using BlockFn = void (*)(const uint8_t*, float*);
+
+BlockFn block_fn(GgmlType t) {
+  switch (t) {
+    case GgmlType::Q4_0: return deq_q4_0;
+    case GgmlType::Q4_1: return deq_q4_1;
+    case GgmlType::Q5_0: return deq_q5_0;
+    case GgmlType::Q5_1: return deq_q5_1;
+    case GgmlType::Q8_0: return deq_q8_0;
+    case GgmlType::Q2_K: return deq_q2_k;
+    case GgmlType::Q3_K: return deq_q3_k;
+    case GgmlType::Q4_K: return deq_q4_k;
+    case GgmlType::Q5_K: return deq_q5_k;
+    case GgmlType::Q6_K: return deq_q6_k;
+    case GgmlType::Q8_K: return deq_q8_k;
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+
+bool ggml_can_dequantize(GgmlType t) {
+  return t == GgmlType::F32 || t == GgmlType::F16 || t == GgmlType::BF16 || t == GgmlType::F64 ||
+         block_fn(t) != nullptr;
+}
+
+void dequantize(GgmlType t, const void* src, int64_t n, float* dst) {
+  const GgmlTypeInfo* info = ggml_type_info(static_cast<uint32_t>(t));
+  OOM_CHECK(info, "[gguf] dequantize: ", ggml_type_name(t), " is not a ggml type");
+  OOM_CHECK(ggml_can_dequantize(t), "[gguf] dequantize: ggml type ", info->name,
+            " is not supported (supported: F32, F16, BF16, F64, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, "
+            "Q5_K, Q6_K, Q8_K); re-quantize the model to one of these");
+  OOM_CHECK(n >= 0 && n % info->block_size == 0, "[gguf] dequantize: ", n, " elements of ", info->name,
+            " is not a whole number of ", info->block_size, "-element blocks");
+  if (n == 0) return;  // empty tensors have no data pointer
+  const uint8_t* s = static_cast<const uint8_t*>(src);
+  switch (t) {
+    case GgmlType::F32: std::memcpy(dst, s, static_cast<size_t>(n) * 4); return;
+    case GgmlType::F16:
+      for (int64_t i = 0; i < n; ++i) dst[i] = half(s + 2 * i);
+      return;
+    case GgmlType::BF16:
+      for (int64_t i = 0; i < n; ++i) {
+        uint16_t h;
+        std::memcpy(&h, s + 2 * i, 2);
+        dst[i] = bf16_to_f32(h);
+      }
+      return;
+    case GgmlType::F64:
+      for (int64_t i = 0; i < n; ++i) {
+        double v;
+        std::memcpy(&v, s + 8 * i, 8);
+        dst[i] = static_cast<float>(v);
+      }
+      return;
+    default: break;
+  }
+  const BlockFn fn = block_fn(t);
+  const int64_t blocks = n / info->block_size;
+  for (int64_t k = 0; k < blocks; ++k) fn(s + k * info->type_size, dst + k * info->block_size);
+}
+
+}  // namespace oomless
