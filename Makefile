@@ -6,7 +6,7 @@ ASAN_BUILD ?= build/asan
 CUDA ?= auto
 CTEST_FLAGS ?= --output-on-failure --timeout 120 -j$(JOBS)
 
-.PHONY: all setup build run test test-fast test-asan test-all bench clean
+.PHONY: all setup build run test test-fast test-asan test-all bench fuzz clean
 
 all: build
 
@@ -39,6 +39,19 @@ test-all: build
 
 bench: build
 	$(BUILD)/bench_kernels
+
+# Each libFuzzer target in fuzz/ for FUZZ_SECONDS (default 60) from its seed corpus; new inputs it
+# finds go to build/fuzz/corpus/NAME (the committed seeds stay as they are). Needs clang (installed).
+FUZZ_SECONDS ?= 60
+FUZZ_BUILD ?= build/fuzz
+fuzz:
+	@scripts/setup.sh fuzz
+	@CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DOOMLESS_FUZZ=ON -DOOMLESS_TESTS=OFF -DOOMLESS_BENCH=OFF -DOOMLESS_CUDA=off > /dev/null
+	@cmake --build $(FUZZ_BUILD) -j$(JOBS)
+	@set -e; for f in fuzz/*_fuzz.cpp; do n=$$(basename $$f .cpp); c=$${n%_fuzz}; \
+	  mkdir -p $(FUZZ_BUILD)/corpus/$$c; echo "== $$n ($(FUZZ_SECONDS) s)"; \
+	  $(FUZZ_BUILD)/$$n -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=4096 -print_final_stats=1 \
+	    $(FUZZ_BUILD)/corpus/$$c fuzz/corpus/$$c 2>&1 | grep -E "stat::number_of_executed_units|ERROR|SUMMARY|crash-" ; done
 
 clean:
 	rm -rf build

@@ -40,13 +40,17 @@ CpuOps::~CpuOps() = default;
 Buffer CpuOps::scratch(size_t bytes, const char* what) { return ws_->alloc(bytes, Category::workspace, what); }
 
 void CpuOps::matmul(Tensor c, Tensor a, Tensor b, bool ta, bool tb, bool accumulate) {
-  auto [M, N, K] = check_matmul(c, a, b, ta, tb, kAct);
+  auto [M_, N_, K_] = check_matmul(c, a, b, ta, tb, kAct);
+  // Copies: clang before 16 cannot capture structured bindings in lambdas / OpenMP regions.
+  const int64_t M = M_, N = N_, K = K_;
   gemm_->run(GemmShape{.M = M, .N = N, .K = K, .ta = ta, .tb = tb, .ab = a.dtype, .accumulate = accumulate}, a.data,
              b.data, f32p(c));
 }
 
 void CpuOps::embedding_forward(Tensor out, Tensor ids, Tensor table) {
-  auto [T, E] = check_embedding("[embedding]", out, ids, table, kAct, true);
+  auto [T_, E_] = check_embedding("[embedding]", out, ids, table, kAct, true);
+  // Copies: clang before 16 cannot capture structured bindings in lambdas / OpenMP regions.
+  const int64_t T = T_, E = E_;
   const int32_t* id = i32p(ids);
   float* o = f32p(out);
   if (table.dtype == DType::bf16) {
@@ -63,7 +67,9 @@ void CpuOps::embedding_forward(Tensor out, Tensor ids, Tensor table) {
 }
 
 void CpuOps::embedding_backward(Tensor dtable, Tensor dout, Tensor ids) {
-  auto [T, E] = check_embedding("[embedding_backward]", dout, ids, dtable, kAct, false);
+  auto [T_, E_] = check_embedding("[embedding_backward]", dout, ids, dtable, kAct, false);
+  // Copies: clang before 16 cannot capture structured bindings in lambdas / OpenMP regions.
+  const int64_t T = T_, E = E_;
   const int32_t* id = i32p(ids);
   const float* g = f32p(dout);
   float* w = f32p(dtable);
@@ -78,7 +84,9 @@ void CpuOps::embedding_backward(Tensor dtable, Tensor dout, Tensor ids) {
 }
 
 void CpuOps::rmsnorm_forward(Tensor out, Tensor rstd, Tensor in, Tensor weight, double eps) {
-  auto [R, E] = check_rmsnorm("[rmsnorm]", out, rstd, in, weight, kAct);
+  auto [R_, E_] = check_rmsnorm("[rmsnorm]", out, rstd, in, weight, kAct);
+  // Copies: clang before 16 cannot capture structured bindings in lambdas / OpenMP regions.
+  const int64_t R = R_, E = E_;
   const float* x = f32p(in);
   const float* w = f32p(weight);
   float* y = f32p(out);
@@ -94,7 +102,9 @@ void CpuOps::rmsnorm_forward(Tensor out, Tensor rstd, Tensor in, Tensor weight, 
 }
 
 void CpuOps::rmsnorm_backward(Tensor din, Tensor dweight, Tensor dout, Tensor in, Tensor weight, Tensor rstd) {
-  auto [R, E] = check_rmsnorm("[rmsnorm_backward]", dout, rstd, in, weight, kAct);
+  auto [R_, E_] = check_rmsnorm("[rmsnorm_backward]", dout, rstd, in, weight, kAct);
+  // Copies: clang before 16 cannot capture structured bindings in lambdas / OpenMP regions.
+  const int64_t R = R_, E = E_;
   check_elementwise("[rmsnorm_backward]", {&din, &in}, kAct);
   check_same_shape("[rmsnorm_backward]", "dweight", dweight, "weight", weight);
   const float* x = f32p(in);
@@ -127,7 +137,9 @@ namespace {
 // Rotates pairs (x[i], x[i + D/2]) by +angle (forward, sign 1) or -angle (backward, sign -1). The
 // angles and their cos/sin are computed in double, then applied in f32.
 void cpu_rope(const char* op, Tensor out, Tensor in, Tensor pos, const RopeConfig& cfg, float sign) {
-  auto [T, H, D] = check_rope(op, out, in, pos, kAct);
+  auto [T_, H_, D_] = check_rope(op, out, in, pos, kAct);
+  // Copies: clang before 16 cannot capture structured bindings in lambdas / OpenMP regions.
+  const int64_t T = T_, H = H_, D = D_;
   int64_t half = D / 2;
   std::vector<double> inv(half);
   rope_inv_freq(inv.data(), D, cfg);

@@ -148,7 +148,9 @@ int64_t supervised_rows(const int32_t* tg, int64_t T, int32_t ignore_index) {
 }  // namespace
 
 CeResult CpuOps::linear_cross_entropy_forward(Tensor lse, Tensor h, Tensor w, Tensor targets, int32_t ignore_index) {
-  auto [T, E, V] = check_cross_entropy(kOp, lse, h, w, targets, ignore_index, kAct);
+  auto [T_, E_, V_] = check_cross_entropy(kOp, lse, h, w, targets, ignore_index, kAct);
+  // Copies: clang before 16 cannot capture structured bindings in lambdas / OpenMP regions.
+  const int64_t T = T_, E = E_, V = V_;
   const float* hp = static_cast<const float*>(h.data);
   const int32_t* tg = static_cast<const int32_t*>(targets.data);
   float* lp = static_cast<float*>(lse.data);
@@ -209,7 +211,9 @@ void CpuOps::linear_cross_entropy_backward(Tensor dh, Tensor dw, Tensor h, Tenso
                                            int32_t ignore_index, double grad_scale) {
   const CeDims dims = check_cross_entropy(kOp, lse, h, w, targets, ignore_index, kAct);
   check_cross_entropy_backward(kOp, dims, dh, dw, kAct);
-  auto [T, E, V] = dims;
+  auto [T_, E_, V_] = dims;
+  // Copies: clang before 16 cannot capture structured bindings in lambdas / OpenMP regions.
+  const int64_t T = T_, E = E_, V = V_;
   const float* hp = static_cast<const float*>(h.data);
   const int32_t* tg = static_cast<const int32_t*>(targets.data);
   const float* lp = static_cast<const float*>(lse.data);
