@@ -1,6 +1,7 @@
 #include "util/harness.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 namespace oomless::test {
@@ -171,5 +172,13 @@ void expect_within_bound(const HostTensor& got, const HostTensor& ref, const Hos
 }
 
 std::vector<std::string> backends_under_test() { return {"cpu"}; }
+
+std::string source_path(const std::string& rel) {
+  if (const char* env = std::getenv("OOMLESS_SOURCE_DIR")) return std::string(env) + "/" + rel;
+  const std::string here = __FILE__;  // SOURCE/tests/util/harness.cpp (relative when compiled so)
+  const std::string self = "tests/util/harness.cpp";
+  std::string root = here.size() >= self.size() ? here.substr(0, here.size() - self.size()) : "";
+  return (root.empty() ? "./" : root) + rel;
+}
 
 }  // namespace oomless::test

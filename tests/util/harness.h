@@ -70,4 +70,8 @@ void expect_within_bound(const HostTensor& got, const HostTensor& ref, const Hos
 // Backends to test against ref: "cpu", plus "cuda" when built and a device is present.
 std::vector<std::string> backends_under_test();
 
+// A path inside the source tree (goldens, corpus), found from this file's location, or from
+// OOMLESS_SOURCE_DIR when set; tests run from the build directory.
+std::string source_path(const std::string& rel);
+
 }  // namespace oomless::test

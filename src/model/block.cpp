@@ -1,0 +1,200 @@
+// One Llama block, forward and backward, through Ops. Keys and values are laid out per kv head,
+// (Hkv, P, D), the block layout the attention kernel reads; each kv head's projection is its own GEMM
+// writing straight into that layout (a contiguous slice of W's rows), so no transpose is needed and a
+// KV cache or page is filled in place.
+#include <cmath>
+
+#include "model/model.h"
+#include "model/model_detail.h"
+
+namespace oomless {
+
+namespace {
+
+// Rows [r0, r0 + n) of a row-major matrix with `cols` columns, as an (n, cols) view.
+Tensor rows(const Tensor& t, int64_t r0, int64_t n, int64_t cols) {
+  char* p = static_cast<char*>(t.data) + dtype_bytes(t.dtype, r0 * cols);
+  return Tensor(p, t.dtype, {n, cols});
+}
+
+// Elements [e0, e0 + n) of a vector.
+Tensor span(const Tensor& t, int64_t e0, int64_t n) {
+  if (!t.data) return Tensor();
+  char* p = static_cast<char*>(t.data) + dtype_bytes(t.dtype, e0);
+  return Tensor(p, t.dtype, {n});
+}
+
+// Head h of a (Hkv, P, D) buffer, slots t0 .. t0+T-1, as (T, D).
+Tensor head(const Tensor& kv, int64_t h, int64_t P, int64_t t0, int64_t T, int64_t D) {
+  char* p = static_cast<char*>(kv.data) + dtype_bytes(kv.dtype, (h * P + t0) * D);
+  return Tensor(p, kv.dtype, {T, D});
+}
+
+Tensor mat(const Tensor& t, int64_t r, int64_t c) { return Tensor(t.data, t.dtype, {r, c}); }
+
+}  // namespace
+
+const LayerParams& Model::wc(int64_t layer) const {
+  return (wcopy_ ? *wcopy_ : params_).layers[static_cast<size_t>(layer)];
+}
+
+void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos, Tensor x_out, bool recompute_only) {
+  const LayerParams& P = params_.layers[static_cast<size_t>(layer)];
+  const LayerParams& C = wc(layer);
+  const int64_t T = a.x_in.dims[0], E = cfg_.E, H = cfg_.H, Hkv = cfg_.Hkv, D = cfg_.D;
+  const int64_t Pk = kv.k.dims[1], t0 = kv.t0;
+  const double eps = cfg_.rms_eps;
+
+  ops_.rmsnorm_forward(a.h1, a.rstd1, a.x_in, P.in_norm, eps);
+  Tensor h1 = as_operand(a.h1, 0);
+
+  // Queries: projection [-> per-head RMSNorm (Qwen3)] -> RoPE.
+  Tensor q2 = mat(a.q, T, H * D);
+  if (cfg_.qk_norm) {
+    linear_forward(mat(a.q_pre, T, H * D), h1, C.wq, P.bq);
+    ops_.rmsnorm_forward(mat(a.q, T * H, D), a.q_rstd, mat(a.q_pre, T * H, D), P.q_norm, eps);
+  } else {
+    linear_forward(q2, h1, C.wq, P.bq);
+  }
+  ops_.rope_forward(a.q, a.q, pos, cfg_.rope);
+
+  // Keys and values, one kv head at a time, into (Hkv, P, D).
+  for (int64_t h = 0; h < Hkv; ++h) {
+    Tensor kh = head(kv.k, h, Pk, t0, T, D);
+    Tensor wk = rows(C.wk, h * D, D, E), wv = rows(C.wv, h * D, D, E);
+    if (cfg_.qk_norm) {
+      Tensor kp = head(a.k_pre, h, T, 0, T, D);
+      linear_forward(kp, h1, wk, span(P.bk, h * D, D));
+      ops_.rmsnorm_forward(kh, span(a.k_rstd, h * T, T), kp, P.k_norm, eps);
+    } else {
+      linear_forward(kh, h1, wk, span(P.bk, h * D, D));
+    }
+    Tensor kh3(kh.data, kh.dtype, {T, int64_t{1}, D});
+    ops_.rope_forward(kh3, kh3, pos, cfg_.rope);
+    linear_forward(head(kv.v, h, Pk, t0, T, D), h1, wv, span(P.bv, h * D, D));
+  }
+
+  KvBlock blk{kv.k.data, kv.v.data, 0, static_cast<int32_t>(t0 + T)};
+  KvBlocks blocks{&blk, 1, Hkv, Pk, D, kv.k.dtype};
+  ops_.attention_forward(a.o, a.lse, a.q, blocks, pos, 1.0 / std::sqrt(static_cast<double>(D)));
+
+  Tensor proj = mat(s_->proj, T, E);
+  linear_forward(proj, as_operand(mat(a.o, T, H * D), 0), C.wo, P.bo);
+  ops_.add(a.x_mid, a.x_in, proj);
+
+  ops_.rmsnorm_forward(a.h2, a.rstd2, a.x_mid, P.post_norm, eps);
+  Tensor h2 = as_operand(a.h2, 0);
+  linear_forward(a.gate, h2, C.wg, Tensor());
+  linear_forward(a.up, h2, C.wu, Tensor());
+  ops_.swiglu_forward(a.act, a.gate, a.up);
+  if (recompute_only) return;
+  linear_forward(proj, as_operand(a.act, 0), C.wd, Tensor());
+  ops_.add(x_out, a.x_mid, proj);
+}
+
+void Model::recompute_for_backward(int64_t layer, Acts& a, Tensor pos) {
+  const LayerParams& P = params_.layers[static_cast<size_t>(layer)];
+  const int64_t T = a.x_in.dims[0], H = cfg_.H, Hkv = cfg_.Hkv, D = cfg_.D;
+  const double eps = cfg_.rms_eps;
+  switch (opt_.save) {
+    case SavePolicy::all:
+      return;
+    case SavePolicy::none: {
+      KvSlots kv{a.k, a.v, 0};
+      block_forward(layer, a, kv, pos, Tensor(), true);
+      return;
+    }
+    case SavePolicy::selective:
+      // Norms and the SwiGLU product from the kept residual states and matmul outputs; the same kernels on
+      // the same inputs, so the same bits as the first forward.
+      ops_.rmsnorm_forward(a.h1, a.rstd1, a.x_in, P.in_norm, eps);
+      ops_.rmsnorm_forward(a.h2, a.rstd2, a.x_mid, P.post_norm, eps);
+      ops_.swiglu_forward(a.act, a.gate, a.up);
+      if (cfg_.qk_norm) {
+        ops_.rmsnorm_forward(mat(s_->tmp_rows, T * H, D), a.q_rstd, mat(a.q_pre, T * H, D), P.q_norm, eps);
+        ops_.rmsnorm_forward(mat(s_->tmp_rows, Hkv * T, D), a.k_rstd, mat(a.k_pre, Hkv * T, D), P.k_norm, eps);
+      }
+      return;
+  }
+}
+
+void Model::block_backward(int64_t layer, Acts& a, Tensor pos, Tensor dx) {
+  const LayerParams& P = params_.layers[static_cast<size_t>(layer)];
+  const LayerParams& C = wc(layer);
+  const LayerParams& G = grads_->layers[static_cast<size_t>(layer)];
+  Scratch& s = *s_;
+  const int64_t T = a.x_in.dims[0], E = cfg_.E, F = cfg_.F, H = cfg_.H, Hkv = cfg_.Hkv, D = cfg_.D;
+  auto view = [](const Tensor& t, std::initializer_list<int64_t> shape) { return Tensor(t.data, t.dtype, shape); };
+  Tensor dh = view(s.dh, {T, E}), dxn = view(s.dxn, {T, E});
+  Tensor dgate = view(s.dgate, {T, F}), dup = view(s.dup, {T, F}), dact = view(s.dact, {T, F});
+
+  // MLP: x_out = x_mid + down(silu(gate(h2)) * up(h2)).
+  Tensor dx_op = as_operand(dx, 0);
+  linear_backward_input(dact, dx_op, C.wd, false);
+  linear_backward_weight(G.wd, dx_op, as_operand(a.act, 1));
+  ops_.swiglu_backward(dgate, dup, dact, a.gate, a.up);
+  Tensor h2 = as_operand(a.h2, 1);
+  Tensor g_op = as_operand(dgate, 0);
+  linear_backward_input(dh, g_op, C.wg, false);
+  linear_backward_weight(G.wg, g_op, h2);
+  Tensor u_op = as_operand(dup, 0);
+  linear_backward_input(dh, u_op, C.wu, true);
+  linear_backward_weight(G.wu, u_op, h2);
+  ops_.rmsnorm_backward(dxn, G.post_norm, dh, a.x_mid, P.post_norm, a.rstd2);
+  ops_.add(dx, dx, dxn);
+
+  // Attention output projection: x_mid = x_in + o_proj(o).
+  Tensor d_o = view(s.d_o, {T, H, D});
+  dx_op = as_operand(dx, 0);
+  linear_backward_input(mat(d_o, T, H * D), dx_op, C.wo, false);
+  linear_backward_weight(G.wo, dx_op, as_operand(mat(a.o, T, H * D), 1));
+  bias_backward(G.bo, dx);
+
+  // Attention; dK/dV accumulate, so start from zero.
+  Tensor dq = view(s.dq, {T, H, D}), dk = view(s.dk, {Hkv, T, D}), dv = view(s.dv, {Hkv, T, D});
+  ops_.fill(dk, 0.0);
+  ops_.fill(dv, 0.0);
+  KvBlock kb{a.k.data, a.v.data, 0, static_cast<int32_t>(T)};
+  KvBlocks kv{&kb, 1, Hkv, T, D, a.k.dtype};
+  KvBlock dkb{dk.data, dv.data, 0, static_cast<int32_t>(T)};
+  KvBlocks dkv{&dkb, 1, Hkv, T, D, act_};
+  ops_.attention_backward(dq, dkv, d_o, a.q, kv, a.o, a.lse, pos, 1.0 / std::sqrt(static_cast<double>(D)));
+
+  // RoPE, then the Qwen3 per-head norms, backwards.
+  ops_.rope_backward(dq, dq, pos, cfg_.rope);
+  for (int64_t h = 0; h < Hkv; ++h) {
+    Tensor dkh(head(dk, h, T, 0, T, D).data, act_, {T, int64_t{1}, D});
+    ops_.rope_backward(dkh, dkh, pos, cfg_.rope);
+  }
+  Tensor dq_lin = dq, dk_lin = dk;
+  if (cfg_.qk_norm) {
+    dq_lin = view(s.dq_pre, {T, H, D});
+    dk_lin = view(s.dk_pre, {Hkv, T, D});
+    ops_.rmsnorm_backward(mat(dq_lin, T * H, D), G.q_norm, mat(dq, T * H, D), mat(a.q_pre, T * H, D), P.q_norm,
+                          a.q_rstd);
+    ops_.rmsnorm_backward(mat(dk_lin, Hkv * T, D), G.k_norm, mat(dk, Hkv * T, D), mat(a.k_pre, Hkv * T, D),
+                          P.k_norm, a.k_rstd);
+  }
+
+  // Projections: dh1 = dq . Wq + sum over kv heads of (dk_h . Wk_h + dv_h . Wv_h).
+  Tensor h1 = as_operand(a.h1, 1);
+  Tensor dq_op = as_operand(mat(dq_lin, T, H * D), 0);
+  linear_backward_input(dh, dq_op, C.wq, false);
+  linear_backward_weight(G.wq, dq_op, h1);
+  bias_backward(G.bq, mat(dq_lin, T, H * D));
+  for (int64_t h = 0; h < Hkv; ++h) {
+    Tensor dkh = head(dk_lin, h, T, 0, T, D), dvh = head(dv, h, T, 0, T, D);
+    Tensor k_op = as_operand(dkh, 0);
+    linear_backward_input(dh, k_op, rows(C.wk, h * D, D, E), true);
+    linear_backward_weight(rows(G.wk, h * D, D, E), k_op, h1);
+    bias_backward(span(G.bk, h * D, D), dkh);
+    Tensor v_op = as_operand(dvh, 0);
+    linear_backward_input(dh, v_op, rows(C.wv, h * D, D, E), true);
+    linear_backward_weight(rows(G.wv, h * D, D, E), v_op, h1);
+    bias_backward(span(G.bv, h * D, D), dvh);
+  }
+  ops_.rmsnorm_backward(dxn, G.in_norm, dh, a.x_in, P.in_norm, a.rstd1);
+  ops_.add(dx, dx, dxn);
+}
+
+}  // namespace oomless

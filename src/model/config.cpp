@@ -1,0 +1,319 @@
+#include "model/config.h"
+
+#include <cmath>
+
+#include "core/error.h"
+
+namespace oomless {
+
+const char* arch_name(Arch a) {
+  switch (a) {
+    case Arch::llama: return "llama";
+    case Arch::qwen2: return "qwen2";
+    case Arch::qwen3: return "qwen3";
+    case Arch::mistral: return "mistral";
+  }
+  return "?";
+}
+
+const char* arch_hf_class(Arch a) {
+  switch (a) {
+    case Arch::llama: return "LlamaForCausalLM";
+    case Arch::qwen2: return "Qwen2ForCausalLM";
+    case Arch::qwen3: return "Qwen3ForCausalLM";
+    case Arch::mistral: return "MistralForCausalLM";
+  }
+  return "?";
+}
+
+namespace {
+
+constexpr const char* kSupported =
+    "supported: LlamaForCausalLM (also SmolLM, TinyLlama), Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM";
+
+// transformers' defaults for keys a config.json may leave out.
+struct Defaults {
+  int64_t V, E, F, L, H;
+  int64_t Hkv;  // 0: same as H
+  int64_t max_pos;
+  double eps;
+  int64_t sliding;  // Mistral's default window
+};
+
+Defaults defaults_for(Arch a) {
+  switch (a) {
+    case Arch::llama: return {32000, 4096, 11008, 32, 32, 0, 2048, 1e-6, 0};
+    case Arch::qwen2: return {151936, 4096, 22016, 32, 32, 32, 32768, 1e-6, 0};
+    case Arch::qwen3: return {151936, 4096, 22016, 32, 32, 32, 32768, 1e-6, 0};
+    case Arch::mistral: return {32000, 4096, 14336, 32, 32, 8, 4096 * 32, 1e-6, 4096};
+  }
+  return {};
+}
+
+Arch arch_from_json(const json::Value& cfg, std::string_view source) {
+  std::string what;
+  if (const json::Value* a = cfg.find("architectures"); a && a->is_array() && a->size() > 0 && (*a)[0].is_string())
+    what = (*a)[0].as_string();
+  if (what == "LlamaForCausalLM") return Arch::llama;
+  if (what == "Qwen2ForCausalLM") return Arch::qwen2;
+  if (what == "Qwen3ForCausalLM") return Arch::qwen3;
+  if (what == "MistralForCausalLM") return Arch::mistral;
+  if (what.empty()) {
+    if (const json::Value* t = cfg.find("model_type"); t && t->is_string()) {
+      const std::string& mt = t->as_string();
+      if (mt == "llama") return Arch::llama;
+      if (mt == "qwen2") return Arch::qwen2;
+      if (mt == "qwen3") return Arch::qwen3;
+      if (mt == "mistral") return Arch::mistral;
+      what = "model_type " + mt;
+    } else {
+      fail("[config] ", source, ": neither \"architectures\" nor \"model_type\" says which model this is; ", kSupported);
+    }
+  }
+  fail("[config] ", source, ": unsupported architecture '", what, "'; ", kSupported);
+}
+
+int64_t get_int(const json::Value& cfg, const char* key, int64_t dflt) {
+  const json::Value* v = cfg.find(key);
+  if (!v || v->is_null()) return dflt;
+  return v->as_int(key);
+}
+
+double get_num(const json::Value& cfg, const char* key, double dflt) {
+  const json::Value* v = cfg.find(key);
+  if (!v || v->is_null()) return dflt;
+  return v->as_number(key);
+}
+
+bool get_bool(const json::Value& cfg, const char* key, bool dflt) {
+  const json::Value* v = cfg.find(key);
+  if (!v || v->is_null()) return dflt;
+  return v->as_bool(key);
+}
+
+std::optional<int32_t> get_token_id(const json::Value& cfg, const char* key) {
+  const json::Value* v = cfg.find(key);
+  if (!v || v->is_null()) return std::nullopt;
+  // Some configs list several end tokens; the first is the one generation stops at by default.
+  if (v->is_array()) return v->size() ? std::optional<int32_t>(static_cast<int32_t>((*v)[0].as_int(key))) : std::nullopt;
+  return static_cast<int32_t>(v->as_int(key));
+}
+
+// rope_scaling (transformers 4.x) or rope_parameters (5.x): null / "default" or "llama3".
+void read_rope(const json::Value& cfg, ModelConfig& c, std::string_view source) {
+  c.rope.theta = get_num(cfg, "rope_theta", 10000.0);
+  const json::Value* rs = cfg.find("rope_scaling");
+  const json::Value* rp = cfg.find("rope_parameters");
+  if (rp && rp->is_object()) {
+    if (const json::Value* t = rp->find("rope_theta")) c.rope.theta = t->as_number("rope_parameters.rope_theta");
+    if (!rs || rs->is_null()) rs = rp;
+  }
+  if (!rs || rs->is_null()) return;
+  OOM_CHECK(rs->is_object(), "[config] ", source, ": rope_scaling must be an object or null");
+  std::string type = "default";
+  if (const json::Value* t = rs->find("rope_type")) type = t->as_string("rope_type");
+  else if (const json::Value* t2 = rs->find("type")) type = t2->as_string("rope_scaling.type");
+  if (type == "default") return;
+  OOM_CHECK(type == "llama3", "[config] ", source, ": rope scaling type '", type,
+            "' is not supported; supported: none/default and llama3");
+  c.rope.llama3 = true;
+  c.rope.factor = get_num(*rs, "factor", 8.0);
+  c.rope.low_freq_factor = get_num(*rs, "low_freq_factor", 1.0);
+  c.rope.high_freq_factor = get_num(*rs, "high_freq_factor", 4.0);
+  c.rope.original_max_position = get_num(*rs, "original_max_position_embeddings", 8192.0);
+  OOM_CHECK(c.rope.factor > 0 && c.rope.high_freq_factor > c.rope.low_freq_factor && c.rope.original_max_position > 0,
+            "[config] ", source, ": llama3 rope scaling needs factor > 0, high_freq_factor > low_freq_factor and "
+            "original_max_position_embeddings > 0");
+}
+
+}  // namespace
+
+int64_t ModelConfig::param_count() const {
+  int64_t n = 0;
+  for (const ParamSpec& p : param_specs(*this)) {
+    int64_t k = 1;
+    for (int64_t d : p.shape) k *= d;
+    n += k;
+  }
+  return n;
+}
+
+void ModelConfig::validate(std::string_view source) const {
+  OOM_CHECK(L > 0 && E > 0 && F > 0 && H > 0 && Hkv > 0 && D > 0 && V > 0, "[config] ", source,
+            ": num_hidden_layers, hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, "
+            "head_dim and vocab_size must all be positive (found L=", L, " E=", E, " F=", F, " H=", H, " Hkv=", Hkv,
+            " D=", D, " V=", V, ")");
+  OOM_CHECK(H % Hkv == 0, "[config] ", source, ": num_attention_heads (", H,
+            ") must be a multiple of num_key_value_heads (", Hkv, ")");
+  OOM_CHECK(D % 2 == 0, "[config] ", source, ": head_dim must be even for rotary embeddings (found ", D, ")");
+  OOM_CHECK(V < (int64_t{1} << 31), "[config] ", source, ": vocab_size ", V, " does not fit 32-bit token ids");
+  OOM_CHECK(rms_eps > 0 && std::isfinite(rms_eps), "[config] ", source, ": rms_norm_eps must be positive");
+  OOM_CHECK(rope.theta > 0 && std::isfinite(rope.theta), "[config] ", source, ": rope_theta must be positive");
+}
+
+void ModelConfig::check_sequence(int64_t T) const {
+  OOM_CHECK(sliding_window == 0 || T <= sliding_window, "[config] sequence length ", T,
+            " exceeds the model's sliding_window ", sliding_window,
+            "; sliding-window attention is not supported: use --seq <= ", sliding_window);
+}
+
+ModelConfig ModelConfig::from_json(const json::Value& cfg, std::string_view source) {
+  OOM_CHECK(cfg.is_object(), "[config] ", source, ": config.json must be a JSON object");
+  ModelConfig c;
+  c.arch = arch_from_json(cfg, source);
+  const Defaults d = defaults_for(c.arch);
+
+  const json::Value* act = cfg.find("hidden_act");
+  if (!act || act->is_null()) act = cfg.find("hidden_activation");
+  if (act && !act->is_null()) {
+    const std::string& a = act->as_string("hidden_act");
+    OOM_CHECK(a == "silu" || a == "swish", "[config] ", source, ": hidden_act '", a,
+              "' is not supported; supported: silu (SwiGLU MLP)");
+  }
+  OOM_CHECK(!get_bool(cfg, "mlp_bias", false), "[config] ", source,
+            ": mlp_bias true is not supported; supported: MLP projections without bias");
+
+  c.V = get_int(cfg, "vocab_size", d.V);
+  c.E = get_int(cfg, "hidden_size", d.E);
+  c.F = get_int(cfg, "intermediate_size", d.F);
+  c.L = get_int(cfg, "num_hidden_layers", d.L);
+  c.H = get_int(cfg, "num_attention_heads", d.H);
+  c.Hkv = get_int(cfg, "num_key_value_heads", d.Hkv ? d.Hkv : c.H);
+  c.D = get_int(cfg, "head_dim", c.H > 0 ? c.E / c.H : 0);
+  if (c.arch == Arch::qwen3) c.D = get_int(cfg, "head_dim", 128);
+  c.rms_eps = get_num(cfg, "rms_norm_eps", d.eps);
+  c.max_position = get_int(cfg, "max_position_embeddings", d.max_pos);
+  c.tied = get_bool(cfg, "tie_word_embeddings", false);  // false for all four architectures
+  read_rope(cfg, c, source);
+
+  const bool attention_bias = get_bool(cfg, "attention_bias", false);
+  switch (c.arch) {
+    case Arch::llama:
+      c.qkv_bias = c.o_bias = attention_bias;
+      break;
+    case Arch::qwen2:
+      c.qkv_bias = true;  // built into Qwen2Attention, no config key
+      break;
+    case Arch::qwen3:
+      c.qkv_bias = c.o_bias = attention_bias;
+      c.qk_norm = true;
+      break;
+    case Arch::mistral:
+      break;
+  }
+
+  // Sliding windows: Mistral's applies whenever set; Qwen2/3 only with use_sliding_window.
+  if (c.arch == Arch::mistral) {
+    const json::Value* sw = cfg.find("sliding_window");
+    c.sliding_window = !sw ? d.sliding : sw->is_null() ? 0 : sw->as_int("sliding_window");
+  } else if ((c.arch == Arch::qwen2 || c.arch == Arch::qwen3) && get_bool(cfg, "use_sliding_window", false)) {
+    c.sliding_window = get_int(cfg, "sliding_window", 4096);
+  }
+  OOM_CHECK(c.sliding_window >= 0, "[config] ", source, ": sliding_window must be >= 0 or null");
+
+  c.bos_id = get_token_id(cfg, "bos_token_id");
+  c.eos_id = get_token_id(cfg, "eos_token_id");
+  c.validate(source);
+  return c;
+}
+
+ModelConfig ModelConfig::from_file(const std::string& path) { return from_json(json::parse_file(path), path); }
+
+json::Value ModelConfig::to_json() const {
+  using json::Value;
+  Value o = Value::object();
+  o.set("architectures", Value::array({Value::string(arch_hf_class(arch))}));
+  o.set("model_type", Value::string(arch_name(arch)));
+  o.set("vocab_size", Value::integer(V));
+  o.set("hidden_size", Value::integer(E));
+  o.set("intermediate_size", Value::integer(F));
+  o.set("num_hidden_layers", Value::integer(L));
+  o.set("num_attention_heads", Value::integer(H));
+  o.set("num_key_value_heads", Value::integer(Hkv));
+  o.set("head_dim", Value::integer(D));
+  o.set("hidden_act", Value::string("silu"));
+  o.set("max_position_embeddings", Value::integer(max_position));
+  o.set("rms_norm_eps", Value::number(rms_eps));
+  o.set("rope_theta", Value::number(rope.theta));
+  if (rope.llama3) {
+    Value rs = Value::object();
+    rs.set("rope_type", Value::string("llama3"));
+    rs.set("factor", Value::number(rope.factor));
+    rs.set("low_freq_factor", Value::number(rope.low_freq_factor));
+    rs.set("high_freq_factor", Value::number(rope.high_freq_factor));
+    rs.set("original_max_position_embeddings", Value::integer(static_cast<int64_t>(rope.original_max_position)));
+    o.set("rope_scaling", std::move(rs));
+  } else {
+    o.set("rope_scaling", Value());
+  }
+  o.set("tie_word_embeddings", Value::boolean(tied));
+  if (arch == Arch::llama || arch == Arch::qwen3) o.set("attention_bias", Value::boolean(o_bias));
+  if (arch == Arch::llama) o.set("mlp_bias", Value::boolean(false));
+  if (arch == Arch::mistral) o.set("sliding_window", sliding_window ? Value::integer(sliding_window) : Value());
+  if (arch == Arch::qwen2 || arch == Arch::qwen3) o.set("use_sliding_window", Value::boolean(false));
+  o.set("bos_token_id", bos_id ? Value::integer(*bos_id) : Value());
+  o.set("eos_token_id", eos_id ? Value::integer(*eos_id) : Value());
+  o.set("torch_dtype", Value::string("float32"));
+  return o;
+}
+
+ModelConfig preset_config(std::string_view name) {
+  ModelConfig c;
+  c.arch = Arch::llama;
+  c.tied = true;
+  c.rms_eps = 1e-5;
+  c.rope.theta = 10000.0;
+  if (name == "micro") {
+    c.L = 2, c.E = 64, c.F = 128, c.H = 4, c.Hkv = 2, c.D = 16, c.V = 8192;
+    c.max_position = 1 << 20;
+    c.eos_id = 0;
+  } else if (name == "tiny") {
+    c.L = 6, c.E = 384, c.F = 1024, c.H = 6, c.Hkv = 2, c.D = 64, c.V = 8192;
+    c.max_position = 1 << 20;
+    c.eos_id = 0;
+  } else if (name == "smollm2-135m") {
+    // SmolLM2-135M as its GGUF describes it (llama, 30 layers, GQA 9/3, tied, theta 1e5).
+    c.L = 30, c.E = 576, c.F = 1536, c.H = 9, c.Hkv = 3, c.D = 64, c.V = 49152;
+    c.rope.theta = 100000.0;
+    c.max_position = 8192;
+    c.bos_id = 1, c.eos_id = 2;
+  } else {
+    std::string known;
+    for (const std::string& n : preset_names()) known += (known.empty() ? "" : ", ") + n;
+    fail("[config] unknown preset '", name, "'; known presets: ", known);
+  }
+  c.validate(std::string("preset:") + std::string(name));
+  return c;
+}
+
+std::vector<std::string> preset_names() { return {"micro", "tiny", "smollm2-135m"}; }
+
+std::vector<ParamSpec> param_specs(const ModelConfig& c) {
+  std::vector<ParamSpec> p;
+  p.push_back({"model.embed_tokens.weight", {c.V, c.E}, true});
+  for (int64_t l = 0; l < c.L; ++l) {
+    const std::string pre = "model.layers." + std::to_string(l) + ".";
+    p.push_back({pre + "input_layernorm.weight", {c.E}, false});
+    p.push_back({pre + "self_attn.q_proj.weight", {c.q_dim(), c.E}, true});
+    if (c.qkv_bias) p.push_back({pre + "self_attn.q_proj.bias", {c.q_dim()}, false});
+    p.push_back({pre + "self_attn.k_proj.weight", {c.kv_dim(), c.E}, true});
+    if (c.qkv_bias) p.push_back({pre + "self_attn.k_proj.bias", {c.kv_dim()}, false});
+    p.push_back({pre + "self_attn.v_proj.weight", {c.kv_dim(), c.E}, true});
+    if (c.qkv_bias) p.push_back({pre + "self_attn.v_proj.bias", {c.kv_dim()}, false});
+    p.push_back({pre + "self_attn.o_proj.weight", {c.E, c.q_dim()}, true});
+    if (c.o_bias) p.push_back({pre + "self_attn.o_proj.bias", {c.E}, false});
+    if (c.qk_norm) {
+      p.push_back({pre + "self_attn.q_norm.weight", {c.D}, false});
+      p.push_back({pre + "self_attn.k_norm.weight", {c.D}, false});
+    }
+    p.push_back({pre + "post_attention_layernorm.weight", {c.E}, false});
+    p.push_back({pre + "mlp.gate_proj.weight", {c.F, c.E}, true});
+    p.push_back({pre + "mlp.up_proj.weight", {c.F, c.E}, true});
+    p.push_back({pre + "mlp.down_proj.weight", {c.E, c.F}, true});
+  }
+  p.push_back({"model.norm.weight", {c.E}, false});
+  if (!c.tied) p.push_back({"lm_head.weight", {c.V, c.E}, true});
+  return p;
+}
+
+}  // namespace oomless

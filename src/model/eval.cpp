@@ -1,0 +1,44 @@
+#include "model/eval.h"
+
+#include <algorithm>
+
+namespace oomless {
+
+std::vector<PositionBucket> position_buckets(int64_t T) {
+  std::vector<PositionBucket> b;
+  const int64_t n = T - 1;  // predictions per window
+  if (n <= 0) return b;
+  b.push_back({0, 1});
+  for (int64_t s = 1; s < n; s *= 2) b.push_back({s, std::min(2 * s, n)});
+  return b;
+}
+
+EvalResult evaluate(Model& model, const std::vector<int32_t>& stream, int64_t T, bool with_grads) {
+  OOM_CHECK(T >= 2, "[eval] --seq must be at least 2 (a window of T tokens makes T - 1 predictions), got ", T);
+  const int64_t n = static_cast<int64_t>(stream.size());
+  OOM_CHECK(n >= T, "[eval] the data holds ", n, " tokens, fewer than one window of --seq ", T,
+            "; use a smaller --seq or more data");
+  EvalResult r;
+  r.windows = n / T;
+  r.tokens = r.windows * T;
+  r.buckets = position_buckets(T);
+  model.reserve(T, with_grads);
+  if (with_grads) model.zero_grads();
+  std::vector<int32_t> targets(static_cast<size_t>(T));
+  for (int64_t w = 0; w < r.windows; ++w) {
+    const int32_t* ids = stream.data() + w * T;
+    for (int64_t t = 0; t < T; ++t) targets[static_cast<size_t>(t)] = t + 1 < T ? ids[t + 1] : -100;
+    const bool grads = with_grads && w == 0;
+    CeResult ce = model.forward(Tensor(const_cast<int32_t*>(ids), DType::i32, {T}),
+                                Tensor(targets.data(), DType::i32, {T}), grads);
+    if (grads) model.backward(1.0 / static_cast<double>(ce.count));
+    r.loss_sum += ce.loss_sum;
+    r.predictions += ce.count;
+    const std::vector<double> per = model.token_losses();
+    for (PositionBucket& b : r.buckets)
+      for (int64_t t = b.start; t < b.end; ++t) b.loss_sum += per[static_cast<size_t>(t)], ++b.count;
+  }
+  return r;
+}
+
+}  // namespace oomless

@@ -1,0 +1,34 @@
+// Evaluation of a token stream: non-overlapping windows of T tokens (the last partial window dropped),
+// loss = sum of cross-entropy / number of predictions (T - 1 per window), with the loss broken down by
+// position in the window, and optionally the gradient of window 0's mean loss.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "model/model.h"
+
+namespace oomless {
+
+struct PositionBucket {
+  int64_t start = 0, end = 0;  // predicting positions [start, end) in the window
+  double loss_sum = 0.0;
+  int64_t count = 0;
+};
+
+struct EvalResult {
+  double loss_sum = 0.0;
+  int64_t predictions = 0;
+  int64_t windows = 0;
+  int64_t tokens = 0;  // tokens evaluated (windows x T)
+  std::vector<PositionBucket> buckets;
+  double loss() const { return predictions ? loss_sum / static_cast<double>(predictions) : 0.0; }
+};
+
+// Buckets [0, 1), [1, 2), [2, 4), [4, 8), ... up to T - 1 predictions.
+std::vector<PositionBucket> position_buckets(int64_t T);
+
+// with_grads: window 0 runs forward + backward with grad_scale 1 / (T - 1), so model.grads() holds the
+// gradient of its mean loss (what transformers computes with labels = input_ids).
+EvalResult evaluate(Model& model, const std::vector<int32_t>& stream, int64_t T, bool with_grads);
+
+}  // namespace oomless

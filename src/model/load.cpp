@@ -1,0 +1,182 @@
+#include "model/load.h"
+
+#include <sys/stat.h>
+
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <vector>
+
+#include "io/gguf.h"
+#include "io/gguf_model.h"
+#include "io/safetensors.h"
+
+extern "C" const char oomless_bundled_tokenizer_json[];
+extern "C" const char oomless_bundled_tokenizer_json_end[];
+extern "C" const char oomless_bundled_tokenizer_config[];
+extern "C" const char oomless_bundled_tokenizer_config_end[];
+
+namespace oomless {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string_view embedded(const char* b, const char* e) { return {b, static_cast<size_t>(e - b)}; }
+
+bool ends_with(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::string r = "[";
+  for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
+  return r + "]";
+}
+
+// Copies float32 values into a parameter of any float dtype.
+void store(const Tensor& dst, const std::vector<float>& src) {
+  convert(dst.data, dst.dtype, src.data(), DType::f32, dst.numel());
+}
+
+ModelSource open_preset(const std::string& spec, std::string_view name, uint64_t seed) {
+  ModelSource m;
+  m.spec = spec;
+  m.kind = "preset";
+  m.cfg = preset_config(name);
+  if (name == "micro" || name == "tiny") {
+    m.tokenizer = bundled_tokenizer();
+    m.tokenizer_config = bundled_tokenizer_config();
+  }
+  m.load_weights = [seed](ParamSet& p) { init_random(p, seed); };
+  return m;
+}
+
+ModelSource open_hf(const std::string& spec, const fs::path& dir) {
+  ModelSource m;
+  m.spec = spec;
+  m.kind = "hf";
+  const fs::path cfg_path = dir / "config.json";
+  OOM_CHECK(fs::exists(cfg_path), "[model] ", dir.string(), " has no config.json; --model takes a Hugging Face model "
+            "folder (config.json + *.safetensors), a .gguf file or preset:NAME (", "micro, tiny, smollm2-135m)");
+  m.cfg = ModelConfig::from_file(cfg_path.string());
+  if (fs::exists(dir / "tokenizer.json")) m.tokenizer = Tokenizer::from_file((dir / "tokenizer.json").string());
+  if (fs::exists(dir / "tokenizer_config.json"))
+    m.tokenizer_config = json::parse_file((dir / "tokenizer_config.json").string());
+  auto set = std::make_shared<SafetensorsSet>(SafetensorsSet::open(dir.string()));
+  m.keep_open = set;
+  const ModelConfig cfg = m.cfg;
+  m.load_weights = [set, cfg, dir](ParamSet& p) {
+    std::vector<float> buf;
+    for (size_t i = 0; i < p.specs().size(); ++i) {
+      const ParamSpec& s = p.specs()[i];
+      const StTensor* t = set->find(s.name);
+      OOM_CHECK(t, "[model] ", dir.string(), ": the weights have no tensor '", s.name, "' (shape ", shape_str(s.shape),
+                ") that config.json implies; the folder's config and weights do not belong together");
+      buf.resize(static_cast<size_t>(p.tensors()[i].numel()));
+      read_as_f32(*t, s.shape, buf.data());
+      store(p.tensors()[i], buf);
+    }
+  };
+  return m;
+}
+
+ModelSource open_gguf(const std::string& spec) {
+  ModelSource m;
+  m.spec = spec;
+  m.kind = "gguf";
+  auto file = std::make_shared<GgufFile>(GgufFile::open(spec));
+  m.keep_open = file;
+  m.cfg = ModelConfig::from_json(gguf_config_json(*file), spec);
+  m.tokenizer = Tokenizer::from_json(gguf_tokenizer_json(*file), spec + " (tokenizer.ggml.*)");
+  GgufTokenizerConfig tc = gguf_tokenizer_config(*file);
+  json::Value c = json::Value::object();
+  if (!tc.chat_template.empty()) c.set("chat_template", json::Value::string(tc.chat_template));
+  c.set("add_bos_token", json::Value::boolean(tc.add_bos));
+  if (tc.bos) c.set("bos_token", json::Value::string(m.tokenizer->id_to_token(*tc.bos)));
+  if (tc.eos) c.set("eos_token", json::Value::string(m.tokenizer->id_to_token(*tc.eos)));
+  m.tokenizer_config = std::move(c);
+  if (!m.cfg.eos_id && tc.eos) m.cfg.eos_id = tc.eos;
+  if (!m.cfg.bos_id && tc.bos) m.cfg.bos_id = tc.bos;
+  auto tensors = std::make_shared<std::vector<GgufHfTensor>>(gguf_hf_tensors(*file));
+  m.load_weights = [file, tensors, spec](ParamSet& p) {
+    std::map<std::string, const GgufHfTensor*, std::less<>> by_name;
+    for (const GgufHfTensor& t : *tensors) by_name[t.hf_name] = &t;
+    std::vector<float> buf;
+    for (size_t i = 0; i < p.specs().size(); ++i) {
+      const ParamSpec& s = p.specs()[i];
+      auto it = by_name.find(s.name);
+      OOM_CHECK(it != by_name.end(), "[model] ", spec, ": the GGUF has no tensor for '", s.name,
+                "' that its metadata implies; the file is incomplete");
+      OOM_CHECK(it->second->shape == s.shape, "[model] ", spec, ": tensor '", s.name, "' has shape ",
+                shape_str(it->second->shape), " but the metadata implies ", shape_str(s.shape));
+      buf.resize(static_cast<size_t>(p.tensors()[i].numel()));
+      gguf_read_f32(*it->second, buf.data());
+      store(p.tensors()[i], buf);
+    }
+  };
+  return m;
+}
+
+}  // namespace
+
+const Tokenizer& ModelSource::require_tokenizer() const {
+  OOM_CHECK(tokenizer.has_value(), "[model] ", spec, " has no tokenizer (no tokenizer.json); give token ids "
+            "instead (a .ids file) or a model folder with tokenizer.json");
+  return *tokenizer;
+}
+
+const Tokenizer& bundled_tokenizer() {
+  static const Tokenizer tok = Tokenizer::from_json(
+      json::parse(embedded(oomless_bundled_tokenizer_json, oomless_bundled_tokenizer_json_end), "bundled tokenizer.json"),
+      "bundled tokenizer.json");
+  return tok;
+}
+
+json::Value bundled_tokenizer_config() {
+  return json::parse(embedded(oomless_bundled_tokenizer_config, oomless_bundled_tokenizer_config_end),
+                     "bundled tokenizer_config.json");
+}
+
+ModelSource open_model(const std::string& spec, uint64_t seed) {
+  OOM_CHECK(!spec.empty(), "[model] --model is empty; give a Hugging Face folder, a .gguf file or preset:NAME");
+  if (spec.rfind("preset:", 0) == 0) return open_preset(spec, std::string_view(spec).substr(7), seed);
+  std::error_code ec;
+  const fs::path p(spec);
+  OOM_CHECK(fs::exists(p, ec), "[model] ", spec, " does not exist; --model takes a Hugging Face model folder, a "
+            ".gguf file or preset:NAME (micro, tiny, smollm2-135m)");
+  if (fs::is_directory(p, ec)) return open_hf(spec, p);
+  if (ends_with(spec, ".gguf")) return open_gguf(spec);
+  if (p.filename() == "config.json") return open_hf(spec, p.parent_path());
+  // A file without the .gguf suffix: the magic decides.
+  FILE* f = std::fopen(spec.c_str(), "rb");
+  char magic[4] = {};
+  const bool gguf = f && std::fread(magic, 1, 4, f) == 4 && std::memcmp(magic, "GGUF", 4) == 0;
+  if (f) std::fclose(f);
+  OOM_CHECK(gguf, "[model] ", spec, " is neither a folder nor a GGUF file; --model takes a Hugging Face model folder, "
+            "a .gguf file or preset:NAME");
+  return open_gguf(spec);
+}
+
+void save_hf_model(const std::string& dir, const ModelConfig& cfg, const ParamSet& params) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  OOM_CHECK(!ec, "[model] cannot create ", dir, ": ", ec.message());
+  std::vector<std::vector<float>> copies;
+  std::vector<StWrite> w;
+  for (size_t i = 0; i < params.specs().size(); ++i) {
+    const Tensor& t = params.tensors()[i];
+    copies.emplace_back(static_cast<size_t>(t.numel()));
+    convert(copies.back().data(), DType::f32, t.data, t.dtype, t.numel());
+    w.push_back({params.specs()[i].name, DType::f32, params.specs()[i].shape, copies.back().data()});
+  }
+  write_safetensors((fs::path(dir) / "model.safetensors").string(), w, {{"format", "pt"}});
+  const std::string text = json::dump(cfg.to_json(), 2) + "\n";
+  const std::string path = (fs::path(dir) / "config.json").string();
+  FILE* f = std::fopen(path.c_str(), "wb");
+  OOM_CHECK(f, "[model] cannot write ", path, ": ", std::strerror(errno));
+  const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  OOM_CHECK(std::fclose(f) == 0 && ok, "[model] writing ", path, " failed: ", std::strerror(errno));
+}
+
+}  // namespace oomless

@@ -1,0 +1,42 @@
+// Opening a model given as `--model`: a Hugging Face folder (config.json, *.safetensors or a sharded
+// index, tokenizer.json), a .gguf file, or `preset:NAME` (random init; micro and tiny carry the bundled
+// KJV tokenizer). Everything is validated when opened; weights are read when load_weights is called.
+#pragma once
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "io/json.h"
+#include "model/config.h"
+#include "model/params.h"
+#include "tokenizer/tokenizer.h"
+
+namespace oomless {
+
+struct ModelSource {
+  std::string spec;                  // as given
+  std::string kind;                  // "preset", "hf" or "gguf"
+  ModelConfig cfg;
+  std::optional<Tokenizer> tokenizer;
+  json::Value tokenizer_config;      // tokenizer_config.json (or its GGUF equivalent); null if none
+  // Fills every parameter (any float dtype), checking names and shapes against the config.
+  std::function<void(ParamSet&)> load_weights;
+  std::shared_ptr<void> keep_open;   // the mapped files load_weights reads from
+
+  const Tokenizer& require_tokenizer() const;  // error naming the model when it has none
+};
+
+// seed: random init of presets.
+ModelSource open_model(const std::string& spec, uint64_t seed = 0);
+
+// The bundled byte-level BPE tokenizer (V = 8192) trained on the KJV corpus in data/, embedded in the
+// binary.
+const Tokenizer& bundled_tokenizer();
+json::Value bundled_tokenizer_config();
+
+// Writes a model folder transformers loads as it is: config.json + model.safetensors (F32, HF names;
+// tied models store only the embedding).
+void save_hf_model(const std::string& dir, const ModelConfig& cfg, const ParamSet& params);
+
+}  // namespace oomless

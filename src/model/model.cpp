@@ -1,0 +1,228 @@
+#include "model/model.h"
+#include "model/model_detail.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+namespace oomless {
+
+SavePolicy parse_save_policy(std::string_view s) {
+  if (s == "all") return SavePolicy::all;
+  if (s == "selective") return SavePolicy::selective;
+  if (s == "none") return SavePolicy::none;
+  fail("[model] unknown save policy '", s, "'; use all, selective or none");
+}
+
+const char* save_policy_name(SavePolicy p) {
+  switch (p) {
+    case SavePolicy::all: return "all";
+    case SavePolicy::selective: return "selective";
+    case SavePolicy::none: return "none";
+  }
+  return "?";
+}
+
+ComputeDType parse_compute_dtype(std::string_view s) {
+  if (s == "fp32" || s == "f32" || s == "float32") return ComputeDType::f32;
+  if (s == "bf16" || s == "bfloat16") return ComputeDType::bf16;
+  fail("[model] unknown compute dtype '", s, "'; use fp32 or bf16");
+}
+
+Model::Model(const ModelConfig& cfg, Ops& ops, ParamSet& params, Arena& arena, ModelOptions opt)
+    : cfg_(cfg), ops_(ops), params_(params), arena_(arena), opt_(opt), act_(ops.act_dtype()) {
+  OOM_CHECK(params.dtype() == act_, "[model] parameters are ", dtype_name(params.dtype()), " but the ", ops.name(),
+            " backend computes in ", dtype_name(act_));
+  if (opt_.dtype == ComputeDType::bf16) {
+    OOM_CHECK(act_ == DType::f32, "[model] bf16 compute needs an fp32 backend (cpu), not ", ops.name());
+    wcopy_ = std::make_unique<ParamSet>(cfg_, DType::bf16, arena_, Category::weights);
+    convert_params(*wcopy_, params_);
+  }
+}
+
+Model::~Model() = default;
+
+ParamSet& Model::grads() {
+  if (!grads_) grads_ = std::make_unique<ParamSet>(cfg_, act_, arena_, Category::grads);
+  return *grads_;
+}
+
+void Model::zero_grads() {
+  if (grads_) std::memset(grads_->data(), 0, grads_->bytes());
+}
+
+void Model::sync_weights() {
+  if (wcopy_) convert_params(*wcopy_, params_);
+}
+
+void Model::reserve(int64_t T, bool for_backward) {
+  OOM_CHECK(T >= 1, "[model] sequence length must be >= 1, got ", T);
+  if (s_ && T <= cap_T_ && (!for_backward || cap_backward_)) return;
+  s_.reset();
+  auto s = std::make_unique<Scratch>();
+  const int64_t E = cfg_.E, F = cfg_.F, H = cfg_.H, Hkv = cfg_.Hkv, D = cfg_.D, L = cfg_.L;
+  auto alloc = [&](DType t, std::initializer_list<int64_t> shape, Category cat, const char* what) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    s->bufs.push_back(arena_.alloc(static_cast<size_t>(dtype_bytes(t, n)), cat, what));
+    return Tensor(s->bufs.back().data(), t, shape);
+  };
+  const Category A = Category::activations, W = Category::workspace;
+  s->pos = alloc(DType::i32, {T}, W, "positions");
+  for (int64_t t = 0; t < T; ++t) s->pos.as<int32_t>("[model]")[t] = static_cast<int32_t>(t);
+  s->ones = alloc(act_, {T, 1}, W, "ones");
+  ops_.fill(s->ones, 1.0);
+  s->ids = alloc(DType::i32, {T}, W, "ids");
+  s->targets = alloc(DType::i32, {T}, W, "targets");
+
+  // A full set of block activations (the recompute set), and per layer what the policy keeps.
+  auto full_set = [&](Category cat) {
+    Acts a;
+    a.x_in = Tensor();  // always the residual stream state, layer_in[l]
+    a.h1 = alloc(act_, {T, E}, cat, "h1");
+    a.rstd1 = alloc(act_, {T}, cat, "rstd1");
+    if (cfg_.qk_norm) {
+      a.q_pre = alloc(act_, {T, H, D}, cat, "q_pre");
+      a.q_rstd = alloc(act_, {T * H}, cat, "q_rstd");
+      a.k_pre = alloc(act_, {Hkv, T, D}, cat, "k_pre");
+      a.k_rstd = alloc(act_, {Hkv * T}, cat, "k_rstd");
+    }
+    a.q = alloc(act_, {T, H, D}, cat, "q");
+    a.k = alloc(act_, {Hkv, T, D}, cat, "k");
+    a.v = alloc(act_, {Hkv, T, D}, cat, "v");
+    a.o = alloc(act_, {T, H, D}, cat, "o");
+    a.lse = alloc(act_, {H, T}, cat, "lse");
+    a.x_mid = alloc(act_, {T, E}, cat, "x_mid");
+    a.h2 = alloc(act_, {T, E}, cat, "h2");
+    a.rstd2 = alloc(act_, {T}, cat, "rstd2");
+    a.gate = alloc(act_, {T, F}, cat, "gate");
+    a.up = alloc(act_, {T, F}, cat, "up");
+    a.act = alloc(act_, {T, F}, cat, "act");
+    return a;
+  };
+  s->work = full_set(W);
+  // The residual stream: every layer's input is kept in training (it is the checkpoint); inference
+  // ping-pongs between two.
+  const int64_t n_states = for_backward ? L + 1 : 2;
+  for (int64_t i = 0; i < n_states; ++i) s->layer_in.push_back(alloc(act_, {T, E}, A, "residual"));
+  if (for_backward && opt_.save != SavePolicy::none) {
+    for (int64_t l = 0; l < L; ++l) {
+      Acts a;
+      const bool all = opt_.save == SavePolicy::all;
+      if (all) {
+        a.h1 = alloc(act_, {T, E}, A, "h1");
+        a.rstd1 = alloc(act_, {T}, A, "rstd1");
+      }
+      if (cfg_.qk_norm) {
+        a.q_pre = alloc(act_, {T, H, D}, A, "q_pre");
+        a.k_pre = alloc(act_, {Hkv, T, D}, A, "k_pre");
+        if (all) {
+          a.q_rstd = alloc(act_, {T * H}, A, "q_rstd");
+          a.k_rstd = alloc(act_, {Hkv * T}, A, "k_rstd");
+        }
+      }
+      a.q = alloc(act_, {T, H, D}, A, "q");
+      a.k = alloc(act_, {Hkv, T, D}, A, "k");
+      a.v = alloc(act_, {Hkv, T, D}, A, "v");
+      a.o = alloc(act_, {T, H, D}, A, "o");
+      a.lse = alloc(act_, {H, T}, A, "lse");
+      a.x_mid = alloc(act_, {T, E}, A, "x_mid");
+      if (all) {
+        a.h2 = alloc(act_, {T, E}, A, "h2");
+        a.rstd2 = alloc(act_, {T}, A, "rstd2");
+      }
+      a.gate = alloc(act_, {T, F}, A, "gate");
+      a.up = alloc(act_, {T, F}, A, "up");
+      if (all) a.act = alloc(act_, {T, F}, A, "act");
+      s->saved.push_back(a);
+    }
+  }
+  s->hn = alloc(act_, {T, E}, A, "final_norm");
+  s->rstd_f = alloc(act_, {T}, A, "final_rstd");
+  s->lse_f = alloc(act_, {T}, A, "loss_lse");
+  s->proj = alloc(act_, {T, E}, W, "proj");
+  if (for_backward) {
+    s->dx = alloc(act_, {T, E}, W, "dx");
+    s->dh = alloc(act_, {T, E}, W, "dh");
+    s->dxn = alloc(act_, {T, E}, W, "dxn");
+    s->dq = alloc(act_, {T, H, D}, W, "dq");
+    s->dq_pre = alloc(act_, {T, H, D}, W, "dq_pre");
+    s->d_o = alloc(act_, {T, H, D}, W, "d_o");
+    s->dk = alloc(act_, {Hkv, T, D}, W, "dk");
+    s->dv = alloc(act_, {Hkv, T, D}, W, "dv");
+    s->dk_pre = alloc(act_, {Hkv, T, D}, W, "dk_pre");
+    s->dgate = alloc(act_, {T, F}, W, "dgate");
+    s->dup = alloc(act_, {T, F}, W, "dup");
+    s->dact = alloc(act_, {T, F}, W, "dact");
+    if (cfg_.qk_norm) s->tmp_rows = alloc(act_, {std::max(T * H, Hkv * T) * D}, W, "norm_tmp");
+  }
+  if (opt_.dtype == ComputeDType::bf16) {
+    s->op_elems = T * std::max({E, F, H * D});
+    for (Tensor& t : s->op) t = alloc(DType::bf16, {s->op_elems}, W, "bf16 operand");
+  }
+  s_ = std::move(s);
+  cap_T_ = T;
+  cap_backward_ = for_backward;
+}
+
+Model::Acts Model::acts_for_layer(int64_t layer) {
+  Acts a = s_->work;
+  if (!s_->saved.empty()) {
+    const Acts& sv = s_->saved[static_cast<size_t>(layer)];
+    auto pick = [](Tensor& dst, const Tensor& src) {
+      if (src.data) dst = src;
+    };
+    pick(a.h1, sv.h1), pick(a.rstd1, sv.rstd1), pick(a.q_pre, sv.q_pre), pick(a.q_rstd, sv.q_rstd);
+    pick(a.k_pre, sv.k_pre), pick(a.k_rstd, sv.k_rstd), pick(a.q, sv.q), pick(a.k, sv.k), pick(a.v, sv.v);
+    pick(a.o, sv.o), pick(a.lse, sv.lse), pick(a.x_mid, sv.x_mid), pick(a.h2, sv.h2), pick(a.rstd2, sv.rstd2);
+    pick(a.gate, sv.gate), pick(a.up, sv.up), pick(a.act, sv.act);
+  }
+  a.x_in = s_->layer_in[static_cast<size_t>(layer) % s_->layer_in.size()];
+  // Views for the current length T (buffers are sized for the reserved capacity).
+  const int64_t T = T_, E = cfg_.E, F = cfg_.F, H = cfg_.H, Hkv = cfg_.Hkv, D = cfg_.D;
+  auto re = [](Tensor& t, std::initializer_list<int64_t> shape) {
+    if (t.data) t = Tensor(t.data, t.dtype, shape);
+  };
+  re(a.x_in, {T, E}), re(a.h1, {T, E}), re(a.rstd1, {T}), re(a.q_pre, {T, H, D}), re(a.q_rstd, {T * H});
+  re(a.k_pre, {Hkv, T, D}), re(a.k_rstd, {Hkv * T}), re(a.q, {T, H, D}), re(a.k, {Hkv, T, D});
+  re(a.v, {Hkv, T, D}), re(a.o, {T, H, D}), re(a.lse, {H, T}), re(a.x_mid, {T, E}), re(a.h2, {T, E});
+  re(a.rstd2, {T}), re(a.gate, {T, F}), re(a.up, {T, F}), re(a.act, {T, F});
+  return a;
+}
+
+Tensor Model::as_operand(Tensor x, int slot) {
+  OOM_CHECK(x.ndim == 2, "[model] matmul operands are 2-D, got ", x.str());
+  if (opt_.dtype != ComputeDType::bf16) return x;
+  OOM_CHECK(x.numel() <= s_->op_elems, "[model] bf16 operand scratch too small");
+  Tensor b(s_->op[slot].data, DType::bf16, {x.dims[0], x.dims[1]});
+  ops_.convert(b, x);
+  return b;
+}
+
+void Model::linear_forward(Tensor y, Tensor x, Tensor wc, Tensor b) {
+  // y (T, N) = x (T, K) . W (N, K)^T [+ b]; x is already an operand (fp32 or bf16 copy), wc the matching weight.
+  ops_.matmul(y, x, wc, false, true, false);
+  if (b.data) {
+    Tensor ones(s_->ones.data, act_, {y.dims[0], 1});
+    ops_.matmul(y, ones, b.reshape({1, b.numel()}), false, false, true);
+  }
+}
+
+void Model::linear_backward_input(Tensor dx, Tensor dy, Tensor wc, bool accumulate) {
+  // dx (T, K) (=|+=) dy (T, N) . W (N, K); dy is an operand.
+  ops_.matmul(dx, dy, wc, false, false, accumulate);
+}
+
+void Model::linear_backward_weight(Tensor dw, Tensor dy, Tensor x) {
+  // dW (N, K) += dy^T (N, T) . x (T, K); dy, x are operands.
+  ops_.matmul(dw, dy, x, true, false, true);
+}
+
+void Model::bias_backward(Tensor db, Tensor dy) {
+  // db (N) += column sums of dy (T, N), as ones (T, 1)^T . dy: one fixed-order GEMM.
+  if (!db.data) return;
+  Tensor ones(s_->ones.data, act_, {dy.dims[0], 1});
+  ops_.matmul(db.reshape({1, db.numel()}), ones, dy, true, false, true);
+}
+
+}  // namespace oomless

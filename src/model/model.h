@@ -1,0 +1,116 @@
+// The decoder: embedding, L Llama blocks (RMSNorm -> attention with RoPE, GQA, optional q/k/v/o
+// biases and Qwen3 q/k norms -> residual; RMSNorm -> SwiGLU MLP -> residual), final RMSNorm, LM head
+// through the fused chunked cross-entropy. Every block has an explicit forward and backward through
+// Ops; what forward keeps for backward is the SavePolicy:
+//   all        keep every intermediate;
+//   selective  keep matmul outputs (q, k, v, attention O and LSE, gate, up) and the residual stream,
+//              recompute norms and the SwiGLU product;
+//   none       keep only each block's input, recompute the block before its backward.
+// All three give bitwise the same loss and gradients (kernels are deterministic).
+//
+// Compute dtype: fp32, or bf16 where every projection multiplies bf16 operands (weights held as a bf16
+// working copy, activations rounded while packing) with fp32 accumulation and fp32 outputs; norms,
+// RoPE, attention, softmax and the loss stay in fp32. Loss sums are double.
+//
+// One sequence per call (T tokens at positions 0..T-1). Memory for sequences up to T is reserved once
+// (reserve); forward/backward allocate nothing.
+#pragma once
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "backend/ops.h"
+#include "memory/arena.h"
+#include "model/config.h"
+#include "model/params.h"
+
+namespace oomless {
+
+enum class SavePolicy { all, selective, none };
+SavePolicy parse_save_policy(std::string_view s);
+const char* save_policy_name(SavePolicy p);
+
+enum class ComputeDType { f32, bf16 };
+ComputeDType parse_compute_dtype(std::string_view s);  // "fp32"/"f32", "bf16"
+
+struct ModelOptions {
+  ComputeDType dtype = ComputeDType::f32;
+  SavePolicy save = SavePolicy::all;
+};
+
+// Where one block reads and writes its keys and values: (Hkv, P, D) each, the chunk's T tokens going
+// to slots t0 .. t0+T-1; attention sees slots 0 .. t0+T-1. Training uses P = T, t0 = 0; generation a
+// cache with P = capacity.
+struct KvSlots {
+  Tensor k, v;      // (Hkv, P, D)
+  int64_t t0 = 0;
+};
+
+class Model {
+ public:
+  // params: master weights in ops.act_dtype(); the model keeps a reference. Buffers come from `arena`.
+  Model(const ModelConfig& cfg, Ops& ops, ParamSet& params, Arena& arena, ModelOptions opt = {});
+  ~Model();
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  const ModelConfig& config() const { return cfg_; }
+  const ModelOptions& options() const { return opt_; }
+  ParamSet& params() { return params_; }
+
+  // Gradient storage (category grads), allocated on first call, zero-filled.
+  ParamSet& grads();
+  void zero_grads();
+  // Refresh the bf16 working copy after the master weights changed (bf16 mode only; no-op in fp32).
+  void sync_weights();
+
+  // Reserve activations for sequences of up to T tokens, for training (with backward) or inference.
+  void reserve(int64_t T, bool for_backward);
+
+  // Forward of one sequence: ids (T) i32, targets (T) i32 with -100 = not supervised. Returns the
+  // summed cross-entropy and the supervised count. With for_backward the activations the SavePolicy
+  // names are kept for backward().
+  CeResult forward(Tensor ids, Tensor targets, bool for_backward);
+  // Backward of the last forward(for_backward = true): parameter gradients += d(grad_scale * loss_sum).
+  void backward(double grad_scale);
+  // Logits (T, V) of the last forward (act dtype), for tests and small T.
+  void logits(Tensor out);
+  // Per-token cross-entropy of the last forward (T values; 0 for unsupervised rows), in double.
+  std::vector<double> token_losses();
+
+  // Gradient-free forward of T new tokens at positions t0.. with a KV cache per layer, for generation:
+  // logits_last (V) = logits of the last new token.
+  void decode_forward(Tensor ids, int64_t t0, std::vector<KvSlots>& cache, Tensor logits_last);
+
+ private:
+  struct Acts;
+  struct Scratch;
+  void block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos, Tensor x_out, bool recompute_only);
+  void block_backward(int64_t layer, Acts& a, Tensor pos, Tensor dx);
+  void recompute_for_backward(int64_t layer, Acts& a, Tensor pos);
+  Acts acts_for_layer(int64_t layer);
+
+  // Linear y (T, N) = x (T, K) . W^T (N, K) [+ b]; backward dx (=) and dW, db (+=).
+  void linear_forward(Tensor y, Tensor x, Tensor wc, Tensor b);
+  void linear_backward_input(Tensor dx, Tensor dy, Tensor wc, bool accumulate);
+  void linear_backward_weight(Tensor dw, Tensor dy, Tensor x);
+  void bias_backward(Tensor db, Tensor dy);
+  const LayerParams& wc(int64_t layer) const;  // the weights matmuls read: master (fp32) or bf16 copy
+  Tensor as_operand(Tensor x, int slot);  // x itself (fp32) or its bf16 copy in scratch slot 0/1
+
+  ModelConfig cfg_;
+  Ops& ops_;
+  ParamSet& params_;
+  Arena& arena_;
+  ModelOptions opt_;
+  DType act_;
+  std::unique_ptr<ParamSet> grads_;
+  std::unique_ptr<ParamSet> wcopy_;  // bf16 working copy (bf16 mode)
+  std::unique_ptr<Scratch> s_;
+  int64_t T_ = 0;        // current sequence length
+  int64_t cap_T_ = 0;    // reserved
+  bool cap_backward_ = false;
+  bool have_forward_ = false;
+};
+
+}  // namespace oomless

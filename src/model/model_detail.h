@@ -1,0 +1,47 @@
+// Model internals shared by model.cpp, block.cpp and model_run.cpp: the activation set of one block
+// and the memory reserved for a sequence length.
+#pragma once
+#include <vector>
+
+#include "model/model.h"
+
+namespace oomless {
+
+// The activations of one block. Which of these live in per-layer saved buffers and which in the shared
+// recompute set depends on the SavePolicy (acts_for_layer). Shapes for a sequence of T tokens.
+struct Model::Acts {
+  Tensor x_in;            // (T, E) block input (residual stream)
+  Tensor h1, rstd1;       // (T, E), (T) input norm
+  Tensor q_pre, q_rstd;   // (T, H, D), (T*H): q projection before the Qwen3 q norm
+  Tensor k_pre, k_rstd;   // (Hkv, T, D), (Hkv*T)
+  Tensor q;               // (T, H, D) attention query (normed, rotated)
+  Tensor k, v;            // (Hkv, T, D) keys (normed, rotated) and values
+  Tensor o, lse;          // (T, H, D), (H, T)
+  Tensor x_mid;           // (T, E) residual after attention
+  Tensor h2, rstd2;       // (T, E), (T) post-attention norm
+  Tensor gate, up, act;   // (T, F)
+};
+
+// Memory reserved for sequences of up to cap_T tokens.
+struct Model::Scratch {
+  std::vector<Buffer> bufs;
+  Tensor pos;                                // (T) i32 positions 0..T-1
+  Tensor ones;                               // (T, 1) act dtype: bias add / bias gradient through matmul
+  std::vector<Tensor> layer_in;              // L + 1 residual stream states (x_L is the final hidden input)
+  // Per-layer saved tensors (all / selective) or empty.
+  std::vector<Acts> saved;
+  Acts work;                                 // one layer's worth, for whatever is not saved
+  Tensor hn, rstd_f, lse_f;                  // (T, E), (T), (T) final norm and loss
+  Tensor ids, targets;                       // copies of the last forward's inputs
+  Tensor proj;                               // (T, E) projection output before the residual add
+  // Backward scratch.
+  Tensor dx, dh, dxn;                        // (T, E)
+  Tensor dq, dq_pre, d_o;                    // (T, H, D)
+  Tensor dk, dv, dk_pre;                     // (Hkv, T, D)
+  Tensor dgate, dup, dact;                   // (T, F)
+  Tensor tmp_rows;                           // (max(T*H, Hkv*T) * D) throwaway norm output when recomputing rstd
+  Tensor op[2];                              // bf16 operand copies, max(T*max(E, F, H*D, V-chunk)) each
+  int64_t op_elems = 0;
+};
+
+}  // namespace oomless

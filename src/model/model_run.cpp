@@ -1,0 +1,132 @@
+// Whole-model passes: embedding -> blocks -> final norm -> fused LM head + cross-entropy, and back.
+#include <cstring>
+
+#include "model/model.h"
+#include "model/model_detail.h"
+
+namespace oomless {
+
+namespace {
+constexpr int32_t kIgnore = -100;  // transformers' ignore_index
+}
+
+CeResult Model::forward(Tensor ids, Tensor targets, bool for_backward) {
+  OOM_CHECK(ids.ndim == 1 && ids.dtype == DType::i32, "[model] ids must be i32 (T), got ", ids.str());
+  OOM_CHECK(targets.ndim == 1 && targets.dtype == DType::i32 && targets.dims[0] == ids.dims[0],
+            "[model] targets must be i32 (T) like ids, got ", targets.str());
+  const int64_t T = ids.dims[0];
+  cfg_.check_sequence(T);
+  OOM_CHECK(s_ && T <= cap_T_, "[model] forward of ", T, " tokens needs reserve(", T, ") first");
+  OOM_CHECK(!for_backward || cap_backward_, "[model] forward for backward needs reserve(T, true)");
+  if (for_backward) grads();
+  T_ = T;
+  Scratch& s = *s_;
+  const int32_t* id = ids.as<int32_t>("[model]");
+  for (int64_t t = 0; t < T; ++t)
+    OOM_CHECK(id[t] >= 0 && id[t] < cfg_.V, "[model] token id ", id[t], " at position ", t,
+              " is outside the vocabulary [0, ", cfg_.V, ")");
+  std::memcpy(s.ids.data, ids.data, static_cast<size_t>(T) * 4);
+  std::memcpy(s.targets.data, targets.data, static_cast<size_t>(T) * 4);
+  Tensor pos(s.pos.data, DType::i32, {T});
+  for (int64_t t = 0; t < T; ++t) pos.as<int32_t>("[model]")[t] = static_cast<int32_t>(t);
+  Tensor id_t(s.ids.data, DType::i32, {T}), tg_t(s.targets.data, DType::i32, {T});
+
+  const size_t n_states = s.layer_in.size();
+  auto state = [&](int64_t i) { return Tensor(s.layer_in[static_cast<size_t>(i) % n_states].data, act_, {T, cfg_.E}); };
+  ops_.embedding_forward(state(0), id_t, params_.embed);
+  for (int64_t l = 0; l < cfg_.L; ++l) {
+    Acts a = acts_for_layer(l);
+    a.x_in = state(l);
+    KvSlots kv{a.k, a.v, 0};
+    block_forward(l, a, kv, pos, state(l + 1), false);
+  }
+  Tensor hn(s.hn.data, act_, {T, cfg_.E}), rstd(s.rstd_f.data, act_, {T}), lse(s.lse_f.data, act_, {T});
+  ops_.rmsnorm_forward(hn, rstd, state(cfg_.L), params_.final_norm, cfg_.rms_eps);
+  const Tensor& head = wcopy_ ? wcopy_->lm_head : params_.lm_head;
+  CeResult r = ops_.linear_cross_entropy_forward(lse, hn, head, tg_t, kIgnore);
+  have_forward_ = for_backward;
+  return r;
+}
+
+void Model::backward(double grad_scale) {
+  OOM_CHECK(have_forward_, "[model] backward needs a forward(for_backward = true) first");
+  have_forward_ = false;
+  Scratch& s = *s_;
+  ParamSet& G = grads();
+  const int64_t T = T_, E = cfg_.E;
+  Tensor pos(s.pos.data, DType::i32, {T});
+  Tensor id_t(s.ids.data, DType::i32, {T}), tg_t(s.targets.data, DType::i32, {T});
+  Tensor hn(s.hn.data, act_, {T, E}), rstd(s.rstd_f.data, act_, {T}), lse(s.lse_f.data, act_, {T});
+  Tensor dx(s.dx.data, act_, {T, E}), dh(s.dh.data, act_, {T, E});
+  const Tensor& head = wcopy_ ? wcopy_->lm_head : params_.lm_head;
+  ops_.linear_cross_entropy_backward(dh, G.lm_head, hn, head, tg_t, lse, kIgnore, grad_scale);
+  Tensor x_last(s.layer_in[static_cast<size_t>(cfg_.L)].data, act_, {T, E});
+  ops_.rmsnorm_backward(dx, G.final_norm, dh, x_last, params_.final_norm, rstd);
+  for (int64_t l = cfg_.L - 1; l >= 0; --l) {
+    Acts a = acts_for_layer(l);
+    recompute_for_backward(l, a, pos);
+    block_backward(l, a, pos, dx);
+  }
+  ops_.embedding_backward(G.embed, dx, id_t);
+}
+
+void Model::logits(Tensor out) {
+  OOM_CHECK(s_ && T_ > 0, "[model] logits need a forward first");
+  check_shape("[model] logits", "out", out, {T_, cfg_.V});
+  Tensor hn(s_->hn.data, act_, {T_, cfg_.E});
+  const Tensor& head = wcopy_ ? wcopy_->lm_head : params_.lm_head;
+  ops_.matmul(out, as_operand(hn, 0), head, false, true, false);
+}
+
+std::vector<double> Model::token_losses() {
+  OOM_CHECK(s_ && T_ > 0, "[model] token losses need a forward first");
+  // CE_t = lse_t - logit_t[target_t], the target logit from the same head the loss used.
+  const Tensor& head = wcopy_ ? wcopy_->lm_head : params_.lm_head;
+  const int64_t E = cfg_.E;
+  std::vector<double> out(static_cast<size_t>(T_), 0.0), h(static_cast<size_t>(E)), w(static_cast<size_t>(E)),
+      lse(static_cast<size_t>(T_));
+  convert(lse.data(), DType::f64, s_->lse_f.data, act_, T_);
+  const int32_t* tg = s_->targets.as<int32_t>("[model]");
+  for (int64_t t = 0; t < T_; ++t) {
+    if (tg[t] < 0) continue;
+    convert(h.data(), DType::f64, static_cast<const char*>(s_->hn.data) + dtype_bytes(act_, t * E), act_, E);
+    convert(w.data(), DType::f64, static_cast<const char*>(head.data) + dtype_bytes(head.dtype, tg[t] * E), head.dtype, E);
+    double dot = 0;
+    for (int64_t e = 0; e < E; ++e) dot += h[static_cast<size_t>(e)] * w[static_cast<size_t>(e)];
+    out[static_cast<size_t>(t)] = lse[static_cast<size_t>(t)] - dot;
+  }
+  return out;
+}
+
+void Model::decode_forward(Tensor ids, int64_t t0, std::vector<KvSlots>& cache, Tensor logits_last) {
+  const int64_t T = ids.dims[0];
+  OOM_CHECK(s_ && T <= cap_T_, "[model] decode of ", T, " tokens needs reserve(", T, ") first");
+  OOM_CHECK(static_cast<int64_t>(cache.size()) == cfg_.L, "[model] the KV cache needs one entry per layer");
+  OOM_CHECK(t0 + T <= cache[0].k.dims[1], "[model] the KV cache holds ", cache[0].k.dims[1], " tokens; ", t0 + T,
+            " needed");
+  check_shape("[model] decode", "logits_last", logits_last, {cfg_.V});
+  T_ = T;
+  Scratch& s = *s_;
+  Tensor pos(s.pos.data, DType::i32, {T});
+  for (int64_t t = 0; t < T; ++t) pos.as<int32_t>("[model]")[t] = static_cast<int32_t>(t0 + t);
+  const size_t n_states = s.layer_in.size();
+  auto state = [&](int64_t i) { return Tensor(s.layer_in[static_cast<size_t>(i) % n_states].data, act_, {T, cfg_.E}); };
+  ops_.embedding_forward(state(0), ids, params_.embed);
+  for (int64_t l = 0; l < cfg_.L; ++l) {
+    Acts a = acts_for_layer(l);
+    a.x_in = state(l);
+    KvSlots kv = cache[static_cast<size_t>(l)];
+    kv.t0 = t0;
+    block_forward(l, a, kv, pos, state(l + 1), false);
+  }
+  // Only the last token's logits are needed.
+  Tensor x_last(static_cast<char*>(state(cfg_.L).data) + dtype_bytes(act_, (T - 1) * cfg_.E), act_, {1, cfg_.E});
+  Tensor hn(s.hn.data, act_, {1, cfg_.E}), rstd(s.rstd_f.data, act_, {1});
+  ops_.rmsnorm_forward(hn, rstd, x_last, params_.final_norm, cfg_.rms_eps);
+  const Tensor& head = wcopy_ ? wcopy_->lm_head : params_.lm_head;
+  Tensor hn_op = as_operand(hn, 0);
+  ops_.matmul(Tensor(logits_last.data, act_, {1, cfg_.V}), hn_op, head, false, true, false);
+  have_forward_ = false;
+}
+
+}  // namespace oomless

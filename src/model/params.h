@@ -1,0 +1,55 @@
+// ParamSet: every parameter of a model in one arena buffer, with a Tensor view per parameter in
+// param_specs() order and named accessors per layer. The same type holds weights (category weights),
+// their gradients (category grads) and bf16 working copies of the matrices.
+#pragma once
+#include <string_view>
+#include <vector>
+
+#include "memory/arena.h"
+#include "model/config.h"
+
+namespace oomless {
+
+struct LayerParams {
+  Tensor in_norm;            // (E)
+  Tensor wq, bq;             // (H*D, E), (H*D) or empty
+  Tensor wk, bk;             // (Hkv*D, E), (Hkv*D) or empty
+  Tensor wv, bv;             // (Hkv*D, E), (Hkv*D) or empty
+  Tensor wo, bo;             // (E, H*D), (E) or empty
+  Tensor q_norm, k_norm;     // (D) or empty (Qwen3)
+  Tensor post_norm;          // (E)
+  Tensor wg, wu;             // (F, E)
+  Tensor wd;                 // (E, F)
+};
+
+class ParamSet {
+ public:
+  ParamSet() = default;
+  // Allocates every parameter of `cfg` in `dtype` from `arena`, zero-filled.
+  ParamSet(const ModelConfig& cfg, DType dtype, Arena& arena, Category cat);
+
+  const std::vector<ParamSpec>& specs() const { return specs_; }
+  const std::vector<Tensor>& tensors() const { return tensors_; }
+  const Tensor* find(std::string_view hf_name) const;
+  DType dtype() const { return dtype_; }
+  size_t bytes() const { return storage_.size(); }
+  void* data() const { return storage_.data(); }
+
+  Tensor embed;                   // (V, E)
+  std::vector<LayerParams> layers;
+  Tensor final_norm;              // (E)
+  Tensor lm_head;                 // (V, E); the embedding itself when tied
+
+ private:
+  std::vector<ParamSpec> specs_;
+  std::vector<Tensor> tensors_;
+  DType dtype_ = DType::f32;
+  Buffer storage_;
+};
+
+// N(0, std) for matrices and embeddings, 1 for norms, 0 for biases; deterministic for a seed.
+void init_random(ParamSet& p, uint64_t seed, double std = 0.02);
+// dst = src element-wise (float dtypes), e.g. the bf16 working copy of f32 master weights.
+void convert_params(ParamSet& dst, const ParamSet& src);
+
+}  // namespace oomless

@@ -1,0 +1,195 @@
+// The decoder against itself: finite-difference gradients of the whole model in float64 (ref backend),
+// bitwise equality across SavePolicies, and the KV-cache decode path against the full forward.
+// (Agreement with transformers is model_golden_test.cpp.)
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "memory/arena.h"
+#include "model/model.h"
+
+namespace oomless {
+namespace {
+
+struct Variant {
+  const char* name;
+  ModelConfig cfg;
+};
+
+ModelConfig small_config() {
+  ModelConfig c;
+  c.L = 2, c.E = 16, c.F = 24, c.H = 4, c.Hkv = 2, c.D = 6, c.V = 37;
+  c.rms_eps = 1e-5;
+  c.rope.theta = 500.0;
+  return c;
+}
+
+std::vector<Variant> variants() {
+  std::vector<Variant> v;
+  ModelConfig c = small_config();
+  v.push_back({"llama_gqa_untied", c});
+  c.tied = true, c.Hkv = 4;
+  v.push_back({"llama_mha_tied", c});
+  c = small_config();
+  c.qkv_bias = c.o_bias = true;
+  c.rope.llama3 = true, c.rope.factor = 4.0, c.rope.original_max_position = 4.0;
+  v.push_back({"llama_bias_llama3", c});
+  c = small_config();
+  c.arch = Arch::qwen3, c.qk_norm = true, c.D = 8;
+  v.push_back({"qwen3_headdim", c});
+  return v;
+}
+
+// Non-trivial norms and biases so their gradients are exercised.
+void perturb(ParamSet& p, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(-0.3, 0.3);
+  for (size_t i = 0; i < p.specs().size(); ++i) {
+    const std::string& n = p.specs()[i].name;
+    const Tensor& t = p.tensors()[i];
+    if (n.find("norm") == std::string::npos && n.find(".bias") == std::string::npos) continue;
+    std::vector<double> v(static_cast<size_t>(t.numel()));
+    convert(v.data(), DType::f64, t.data, t.dtype, t.numel());
+    for (double& x : v) x += u(rng);
+    convert(t.data, t.dtype, v.data(), DType::f64, t.numel());
+  }
+}
+
+struct Inputs {
+  std::vector<int32_t> ids, targets;
+};
+
+Inputs make_inputs(int64_t T, int64_t V, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Inputs in;
+  for (int64_t t = 0; t < T; ++t) in.ids.push_back(static_cast<int32_t>(rng() % static_cast<uint64_t>(V)));
+  for (int64_t t = 0; t < T; ++t) in.targets.push_back(t + 1 < T ? in.ids[static_cast<size_t>(t + 1)] : -100);
+  in.targets[2] = -100;  // an unsupervised row in the middle
+  return in;
+}
+
+class ModelFd : public ::testing::TestWithParam<int> {};
+
+TEST_P(ModelFd, EveryParameterGradientMatchesFiniteDifferences) {
+  const Variant var = variants()[static_cast<size_t>(GetParam())];
+  SCOPED_TRACE(var.name);
+  Ledger ledger;
+  Arena arena(Tier::Host, size_t{1} << 30, ledger);
+  auto ops = make_ops("ref");
+  ParamSet params(var.cfg, DType::f64, arena, Category::weights);
+  init_random(params, 7, 0.3);
+  perturb(params, 8);
+  Model m(var.cfg, *ops, params, arena);
+  const int64_t T = 9;
+  m.reserve(T, true);
+  Inputs in = make_inputs(T, var.cfg.V, 3);
+  Tensor ids = Tensor::of(in.ids.data(), {T}), tg = Tensor::of(in.targets.data(), {T});
+  CeResult r = m.forward(ids, tg, true);
+  const double scale = 1.0 / static_cast<double>(r.count);
+  m.backward(scale);
+  auto loss = [&]() {
+    CeResult q = m.forward(ids, tg, false);
+    return q.loss_sum * scale;
+  };
+  std::mt19937_64 rng(11);
+  int checked = 0;
+  for (size_t i = 0; i < params.specs().size(); ++i) {
+    const Tensor& w = params.tensors()[i];
+    const Tensor& g = m.grads().tensors()[i];
+    double* wp = static_cast<double*>(w.data);
+    const double* gp = static_cast<const double*>(g.data);
+    for (int k = 0; k < 4; ++k) {
+      const int64_t j = static_cast<int64_t>(rng() % static_cast<uint64_t>(w.numel()));
+      const double save = wp[j], h = 1e-5;
+      wp[j] = save + h;
+      const double lp = loss();
+      wp[j] = save - h;
+      const double lm = loss();
+      wp[j] = save;
+      const double fd = (lp - lm) / (2 * h);
+      EXPECT_NEAR(gp[j], fd, 1e-7 + 1e-6 * std::abs(fd)) << params.specs()[i].name << "[" << j << "]";
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 40);
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, ModelFd, ::testing::Range(0, 4));
+
+// Loss bits and gradient bytes of one forward/backward, for a policy and compute dtype.
+struct RunResult {
+  double loss;
+  std::vector<char> grads;
+};
+
+RunResult run_once(const ModelConfig& cfg, SavePolicy pol, ComputeDType dt) {
+  Ledger ledger;
+  Arena arena(Tier::Host, size_t{1} << 30, ledger);
+  auto ops = make_ops("cpu");
+  ParamSet params(cfg, DType::f32, arena, Category::weights);
+  init_random(params, 5, 0.2);
+  perturb(params, 6);
+  Model m(cfg, *ops, params, arena, {dt, pol});
+  const int64_t T = 33;
+  m.reserve(T, true);
+  Inputs in = make_inputs(T, cfg.V, 4);
+  CeResult r = m.forward(Tensor::of(in.ids.data(), {T}), Tensor::of(in.targets.data(), {T}), true);
+  m.backward(1.0 / static_cast<double>(r.count));
+  RunResult out{r.loss_sum, {}};
+  out.grads.resize(m.grads().bytes());
+  std::memcpy(out.grads.data(), m.grads().data(), out.grads.size());
+  return out;
+}
+
+TEST(Model, SavePoliciesGiveBitwiseTheSameLossAndGradients) {
+  for (const Variant& var : variants()) {
+    for (ComputeDType dt : {ComputeDType::f32, ComputeDType::bf16}) {
+      SCOPED_TRACE(std::string(var.name) + (dt == ComputeDType::bf16 ? " bf16" : " fp32"));
+      RunResult all = run_once(var.cfg, SavePolicy::all, dt);
+      for (SavePolicy p : {SavePolicy::selective, SavePolicy::none}) {
+        RunResult o = run_once(var.cfg, p, dt);
+        EXPECT_EQ(std::memcmp(&all.loss, &o.loss, sizeof(double)), 0) << save_policy_name(p);
+        ASSERT_EQ(all.grads.size(), o.grads.size());
+        EXPECT_EQ(std::memcmp(all.grads.data(), o.grads.data(), all.grads.size()), 0) << save_policy_name(p);
+      }
+    }
+  }
+}
+
+TEST(Model, CachedDecodeMatchesTheFullForward) {
+  for (const Variant& var : variants()) {
+    SCOPED_TRACE(var.name);
+    Ledger ledger;
+    Arena arena(Tier::Host, size_t{1} << 30, ledger);
+    auto ops = make_ops("ref");
+    ParamSet params(var.cfg, DType::f64, arena, Category::weights);
+    init_random(params, 9, 0.3);
+    perturb(params, 10);
+    Model m(var.cfg, *ops, params, arena);
+    const int64_t T = 12, V = var.cfg.V;
+    Inputs in = make_inputs(T, V, 5);
+    m.reserve(T, false);
+    m.forward(Tensor::of(in.ids.data(), {T}), Tensor::of(in.targets.data(), {T}), false);
+    std::vector<double> full(static_cast<size_t>(T * V));
+    m.logits(Tensor::of(full.data(), {T, V}));
+
+    // Prefill 5 tokens, then one at a time.
+    const int64_t Hkv = var.cfg.Hkv, D = var.cfg.D, cap = 16;
+    std::vector<std::vector<double>> store(static_cast<size_t>(2 * var.cfg.L), std::vector<double>(Hkv * cap * D));
+    std::vector<KvSlots> cache;
+    for (int64_t l = 0; l < var.cfg.L; ++l)
+      cache.push_back({Tensor::of(store[2 * l].data(), {Hkv, cap, D}), Tensor::of(store[2 * l + 1].data(), {Hkv, cap, D}), 0});
+    std::vector<double> last(static_cast<size_t>(V));
+    m.decode_forward(Tensor::of(in.ids.data(), {5}), 0, cache, Tensor::of(last.data(), {V}));
+    for (int64_t j = 0; j < V; ++j) ASSERT_NEAR(last[j], full[4 * V + j], 1e-10);
+    for (int64_t t = 5; t < T; ++t) {
+      m.decode_forward(Tensor::of(in.ids.data() + t, {1}), t, cache, Tensor::of(last.data(), {V}));
+      for (int64_t j = 0; j < V; ++j) ASSERT_NEAR(last[j], full[t * V + j], 1e-10) << "t=" << t;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace oomless
