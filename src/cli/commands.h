@@ -7,5 +7,8 @@
 namespace oomless::cli {
 
 int probe(const std::vector<std::string>& args);
+int eval(const std::vector<std::string>& args);
+int generate(const std::vector<std::string>& args);
+int tokenize(const std::vector<std::string>& args);
 
 }  // namespace oomless::cli

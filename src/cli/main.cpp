@@ -15,6 +15,9 @@ const char* kUsage =
     "usage: oomless <command> [options]\n"
     "\n"
     "commands:\n"
+    "  eval       loss and perplexity of a model on a text or .ids file (and its gradient)\n"
+    "  generate   continue a prompt (greedy or sampled) with a KV cache\n"
+    "  tokenize   text -> token ids, or ids -> text\n"
     "  probe      measure this machine: CPU, ISA, GEMM and attention GFLOP/s, memory bandwidth\n"
     "\n"
     "Run `oomless <command> --help` for a command's options.\n";
@@ -30,6 +33,9 @@ int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 2, argv + argc);
   try {
     if (cmd == "probe") return oomless::cli::probe(args);
+    if (cmd == "eval") return oomless::cli::eval(args);
+    if (cmd == "generate") return oomless::cli::generate(args);
+    if (cmd == "tokenize") return oomless::cli::tokenize(args);
     std::fprintf(stderr, "oomless: unknown command '%s'\n\n%s", cmd.c_str(), kUsage);
     return 2;
   } catch (const oomless::Error& e) {

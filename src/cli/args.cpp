@@ -1,0 +1,84 @@
+#include "cli/args.h"
+
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+
+#include "core/cpu_info.h"
+
+namespace oomless::cli {
+
+Args::Args(const std::vector<std::string>& argv, const std::vector<Flag>& flags, const std::string& cmd,
+           const std::string& help)
+    : cmd_(cmd), help_text_(help) {
+  for (size_t i = 0; i < argv.size(); ++i) {
+    std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      help_ = true;
+      continue;
+    }
+    OOM_CHECK(a.rfind("--", 0) == 0, "[", cmd, "] unexpected argument '", a, "'\n\n", help);
+    std::string name = a.substr(2), value;
+    bool inline_value = false;
+    if (size_t eq = name.find('='); eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+      inline_value = true;
+    }
+    const Flag* f = nullptr;
+    for (const Flag& x : flags)
+      if (x.name == name) f = &x;
+    OOM_CHECK(f, "[", cmd, "] unknown option '--", name, "'\n\n", help);
+    if (f->takes_value) {
+      if (!inline_value) {
+        OOM_CHECK(i + 1 < argv.size(), "[", cmd, "] --", name, " needs a value\n\n", help);
+        value = argv[++i];
+      }
+    } else {
+      OOM_CHECK(!inline_value, "[", cmd, "] --", name, " takes no value");
+      value = "1";
+    }
+    values_[name] = value;
+  }
+}
+
+std::string Args::str(const std::string& name, const std::string& dflt) const {
+  auto it = values_.find(name);
+  return it == values_.end() ? dflt : it->second;
+}
+
+std::string Args::required(const std::string& name) const {
+  auto it = values_.find(name);
+  OOM_CHECK(it != values_.end(), "[", cmd_, "] --", name, " is required\n\n", help_text_);
+  return it->second;
+}
+
+int64_t Args::integer(const std::string& name, int64_t dflt, int64_t min, int64_t max) const {
+  auto it = values_.find(name);
+  if (it == values_.end()) return dflt;
+  const std::string& s = it->second;
+  int64_t v = 0;
+  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  OOM_CHECK(ec == std::errc() && p == s.data() + s.size(), "[", cmd_, "] --", name, " takes a whole number, got '", s,
+            "'");
+  OOM_CHECK(v >= min && v <= max, "[", cmd_, "] --", name, " must be between ", min, " and ", max, ", got ", v);
+  return v;
+}
+
+double Args::number(const std::string& name, double dflt, double min, double max) const {
+  auto it = values_.find(name);
+  if (it == values_.end()) return dflt;
+  const std::string& s = it->second;
+  char* end = nullptr;
+  const double v = std::strtod(s.c_str(), &end);
+  OOM_CHECK(!s.empty() && end == s.c_str() + s.size() && std::isfinite(v), "[", cmd_, "] --", name,
+            " takes a number, got '", s, "'");
+  OOM_CHECK(v >= min && v <= max, "[", cmd_, "] --", name, " must be between ", min, " and ", max, ", got ", v);
+  return v;
+}
+
+void apply_threads(const Args& a) {
+  if (a.has("threads")) set_threads(static_cast<int>(a.integer("threads", 0, 1, 4096)));
+}
+
+}  // namespace oomless::cli

@@ -1,0 +1,267 @@
+// eval, generate and tokenize: the commands that run a model (or its tokenizer) as it is.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+
+#include "cli/args.h"
+#include "cli/commands.h"
+#include "data/text.h"
+#include "io/json.h"
+#include "io/safetensors.h"
+#include "memory/arena.h"
+#include "model/eval.h"
+#include "model/generate.h"
+#include "model/load.h"
+#include "model/model.h"
+
+namespace oomless::cli {
+
+namespace {
+
+// Everything a command needs to run the model on the CPU backend.
+struct Loaded {
+  ModelSource src;
+  std::unique_ptr<CpuMemory> mem;  // declared first: destroyed last, after everything holding its buffers
+  std::unique_ptr<Ops> ops;
+  std::unique_ptr<ParamSet> params;
+  std::unique_ptr<Model> model;
+};
+
+Loaded load(const Args& a, bool need_weights) {
+  Loaded l;
+  l.src = open_model(a.required("model"), static_cast<uint64_t>(a.integer("seed", 0, 0, INT64_MAX)));
+  if (!need_weights) return l;
+  l.mem = std::make_unique<CpuMemory>(size_t{1} << 46);
+  l.ops = make_ops("cpu", &l.mem->device);
+  l.params = std::make_unique<ParamSet>(l.src.cfg, DType::f32, l.mem->device, Category::weights);
+  l.src.load_weights(*l.params);
+  ModelOptions opt;
+  opt.dtype = parse_compute_dtype(a.str("dtype", "fp32"));
+  l.model = std::make_unique<Model>(l.src.cfg, *l.ops, *l.params, l.mem->device, opt);
+  return l;
+}
+
+std::vector<int32_t> parse_id_list(const std::string& s, int64_t V, const char* what) {
+  std::vector<int32_t> ids;
+  size_t i = 0;
+  while (i < s.size()) {
+    if (s[i] == ' ' || s[i] == ',' || s[i] == '\n' || s[i] == '\t') {
+      ++i;
+      continue;
+    }
+    size_t j = i;
+    while (j < s.size() && s[j] >= '0' && s[j] <= '9') ++j;
+    OOM_CHECK(j > i && (j == s.size() || std::strchr(" ,\n\t", s[j])), "[", what, "] '", s,
+              "' is not a list of token ids (whole numbers separated by spaces or commas)");
+    const long long v = std::stoll(s.substr(i, j - i));
+    OOM_CHECK(v < V, "[", what, "] token id ", v, " is outside the vocabulary [0, ", V, ")");
+    ids.push_back(static_cast<int32_t>(v));
+    i = j;
+  }
+  return ids;
+}
+
+const char* kEvalHelp =
+    "usage: oomless eval --model M --data FILE --seq T [--dtype fp32|bf16] [--grads OUT.safetensors] [--json]\n"
+    "\n"
+    "Loss and perplexity of a model on a text or .ids file. A text file is one document, encoded with the\n"
+    "tokenizer's post-processor (BOS where the model adds one), no EOS; a .ids file holds decimal token ids,\n"
+    "one document per line (blank lines skipped, lines concatenated as they are, nothing added). The stream\n"
+    "is cut into non-overlapping windows of T tokens (the last partial window dropped);\n"
+    "loss = sum of cross-entropy / number of predictions (T - 1 per window).\n"
+    "\n"
+    "  --model M        (required)\n"
+    "  --data FILE      text or .ids file (required)\n"
+    "  --seq T          window length in tokens (required, >= 2)\n"
+    "  --dtype D        fp32 (default) or bf16 projections with fp32 accumulation\n"
+    "  --grads OUT      write the gradient of window 0's mean loss as F32 safetensors under Hugging Face names\n"
+    "  --json           print one JSON object: loss, ppl, windows, tokens, loss_by_position_bucket\n"
+    "  --threads N      CPU threads (default: all)\n";
+
+}  // namespace
+
+int eval(const std::vector<std::string>& argv) {
+  Args a(argv,
+         {{"model", true}, {"data", true}, {"seq", true}, {"dtype", true}, {"grads", true}, {"json", false},
+          {"threads", true}, {"seed", true}},
+         "eval", kEvalHelp);
+  if (a.help_requested()) return std::fputs(kEvalHelp, stdout), 0;
+  apply_threads(a);
+  const std::string data = a.required("data");
+  const int64_t T = a.integer("seq", 0, 2, int64_t{1} << 24);
+  a.required("seq");
+  Loaded l = load(a, true);
+  std::vector<int32_t> stream = is_ids_file(data) ? read_ids_file(data, l.src.cfg.V)
+                                                  : l.src.require_tokenizer().encode(read_text_file(data), true);
+  for (int32_t id : stream)
+    OOM_CHECK(id < l.src.cfg.V, "[eval] the tokenizer produced id ", id, " outside the model's vocabulary ",
+              l.src.cfg.V, "; the tokenizer and the model do not belong together");
+  const bool grads = a.has("grads");
+  EvalResult r = evaluate(*l.model, stream, T, grads);
+  if (grads) {
+    const ParamSet& g = l.model->grads();
+    std::vector<StWrite> w;
+    for (size_t i = 0; i < g.specs().size(); ++i)
+      w.push_back({g.specs()[i].name, DType::f32, g.specs()[i].shape, g.tensors()[i].data});
+    write_safetensors(a.str("grads"), w, {{"format", "pt"}});
+  }
+  const double loss = r.loss();
+  if (a.has("json")) {
+    json::Value o = json::Value::object();
+    o.set("loss", json::Value::number(loss));
+    o.set("ppl", json::Value::number(std::exp(loss)));
+    o.set("windows", json::Value::integer(r.windows));
+    o.set("tokens", json::Value::integer(r.tokens));
+    o.set("predictions", json::Value::integer(r.predictions));
+    json::Value b = json::Value::array();
+    for (const PositionBucket& p : r.buckets) {
+      json::Value x = json::Value::object();
+      x.set("start", json::Value::integer(p.start));
+      x.set("end", json::Value::integer(p.end));
+      x.set("loss", json::Value::number(p.count ? p.loss_sum / static_cast<double>(p.count) : 0.0));
+      x.set("count", json::Value::integer(p.count));
+      b.push_back(std::move(x));
+    }
+    o.set("loss_by_position_bucket", std::move(b));
+    std::printf("%s\n", json::dump(o).c_str());
+  } else {
+    std::printf("loss %.6f  ppl %.4f  windows %lld  tokens %lld\n", loss, std::exp(loss),
+                static_cast<long long>(r.windows), static_cast<long long>(r.tokens));
+    for (const PositionBucket& p : r.buckets)
+      std::printf("  positions [%lld, %lld): loss %.4f\n", static_cast<long long>(p.start),
+                  static_cast<long long>(p.end), p.count ? p.loss_sum / static_cast<double>(p.count) : 0.0);
+  }
+  return 0;
+}
+
+namespace {
+const char* kGenerateHelp =
+    "usage: oomless generate --model M [--prompt S | --prompt-ids \"1 2 3\"] [--max-new N] [--dtype fp32|bf16]\n"
+    "                        [--temperature t] [--top-p p] [--seed s] [--ignore-eos] [--json]\n"
+    "\n"
+    "Continues a prompt with a KV cache. Temperature 0 (the default) is greedy decoding; otherwise tokens are\n"
+    "sampled from softmax(logits / t) restricted to the smallest set of tokens whose probability reaches\n"
+    "top-p. Generation stops at the model's end-of-sequence token unless --ignore-eos.\n"
+    "\n"
+    "  --prompt S       text, encoded with the tokenizer's post-processor (default: empty)\n"
+    "  --prompt-ids L   token ids instead of text\n"
+    "  --max-new N      new tokens (default 64)\n"
+    "  --temperature t  (default 0: greedy)\n"
+    "  --top-p p        nucleus sampling mass (default 1)\n"
+    "  --seed s         sampling seed (default 0)\n"
+    "  --json           print {prompt_ids, ids, text} instead of the text\n"
+    "  --threads N      CPU threads (default: all)\n";
+}
+
+int generate(const std::vector<std::string>& argv) {
+  Args a(argv,
+         {{"model", true}, {"prompt", true}, {"prompt-ids", true}, {"max-new", true}, {"dtype", true},
+          {"temperature", true}, {"top-p", true}, {"seed", true}, {"ignore-eos", false}, {"json", false},
+          {"threads", true}},
+         "generate", kGenerateHelp);
+  if (a.help_requested()) return std::fputs(kGenerateHelp, stdout), 0;
+  apply_threads(a);
+  const int64_t max_new = a.integer("max-new", 64, 0, int64_t{1} << 20);
+  const double temp = a.number("temperature", 0.0, 0.0, 100.0);
+  const double top_p = a.number("top-p", 1.0, 1e-6, 1.0);
+  OOM_CHECK(!(a.has("prompt") && a.has("prompt-ids")), "[generate] give --prompt or --prompt-ids, not both");
+  Loaded l = load(a, true);
+  const ModelConfig& cfg = l.src.cfg;
+  std::vector<int32_t> prompt = a.has("prompt-ids") ? parse_id_list(a.str("prompt-ids"), cfg.V, "generate")
+                                                    : l.src.require_tokenizer().encode(a.str("prompt"), true);
+  if (prompt.empty()) {
+    OOM_CHECK(cfg.bos_id.has_value(), "[generate] the prompt is empty and the model has no BOS token to start from; "
+              "give --prompt");
+    prompt.push_back(*cfg.bos_id);
+  }
+  GenerateOptions opt;
+  opt.max_new = max_new;
+  opt.temperature = temp;
+  opt.top_p = top_p;
+  opt.seed = static_cast<uint64_t>(a.integer("seed", 0, 0, INT64_MAX));
+  if (!a.has("ignore-eos")) opt.stop_id = cfg.eos_id;
+  const bool stream_text = !a.has("json") && l.src.tokenizer.has_value();
+  std::vector<int32_t> sofar;
+  std::string printed;
+  const std::vector<int32_t> out = oomless::generate(*l.model, l.mem->device, prompt, opt, [&](int32_t id) {
+    if (!stream_text) return;
+    // Print the newly completed text (decoding the whole output keeps multi-byte characters whole).
+    sofar.push_back(id);
+    const std::string text = l.src.tokenizer->decode(sofar, false);
+    if (text.size() > printed.size() && text.compare(0, printed.size(), printed) == 0) {
+      std::fputs(text.c_str() + printed.size(), stdout);
+      std::fflush(stdout);
+      printed = text;
+    }
+  });
+  if (a.has("json")) {
+    auto ids = [](const std::vector<int32_t>& v) {
+      json::Value x = json::Value::array();
+      for (int32_t i : v) x.push_back(json::Value::integer(i));
+      return x;
+    };
+    json::Value o = json::Value::object();
+    o.set("prompt_ids", ids(prompt));
+    o.set("ids", ids(out));
+    if (l.src.tokenizer) o.set("text", json::Value::string(l.src.tokenizer->decode(out, false)));
+    std::printf("%s\n", json::dump(o).c_str());
+  } else if (!stream_text) {
+    for (size_t i = 0; i < out.size(); ++i) std::printf("%s%d", i ? " " : "", out[i]);
+    std::printf("\n");
+  } else {
+    std::printf("\n");
+  }
+  return 0;
+}
+
+namespace {
+const char* kTokenizeHelp =
+    "usage: oomless tokenize --model M (--text S | --text-file F) [--decode] [--no-special] [--json]\n"
+    "\n"
+    "Prints the token ids of a text (with the tokenizer's post-processor, e.g. BOS, unless --no-special),\n"
+    "or with --decode the text of a list of ids given in --text / --text-file.\n"
+    "\n"
+    "  --text S         the text (or ids with --decode)\n"
+    "  --text-file F    read it from a file\n"
+    "  --decode         ids -> text\n"
+    "  --no-special     encode without the post-processor's special tokens; decode without special tokens\n"
+    "  --json           print {\"ids\": [...]} or {\"text\": \"...\"}\n";
+}
+
+int tokenize(const std::vector<std::string>& argv) {
+  Args a(argv, {{"model", true}, {"text", true}, {"text-file", true}, {"decode", false}, {"no-special", false}, {"json", false}},
+         "tokenize", kTokenizeHelp);
+  if (a.help_requested()) return std::fputs(kTokenizeHelp, stdout), 0;
+  OOM_CHECK(a.has("text") != a.has("text-file"), "[tokenize] give exactly one of --text and --text-file\n\n",
+            kTokenizeHelp);
+  Loaded l = load(a, false);
+  const Tokenizer& tok = l.src.require_tokenizer();
+  const std::string text = a.has("text") ? a.str("text") : read_text_file(a.str("text-file"));
+  const bool special = !a.has("no-special");
+  if (a.has("decode")) {
+    const std::string s = tok.decode(parse_id_list(text, tok.vocab_size(), "tokenize"), !special);
+    if (a.has("json")) {
+      json::Value o = json::Value::object();
+      o.set("text", json::Value::string(s));
+      std::printf("%s\n", json::dump(o).c_str());
+    } else {
+      std::printf("%s\n", s.c_str());
+    }
+    return 0;
+  }
+  const std::vector<int32_t> ids = tok.encode(text, special);
+  if (a.has("json")) {
+    json::Value arr = json::Value::array();
+    for (int32_t i : ids) arr.push_back(json::Value::integer(i));
+    json::Value o = json::Value::object();
+    o.set("ids", std::move(arr));
+    std::printf("%s\n", json::dump(o).c_str());
+  } else {
+    for (size_t i = 0; i < ids.size(); ++i) std::printf("%s%d", i ? " " : "", ids[i]);
+    std::printf("\n");
+  }
+  return 0;
+}
+
+}  // namespace oomless::cli
