@@ -50,10 +50,7 @@ fuzz:
 	@scripts/setup.sh fuzz
 	@CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DOOMLESS_FUZZ=ON -DOOMLESS_TESTS=OFF -DOOMLESS_BENCH=OFF -DOOMLESS_CUDA=off > /dev/null
 	@cmake --build $(FUZZ_BUILD) -j$(JOBS)
-	@set -e; for f in fuzz/*_fuzz.cpp; do n=$$(basename $$f .cpp); c=$${n%_fuzz}; \
-	  mkdir -p $(FUZZ_BUILD)/corpus/$$c; echo "== $$n ($(FUZZ_SECONDS) s)"; \
-	  $(FUZZ_BUILD)/$$n -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=4096 -print_final_stats=1 \
-	    $(FUZZ_BUILD)/corpus/$$c fuzz/corpus/$$c 2>&1 | grep -E "stat::number_of_executed_units|ERROR|SUMMARY|crash-" ; done
+	@scripts/fuzz.sh $(FUZZ_BUILD) $(FUZZ_SECONDS)
 
 clean:
 	rm -rf build

@@ -14,6 +14,7 @@
 #include "io/json.h"
 #include "io/safetensors.h"
 #include "memory/arena.h"
+#include "model/eval.h"
 #include "model/load.h"
 #include "model/model.h"
 #include "util/harness.h"
@@ -138,6 +139,31 @@ TEST(ModelGolden, Bf16WithinOneAndAHalfTimesTorchAutocast) {
 
 TEST(ModelGolden, Float64ReferenceBackendAgreesToRounding) {
   for (const std::string& n : golden_models()) check_model(n, Mode::f64);
+}
+
+// `oomless eval --grads` goes through evaluate(): window 0's gradient is transformers' with labels = input_ids.
+TEST(ModelGolden, EvalGradientOfWindowZeroIsTransformersGradient) {
+  const std::string dir = test::source_path("tests/golden/models/qwen2");
+  ModelSource src = open_model(dir);
+  SafetensorsFile g = SafetensorsFile::open(dir + "/golden.safetensors");
+  const StTensor* ids_t = g.find("input_ids");
+  const int64_t T = ids_t->numel();
+  std::vector<int32_t> stream(static_cast<size_t>(T));
+  std::memcpy(stream.data(), ids_t->data, stream.size() * 4);
+  stream.insert(stream.end(), stream.begin(), stream.begin() + T / 2);  // a partial second window: dropped
+  Ledger ledger;
+  Arena arena(Tier::Host, size_t{1} << 30, ledger);
+  auto ops = make_ops("cpu");
+  ParamSet params(src.cfg, DType::f32, arena, Category::weights);
+  src.load_weights(params);
+  Model m(src.cfg, *ops, params, arena);
+  EvalResult r = evaluate(m, stream, T, true);
+  EXPECT_EQ(r.windows, 1);
+  EXPECT_EQ(r.predictions, T - 1);
+  EXPECT_NEAR(r.loss(), read_f64(g, "loss")[0], 1e-5);
+  for (size_t i = 0; i < params.specs().size(); ++i)
+    EXPECT_LE(rel_err(to_f64(m.grads().tensors()[i]), read_f64(g, "grad." + params.specs()[i].name)), 2e-5)
+        << params.specs()[i].name;
 }
 
 TEST(ModelGolden, AllSevenVariantsArePresent) { EXPECT_EQ(golden_models().size(), 7u); }
