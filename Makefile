@@ -41,6 +41,7 @@ test-all: build
 
 bench: build
 	$(BUILD)/bench_kernels
+	$(BUILD)/bench_model
 
 # Each libFuzzer target in fuzz/ for FUZZ_SECONDS (default 60) from its seed corpus; new inputs it
 # finds go to build/fuzz/corpus/NAME (the committed seeds stay as they are). Needs clang (installed).
