@@ -15,6 +15,8 @@ extern "C" const char oomless_bundled_tokenizer_json[];
 extern "C" const char oomless_bundled_tokenizer_json_end[];
 extern "C" const char oomless_bundled_tokenizer_config[];
 extern "C" const char oomless_bundled_tokenizer_config_end[];
+extern "C" const char oomless_smollm2_tokenizer_json[];
+extern "C" const char oomless_smollm2_tokenizer_json_end[];
 
 namespace oomless {
 
@@ -47,6 +49,11 @@ ModelSource open_preset(const std::string& spec, std::string_view name, uint64_t
   if (name == "micro" || name == "tiny") {
     m.tokenizer = bundled_tokenizer();
     m.tokenizer_config = bundled_tokenizer_config();
+  } else if (name == "smollm2-135m") {
+    static const Tokenizer smollm2 = Tokenizer::from_json(
+        json::parse(embedded(oomless_smollm2_tokenizer_json, oomless_smollm2_tokenizer_json_end), "SmolLM2 tokenizer.json"),
+        "SmolLM2 tokenizer.json");
+    m.tokenizer = smollm2;
   }
   m.load_weights = [seed](ParamSet& p) { init_random(p, seed); };
   return m;

@@ -1,6 +1,6 @@
 // Opening a model given as `--model`: a Hugging Face folder (config.json, *.safetensors or a sharded
 // index, tokenizer.json), a .gguf file, or `preset:NAME` (random init; micro and tiny carry the bundled
-// KJV tokenizer). Everything is validated when opened; weights are read when load_weights is called.
+// KJV tokenizer, smollm2-135m SmolLM2's own vocabulary). Everything is validated when opened; weights are read when load_weights is called.
 #pragma once
 #include <functional>
 #include <memory>
