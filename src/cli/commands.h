@@ -10,5 +10,6 @@ int probe(const std::vector<std::string>& args);
 int eval(const std::vector<std::string>& args);
 int generate(const std::vector<std::string>& args);
 int tokenize(const std::vector<std::string>& args);
+int train(const std::vector<std::string>& args);
 
 }  // namespace oomless::cli

@@ -15,6 +15,7 @@ const char* kUsage =
     "usage: oomless <command> [options]\n"
     "\n"
     "commands:\n"
+    "  train      train or fine-tune a model (full parameters, AdamW, crash-safe checkpoints)\n"
     "  eval       loss and perplexity of a model on a text or .ids file (and its gradient)\n"
     "  generate   continue a prompt (greedy or sampled) with a KV cache\n"
     "  tokenize   text -> token ids, or ids -> text\n"
@@ -33,6 +34,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 2, argv + argc);
   try {
     if (cmd == "probe") return oomless::cli::probe(args);
+    if (cmd == "train") return oomless::cli::train(args);
     if (cmd == "eval") return oomless::cli::eval(args);
     if (cmd == "generate") return oomless::cli::generate(args);
     if (cmd == "tokenize") return oomless::cli::tokenize(args);

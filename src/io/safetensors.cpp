@@ -448,8 +448,6 @@ void write_all(int fd, const void* data, size_t n, const std::string& tmp) {
     if (w < 0 && errno == EINTR) continue;
     if (w <= 0) {
       const int err = w < 0 ? errno : EIO;
-      ::close(fd);
-      ::unlink(tmp.c_str());
       fail("[safetensors] ", tmp, ": cannot write (", errno_text(err), "); check free disk space and permissions");
     }
     p += w;
@@ -459,8 +457,8 @@ void write_all(int fd, const void* data, size_t n, const std::string& tmp) {
 
 }  // namespace
 
-void write_safetensors(const std::string& path, const std::vector<StWrite>& tensors,
-                       const std::map<std::string, std::string>& metadata) {
+void write_safetensors_stream(const std::vector<StWrite>& tensors, const std::map<std::string, std::string>& metadata,
+                              const std::function<void(const void*, size_t)>& sink, const std::string& path) {
   struct Item {
     const StWrite* w;
     const DtInfo* info;
@@ -524,13 +522,24 @@ void write_safetensors(const std::string& path, const std::vector<StWrite>& tens
   unsigned char len[8];
   for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(static_cast<uint64_t>(text.size()) >> (8 * i));
 
+  sink(len, 8);
+  sink(text.data(), text.size());
+  for (const auto& it : items) {
+    if (it.nbytes) sink(it.w->data, it.nbytes);
+  }
+}
+
+void write_safetensors(const std::string& path, const std::vector<StWrite>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
   const std::string tmp = path + ".tmp";
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) fail("[safetensors] ", tmp, ": cannot create (", errno_text(errno), "); check the folder and permissions");
-  write_all(fd, len, 8, tmp);
-  write_all(fd, text.data(), text.size(), tmp);
-  for (const auto& it : items) {
-    if (it.nbytes) write_all(fd, it.w->data, it.nbytes, tmp);
+  try {
+    write_safetensors_stream(tensors, metadata, [&](const void* d, size_t n) { write_all(fd, d, n, tmp); }, path);
+  } catch (...) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw;
   }
   if (::fsync(fd) != 0) {
     const int err = errno;

@@ -16,6 +16,7 @@
 // checkpoints in place while they are being read (write_safetensors replaces files atomically).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <span>
@@ -108,5 +109,11 @@ struct StWrite {
 // either the old file or the new one.
 void write_safetensors(const std::string& path, const std::vector<StWrite>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
+
+// The same bytes handed to `sink` in order (checkpoints write them to their own fds); `path` names the
+// destination in error messages.
+void write_safetensors_stream(const std::vector<StWrite>& tensors, const std::map<std::string, std::string>& metadata,
+                              const std::function<void(const void*, size_t)>& sink, const std::string& path);
+
 
 }  // namespace oomless

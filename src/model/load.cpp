@@ -7,6 +7,7 @@
 #include <map>
 #include <vector>
 
+#include "data/text.h"
 #include "io/gguf.h"
 #include "io/gguf_model.h"
 #include "io/safetensors.h"
@@ -48,12 +49,14 @@ ModelSource open_preset(const std::string& spec, std::string_view name, uint64_t
   m.cfg = preset_config(name);
   if (name == "micro" || name == "tiny") {
     m.tokenizer = bundled_tokenizer();
+    m.tokenizer_json = std::string(embedded(oomless_bundled_tokenizer_json, oomless_bundled_tokenizer_json_end));
     m.tokenizer_config = bundled_tokenizer_config();
   } else if (name == "smollm2-135m") {
     static const Tokenizer smollm2 = Tokenizer::from_json(
         json::parse(embedded(oomless_smollm2_tokenizer_json, oomless_smollm2_tokenizer_json_end), "SmolLM2 tokenizer.json"),
         "SmolLM2 tokenizer.json");
     m.tokenizer = smollm2;
+    m.tokenizer_json = std::string(embedded(oomless_smollm2_tokenizer_json, oomless_smollm2_tokenizer_json_end));
   }
   m.load_weights = [seed](ParamSet& p) { init_random(p, seed); };
   return m;
@@ -67,7 +70,11 @@ ModelSource open_hf(const std::string& spec, const fs::path& dir) {
   OOM_CHECK(fs::exists(cfg_path), "[model] ", dir.string(), " has no config.json; --model takes a Hugging Face model "
             "folder (config.json + *.safetensors), a .gguf file or preset:NAME (", "micro, tiny, smollm2-135m)");
   m.cfg = ModelConfig::from_file(cfg_path.string());
-  if (fs::exists(dir / "tokenizer.json")) m.tokenizer = Tokenizer::from_file((dir / "tokenizer.json").string());
+  if (fs::exists(dir / "tokenizer.json")) {
+    m.tokenizer_json = read_text_file((dir / "tokenizer.json").string());
+    m.tokenizer = Tokenizer::from_json(json::parse(m.tokenizer_json, (dir / "tokenizer.json").string()),
+                                       (dir / "tokenizer.json").string());
+  }
   if (fs::exists(dir / "tokenizer_config.json"))
     m.tokenizer_config = json::parse_file((dir / "tokenizer_config.json").string());
   auto set = std::make_shared<SafetensorsSet>(SafetensorsSet::open(dir.string()));
@@ -95,7 +102,9 @@ ModelSource open_gguf(const std::string& spec) {
   auto file = std::make_shared<GgufFile>(GgufFile::open(spec));
   m.keep_open = file;
   m.cfg = ModelConfig::from_json(gguf_config_json(*file), spec);
-  m.tokenizer = Tokenizer::from_json(gguf_tokenizer_json(*file), spec + " (tokenizer.ggml.*)");
+  const json::Value tok = gguf_tokenizer_json(*file);
+  m.tokenizer = Tokenizer::from_json(tok, spec + " (tokenizer.ggml.*)");
+  m.tokenizer_json = json::dump(tok);
   GgufTokenizerConfig tc = gguf_tokenizer_config(*file);
   json::Value c = json::Value::object();
   if (!tc.chat_template.empty()) c.set("chat_template", json::Value::string(tc.chat_template));

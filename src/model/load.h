@@ -19,6 +19,7 @@ struct ModelSource {
   std::string kind;                  // "preset", "hf" or "gguf"
   ModelConfig cfg;
   std::optional<Tokenizer> tokenizer;
+  std::string tokenizer_json;        // its tokenizer.json text, for checkpoints (empty if none)
   json::Value tokenizer_config;      // tokenizer_config.json (or its GGUF equivalent); null if none
   // Fills every parameter (any float dtype), checking names and shapes against the config.
   std::function<void(ParamSet&)> load_weights;

@@ -1,0 +1,54 @@
+// The full-sequence trainer: full fine-tuning (or training from a preset's random init) of every
+// parameter with fp32 master weights and AdamW, gradient accumulation, global-norm clipping, warmup +
+// schedule, crash-safe checkpoints that resume bit-exactly, and metrics.
+//
+// Loss normalisation: every sequence of an optimizer step contributes sum(CE over its supervised targets)
+// / N, N = the supervised targets of the whole step (all micro-batches), counted before any backward, so
+// B = 2 x accumulation 1 and B = 1 x accumulation 2 give the same gradients.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "io/json.h"
+
+namespace oomless {
+
+struct TrainConfig {
+  std::string model = "preset:tiny";
+  std::string data;            // empty: the bundled corpus (data/kjv/train.txt, embedded)
+  std::string out = "runs/oomless";
+  int64_t seq = 256;
+  int64_t batch = 8;
+  int64_t grad_accum = 1;
+  int64_t steps = 0;           // total optimizer steps of the run (0: from epochs)
+  double epochs = 0;           // used when steps is 0; 0 and 0: 1 epoch
+  double lr = 1e-3;
+  double min_lr = 1e-4;
+  int64_t warmup = 20;
+  std::string schedule = "cosine";
+  double weight_decay = 0.1;
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
+  double clip = 1.0;
+  std::string eval_data;       // empty: the bundled eval text when training on the bundled corpus
+  int64_t eval_every = 100;    // 0: only at the end
+  int64_t save_every = 200;    // 0: only at the end
+  int64_t keep = 2;
+  bool resume = false;
+  std::string resume_dir;      // empty: --out
+  std::string budget;          // empty: no limit
+  std::string dtype = "fp32";
+  uint64_t seed = 0;
+  int64_t threads = 0;         // 0: all
+  int64_t max_nonfinite = 5;
+  std::string dump_tokens;
+  std::string save_policy = "all";
+
+  // Keys are the long flag names without "--" (e.g. "grad-accum"); unknown keys are an error.
+  void apply_json(const json::Value& o, const std::string& source);
+  json::Value to_json() const;
+};
+
+// Runs (or resumes) training; returns the process exit code. Progress goes to stderr, results to stdout.
+int run_training(const TrainConfig& cfg);
+
+}  // namespace oomless
