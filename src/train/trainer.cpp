@@ -209,7 +209,8 @@ int run_training(const TrainConfig& c) {
     total = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(ep * static_cast<double>(std::max<int64_t>(per_epoch, 1)) /
                                                                 static_cast<double>(seqs_per_step))));
   }
-  ScheduleSettings sched{c.schedule, c.lr, c.min_lr, c.warmup, total};
+  // A warmup longer than the run (e.g. the default with a short --steps) covers the whole run.
+  ScheduleSettings sched{c.schedule, c.lr, c.min_lr, std::min(c.warmup, total), total};
   validate(sched);
 
   // Resume: the newest checkpoint that verifies.
