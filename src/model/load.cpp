@@ -16,6 +16,10 @@ extern "C" const char oomless_bundled_tokenizer_json[];
 extern "C" const char oomless_bundled_tokenizer_json_end[];
 extern "C" const char oomless_bundled_tokenizer_config[];
 extern "C" const char oomless_bundled_tokenizer_config_end[];
+extern "C" const char oomless_bundled_train_txt[];
+extern "C" const char oomless_bundled_train_txt_end[];
+extern "C" const char oomless_bundled_eval_txt[];
+extern "C" const char oomless_bundled_eval_txt_end[];
 extern "C" const char oomless_smollm2_tokenizer_json[];
 extern "C" const char oomless_smollm2_tokenizer_json_end[];
 
@@ -153,6 +157,9 @@ json::Value bundled_tokenizer_config() {
   return json::parse(embedded(oomless_bundled_tokenizer_config, oomless_bundled_tokenizer_config_end),
                      "bundled tokenizer_config.json");
 }
+
+std::string_view bundled_train_text() { return embedded(oomless_bundled_train_txt, oomless_bundled_train_txt_end); }
+std::string_view bundled_eval_text() { return embedded(oomless_bundled_eval_txt, oomless_bundled_eval_txt_end); }
 
 ModelSource open_model(const std::string& spec, uint64_t seed) {
   OOM_CHECK(!spec.empty(), "[model] --model is empty; give a Hugging Face folder, a .gguf file or preset:NAME");

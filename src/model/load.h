@@ -35,6 +35,9 @@ ModelSource open_model(const std::string& spec, uint64_t seed = 0);
 // binary.
 const Tokenizer& bundled_tokenizer();
 json::Value bundled_tokenizer_config();
+// The bundled corpus (data/kjv/train.txt and eval.txt), embedded in the binary.
+std::string_view bundled_train_text();
+std::string_view bundled_eval_text();
 
 // Writes a model folder transformers loads as it is: config.json + model.safetensors (F32, HF names;
 // tied models store only the embedding).

@@ -145,12 +145,62 @@ json::Value TrainConfig::to_json() const {
   return o;
 }
 
+namespace {
+int train_run(const TrainConfig& c, const std::string& out);
+}
+
 int run_training(const TrainConfig& c) {
   OOM_CHECK(c.seq >= 2, "[train] --seq must be at least 2");
   OOM_CHECK(c.batch >= 1 && c.grad_accum >= 1, "[train] --batch and --grad-accum must be at least 1");
-  OOM_CHECK(!c.data.empty(), "[train] --data is required (text, .ids or .jsonl files or folders)");
   if (c.threads > 0) set_threads(static_cast<int>(c.threads));
   const std::string out = c.resume && !c.resume_dir.empty() ? c.resume_dir : c.out;
+  fs::create_directories(out);
+  // No --data: the bundled corpus, written once into the run folder so the data pipeline (and a resumed
+  // run) reads it like any file.
+  TrainConfig cfg_local = c;
+  if (c.data.empty()) {
+    const std::string dir = out + "/bundled-data";
+    fs::create_directories(dir);
+    auto put = [&](const std::string& p, std::string_view text) {
+      if (fs::exists(p) && fs::file_size(p) == text.size()) return;
+      std::FILE* f = std::fopen(p.c_str(), "wb");
+      OOM_CHECK(f && std::fwrite(text.data(), 1, text.size(), f) == text.size() && std::fclose(f) == 0,
+                "[train] cannot write the bundled corpus to ", p, ": ", std::strerror(errno));
+    };
+    // Training documents are the chapters (heading, blank line, verses), as JSONL, so each epoch visits
+    // them in a shuffled order instead of reading the Bible front to back.
+    std::string jsonl;
+    const std::string_view text = bundled_train_text();
+    size_t i = 0;
+    while (i < text.size()) {
+      size_t head_end = text.find("\n\n", i);
+      if (head_end == std::string_view::npos) head_end = text.size();
+      size_t body_end = head_end < text.size() ? text.find("\n\n", head_end + 2) : text.size();
+      if (body_end == std::string_view::npos) body_end = text.size();
+      std::string chapter(text.substr(i, body_end - i));
+      while (!chapter.empty() && chapter.back() == '\n') chapter.pop_back();
+      if (!chapter.empty()) {
+        json::Value o = json::Value::object();
+        o.set("text", json::Value::string(chapter + "\n"));
+        jsonl += json::dump(o) + "\n";
+      }
+      i = body_end + 2;
+    }
+    put(dir + "/kjv-train.jsonl", jsonl);
+    put(dir + "/kjv-eval.txt", bundled_eval_text());
+    cfg_local.data = dir + "/kjv-train.jsonl";
+    // The embedded default is sized to finish in minutes on a 2-core machine.
+    if (cfg_local.steps == 0 && cfg_local.epochs == 0) cfg_local.steps = 250;
+    if (cfg_local.eval_data.empty()) cfg_local.eval_data = dir + "/kjv-eval.txt";
+    std::fprintf(stderr, "oomless train: no --data: training %s on the bundled KJV corpus (%s)\n", c.model.c_str(),
+                 cfg_local.data.c_str());
+  }
+  return train_run(cfg_local, out);
+}
+
+namespace {
+
+int train_run(const TrainConfig& c, const std::string& out) {
 
   // Model, memory, optimizer: everything is reserved here, before step 1.
   ModelSource src = open_model(c.model, c.seed);
@@ -215,7 +265,6 @@ int run_training(const TrainConfig& c) {
 
   // Resume: the newest checkpoint that verifies.
   int64_t step = 0, nonfinite_total = 0;
-  fs::create_directories(out);
   if (c.resume) {
     auto warn = [](const std::string& w) { std::fprintf(stderr, "oomless train: warning: %s\n", w.c_str()); };
     std::optional<FoundCheckpoint> ck = find_latest_checkpoint(out, warn);
@@ -352,9 +401,22 @@ int run_training(const TrainConfig& c) {
   if (dump) std::fclose(dump);
   if (!g_stop) run_eval(step);
   save(step);
-  std::printf("trained %lld steps; last loss %.4f; checkpoint in %s/checkpoint-%lld\n", static_cast<long long>(step),
-              last_loss, out.c_str(), static_cast<long long>(step));
+  std::printf("trained %lld steps; last loss %.4f; checkpoint in %s/checkpoint-%lld; metrics in %s\n",
+              static_cast<long long>(step), last_loss, out.c_str(), static_cast<long long>(step),
+              MetricsWriter::path_in(out).c_str());
+  if (!g_stop && src.tokenizer) {
+    // A sample from the trained weights, greedy, so a person sees what the run learned.
+    const std::string prompt = "And God said";
+    std::vector<int32_t> p = src.tokenizer->encode(prompt, true);
+    GenerateOptions gopt;
+    gopt.max_new = 40;
+    gopt.stop_id = src.cfg.eos_id;
+    const std::vector<int32_t> gen = generate(model, mem.device, p, gopt);
+    std::printf("sample: %s%s\n", prompt.c_str(), src.tokenizer->decode(gen, true).c_str());
+  }
   return g_stop ? 130 : 0;
 }
+
+}  // namespace
 
 }  // namespace oomless
