@@ -96,5 +96,33 @@ TEST(Train, ResumeRefusesChangedSettings) {
   }
 }
 
+// Every budget either fails at setup (before step 1: no metrics line, no checkpoint) with the ledger's
+// figures, or completes all its steps.
+TEST(Train, BudgetSweepFailsAtSetupOrCompletes) {
+  int failed = 0, completed = 0;
+  for (double mib : {0.5, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 16.0, 24.0, 48.0}) {
+    const std::string out = testing::TempDir() + "/oomless_train_budget";
+    TrainConfig c = micro(out);
+    c.steps = 2;
+    c.save_every = 0;
+    c.budget = std::to_string(static_cast<int64_t>(mib * 1024 * 1024));
+    try {
+      ASSERT_EQ(run_training(c), 0);
+      EXPECT_TRUE(fs::exists(out + "/checkpoint-2")) << mib << " MiB";
+      ++completed;
+    } catch (const Error& e) {
+      const std::string w = e.what();
+      EXPECT_NE(w.find("budget"), std::string::npos) << w;
+      EXPECT_EQ(w.find("at step"), std::string::npos) << mib << " MiB failed mid-run: " << w;
+      // Nothing was trained: the failure came before step 1.
+      EXPECT_TRUE(losses(out).empty()) << mib << " MiB failed after training started: " << w;
+      EXPECT_FALSE(fs::exists(out + "/checkpoint-1")) << mib << " MiB";
+      ++failed;
+    }
+  }
+  EXPECT_GT(failed, 0);
+  EXPECT_GT(completed, 0);
+}
+
 }  // namespace
 }  // namespace oomless

@@ -351,6 +351,7 @@ int train_run(const TrainConfig& c, const std::string& out) {
   while (step < total && !g_stop) {
     const auto t0 = std::chrono::steady_clock::now();
     ++step;
+    try {
     const double lr = lr_at(sched, step);
     // The step's sequences, and N, its supervised targets, before any backward.
     int64_t N = 0;
@@ -396,6 +397,10 @@ int train_run(const TrainConfig& c, const std::string& out) {
                  format_bytes(mem.ledger.peak_total(Tier::Device)).c_str());
     if (c.eval_every > 0 && step % c.eval_every == 0 && step < total) run_eval(step);
     if (c.save_every > 0 && step % c.save_every == 0 && step < total) save(step);
+    } catch (const OutOfBudget& e) {
+      // Setup reserves everything a step needs; reaching this is a bug in that reservation.
+      fail("[train] ran out of memory budget at step ", step, ", after setup had reserved the run: ", e.what());
+    }
   }
   if (tty) std::fprintf(stderr, "\n");
   if (dump) std::fclose(dump);
@@ -411,8 +416,12 @@ int train_run(const TrainConfig& c, const std::string& out) {
     GenerateOptions gopt;
     gopt.max_new = 40;
     gopt.stop_id = src.cfg.eos_id;
-    const std::vector<int32_t> gen = generate(model, mem.device, p, gopt);
-    std::printf("sample: %s%s\n", prompt.c_str(), src.tokenizer->decode(gen, true).c_str());
+    try {
+      const std::vector<int32_t> gen = generate(model, mem.device, p, gopt);
+      std::printf("sample: %s%s\n", prompt.c_str(), src.tokenizer->decode(gen, true).c_str());
+    } catch (const OutOfBudget&) {
+      std::printf("sample: skipped (its KV cache does not fit in what --budget leaves after training)\n");
+    }
   }
   return g_stop ? 130 : 0;
 }
