@@ -96,6 +96,31 @@ TEST(Train, ResumeRefusesChangedSettings) {
   }
 }
 
+// Non-finite steps are skipped (not applied) and counted; more than --max-nonfinite in a row stops the run
+// with an explanation.
+TEST(Train, NonFiniteStepsAreSkippedThenTheRunStops) {
+  const std::string out = testing::TempDir() + "/oomless_train_nonfinite";
+  TrainConfig c = micro(out);
+  c.steps = 10;
+  c.lr = 1e30;  // the first update sends the weights to ~1e30: every later loss overflows
+  c.warmup = 0;
+  c.clip = 0;
+  c.max_nonfinite = 2;
+  try {
+    run_training(c);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    const std::string w = e.what();
+    EXPECT_NE(w.find("non-finite"), std::string::npos) << w;
+    EXPECT_NE(w.find("--max-nonfinite 2"), std::string::npos) << w;
+  }
+  std::ifstream f(out + "/metrics.jsonl");
+  int skipped = 0, lines = 0;
+  for (std::string line; std::getline(f, line); ++lines) skipped += json::parse(line).at("skipped").as_bool();
+  EXPECT_EQ(skipped, 3);  // steps 2, 3, 4; the run stops at the third in a row
+  EXPECT_EQ(lines, 4);
+}
+
 // Every budget either fails at setup (before step 1: no metrics line, no checkpoint) with the ledger's
 // figures, or completes all its steps.
 TEST(Train, BudgetSweepFailsAtSetupOrCompletes) {

@@ -376,9 +376,6 @@ int train_run(const TrainConfig& c, const std::string& out) {
       std::fprintf(stderr, "oomless train: step %lld skipped: non-finite %s (%lld in a row, %lld in all)\n",
                    static_cast<long long>(step), std::isfinite(loss) ? "gradients" : "loss",
                    static_cast<long long>(nonfinite_run), static_cast<long long>(nonfinite_total));
-      OOM_CHECK(nonfinite_run <= c.max_nonfinite, "[train] ", nonfinite_run,
-                " steps in a row had a non-finite loss or gradient (more than --max-nonfinite ", c.max_nonfinite,
-                "); lower --lr, check the data, or use fp32; the last checkpoint is in ", out);
     } else {
       nonfinite_run = 0;
       if (c.clip > 0) clip_grads(*ops, model.grads(), c.clip, norm);
@@ -389,6 +386,9 @@ int train_run(const TrainConfig& c, const std::string& out) {
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double tps = static_cast<double>(seqs_per_step * c.seq) / dt;
     metrics.write_step(step, loss, lr, norm, tps, skip, mem.ledger);
+    OOM_CHECK(nonfinite_run <= c.max_nonfinite, "[train] ", nonfinite_run,
+              " steps in a row had a non-finite loss or gradient (more than --max-nonfinite ", c.max_nonfinite,
+              "); lower --lr, check the data, or use fp32; the last checkpoint is in ", out);
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
     const double eta = elapsed / static_cast<double>(step - first) * static_cast<double>(total - step);
     std::fprintf(stderr, tty ? "\rstep %lld/%lld  loss %.4f  lr %.2e  %.0f tok/s  ETA %.0fs  Device peak %s   "
