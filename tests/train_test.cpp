@@ -96,6 +96,22 @@ TEST(Train, ResumeRefusesChangedSettings) {
   }
 }
 
+// A new run never writes over an earlier one in the same folder.
+TEST(Train, ANewRunRefusesAFolderThatHoldsARun) {
+  const std::string out = testing::TempDir() + "/oomless_train_twice";
+  TrainConfig c = micro(out);
+  c.steps = 1;
+  ASSERT_EQ(run_training(c), 0);
+  const std::string before = slurp(out + "/checkpoint-1/model.safetensors");
+  try {
+    run_training(c);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("already holds a run"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(before == slurp(out + "/checkpoint-1/model.safetensors"));
+}
+
 // Non-finite steps are skipped (not applied) and counted; more than --max-nonfinite in a row stops the run
 // with an explanation.
 TEST(Train, NonFiniteStepsAreSkippedThenTheRunStops) {

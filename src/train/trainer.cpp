@@ -7,6 +7,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <map>
 
@@ -24,6 +25,7 @@
 #include "optim/schedule.h"
 #include "train/checkpoint.h"
 #include "train/metrics.h"
+#include "train/report.h"
 
 namespace oomless {
 
@@ -153,7 +155,21 @@ int run_training(const TrainConfig& c) {
   OOM_CHECK(c.seq >= 2, "[train] --seq must be at least 2");
   OOM_CHECK(c.batch >= 1 && c.grad_accum >= 1, "[train] --batch and --grad-accum must be at least 1");
   if (c.threads > 0) set_threads(static_cast<int>(c.threads));
-  const std::string out = c.resume && !c.resume_dir.empty() ? c.resume_dir : c.out;
+  std::string out = c.resume && !c.resume_dir.empty() ? c.resume_dir : c.out;
+  if (out.empty()) {
+    OOM_CHECK(!c.resume, "[train] --resume needs the run folder: --resume DIR (or --out DIR)");
+    char stamp[32];
+    const std::time_t now = std::time(nullptr);
+    std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", std::localtime(&now));
+    out = std::string("runs/run-") + stamp;
+  }
+  // A new run never writes over an earlier one: its checkpoints and metrics stay as they are.
+  if (!c.resume && fs::exists(out)) {
+    bool used = fs::exists(MetricsWriter::path_in(out));
+    for (const auto& e : fs::directory_iterator(out)) used |= e.path().filename().string().rfind("checkpoint-", 0) == 0;
+    OOM_CHECK(!used, "[train] ", out, " already holds a run (metrics.jsonl or checkpoints); continue it with --resume, "
+              "or give a new --out");
+  }
   fs::create_directories(out);
   // No --data: the bundled corpus, written once into the run folder so the data pipeline (and a resumed
   // run) reads it like any file.
@@ -406,9 +422,10 @@ int train_run(const TrainConfig& c, const std::string& out) {
   if (dump) std::fclose(dump);
   if (!g_stop) run_eval(step);
   save(step);
-  std::printf("trained %lld steps; last loss %.4f; checkpoint in %s/checkpoint-%lld; metrics in %s\n",
+  const std::string report = write_report(out, c.to_json());
+  std::printf("trained %lld steps; last loss %.4f; checkpoint in %s/checkpoint-%lld; metrics in %s; report in %s\n",
               static_cast<long long>(step), last_loss, out.c_str(), static_cast<long long>(step),
-              MetricsWriter::path_in(out).c_str());
+              MetricsWriter::path_in(out).c_str(), report.c_str());
   if (!g_stop && src.tokenizer) {
     // A sample from the trained weights, greedy, so a person sees what the run learned.
     const std::string prompt = "And God said";

@@ -16,7 +16,7 @@ namespace oomless {
 struct TrainConfig {
   std::string model = "preset:tiny";
   std::string data;            // empty: the bundled corpus (data/kjv/train.txt, embedded)
-  std::string out = "runs/oomless";
+  std::string out;              // empty: runs/run-YYYYmmdd-HHMMSS (a new folder per run)
   int64_t seq = 256;
   int64_t batch = 8;
   int64_t grad_accum = 1;

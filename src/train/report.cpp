@@ -1,0 +1,207 @@
+#include "train/report.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <sstream>
+#include <vector>
+
+#include "core/error.h"
+#include "data/text.h"
+#include "train/metrics.h"
+
+namespace oomless {
+
+namespace {
+
+struct Series {
+  std::string name, color;
+  std::vector<std::pair<double, double>> pts;  // (step, value)
+  bool markers = false;                        // eval points: circles, not a line only
+};
+
+std::string esc(const std::string& s) {
+  std::string r;
+  for (char c : s) {
+    switch (c) {
+      case '<': r += "&lt;"; break;
+      case '>': r += "&gt;"; break;
+      case '&': r += "&amp;"; break;
+      case '"': r += "&quot;"; break;
+      default: r += c;
+    }
+  }
+  return r;
+}
+
+std::string num(double v) {
+  char b[32];
+  const double a = std::abs(v);
+  if (a != 0 && (a >= 1e5 || a < 1e-3)) std::snprintf(b, sizeof b, "%.2g", v);
+  else std::snprintf(b, sizeof b, "%.4g", v);
+  return b;
+}
+
+// Round tick spacing: 1, 2 or 5 times a power of ten, about n ticks over [lo, hi].
+double tick_step(double lo, double hi, int n) {
+  const double raw = (hi - lo) / n;
+  if (!(raw > 0)) return 1;
+  const double p = std::pow(10.0, std::floor(std::log10(raw)));
+  for (double m : {1.0, 2.0, 5.0, 10.0})
+    if (raw <= m * p) return m * p;
+  return 10 * p;
+}
+
+// One line chart as inline SVG, with axes, ticks and a legend.
+std::string chart(const std::string& title, const std::string& y_label, const std::vector<Series>& series) {
+  // The legend sits between the title and the plot, wrapped onto as many rows as it needs.
+  const double W = 640, L = 64, R = 16, B = 40;
+  std::vector<std::pair<double, int>> legend_pos;  // x and row per series
+  {
+    double x = L;
+    int row = 0;
+    for (const Series& s : series) {
+      const double w = 24 + 7.0 * static_cast<double>(s.name.size());
+      if (x + w > W - R && x > L) x = L, ++row;
+      legend_pos.push_back({x, row});
+      x += w;
+    }
+  }
+  const int rows = legend_pos.empty() ? 0 : legend_pos.back().second + 1;
+  const double T = 28 + 16.0 * rows, H = 232 + 16.0 * rows;
+  double x0 = 1e300, x1 = -1e300, y0 = 1e300, y1 = -1e300;
+  for (const Series& s : series)
+    for (auto [x, y] : s.pts) {
+      if (!std::isfinite(y)) continue;
+      x0 = std::min(x0, x), x1 = std::max(x1, x), y0 = std::min(y0, y), y1 = std::max(y1, y);
+    }
+  std::ostringstream o;
+  o << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H << "\" viewBox=\"0 0 " << W
+    << " " << H << "\">\n<text x=\"" << L << "\" y=\"16\" font-size=\"14\" font-weight=\"bold\">" << esc(title)
+    << "</text>\n";
+  if (x0 > x1) {
+    o << "<text x=\"" << L << "\" y=\"" << H / 2 << "\" fill=\"#888\">no data</text></svg>\n";
+    return o.str();
+  }
+  if (x1 == x0) x1 = x0 + 1;
+  if (y1 == y0) y1 = y0 + (y0 == 0 ? 1 : std::abs(y0) * 0.1);
+  const double pad = (y1 - y0) * 0.05;
+  y0 -= pad, y1 += pad;
+  auto X = [&](double x) { return L + (x - x0) / (x1 - x0) * (W - L - R); };
+  auto Y = [&](double y) { return H - B - (y - y0) / (y1 - y0) * (H - T - B); };
+  o << "<rect x=\"" << L << "\" y=\"" << T << "\" width=\"" << W - L - R << "\" height=\"" << H - T - B
+    << "\" fill=\"none\" stroke=\"#999\"/>\n";
+  const double ys = tick_step(y0, y1, 5);
+  for (double y = std::ceil(y0 / ys) * ys; y <= y1; y += ys) {
+    if (std::abs(y) < ys * 1e-9) y = 0;  // no "-0" from accumulated rounding
+    o << "<line x1=\"" << L << "\" x2=\"" << W - R << "\" y1=\"" << Y(y) << "\" y2=\"" << Y(y)
+      << "\" stroke=\"#eee\"/><text x=\"" << L - 6 << "\" y=\"" << Y(y) + 4
+      << "\" font-size=\"11\" text-anchor=\"end\">" << num(y) << "</text>\n";
+  }
+  const double xs = tick_step(x0, x1, 6);
+  for (double x = std::ceil(x0 / xs) * xs; x <= x1; x += xs)
+    o << "<text x=\"" << X(x) << "\" y=\"" << H - B + 16 << "\" font-size=\"11\" text-anchor=\"middle\">" << num(x)
+      << "</text>\n";
+  o << "<text x=\"" << (L + W - R) / 2 << "\" y=\"" << H - 6 << "\" font-size=\"12\" text-anchor=\"middle\">step</text>\n";
+  o << "<text x=\"14\" y=\"" << (T + H - B) / 2 << "\" font-size=\"12\" text-anchor=\"middle\" transform=\"rotate(-90 14 "
+    << (T + H - B) / 2 << ")\">" << esc(y_label) << "</text>\n";
+  for (size_t i = 0; i < series.size(); ++i) {
+    const Series& s = series[i];
+    const double lx = legend_pos[i].first, ly = 24 + 16.0 * legend_pos[i].second;
+    if (s.pts.empty()) continue;
+    std::ostringstream pts;
+    for (auto [x, y] : s.pts)
+      if (std::isfinite(y)) pts << X(x) << "," << Y(y) << " ";
+    o << "<polyline fill=\"none\" stroke=\"" << s.color << "\" stroke-width=\"1.5\" points=\"" << pts.str() << "\"/>\n";
+    if (s.markers)
+      for (auto [x, y] : s.pts)
+        if (std::isfinite(y)) o << "<circle cx=\"" << X(x) << "\" cy=\"" << Y(y) << "\" r=\"3\" fill=\"" << s.color << "\"/>\n";
+    o << "<rect x=\"" << lx << "\" y=\"" << ly << "\" width=\"10\" height=\"10\" fill=\"" << s.color
+      << "\"/><text x=\"" << lx + 14 << "\" y=\"" << ly + 9 << "\" font-size=\"11\">" << esc(s.name) << "</text>\n";
+  }
+  o << "</svg>\n";
+  return o.str();
+}
+
+const char* kColors[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"};
+
+}  // namespace
+
+std::string render_report(const std::string& metrics_jsonl, const json::Value& config) {
+  Series loss{"train loss", kColors[0], {}}, eval{"eval loss", kColors[1], {}, true};
+  Series lr{"learning rate", kColors[2], {}}, tps{"tokens/s", kColors[3], {}};
+  std::map<std::string, Series> mem;  // "tier category" -> current bytes (MiB)
+  int64_t steps = 0, skipped = 0;
+  std::istringstream in(metrics_jsonl);
+  for (std::string line; std::getline(in, line);) {
+    json::Value o;
+    try {
+      o = json::parse(line, "metrics.jsonl");
+    } catch (const Error&) {
+      continue;
+    }
+    if (!o.is_object() || !o.find("step")) continue;
+    const double s = o.at("step").as_number();
+    auto val = [&](const char* k) {
+      const json::Value* v = o.find(k);
+      return v && v->is_number() ? v->as_number() : NAN;
+    };
+    if (const json::Value* t = o.find("type"); t && t->is_string() && t->as_string() == "eval") {
+      eval.pts.push_back({s, val("loss")});
+      continue;
+    }
+    ++steps;
+    if (const json::Value* sk = o.find("skipped"); sk && sk->is_bool() && sk->as_bool()) ++skipped;
+    loss.pts.push_back({s, val("loss")});
+    lr.pts.push_back({s, val("lr")});
+    tps.pts.push_back({s, val("tokens_per_s")});
+    if (const json::Value* m = o.find("memory"); m && m->is_object())
+      for (const auto& [tier, cats] : m->as_object()) {
+        if (!cats.is_object()) continue;
+        for (const auto& [cat, v] : cats.as_object()) {
+          if (cat == "total" || !v.is_object() || !v.find("current")) continue;
+          const std::string key = tier + " " + cat;
+          Series& sr = mem[key];
+          if (sr.name.empty()) sr.name = key, sr.color = kColors[mem.size() % 8];
+          sr.pts.push_back({s, v.at("current").as_number() / (1024.0 * 1024.0)});
+        }
+      }
+  }
+  std::vector<Series> mem_series;
+  for (auto& [k, v] : mem) mem_series.push_back(v);
+
+  std::ostringstream h;
+  h << "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>oomless training report</title>\n"
+       "<style>body{font-family:sans-serif;margin:24px;max-width:1340px}svg{margin:6px;border:1px solid #ddd}"
+       "table{border-collapse:collapse}td{border:1px solid #ccc;padding:2px 8px;font-size:13px}</style></head><body>\n"
+    << "<h1>oomless training report</h1>\n<p>" << steps << " steps logged, " << skipped << " skipped (non-finite)";
+  if (!loss.pts.empty()) h << "; last training loss " << num(loss.pts.back().second);
+  if (!eval.pts.empty()) h << "; last eval loss " << num(eval.pts.back().second) << " at step " << eval.pts.back().first;
+  h << ".</p>\n<div>\n"
+    << chart("Loss", "cross-entropy (nats)", {loss, eval}) << chart("Learning rate", "lr", {lr})
+    << chart("Throughput", "tokens/s", {tps}) << chart("Memory held per category (ledger)", "MiB", mem_series)
+    << "</div>\n<h2>Configuration</h2>\n<table>\n";
+  if (config.is_object())
+    for (const auto& [k, v] : config.as_object())
+      h << "<tr><td>" << esc(k) << "</td><td>" << esc(v.is_string() ? v.as_string() : json::dump(v)) << "</td></tr>\n";
+  h << "</table>\n</body></html>\n";
+  return h.str();
+}
+
+std::string write_report(const std::string& out_dir, const json::Value& config) {
+  const std::string metrics = MetricsWriter::path_in(out_dir);
+  const std::string text = std::filesystem::exists(metrics) ? read_text_file(metrics) : std::string();
+  const std::string page = render_report(text, config);
+  const std::string path = out_dir + "/report.html", tmp = path + ".tmp";
+  std::FILE* f = std::fopen(tmp.c_str(), "wb");
+  OOM_CHECK(f, "[train] cannot write ", tmp, ": ", std::strerror(errno));
+  const bool ok = std::fwrite(page.data(), 1, page.size(), f) == page.size();
+  OOM_CHECK(std::fclose(f) == 0 && ok, "[train] writing ", tmp, " failed: ", std::strerror(errno));
+  std::filesystem::rename(tmp, path);
+  return path;
+}
+
+}  // namespace oomless
