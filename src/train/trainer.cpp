@@ -165,10 +165,11 @@ int run_training(const TrainConfig& c) {
   }
   // A new run never writes over an earlier one: its checkpoints and metrics stay as they are.
   if (!c.resume && fs::exists(out)) {
-    bool used = fs::exists(MetricsWriter::path_in(out));
+    bool used = false;
     for (const auto& e : fs::directory_iterator(out)) used |= e.path().filename().string().rfind("checkpoint-", 0) == 0;
-    OOM_CHECK(!used, "[train] ", out, " already holds a run (metrics.jsonl or checkpoints); continue it with --resume, "
-              "or give a new --out");
+    OOM_CHECK(!used, "[train] ", out, " already holds a run (checkpoints); continue it with --resume, or give a new --out");
+    // Metrics of a run that stopped before its first checkpoint: start them again.
+    if (fs::exists(MetricsWriter::path_in(out))) MetricsWriter::truncate_after(MetricsWriter::path_in(out), 0);
   }
   fs::create_directories(out);
   // No --data: the bundled corpus, written once into the run folder so the data pipeline (and a resumed
