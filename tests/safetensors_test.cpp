@@ -31,24 +31,14 @@
 #include <vector>
 
 #include "core/error.h"
+#include "util/harness.h"
 
 namespace oomless {
 namespace {
 
 namespace fs = std::filesystem;
 
-// Tests run from the build directory; the data lives in the source tree. Walk up from the current
-// directory, or take OOMLESS_SOURCE_DIR.
-fs::path data_dir() {
-  const fs::path rel = fs::path("tests") / "data" / "safetensors";
-  if (const char* env = std::getenv("OOMLESS_SOURCE_DIR"); env && fs::is_directory(fs::path(env) / rel))
-    return fs::path(env) / rel;
-  for (fs::path p = fs::current_path();; p = p.parent_path()) {
-    if (fs::is_directory(p / rel)) return p / rel;
-    if (p == p.parent_path()) break;
-  }
-  return {};
-}
+fs::path data_dir() { return fs::path(test::source_path("tests/data/safetensors")); }
 
 // A fresh folder per test under the test temp dir.
 fs::path temp_dir(const std::string& name) {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "util/harness.h"
 #include "io/json.h"
 #include "tokenizer/detail.h"
 #include "tokenizer/tokenizer.h"
@@ -21,18 +22,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Tests run from the build directory; the goldens live in the source tree. Walk up from the current
-// directory, or take OOMLESS_SOURCE_DIR.
-fs::path golden_root() {
-  const fs::path rel = fs::path("tests") / "golden" / "tokenizers";
-  if (const char* env = std::getenv("OOMLESS_SOURCE_DIR"); env && fs::is_directory(fs::path(env) / rel))
-    return fs::path(env) / rel;
-  for (fs::path p = fs::current_path();; p = p.parent_path()) {
-    if (fs::is_directory(p / rel)) return p / rel;
-    if (p == p.parent_path()) break;
-  }
-  return {};
-}
+fs::path golden_root() { return fs::path(test::source_path("tests/golden/tokenizers")); }
 
 std::vector<int32_t> to_ids(const json::Value& v) {
   std::vector<int32_t> ids;
