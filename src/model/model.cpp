@@ -75,68 +75,40 @@ void Model::reserve(int64_t T, bool for_backward) {
   s->ids = alloc(DType::i32, {T}, W, "ids");
   s->targets = alloc(DType::i32, {T}, W, "targets");
 
-  // A full set of block activations (the recompute set), and per layer what the policy keeps.
-  auto full_set = [&](Category cat) {
-    Acts a;
-    a.x_in = Tensor();  // always the residual stream state, layer_in[l]
-    a.h1 = alloc(act_, {T, E}, cat, "h1");
-    a.rstd1 = alloc(act_, {T}, cat, "rstd1");
-    if (cfg_.qk_norm) {
-      a.q_pre = alloc(act_, {T, H, D}, cat, "q_pre");
-      a.q_rstd = alloc(act_, {T * H}, cat, "q_rstd");
-      a.k_pre = alloc(act_, {Hkv, T, D}, cat, "k_pre");
-      a.k_rstd = alloc(act_, {Hkv * T}, cat, "k_rstd");
-    }
+  // A set of block activations: the full recompute set, or per layer what the policy keeps. `recomputed`
+  // marks what selective recompute rebuilds (norms and the SwiGLU product): kept only with SavePolicy all.
+  auto act_set = [&](Category cat, bool everything) {
+    const bool all = everything || opt_.save == SavePolicy::all;
+    auto maybe = [&](bool keep, std::initializer_list<int64_t> shape, const char* what) {
+      return keep ? alloc(act_, shape, cat, what) : Tensor();
+    };
+    Acts a;  // x_in is always the residual stream state, layer_in[l]
+    a.h1 = maybe(all, {T, E}, "h1");
+    a.rstd1 = maybe(all, {T}, "rstd1");
+    a.q_pre = maybe(cfg_.qk_norm, {T, H, D}, "q_pre");
+    a.q_rstd = maybe(cfg_.qk_norm && all, {T * H}, "q_rstd");
+    a.k_pre = maybe(cfg_.qk_norm, {Hkv, T, D}, "k_pre");
+    a.k_rstd = maybe(cfg_.qk_norm && all, {Hkv * T}, "k_rstd");
     a.q = alloc(act_, {T, H, D}, cat, "q");
     a.k = alloc(act_, {Hkv, T, D}, cat, "k");
     a.v = alloc(act_, {Hkv, T, D}, cat, "v");
     a.o = alloc(act_, {T, H, D}, cat, "o");
     a.lse = alloc(act_, {H, T}, cat, "lse");
     a.x_mid = alloc(act_, {T, E}, cat, "x_mid");
-    a.h2 = alloc(act_, {T, E}, cat, "h2");
-    a.rstd2 = alloc(act_, {T}, cat, "rstd2");
+    a.h2 = maybe(all, {T, E}, "h2");
+    a.rstd2 = maybe(all, {T}, "rstd2");
     a.gate = alloc(act_, {T, F}, cat, "gate");
     a.up = alloc(act_, {T, F}, cat, "up");
-    a.act = alloc(act_, {T, F}, cat, "act");
+    a.act = maybe(all, {T, F}, "act");
     return a;
   };
-  s->work = full_set(W);
+  s->work = act_set(W, true);
   // The residual stream: every layer's input is kept in training (it is the checkpoint); inference
   // ping-pongs between two.
   const int64_t n_states = for_backward ? L + 1 : 2;
   for (int64_t i = 0; i < n_states; ++i) s->layer_in.push_back(alloc(act_, {T, E}, A, "residual"));
-  if (for_backward && opt_.save != SavePolicy::none) {
-    for (int64_t l = 0; l < L; ++l) {
-      Acts a;
-      const bool all = opt_.save == SavePolicy::all;
-      if (all) {
-        a.h1 = alloc(act_, {T, E}, A, "h1");
-        a.rstd1 = alloc(act_, {T}, A, "rstd1");
-      }
-      if (cfg_.qk_norm) {
-        a.q_pre = alloc(act_, {T, H, D}, A, "q_pre");
-        a.k_pre = alloc(act_, {Hkv, T, D}, A, "k_pre");
-        if (all) {
-          a.q_rstd = alloc(act_, {T * H}, A, "q_rstd");
-          a.k_rstd = alloc(act_, {Hkv * T}, A, "k_rstd");
-        }
-      }
-      a.q = alloc(act_, {T, H, D}, A, "q");
-      a.k = alloc(act_, {Hkv, T, D}, A, "k");
-      a.v = alloc(act_, {Hkv, T, D}, A, "v");
-      a.o = alloc(act_, {T, H, D}, A, "o");
-      a.lse = alloc(act_, {H, T}, A, "lse");
-      a.x_mid = alloc(act_, {T, E}, A, "x_mid");
-      if (all) {
-        a.h2 = alloc(act_, {T, E}, A, "h2");
-        a.rstd2 = alloc(act_, {T}, A, "rstd2");
-      }
-      a.gate = alloc(act_, {T, F}, A, "gate");
-      a.up = alloc(act_, {T, F}, A, "up");
-      if (all) a.act = alloc(act_, {T, F}, A, "act");
-      s->saved.push_back(a);
-    }
-  }
+  if (for_backward && opt_.save != SavePolicy::none)
+    for (int64_t l = 0; l < L; ++l) s->saved.push_back(act_set(A, false));
   s->hn = alloc(act_, {T, E}, A, "final_norm");
   s->rstd_f = alloc(act_, {T}, A, "final_rstd");
   s->lse_f = alloc(act_, {T}, A, "loss_lse");

@@ -89,6 +89,9 @@ class Model {
   void block_backward(int64_t layer, Acts& a, Tensor pos, Tensor dx);
   void recompute_for_backward(int64_t layer, Acts& a, Tensor pos);
   Acts acts_for_layer(int64_t layer);
+  // Embedding + all blocks for ids (T) at positions pos; K/V into `cache` at t0 when given. Returns the
+  // last residual state (T, E).
+  Tensor run_blocks(Tensor ids, Tensor pos, std::vector<KvSlots>* cache, int64_t t0);
 
   // Linear y (T, N) = x (T, K) . W^T (N, K) [+ b]; backward dx (=) and dW, db (+=).
   void linear_forward(Tensor y, Tensor x, Tensor wc, Tensor b);

@@ -10,6 +10,24 @@ namespace {
 constexpr int32_t kIgnore = -100;  // transformers' ignore_index
 }
 
+Tensor Model::run_blocks(Tensor ids, Tensor pos, std::vector<KvSlots>* cache, int64_t t0) {
+  // Embedding, then every block; the residual stream lives in layer_in (all L + 1 states when training,
+  // two alternating ones otherwise). Keys and values go to the block's own buffers or to the cache.
+  Scratch& s = *s_;
+  const int64_t T = ids.dims[0];
+  const size_t n_states = s.layer_in.size();
+  auto state = [&](int64_t i) { return Tensor(s.layer_in[static_cast<size_t>(i) % n_states].data, act_, {T, cfg_.E}); };
+  ops_.embedding_forward(state(0), ids, params_.embed);
+  for (int64_t l = 0; l < cfg_.L; ++l) {
+    Acts a = acts_for_layer(l);
+    a.x_in = state(l);
+    KvSlots kv = cache ? (*cache)[static_cast<size_t>(l)] : KvSlots{a.k, a.v, 0};
+    kv.t0 = t0;
+    block_forward(l, a, kv, pos, state(l + 1), false);
+  }
+  return state(cfg_.L);
+}
+
 CeResult Model::forward(Tensor ids, Tensor targets, bool for_backward) {
   OOM_CHECK(ids.ndim == 1 && ids.dtype == DType::i32, "[model] ids must be i32 (T), got ", ids.str());
   OOM_CHECK(targets.ndim == 1 && targets.dtype == DType::i32 && targets.dims[0] == ids.dims[0],
@@ -31,17 +49,9 @@ CeResult Model::forward(Tensor ids, Tensor targets, bool for_backward) {
   for (int64_t t = 0; t < T; ++t) pos.as<int32_t>("[model]")[t] = static_cast<int32_t>(t);
   Tensor id_t(s.ids.data, DType::i32, {T}), tg_t(s.targets.data, DType::i32, {T});
 
-  const size_t n_states = s.layer_in.size();
-  auto state = [&](int64_t i) { return Tensor(s.layer_in[static_cast<size_t>(i) % n_states].data, act_, {T, cfg_.E}); };
-  ops_.embedding_forward(state(0), id_t, params_.embed);
-  for (int64_t l = 0; l < cfg_.L; ++l) {
-    Acts a = acts_for_layer(l);
-    a.x_in = state(l);
-    KvSlots kv{a.k, a.v, 0};
-    block_forward(l, a, kv, pos, state(l + 1), false);
-  }
+  const Tensor x_last = run_blocks(id_t, pos, nullptr, 0);
   Tensor hn(s.hn.data, act_, {T, cfg_.E}), rstd(s.rstd_f.data, act_, {T}), lse(s.lse_f.data, act_, {T});
-  ops_.rmsnorm_forward(hn, rstd, state(cfg_.L), params_.final_norm, cfg_.rms_eps);
+  ops_.rmsnorm_forward(hn, rstd, x_last, params_.final_norm, cfg_.rms_eps);
   const Tensor& head = wcopy_ ? wcopy_->lm_head : params_.lm_head;
   CeResult r = ops_.linear_cross_entropy_forward(lse, hn, head, tg_t, kIgnore);
   have_forward_ = for_backward;
@@ -109,18 +119,9 @@ void Model::decode_forward(Tensor ids, int64_t t0, std::vector<KvSlots>& cache, 
   Scratch& s = *s_;
   Tensor pos(s.pos.data, DType::i32, {T});
   for (int64_t t = 0; t < T; ++t) pos.as<int32_t>("[model]")[t] = static_cast<int32_t>(t0 + t);
-  const size_t n_states = s.layer_in.size();
-  auto state = [&](int64_t i) { return Tensor(s.layer_in[static_cast<size_t>(i) % n_states].data, act_, {T, cfg_.E}); };
-  ops_.embedding_forward(state(0), ids, params_.embed);
-  for (int64_t l = 0; l < cfg_.L; ++l) {
-    Acts a = acts_for_layer(l);
-    a.x_in = state(l);
-    KvSlots kv = cache[static_cast<size_t>(l)];
-    kv.t0 = t0;
-    block_forward(l, a, kv, pos, state(l + 1), false);
-  }
+  const Tensor x_out = run_blocks(ids, pos, &cache, t0);
   // Only the last token's logits are needed.
-  Tensor x_last(static_cast<char*>(state(cfg_.L).data) + dtype_bytes(act_, (T - 1) * cfg_.E), act_, {1, cfg_.E});
+  Tensor x_last(static_cast<char*>(x_out.data) + dtype_bytes(act_, (T - 1) * cfg_.E), act_, {1, cfg_.E});
   Tensor hn(s.hn.data, act_, {1, cfg_.E}), rstd(s.rstd_f.data, act_, {1});
   ops_.rmsnorm_forward(hn, rstd, x_last, params_.final_norm, cfg_.rms_eps);
   const Tensor& head = wcopy_ ? wcopy_->lm_head : params_.lm_head;
