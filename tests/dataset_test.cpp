@@ -388,8 +388,9 @@ TEST_F(DatasetTest, ResumeFromSavedStateGivesTheSameSequences) {
 }
 
 TEST(DatasetDump, OneJsonLinePerStep) {
-  EXPECT_EQ(dump_line(3, {{1, 2}, {3, -4}}), "{\"step\":3,\"ids\":[[1,2],[3,-4]]}");
-  EXPECT_EQ(dump_line(0, {}), "{\"step\":0,\"ids\":[]}");
+  EXPECT_EQ(dump_line(3, {{1, 2}, {3, 4}}, {{2, -100}, {4, 5}}),
+            "{\"step\":3,\"ids\":[[1,2],[3,4]],\"targets\":[[2,-100],[4,5]]}");
+  EXPECT_EQ(dump_line(0, {}, {}), "{\"step\":0,\"ids\":[],\"targets\":[]}");
 }
 
 }  // namespace

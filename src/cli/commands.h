@@ -11,5 +11,6 @@ int eval(const std::vector<std::string>& args);
 int generate(const std::vector<std::string>& args);
 int tokenize(const std::vector<std::string>& args);
 int train(const std::vector<std::string>& args);
+int convert(const std::vector<std::string>& args);
 
 }  // namespace oomless::cli

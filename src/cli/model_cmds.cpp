@@ -1,4 +1,4 @@
-// eval, generate and tokenize: the commands that run a model (or its tokenizer) as it is.
+// eval, generate, tokenize and convert: the commands that run a model (or its tokenizer) as it is.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -36,6 +36,7 @@ Loaded load(const Args& a, bool need_weights) {
   l.ops = make_ops("cpu", &l.mem->device);
   l.params = std::make_unique<ParamSet>(l.src.cfg, DType::f32, l.mem->device, Category::weights);
   l.src.load_weights(*l.params);
+  l.src.release_weights();
   ModelOptions opt;
   opt.dtype = parse_compute_dtype(a.str("dtype", "fp32"));
   l.model = std::make_unique<Model>(l.src.cfg, *l.ops, *l.params, l.mem->device, opt);
@@ -261,6 +262,33 @@ int tokenize(const std::vector<std::string>& argv) {
     for (size_t i = 0; i < ids.size(); ++i) std::printf("%s%d", i ? " " : "", ids[i]);
     std::printf("\n");
   }
+  return 0;
+}
+
+namespace {
+
+const char* kConvertHelp =
+    "usage: oomless convert --model M --out DIR [--seed s]\n"
+    "\n"
+    "Writes a model as a Hugging Face folder that transformers and `--model DIR` load as they are:\n"
+    "config.json, model.safetensors (F32, Hugging Face names) and, when the model has them, tokenizer.json and\n"
+    "tokenizer_config.json. GGUF weights are dequantised; a preset is written with its random init, so the\n"
+    "folder is a fixed starting point for training runs (and for other systems started from the same weights).\n"
+    "\n"
+    "  --model M   HF folder, .gguf or preset:NAME (required)\n"
+    "  --out DIR   a new or empty folder (required)\n"
+    "  --seed s    random init of a preset (default 0)\n";
+
+}  // namespace
+
+int convert(const std::vector<std::string>& argv) {
+  Args a(argv, {{"model", true}, {"out", true}, {"seed", true}}, "convert", kConvertHelp);
+  if (a.help_requested()) return std::fputs(kConvertHelp, stdout), 0;
+  const std::string out = a.required("out");
+  Loaded l = load(a, true);
+  save_hf_model(out, l.src, *l.params);
+  std::printf("wrote %s (%s, %lld parameters)\n", out.c_str(), arch_name(l.src.cfg.arch),
+              static_cast<long long>(l.src.cfg.param_count()));
   return 0;
 }
 

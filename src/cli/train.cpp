@@ -47,7 +47,7 @@ const char* kTrainHelp =
     "  --seed s             data order and preset init (default 0)\n"
     "  --threads n          CPU threads (default: all)\n"
     "  --max-nonfinite k    stop after more than k non-finite steps in a row (default 5)\n"
-    "  --dump-tokens FILE   write each step's token ids as JSON lines\n"
+    "  --dump-tokens FILE   write each step's token ids and targets as JSON lines\n"
     "  --config FILE.json   settings file\n";
 }
 

@@ -453,16 +453,21 @@ void Dataset::restore(const json::Value& s) {
   offset_ = static_cast<size_t>(offset);
 }
 
-std::string dump_line(int64_t step, const std::vector<std::vector<int32_t>>& seqs) {
-  json::Value ids = json::Value::array();
-  for (const auto& seq : seqs) {
-    json::Value row = json::Value::array();
-    for (int32_t id : seq) row.push_back(json::Value::integer(id));
-    ids.push_back(std::move(row));
-  }
+std::string dump_line(int64_t step, const std::vector<std::vector<int32_t>>& seqs,
+                      const std::vector<std::vector<int32_t>>& targets) {
+  auto rows = [](const std::vector<std::vector<int32_t>>& v) {
+    json::Value out = json::Value::array();
+    for (const auto& seq : v) {
+      json::Value row = json::Value::array();
+      for (int32_t id : seq) row.push_back(json::Value::integer(id));
+      out.push_back(std::move(row));
+    }
+    return out;
+  };
   json::Value line = json::Value::object();
   line.set("step", json::Value::integer(step));
-  line.set("ids", std::move(ids));
+  line.set("ids", rows(seqs));
+  line.set("targets", rows(targets));
   return json::dump(line);
 }
 

@@ -128,7 +128,9 @@ class Dataset {
   uint32_t fp_file_ = 0;
 };
 
-// One line of --dump-tokens: {"step": STEP, "ids": [[...], ...]} (no newline).
-std::string dump_line(int64_t step, const std::vector<std::vector<int32_t>>& seqs);
+// One line of --dump-tokens: {"step": STEP, "ids": [[...], ...], "targets": [[...], ...]} (no newline): each
+// sequence of the step's micro-batches in order and its targets (-100 where a position is not supervised).
+std::string dump_line(int64_t step, const std::vector<std::vector<int32_t>>& seqs,
+                      const std::vector<std::vector<int32_t>>& targets);
 
 }  // namespace oomless

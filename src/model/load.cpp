@@ -1,6 +1,7 @@
 #include "model/load.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <filesystem>
@@ -181,8 +182,22 @@ ModelSource open_model(const std::string& spec, uint64_t seed) {
   return open_gguf(spec);
 }
 
-void save_hf_model(const std::string& dir, const ModelConfig& cfg, const ParamSet& params) {
+namespace {
+
+void write_text(const fs::path& path, const std::string& text) {
+  FILE* f = std::fopen(path.c_str(), "wb");
+  OOM_CHECK(f, "[model] cannot write ", path.string(), ": ", std::strerror(errno));
+  bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size() && std::fflush(f) == 0 && fsync(fileno(f)) == 0;
+  ok = std::fclose(f) == 0 && ok;
+  OOM_CHECK(ok, "[model] writing ", path.string(), " failed: ", std::strerror(errno));
+}
+
+}  // namespace
+
+void save_hf_model(const std::string& dir, const ModelSource& src, const ParamSet& params) {
   std::error_code ec;
+  OOM_CHECK(!fs::exists(dir, ec) || (fs::is_directory(dir, ec) && fs::is_empty(dir, ec)), "[model] ", dir,
+            " already exists and is not an empty folder; give a new folder (nothing was written)");
   fs::create_directories(dir, ec);
   OOM_CHECK(!ec, "[model] cannot create ", dir, ": ", ec.message());
   std::vector<std::vector<float>> copies;
@@ -194,12 +209,10 @@ void save_hf_model(const std::string& dir, const ModelConfig& cfg, const ParamSe
     w.push_back({params.specs()[i].name, DType::f32, params.specs()[i].shape, copies.back().data()});
   }
   write_safetensors((fs::path(dir) / "model.safetensors").string(), w, {{"format", "pt"}});
-  const std::string text = json::dump(cfg.to_json(), 2) + "\n";
-  const std::string path = (fs::path(dir) / "config.json").string();
-  FILE* f = std::fopen(path.c_str(), "wb");
-  OOM_CHECK(f, "[model] cannot write ", path, ": ", std::strerror(errno));
-  const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
-  OOM_CHECK(std::fclose(f) == 0 && ok, "[model] writing ", path, " failed: ", std::strerror(errno));
+  write_text(fs::path(dir) / "config.json", json::dump(src.cfg.to_json(), 2) + "\n");
+  if (!src.tokenizer_json.empty()) write_text(fs::path(dir) / "tokenizer.json", src.tokenizer_json);
+  if (!src.tokenizer_config.is_null())
+    write_text(fs::path(dir) / "tokenizer_config.json", json::dump(src.tokenizer_config, 2) + "\n");
 }
 
 }  // namespace oomless

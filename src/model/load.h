@@ -26,6 +26,12 @@ struct ModelSource {
   std::shared_ptr<void> keep_open;   // the mapped files load_weights reads from
 
   const Tokenizer& require_tokenizer() const;  // error naming the model when it has none
+  // Unmaps the weight files once load_weights has run: their pages would otherwise stay in the process's
+  // resident set (as much again as the weights) for as long as the source is kept.
+  void release_weights() {
+    load_weights = nullptr;
+    keep_open.reset();
+  }
 };
 
 // seed: random init of presets.
@@ -40,7 +46,8 @@ std::string_view bundled_train_text();
 std::string_view bundled_eval_text();
 
 // Writes a model folder transformers loads as it is: config.json + model.safetensors (F32, HF names;
-// tied models store only the embedding).
-void save_hf_model(const std::string& dir, const ModelConfig& cfg, const ParamSet& params);
+// tied models store only the embedding) + src's tokenizer.json and tokenizer_config.json when it has them.
+// dir must not exist or be empty; files are written under dir and fsynced.
+void save_hf_model(const std::string& dir, const ModelSource& src, const ParamSet& params);
 
 }  // namespace oomless

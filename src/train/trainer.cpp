@@ -226,6 +226,7 @@ int train_run(const TrainConfig& c, const std::string& out) {
   auto ops = make_ops("cpu", &mem.device);
   ParamSet params(src.cfg, DType::f32, mem.device, Category::weights);
   src.load_weights(params);
+  src.release_weights();
   Model model(src.cfg, *ops, params, mem.device, {parse_compute_dtype(c.dtype), parse_save_policy(c.save_policy)});
   AdamW opt(src.cfg, params, mem.host, {c.lr, c.beta1, c.beta2, c.eps, c.weight_decay});
   model.grads();
@@ -376,7 +377,7 @@ int train_run(const TrainConfig& c, const std::string& out) {
       data.next(ids[static_cast<size_t>(i)].data(), tg[static_cast<size_t>(i)].data());
       for (int32_t t : tg[static_cast<size_t>(i)]) N += t >= 0;
     }
-    if (dump) std::fputs((dump_line(step, ids) + "\n").c_str(), dump);
+    if (dump) std::fputs((dump_line(step, ids, tg) + "\n").c_str(), dump);
     model.zero_grads();
     double loss_sum = 0;
     for (int64_t i = 0; i < seqs_per_step && N > 0; ++i) {
