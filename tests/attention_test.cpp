@@ -354,6 +354,82 @@ TEST(Attention, QueryThatSeesNoKey) {
   }
 }
 
+// Streaming: the block table split into windows, attention_forward per window combined with
+// attention_merge, then attention_backward per window with the merged o and lse (dq summed over
+// windows, dk/dv accumulating in place) equals one call over the whole table — on every backend, against
+// ref's single call. Windows in the order a chunk-recurrent step uses: its own (causal) blocks first, then
+// history windows of two blocks.
+TEST(Attention, WindowedWithMergeEqualsOneCall) {
+  std::vector<std::string> bes = backends_under_test();
+  bes.push_back("ref");
+  const Shape s{24, 4, 2, 16, 8, 40, false};  // 40 tokens of history = 5 blocks, then 3 own blocks
+  const Problem p = make_problem(s, DType::f32, 17);
+  RefOps ref;
+  const double scale = 0.25;
+  const Outputs want = run(ref, p, scale);
+  for (const std::string& be : bes) {
+    auto ops = make_ops(be);
+    const DType act = ops->act_dtype();
+    HostTensor q = p.q.as(act), dout = p.dout.as(act), k = p.k.as(act), v = p.v.as(act);
+    Outputs got{HostTensor(act, {s.T, s.H, s.D}), HostTensor(act, {s.H, s.T}), HostTensor(act, {s.T, s.H, s.D}),
+                p.dk0.as(act), p.dv0.as(act)};
+    Table all = make_table(p, k, v), dall = make_table(p, got.dk, got.dv);
+    const int64_t nb = p.n_blocks();
+    std::vector<std::pair<int64_t, int64_t>> windows = {{5, nb}};  // own blocks, then history by twos
+    for (int64_t b = 0; b < 5; b += 2) windows.push_back({b, std::min<int64_t>(b + 2, 5)});
+    auto sub = [&](const Table& t, std::pair<int64_t, int64_t> w) {
+      KvBlocks r = t.kv;
+      r.blocks = t.blocks.data() + w.first;
+      r.n_blocks = w.second - w.first;
+      return r;
+    };
+    HostTensor o2(act, {s.T, s.H, s.D}), lse2(act, {s.H, s.T}), dq2(act, {s.T, s.H, s.D});
+    for (size_t i = 0; i < windows.size(); ++i) {
+      const KvBlocks kv = sub(all, windows[i]);
+      if (i == 0) {
+        ops->attention_forward(got.o, got.lse, q, kv, p.pos, scale);
+      } else {
+        ops->attention_forward(o2, lse2, q, kv, p.pos, scale);
+        ops->attention_merge(got.o, got.lse, o2, lse2);
+      }
+    }
+    for (size_t i = 0; i < windows.size(); ++i) {
+      ops->attention_backward(i == 0 ? got.dq.t() : dq2.t(), sub(dall, windows[i]), dout, q, sub(all, windows[i]),
+                              got.o, got.lse, p.pos, scale);
+      if (i > 0) ops->add(got.dq, got.dq, dq2);
+    }
+    expect_matches(got, want, p, tol_for(DType::f32), be + " windowed");
+  }
+}
+
+// attention_merge where a part saw no key (lse -inf): it weighs nothing; both -inf stays o = 0, -inf.
+TEST(Attention, MergeWithEmptyParts) {
+  std::vector<std::string> bes = backends_under_test();
+  bes.push_back("ref");
+  const double ninf = -std::numeric_limits<double>::infinity();
+  for (const std::string& be : bes) {
+    auto ops = make_ops(be);
+    const DType act = ops->act_dtype();
+    // Rows (t, h) for T = 3, H = 1, D = 2: row 0 both finite, row 1 second empty, row 2 first empty; row 3 both.
+    HostTensor o(act, {4, 1, 2}), lse(act, {1, 4}), o2(act, {4, 1, 2}), lse2(act, {1, 4});
+    const double ov[] = {1, 2, 3, 4, 5, 6, 0, 0}, o2v[] = {7, 8, 9, 10, 11, 12, 0, 0};
+    const double lv[] = {0.5, 1.0, ninf, ninf}, l2v[] = {std::log(3.0) + 0.5, ninf, 2.0, ninf};
+    for (int i = 0; i < 8; ++i) o.set(i, ov[i]), o2.set(i, o2v[i]);
+    for (int i = 0; i < 4; ++i) lse.set(i, lv[i]), lse2.set(i, l2v[i]);
+    ops->attention_merge(o, lse, o2, lse2);
+    const double tol = act == DType::f64 ? 1e-15 : 1e-6;
+    EXPECT_NEAR(o.get(0), 0.25 * 1 + 0.75 * 7, tol) << be;  // weights 1 : 3
+    EXPECT_NEAR(o.get(1), 0.25 * 2 + 0.75 * 8, tol) << be;
+    EXPECT_NEAR(lse.get(0), 0.5 + std::log(4.0), tol) << be;
+    EXPECT_EQ(o.get(2), 3.0) << be;
+    EXPECT_EQ(lse.get(1), 1.0) << be;
+    EXPECT_EQ(o.get(4), 11.0) << be;
+    EXPECT_EQ(lse.get(2), 2.0) << be;
+    EXPECT_EQ(o.get(6), 0.0) << be;
+    EXPECT_EQ(lse.get(3), ninf) << be;
+  }
+}
+
 // Gemm::tile against RefOps::matmul: every transpose pair, accumulate or not, odd sizes, K past one
 // k block (256) and N past one column block (64), and leading dimensions with a gap (the gap is NaN:
 // reading it poisons c; c's gap must survive).

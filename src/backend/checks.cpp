@@ -70,6 +70,20 @@ void check_elementwise(const char* op, std::initializer_list<const Tensor*> ts, 
   }
 }
 
+AttentionDims check_attention_merge(const char* op, const Tensor& o, const Tensor& lse, const Tensor& o2,
+                                    const Tensor& lse2, DType act) {
+  check_dtype(op, "o", o, {act});
+  OOM_CHECK(o.ndim == 3, op, " o must be (T, H, D), got ", o.str());
+  const int64_t T = o.dims[0], H = o.dims[1], D = o.dims[2];
+  check_dtype(op, "o2", o2, {act});
+  check_shape(op, "o2", o2, {T, H, D});
+  check_dtype(op, "lse", lse, {act});
+  check_shape(op, "lse", lse, {H, T});
+  check_dtype(op, "lse2", lse2, {act});
+  check_shape(op, "lse2", lse2, {H, T});
+  return {T, H, 0, D};
+}
+
 AttentionDims check_attention(const char* op, const Tensor& o, const Tensor& lse, const Tensor& q, const KvBlocks& kv,
                               const Tensor& q_pos, DType act, std::initializer_list<DType> kv_dtypes) {
   check_dtype(op, "q", q, {act});

@@ -36,6 +36,10 @@ AttentionDims check_attention(const char* op, const Tensor& o, const Tensor& lse
 void check_attention_backward(const char* op, const AttentionDims& d, const Tensor& dq, const Tensor& dout,
                               const KvBlocks& dkv, const KvBlocks& kv, DType act);
 
+// o, o2 (T, H, D) and lse, lse2 (H, T), all act dtype. Returns {T, H, 0, D}.
+AttentionDims check_attention_merge(const char* op, const Tensor& o, const Tensor& lse, const Tensor& o2,
+                                    const Tensor& lse2, DType act);
+
 struct CeDims {
   int64_t T, E, V;
 };

@@ -115,6 +115,14 @@ class Ops {
   virtual void attention_backward(Tensor dq, const KvBlocks& dkv, Tensor dout, Tensor q, const KvBlocks& kv,
                                   Tensor o, Tensor lse, Tensor q_pos, double scale) = 0;
 
+  // Combines two partial attentions of the same queries over disjoint key sets into the attention over
+  // both, in place: lse' = log(e^lse + e^lse2), o' = e^(lse - lse') o + e^(lse2 - lse') o2. A -inf lse
+  // (no visible key) weighs 0; both -inf gives o = 0, lse = -inf. o, o2 (T, H, D); lse, lse2 (H, T).
+  // History streamed window by window through attention_forward, merged this way, is the attention over
+  // all of it (the backward needs no merge: attention_backward per window with the merged o and lse
+  // gives each window's exact share of dq, dk, dv).
+  virtual void attention_merge(Tensor o, Tensor lse, Tensor o2, Tensor lse2) = 0;
+
   // Fused LM head + cross-entropy over vocabulary chunks, never a (T, V) buffer.
   // logits = h (T, E) . w (V, E)^T; lse (T) = logsumexp(logits) (0 for ignored rows);
   // targets (T) i32, rows with target == ignore_index are not supervised. The caller divides.

@@ -35,6 +35,7 @@
 #include <cstring>
 #include <limits>
 
+#include "backend/attention_merge.h"
 #include "backend/checks.h"
 #include "backend/cpu/cpu_ops.h"
 #include "backend/cpu/gemm.h"
@@ -507,6 +508,12 @@ void CpuOps::attention_backward(Tensor dq, const KvBlocks& dkv, Tensor dout, Ten
 #pragma omp for schedule(static, 1)
     for (int64_t t = 0; t < q_tasks; ++t) q_grad_task(x, t % x.H, x.qt[t / x.H], w);
   }
+}
+
+void CpuOps::attention_merge(Tensor o, Tensor lse, Tensor o2, Tensor lse2) {
+  const AttentionDims d = check_attention_merge("[attention_merge]", o, lse, o2, lse2, DType::f32);
+  detail::attention_merge_rows(static_cast<float*>(o.data), static_cast<float*>(lse.data),
+                               static_cast<const float*>(o2.data), static_cast<const float*>(lse2.data), d.T, d.H, d.D);
 }
 
 }  // namespace oomless

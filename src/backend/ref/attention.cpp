@@ -12,6 +12,7 @@
 #include <limits>
 #include <vector>
 
+#include "backend/attention_merge.h"
 #include "backend/checks.h"
 #include "backend/ref/ref_ops.h"
 
@@ -128,6 +129,12 @@ void RefOps::attention_backward(Tensor dq, const KvBlocks& dkv, Tensor dout, Ten
       }
     }
   }
+}
+
+void RefOps::attention_merge(Tensor o, Tensor lse, Tensor o2, Tensor lse2) {
+  const AttentionDims d = check_attention_merge("[attention_merge]", o, lse, o2, lse2, kAct);
+  detail::attention_merge_rows(static_cast<double*>(o.data), static_cast<double*>(lse.data),
+                               static_cast<const double*>(o2.data), static_cast<const double*>(lse2.data), d.T, d.H, d.D);
 }
 
 }  // namespace oomless
