@@ -38,7 +38,7 @@ const LayerParams& Model::wc(int64_t layer) const {
   return (wcopy_ ? *wcopy_ : params_).layers[static_cast<size_t>(layer)];
 }
 
-void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos, Tensor x_out, bool recompute_only) {
+void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos, Tensor x_out, Pass pass) {
   const LayerParams& P = params_.layers[static_cast<size_t>(layer)];
   const LayerParams& C = wc(layer);
   const int64_t T = a.x_in.dims[0], E = cfg_.E, H = cfg_.H, Hkv = cfg_.Hkv, D = cfg_.D;
@@ -50,13 +50,15 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
 
   // Queries: projection [-> per-head RMSNorm (Qwen3)] -> RoPE.
   Tensor q2 = mat(a.q, T, H * D);
-  if (cfg_.qk_norm) {
-    linear_forward(mat(a.q_pre, T, H * D), h1, C.wq, P.bq);
-    ops_.rmsnorm_forward(mat(a.q, T * H, D), a.q_rstd, mat(a.q_pre, T * H, D), P.q_norm, eps);
-  } else {
-    linear_forward(q2, h1, C.wq, P.bq);
+  if (pass != Pass::kv_only) {
+    if (cfg_.qk_norm) {
+      linear_forward(mat(a.q_pre, T, H * D), h1, C.wq, P.bq);
+      ops_.rmsnorm_forward(mat(a.q, T * H, D), a.q_rstd, mat(a.q_pre, T * H, D), P.q_norm, eps);
+    } else {
+      linear_forward(q2, h1, C.wq, P.bq);
+    }
+    ops_.rope_forward(a.q, a.q, pos, cfg_.rope);
   }
-  ops_.rope_forward(a.q, a.q, pos, cfg_.rope);
 
   // Keys and values, one kv head at a time, into (Hkv, P, D).
   for (int64_t h = 0; h < Hkv; ++h) {
@@ -74,9 +76,14 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
     linear_forward(head(kv.v, h, Pk, t0, T, D), h1, wv, span(P.bv, h * D, D));
   }
 
-  KvBlock blk{kv.k.data, kv.v.data, 0, static_cast<int32_t>(t0 + T)};
-  KvBlocks blocks{&blk, 1, Hkv, Pk, D, kv.k.dtype};
-  ops_.attention_forward(a.o, a.lse, a.q, blocks, pos, 1.0 / std::sqrt(static_cast<double>(D)));
+  if (pass == Pass::kv_only) return;
+  if (chunk_kv_) {
+    if (pass != Pass::recompute_keep_attention) chunk_kv_->forward(layer, a.o, a.lse, a.q, a.k, a.v, pos);
+  } else {
+    KvBlock blk{kv.k.data, kv.v.data, 0, static_cast<int32_t>(t0 + T)};
+    KvBlocks blocks{&blk, 1, Hkv, Pk, D, kv.k.dtype};
+    ops_.attention_forward(a.o, a.lse, a.q, blocks, pos, 1.0 / std::sqrt(static_cast<double>(D)));
+  }
 
   Tensor proj = mat(s_->proj, T, E);
   linear_forward(proj, as_operand(mat(a.o, T, H * D), 0), C.wo, P.bo);
@@ -87,7 +94,7 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
   linear_forward(a.gate, h2, C.wg, Tensor());
   linear_forward(a.up, h2, C.wu, Tensor());
   ops_.swiglu_forward(a.act, a.gate, a.up);
-  if (recompute_only) return;
+  if (pass != Pass::full) return;
   linear_forward(proj, as_operand(a.act, 0), C.wd, Tensor());
   ops_.add(x_out, a.x_mid, proj);
 }
@@ -101,7 +108,7 @@ void Model::recompute_for_backward(int64_t layer, Acts& a, Tensor pos) {
       return;
     case SavePolicy::none: {
       KvSlots kv{a.k, a.v, 0};
-      block_forward(layer, a, kv, pos, Tensor(), true);
+      block_forward(layer, a, kv, pos, Tensor(), chunk_kv_ ? Pass::recompute_keep_attention : Pass::recompute);
       return;
     }
     case SavePolicy::selective:
@@ -154,11 +161,15 @@ void Model::block_backward(int64_t layer, Acts& a, Tensor pos, Tensor dx) {
   Tensor dq = view(s.dq, {T, H, D}), dk = view(s.dk, {Hkv, T, D}), dv = view(s.dv, {Hkv, T, D});
   ops_.fill(dk, 0.0);
   ops_.fill(dv, 0.0);
-  KvBlock kb{a.k.data, a.v.data, 0, static_cast<int32_t>(T)};
-  KvBlocks kv{&kb, 1, Hkv, T, D, a.k.dtype};
-  KvBlock dkb{dk.data, dv.data, 0, static_cast<int32_t>(T)};
-  KvBlocks dkv{&dkb, 1, Hkv, T, D, act_};
-  ops_.attention_backward(dq, dkv, d_o, a.q, kv, a.o, a.lse, pos, 1.0 / std::sqrt(static_cast<double>(D)));
+  if (chunk_kv_) {
+    chunk_kv_->backward(layer, dq, dk, dv, d_o, a.q, a.k, a.v, a.o, a.lse, pos);
+  } else {
+    KvBlock kb{a.k.data, a.v.data, 0, static_cast<int32_t>(T)};
+    KvBlocks kv{&kb, 1, Hkv, T, D, a.k.dtype};
+    KvBlock dkb{dk.data, dv.data, 0, static_cast<int32_t>(T)};
+    KvBlocks dkv{&dkb, 1, Hkv, T, D, act_};
+    ops_.attention_backward(dq, dkv, d_o, a.q, kv, a.o, a.lse, pos, 1.0 / std::sqrt(static_cast<double>(D)));
+  }
 
   // RoPE, then the Qwen3 per-head norms, backwards.
   ops_.rope_backward(dq, dq, pos, cfg_.rope);

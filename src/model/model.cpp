@@ -55,9 +55,9 @@ void Model::sync_weights() {
   if (wcopy_) convert_params(*wcopy_, params_);
 }
 
-void Model::reserve(int64_t T, bool for_backward) {
+void Model::reserve(int64_t T, bool for_backward, bool chunked) {
   OOM_CHECK(T >= 1, "[model] sequence length must be >= 1, got ", T);
-  if (s_ && T <= cap_T_ && (!for_backward || cap_backward_)) return;
+  if (s_ && T <= cap_T_ && (!for_backward || cap_backward_) && (!chunked || cap_chunked_)) return;
   s_.reset();
   auto s = std::make_unique<Scratch>();
   const int64_t E = cfg_.E, F = cfg_.F, H = cfg_.H, Hkv = cfg_.Hkv, D = cfg_.D, L = cfg_.L;
@@ -107,8 +107,18 @@ void Model::reserve(int64_t T, bool for_backward) {
   // ping-pongs between two.
   const int64_t n_states = for_backward ? L + 1 : 2;
   for (int64_t i = 0; i < n_states; ++i) s->layer_in.push_back(alloc(act_, {T, E}, A, "residual"));
-  if (for_backward && opt_.save != SavePolicy::none)
+  if (for_backward && opt_.save != SavePolicy::none) {
     for (int64_t l = 0; l < L; ++l) s->saved.push_back(act_set(A, false));
+  } else if (for_backward && chunked) {
+    // Chunk mode keeps attention O and LSE per layer even when the block is recomputed, so that the
+    // recompute never sweeps the history again.
+    for (int64_t l = 0; l < L; ++l) {
+      Acts a;
+      a.o = alloc(act_, {T, H, D}, A, "o");
+      a.lse = alloc(act_, {H, T}, A, "lse");
+      s->saved.push_back(a);
+    }
+  }
   s->hn = alloc(act_, {T, E}, A, "final_norm");
   s->rstd_f = alloc(act_, {T}, A, "final_rstd");
   s->lse_f = alloc(act_, {T}, A, "loss_lse");
@@ -135,6 +145,7 @@ void Model::reserve(int64_t T, bool for_backward) {
   s_ = std::move(s);
   cap_T_ = T;
   cap_backward_ = for_backward;
+  cap_chunked_ = chunked;
 }
 
 Model::Acts Model::acts_for_layer(int64_t layer) {

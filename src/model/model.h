@@ -14,6 +14,17 @@
 //
 // One sequence per call (T tokens at positions 0..T-1). Memory for sequences up to T is reserved once
 // (reserve); forward/backward allocate nothing.
+//
+// Chunk-recurrent training (chunked_step): the sequence is cut into chunks of C tokens and the model holds
+// activations for one chunk only; keys and values of earlier chunks live in a ChunkKv store. Pass 1 runs
+// the chunks in order, keeping nothing but each layer's keys and values (the last chunk, and in the last
+// layer everything after the K/V projections, are skipped: no later chunk needs them). Pass 2 runs the
+// chunks in reverse: recompute the chunk's forward (its own keys and values are recomputed: the same
+// kernels on the same inputs give the same bits as those stored), its loss (the target of its last
+// position is the next chunk's first token, as in the full sequence), and its backward, layer by layer;
+// the attention backward leaves earlier chunks' key gradients in the store and takes this chunk's from it.
+// Each layer keeps attention O and LSE for the chunk whatever the SavePolicy, so recomputing a block never
+// sweeps the history again. With C >= T this is the full-sequence computation, bit for bit.
 #pragma once
 #include <memory>
 #include <optional>
@@ -21,6 +32,7 @@
 
 #include "backend/ops.h"
 #include "memory/arena.h"
+#include "model/chunk_kv.h"
 #include "model/config.h"
 #include "model/params.h"
 
@@ -65,7 +77,9 @@ class Model {
   void sync_weights();
 
   // Reserve activations for sequences of up to T tokens, for training (with backward) or inference.
-  void reserve(int64_t T, bool for_backward);
+  // chunked: for chunked_step/chunked_eval with chunks of up to T tokens (SavePolicy none also keeps
+  // each layer's attention O and LSE).
+  void reserve(int64_t T, bool for_backward, bool chunked = false);
 
   // Forward of one sequence: ids (T) i32, targets (T) i32 with -100 = not supervised. Returns the
   // summed cross-entropy and the supervised count. With for_backward the activations the SavePolicy
@@ -78,6 +92,13 @@ class Model {
   // Per-token cross-entropy of the last forward (T values; 0 for unsupervised rows), in double.
   std::vector<double> token_losses();
 
+  // Chunk-recurrent forward and backward of one sequence (see the top of this file): parameter gradients
+  // += d(grad_scale * loss_sum). Needs reserve(C, true, true). Returns the summed loss and its count.
+  CeResult chunked_step(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv, double grad_scale);
+  // Forward only, chunk by chunk (evaluation of sequences longer than what fits at once). Needs
+  // reserve(C, false, true) or more.
+  CeResult chunked_eval(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv);
+
   // Gradient-free forward of T new tokens at positions t0.. with a KV cache per layer, for generation:
   // logits_last (V) = logits of the last new token.
   void decode_forward(Tensor ids, int64_t t0, std::vector<KvSlots>& cache, Tensor logits_last);
@@ -85,13 +106,21 @@ class Model {
  private:
   struct Acts;
   struct Scratch;
-  void block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos, Tensor x_out, bool recompute_only);
+  // What block_forward computes: everything; everything but the MLP down projection and the residual (a
+  // recompute for backward), the same reusing the kept attention O and LSE (chunk mode); or only the
+  // keys and values (the last layer in pass 1).
+  enum class Pass { full, recompute, recompute_keep_attention, kv_only };
+  void block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos, Tensor x_out, Pass pass);
   void block_backward(int64_t layer, Acts& a, Tensor pos, Tensor dx);
   void recompute_for_backward(int64_t layer, Acts& a, Tensor pos);
   Acts acts_for_layer(int64_t layer);
   // Embedding + all blocks for ids (T) at positions pos; K/V into `cache` at t0 when given. Returns the
   // last residual state (T, E).
   Tensor run_blocks(Tensor ids, Tensor pos, std::vector<KvSlots>* cache, int64_t t0);
+  // Chunk mode: the forward of one chunk, ids/targets (Tc) at positions t0... with attention through kv.
+  // store: hand each layer's K/V to kv.store; loss: the final norm and loss (without, the last layer stops
+  // after its K/V projections). backward() then runs the chunk's backward.
+  CeResult chunk_forward(Tensor ids, Tensor targets, int64_t t0, ChunkKv& kv, bool store, bool loss, bool for_backward);
 
   // Linear y (T, N) = x (T, K) . W^T (N, K) [+ b]; backward dx (=) and dW, db (+=).
   void linear_forward(Tensor y, Tensor x, Tensor wc, Tensor b);
@@ -113,6 +142,8 @@ class Model {
   int64_t T_ = 0;        // current sequence length
   int64_t cap_T_ = 0;    // reserved
   bool cap_backward_ = false;
+  bool cap_chunked_ = false;
+  ChunkKv* chunk_kv_ = nullptr;  // set while a chunked pass runs: attention goes through it
   bool have_forward_ = false;
 };
 

@@ -23,7 +23,7 @@ Tensor Model::run_blocks(Tensor ids, Tensor pos, std::vector<KvSlots>* cache, in
     a.x_in = state(l);
     KvSlots kv = cache ? (*cache)[static_cast<size_t>(l)] : KvSlots{a.k, a.v, 0};
     kv.t0 = t0;
-    block_forward(l, a, kv, pos, state(l + 1), false);
+    block_forward(l, a, kv, pos, state(l + 1), Pass::full);
   }
   return state(cfg_.L);
 }

@@ -1,0 +1,128 @@
+// The chunk-recurrent schedule (model.h, "Chunk-recurrent training"): pass 1 forward over all chunks but
+// the last keeping only keys and values, pass 2 in reverse with recompute, loss and backward per chunk.
+#include <algorithm>
+#include <cstring>
+
+#include "model/model.h"
+#include "model/model_detail.h"
+
+namespace oomless {
+
+namespace {
+
+constexpr int32_t kIgnore = -100;
+
+// Chunk c of an i32 vector (T), C per chunk.
+Tensor chunk_of(const Tensor& t, int64_t c, int64_t C) {
+  const int64_t T = t.dims[0], n = std::min(C, T - c * C);
+  return Tensor(static_cast<int32_t*>(t.data) + c * C, DType::i32, {n});
+}
+
+// Clears the model's pointer to the store and ends the store's sequence on every exit path.
+struct ChunkScope {
+  ChunkKv*& slot;
+  ChunkKv& kv;
+  ChunkScope(ChunkKv*& s, ChunkKv& k) : slot(s), kv(k) { slot = &kv; }
+  ~ChunkScope() {
+    slot = nullptr;
+    try {
+      kv.end();
+    } catch (...) {
+      // end() only frees; an error from it must not replace the one unwinding.
+    }
+  }
+};
+
+}  // namespace
+
+CeResult Model::chunk_forward(Tensor ids, Tensor targets, int64_t t0, ChunkKv& kv, bool store, bool loss,
+                              bool for_backward) {
+  const int64_t T = ids.dims[0];
+  T_ = T;
+  Scratch& s = *s_;
+  std::memcpy(s.ids.data, ids.data, static_cast<size_t>(T) * 4);
+  std::memcpy(s.targets.data, targets.data, static_cast<size_t>(T) * 4);
+  Tensor pos(s.pos.data, DType::i32, {T});
+  for (int64_t t = 0; t < T; ++t) pos.as<int32_t>("[model]")[t] = static_cast<int32_t>(t0 + t);
+  Tensor id_t(s.ids.data, DType::i32, {T}), tg_t(s.targets.data, DType::i32, {T});
+  const size_t n_states = s.layer_in.size();
+  auto state = [&](int64_t i) { return Tensor(s.layer_in[static_cast<size_t>(i) % n_states].data, act_, {T, cfg_.E}); };
+  ops_.embedding_forward(state(0), id_t, params_.embed);
+  for (int64_t l = 0; l < cfg_.L; ++l) {
+    Acts a = acts_for_layer(l);
+    a.x_in = state(l);
+    // Without a loss (pass 1) the last layer only has to leave its keys and values for later chunks.
+    const Pass pass = !loss && l == cfg_.L - 1 ? Pass::kv_only : Pass::full;
+    block_forward(l, a, KvSlots{a.k, a.v, 0}, pos, state(l + 1), pass);
+    if (store) kv.store(l, a.k, a.v);
+  }
+  have_forward_ = false;
+  if (!loss) return {};
+  Tensor hn(s.hn.data, act_, {T, cfg_.E}), rstd(s.rstd_f.data, act_, {T}), lse(s.lse_f.data, act_, {T});
+  ops_.rmsnorm_forward(hn, rstd, state(cfg_.L), params_.final_norm, cfg_.rms_eps);
+  const Tensor& head = wcopy_ ? wcopy_->lm_head : params_.lm_head;
+  CeResult r = ops_.linear_cross_entropy_forward(lse, hn, head, tg_t, kIgnore);
+  have_forward_ = for_backward;
+  return r;
+}
+
+namespace {
+
+void check_chunked(const ModelConfig& cfg, const Tensor& ids, const Tensor& targets, int64_t C) {
+  OOM_CHECK(ids.ndim == 1 && ids.dtype == DType::i32, "[model] ids must be i32 (T), got ", ids.str());
+  OOM_CHECK(targets.ndim == 1 && targets.dtype == DType::i32 && targets.dims[0] == ids.dims[0],
+            "[model] targets must be i32 (T) like ids, got ", targets.str());
+  OOM_CHECK(C >= 1, "[model] the chunk length must be >= 1, got ", C);
+  cfg.check_sequence(ids.dims[0]);
+  const int32_t* id = static_cast<const int32_t*>(ids.data);
+  for (int64_t t = 0; t < ids.dims[0]; ++t)
+    OOM_CHECK(id[t] >= 0 && id[t] < cfg.V, "[model] token id ", id[t], " at position ", t,
+              " is outside the vocabulary [0, ", cfg.V, ")");
+}
+
+}  // namespace
+
+CeResult Model::chunked_step(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv, double grad_scale) {
+  check_chunked(cfg_, ids, targets, C);
+  const int64_t T = ids.dims[0], n = (T + C - 1) / C;
+  OOM_CHECK(s_ && cap_chunked_ && cap_backward_ && std::min(C, T) <= cap_T_, "[model] chunked_step with chunks of ",
+            std::min(C, T), " tokens needs reserve(", std::min(C, T), ", true, true) first");
+  grads();
+  ChunkScope scope(chunk_kv_, kv);
+  kv.begin(T, C);
+  // Pass 1: every chunk but the last, keys and values only.
+  for (int64_t c = 0; c + 1 < n; ++c) {
+    kv.set_chunk(c);
+    chunk_forward(chunk_of(ids, c, C), chunk_of(targets, c, C), c * C, kv, true, false, false);
+  }
+  // Pass 2: in reverse, recompute + loss + backward.
+  CeResult total;
+  for (int64_t c = n - 1; c >= 0; --c) {
+    kv.set_chunk(c);
+    const CeResult r = chunk_forward(chunk_of(ids, c, C), chunk_of(targets, c, C), c * C, kv, false, true, true);
+    backward(grad_scale);
+    kv.chunk_done(c);
+    total.loss_sum += r.loss_sum;
+    total.count += r.count;
+  }
+  return total;
+}
+
+CeResult Model::chunked_eval(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv) {
+  check_chunked(cfg_, ids, targets, C);
+  const int64_t T = ids.dims[0], n = (T + C - 1) / C;
+  OOM_CHECK(s_ && cap_chunked_ && std::min(C, T) <= cap_T_, "[model] chunked_eval with chunks of ", std::min(C, T),
+            " tokens needs reserve(", std::min(C, T), ", false, true) first");
+  ChunkScope scope(chunk_kv_, kv);
+  kv.begin(T, C);
+  CeResult total;
+  for (int64_t c = 0; c < n; ++c) {
+    kv.set_chunk(c);
+    const CeResult r = chunk_forward(chunk_of(ids, c, C), chunk_of(targets, c, C), c * C, kv, c + 1 < n, true, false);
+    total.loss_sum += r.loss_sum;
+    total.count += r.count;
+  }
+  return total;
+}
+
+}  // namespace oomless
