@@ -14,6 +14,7 @@
 #include "model/generate.h"
 #include "model/load.h"
 #include "model/model.h"
+#include "model/paged_kv.h"
 
 namespace oomless::cli {
 
@@ -37,6 +38,7 @@ Loaded load(const Args& a, bool need_weights) {
   l.params = std::make_unique<ParamSet>(l.src.cfg, DType::f32, l.mem->device, Category::weights);
   l.src.load_weights(*l.params);
   l.src.release_weights();
+  if (a.has("rope-theta")) l.src.cfg.rope.theta = a.number("rope-theta", 0, 1e-30, 1e30);
   ModelOptions opt;
   opt.dtype = parse_compute_dtype(a.str("dtype", "fp32"));
   l.model = std::make_unique<Model>(l.src.cfg, *l.ops, *l.params, l.mem->device, opt);
@@ -65,6 +67,7 @@ std::vector<int32_t> parse_id_list(const std::string& s, int64_t V, const char* 
 
 const char* kEvalHelp =
     "usage: oomless eval --model M --data FILE --seq T [--dtype fp32|bf16] [--grads OUT.safetensors] [--json]\n"
+    "                    [--chunk C [--page P] [--kv-offload none|host|disk] [--spill-dir DIR]] [--rope-theta x]\n"
     "\n"
     "Loss and perplexity of a model on a text or .ids file. A text file is one document, encoded with the\n"
     "tokenizer's post-processor (BOS where the model adds one), no EOS; a .ids file holds decimal token ids,\n"
@@ -77,6 +80,12 @@ const char* kEvalHelp =
     "  --seq T          window length in tokens (required, >= 2)\n"
     "  --dtype D        fp32 (default) or bf16 projections with fp32 accumulation\n"
     "  --grads OUT      write the gradient of window 0's mean loss as F32 safetensors under Hugging Face names\n"
+    "  --chunk C        run each window chunk by chunk (C tokens of activations at a time; keys and values of\n"
+    "                   earlier chunks in a paged store) (default 0: the whole window at once)\n"
+    "  --page P         tokens per K/V page; divides --chunk (default min(64, C))\n"
+    "  --kv-offload M   none, host or disk: where earlier chunks' K/V pages live (default none)\n"
+    "  --spill-dir DIR  disk: folder of the spill file, not tmpfs (default: the current folder)\n"
+    "  --rope-theta x   override the model's RoPE base (default: the model's)\n"
     "  --json           print one JSON object: loss, ppl, windows, tokens, loss_by_position_bucket\n"
     "  --threads N      CPU threads (default: all)\n";
 
@@ -85,7 +94,8 @@ const char* kEvalHelp =
 int eval(const std::vector<std::string>& argv) {
   Args a(argv,
          {{"model", true}, {"data", true}, {"seq", true}, {"dtype", true}, {"grads", true}, {"json", false},
-          {"threads", true}, {"seed", true}},
+          {"threads", true}, {"seed", true}, {"chunk", true}, {"page", true}, {"kv-offload", true},
+          {"spill-dir", true}, {"rope-theta", true}},
          "eval", kEvalHelp);
   if (a.help_requested()) return std::fputs(kEvalHelp, stdout), 0;
   apply_threads(a);
@@ -99,7 +109,17 @@ int eval(const std::vector<std::string>& argv) {
     OOM_CHECK(id < l.src.cfg.V, "[eval] the tokenizer produced id ", id, " outside the model's vocabulary ",
               l.src.cfg.V, "; the tokenizer and the model do not belong together");
   const bool grads = a.has("grads");
-  EvalResult r = evaluate(*l.model, stream, T, grads);
+  std::unique_ptr<PagedKvStore> kv;
+  const int64_t C = std::min(a.integer("chunk", 0, 0, int64_t{1} << 24), T);
+  if (C > 0) {
+    PagedKvOptions ko;
+    ko.C = C;
+    ko.P = a.integer("page", std::min<int64_t>(64, C), 1, C);
+    ko.offload = parse_kv_offload(a.str("kv-offload", "none"));
+    ko.spill_dir = a.str("spill-dir", ".");
+    kv = std::make_unique<PagedKvStore>(l.src.cfg, *l.ops, l.mem->device, l.mem->host, ko, T, grads);
+  }
+  EvalResult r = evaluate(*l.model, stream, T, grads, kv.get(), C);
   if (grads) {
     const ParamSet& g = l.model->grads();
     std::vector<StWrite> w;

@@ -48,6 +48,13 @@ const char* kTrainHelp =
     "  --threads n          CPU threads (default: all)\n"
     "  --max-nonfinite k    stop after more than k non-finite steps in a row (default 5)\n"
     "  --dump-tokens FILE   write each step's token ids and targets as JSON lines\n"
+    "  --chunk C            chunk-recurrent training: activations for C tokens at a time, keys and values of\n"
+    "                       earlier chunks in a paged store (default 0: off)\n"
+    "  --page P             tokens per K/V page; divides --chunk (default min(64, C))\n"
+    "  --kv-offload M       none, host or disk: where earlier chunks' K/V pages live (default none)\n"
+    "  --spill-dir DIR      disk: folder of the spill file, not tmpfs (default --out)\n"
+    "  --rope-theta x       override the model's RoPE base (training past its native context); saved in\n"
+    "                       the checkpoints' config.json (default: the model's)\n"
     "  --config FILE.json   settings file\n";
 }
 
@@ -64,7 +71,8 @@ int train(const std::vector<std::string>& argv) {
       {"weight-decay", true}, {"beta1", true}, {"beta2", true}, {"eps", true}, {"clip", true},
       {"eval-data", true}, {"eval-every", true}, {"save-every", true}, {"keep", true}, {"resume", true},
       {"budget", true}, {"dtype", true}, {"seed", true}, {"threads", true}, {"max-nonfinite", true},
-      {"dump-tokens", true}, {"config", true}, {"save-policy", true}};
+      {"dump-tokens", true}, {"config", true}, {"save-policy", true}, {"chunk", true}, {"page", true},
+      {"kv-offload", true}, {"spill-dir", true}, {"rope-theta", true}};
   Args a(args, flags, "train", kTrainHelp);
   if (a.help_requested()) return std::fputs(kTrainHelp, stdout), 0;
   TrainConfig c;
@@ -76,12 +84,13 @@ int train(const std::vector<std::string>& argv) {
     const std::string v = a.str(f.name);
     const bool text = f.name == "model" || f.name == "data" || f.name == "out" || f.name == "schedule" ||
                       f.name == "eval-data" || f.name == "budget" || f.name == "dtype" || f.name == "dump-tokens" ||
-                      f.name == "save-policy";
+                      f.name == "save-policy" || f.name == "kv-offload" || f.name == "spill-dir";
     if (text) {
       o.set(f.name, json::Value::string(v));
     } else {
       const bool whole = f.name != "lr" && f.name != "min-lr" && f.name != "weight-decay" && f.name != "beta1" &&
-                         f.name != "beta2" && f.name != "eps" && f.name != "clip" && f.name != "epochs";
+                         f.name != "beta2" && f.name != "eps" && f.name != "clip" && f.name != "epochs" &&
+                         f.name != "rope-theta";
       o.set(f.name, whole ? json::Value::integer(a.integer(f.name, 0, 0, INT64_MAX))
                           : json::Value::number(a.number(f.name, 0, 0, 1e30)));
     }

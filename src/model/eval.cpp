@@ -13,7 +13,8 @@ std::vector<PositionBucket> position_buckets(int64_t T) {
   return b;
 }
 
-EvalResult evaluate(Model& model, const std::vector<int32_t>& stream, int64_t T, bool with_grads) {
+EvalResult evaluate(Model& model, const std::vector<int32_t>& stream, int64_t T, bool with_grads, ChunkKv* kv,
+                    int64_t C) {
   OOM_CHECK(T >= 2, "[eval] --seq must be at least 2 (a window of T tokens makes T - 1 predictions), got ", T);
   const int64_t n = static_cast<int64_t>(stream.size());
   OOM_CHECK(n >= T, "[eval] the data holds ", n, " tokens, fewer than one window of --seq ", T,
@@ -22,19 +23,28 @@ EvalResult evaluate(Model& model, const std::vector<int32_t>& stream, int64_t T,
   r.windows = n / T;
   r.tokens = r.windows * T;
   r.buckets = position_buckets(T);
-  model.reserve(T, with_grads);
+  const bool chunked = kv && C > 0;
+  model.reserve(chunked ? std::min(C, T) : T, with_grads, chunked);
   if (with_grads) model.zero_grads();
   std::vector<int32_t> targets(static_cast<size_t>(T));
   for (int64_t w = 0; w < r.windows; ++w) {
     const int32_t* ids = stream.data() + w * T;
     for (int64_t t = 0; t < T; ++t) targets[static_cast<size_t>(t)] = t + 1 < T ? ids[t + 1] : -100;
     const bool grads = with_grads && w == 0;
-    CeResult ce = model.forward(Tensor(const_cast<int32_t*>(ids), DType::i32, {T}),
-                                Tensor(targets.data(), DType::i32, {T}), grads);
-    if (grads) model.backward(1.0 / static_cast<double>(ce.count));
+    const Tensor id_t(const_cast<int32_t*>(ids), DType::i32, {T}), tg_t(targets.data(), DType::i32, {T});
+    CeResult ce;
+    std::vector<double> per;
+    if (chunked) {
+      // The gradient's count is known before backward: every position but the last is supervised.
+      if (grads) model.chunked_step(id_t, tg_t, C, *kv, 1.0 / static_cast<double>(T - 1));
+      ce = model.chunked_eval(id_t, tg_t, C, *kv, &per);
+    } else {
+      ce = model.forward(id_t, tg_t, grads);
+      if (grads) model.backward(1.0 / static_cast<double>(ce.count));
+      per = model.token_losses();
+    }
     r.loss_sum += ce.loss_sum;
     r.predictions += ce.count;
-    const std::vector<double> per = model.token_losses();
     for (PositionBucket& b : r.buckets)
       for (int64_t t = b.start; t < b.end; ++t) b.loss_sum += per[static_cast<size_t>(t)], ++b.count;
   }

@@ -29,6 +29,9 @@ std::vector<PositionBucket> position_buckets(int64_t T);
 
 // with_grads: window 0 runs forward + backward with grad_scale 1 / (T - 1), so model.grads() holds the
 // gradient of its mean loss (what transformers computes with labels = input_ids).
-EvalResult evaluate(Model& model, const std::vector<int32_t>& stream, int64_t T, bool with_grads);
+// kv (with C > 0): each window runs chunk by chunk through that store (Model::chunked_eval, or
+// chunked_step for the gradient), for windows longer than the activations one pass can hold.
+EvalResult evaluate(Model& model, const std::vector<int32_t>& stream, int64_t T, bool with_grads,
+                    ChunkKv* kv = nullptr, int64_t C = 0);
 
 }  // namespace oomless

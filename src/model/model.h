@@ -97,7 +97,8 @@ class Model {
   CeResult chunked_step(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv, double grad_scale);
   // Forward only, chunk by chunk (evaluation of sequences longer than what fits at once). Needs
   // reserve(C, false, true) or more.
-  CeResult chunked_eval(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv);
+  // token_losses, when given, receives the cross-entropy of every position (0 where unsupervised).
+  CeResult chunked_eval(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv, std::vector<double>* token_losses = nullptr);
 
   // Gradient-free forward of T new tokens at positions t0.. with a KV cache per layer, for generation:
   // logits_last (V) = logits of the last new token.

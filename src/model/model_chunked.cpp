@@ -108,7 +108,7 @@ CeResult Model::chunked_step(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv,
   return total;
 }
 
-CeResult Model::chunked_eval(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv) {
+CeResult Model::chunked_eval(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv, std::vector<double>* token_losses) {
   check_chunked(cfg_, ids, targets, C);
   const int64_t T = ids.dims[0], n = (T + C - 1) / C;
   OOM_CHECK(s_ && cap_chunked_ && std::min(C, T) <= cap_T_, "[model] chunked_eval with chunks of ", std::min(C, T),
@@ -116,9 +116,14 @@ CeResult Model::chunked_eval(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv)
   ChunkScope scope(chunk_kv_, kv);
   kv.begin(T, C);
   CeResult total;
+  if (token_losses) token_losses->clear();
   for (int64_t c = 0; c < n; ++c) {
     kv.set_chunk(c);
     const CeResult r = chunk_forward(chunk_of(ids, c, C), chunk_of(targets, c, C), c * C, kv, c + 1 < n, true, false);
+    if (token_losses) {
+      const std::vector<double> per = this->token_losses();
+      token_losses->insert(token_losses->end(), per.begin(), per.end());
+    }
     total.loss_sum += r.loss_sum;
     total.count += r.count;
   }

@@ -20,6 +20,7 @@
 #include "model/generate.h"
 #include "model/load.h"
 #include "model/model.h"
+#include "model/paged_kv.h"
 #include "optim/adamw.h"
 #include "optim/clip.h"
 #include "optim/schedule.h"
@@ -39,7 +40,7 @@ void on_signal(int) { g_stop = 1; }
 // Settings a resumed run must share with the run that saved the checkpoint (the rest may change).
 const char* kFixedOnResume[] = {"model", "data", "seq", "batch", "grad-accum", "lr", "min-lr", "warmup",
                                 "schedule", "weight-decay", "beta1", "beta2", "eps", "clip", "dtype",
-                                "seed", "save-policy", "epochs"};
+                                "seed", "save-policy", "epochs", "chunk", "page", "rope-theta"};
 
 std::string binary_id() {
   std::error_code ec;
@@ -109,6 +110,11 @@ void TrainConfig::apply_json(const json::Value& o, const std::string& source) {
     else if (k == "max-nonfinite") max_nonfinite = integer();
     else if (k == "dump-tokens") dump_tokens = str();
     else if (k == "save-policy") save_policy = str();
+    else if (k == "chunk") chunk = integer();
+    else if (k == "page") page = integer();
+    else if (k == "kv-offload") kv_offload = str();
+    else if (k == "spill-dir") spill_dir = str();
+    else if (k == "rope-theta") rope_theta = num();
     else fail("[train] ", source, ": unknown key \"", k, "\"; keys are the long flag names without --");
   }
 }
@@ -144,6 +150,11 @@ json::Value TrainConfig::to_json() const {
   o.set("max-nonfinite", Value::integer(max_nonfinite));
   o.set("dump-tokens", Value::string(dump_tokens));
   o.set("save-policy", Value::string(save_policy));
+  o.set("chunk", Value::integer(chunk));
+  o.set("page", Value::integer(page));
+  o.set("kv-offload", Value::string(kv_offload));
+  o.set("spill-dir", Value::string(spill_dir));
+  o.set("rope-theta", Value::number(rope_theta));
   return o;
 }
 
@@ -221,6 +232,10 @@ int train_run(const TrainConfig& c, const std::string& out) {
 
   // Model, memory, optimizer: everything is reserved here, before step 1.
   ModelSource src = open_model(c.model, c.seed);
+  if (c.rope_theta > 0) {
+    OOM_CHECK(std::isfinite(c.rope_theta), "[train] --rope-theta must be a positive number, got ", c.rope_theta);
+    src.cfg.rope.theta = c.rope_theta;  // and so into every checkpoint's config.json
+  }
   const size_t budget = c.budget.empty() ? (size_t{1} << 46) : parse_size(c.budget);
   CpuMemory mem(budget);
   auto ops = make_ops("cpu", &mem.device);
@@ -230,20 +245,38 @@ int train_run(const TrainConfig& c, const std::string& out) {
   Model model(src.cfg, *ops, params, mem.device, {parse_compute_dtype(c.dtype), parse_save_policy(c.save_policy)});
   AdamW opt(src.cfg, params, mem.host, {c.lr, c.beta1, c.beta2, c.eps, c.weight_decay});
   model.grads();
-  model.reserve(c.seq, true);
-  {
+  // Chunk-recurrent mode: activations for one chunk, K/V of earlier chunks in a paged store.
+  std::unique_ptr<PagedKvStore> kv;
+  const int64_t C = c.chunk > 0 ? std::min(c.chunk, c.seq) : 0;
+  try {
+    if (C > 0) {
+      PagedKvOptions ko;
+      ko.C = C;
+      ko.P = c.page > 0 ? c.page : std::min<int64_t>(64, C);
+      ko.offload = parse_kv_offload(c.kv_offload);
+      ko.spill_dir = c.spill_dir.empty() ? out : c.spill_dir;
+      if (ko.offload == KvOffload::disk) fs::create_directories(out);
+      model.reserve(C, true, true);
+      kv = std::make_unique<PagedKvStore>(src.cfg, *ops, mem.device, mem.host, ko, c.seq, true);
+    } else {
+      model.reserve(c.seq, true);
+    }
     // A dry forward + backward on zeros before step 1: the kernels' workspaces (GEMM packing, cross-entropy
     // chunks) are taken from the arena on first use, so a budget too small for them fails here, at setup,
     // not in the middle of the run.
     std::vector<int32_t> zeros(static_cast<size_t>(c.seq), 0);
-    try {
-      model.forward(Tensor(zeros.data(), DType::i32, {c.seq}), Tensor(zeros.data(), DType::i32, {c.seq}), true);
+    const Tensor z(zeros.data(), DType::i32, {c.seq});
+    if (kv) {
+      model.chunked_step(z, z, C, *kv, 0.0);
+    } else {
+      model.forward(z, z, true);
       model.backward(0.0);
-      model.zero_grads();
-    } catch (const OutOfBudget& e) {
-      fail("[train] the run does not fit --budget ", c.budget, ": ", e.what(),
-           "\nuse a larger --budget, a smaller --seq, --save-policy selective or none, or --dtype bf16");
     }
+    model.zero_grads();
+  } catch (const OutOfBudget& e) {
+    fail("[train] the run does not fit --budget ", c.budget, ": ", e.what(),
+         "\nuse a larger --budget, a smaller --seq, --save-policy selective or none, --dtype bf16, or --chunk "
+         "with --kv-offload host or disk");
   }
   OOM_CHECK(src.cfg.eos_id.has_value(), "[train] ", c.model, " names no end-of-sequence token (eos_token_id); packing "
             "needs one between documents");
@@ -290,9 +323,11 @@ int train_run(const TrainConfig& c, const std::string& out) {
     json::Value st = json::parse_file(ck->path + "/trainer_state.json");
     const json::Value& saved = st.at("config");
     const json::Value now = c.to_json();
+    const json::Value defaults = TrainConfig{}.to_json();  // settings a run saved by an older binary lacks
     for (const char* k : kFixedOnResume) {
-      OOM_CHECK(json::dump(saved.at(k)) == json::dump(now.at(k)), "[train] --resume: --", k, " was ",
-                json::dump(saved.at(k)), " in the saved run and is ", json::dump(now.at(k)),
+      const json::Value& was = saved.find(k) ? saved.at(k) : defaults.at(k);
+      OOM_CHECK(json::dump(was) == json::dump(now.at(k)), "[train] --resume: --", k, " was ", json::dump(was),
+                " in the saved run and is ", json::dump(now.at(k)),
                 " now; only steps, save, eval and keep settings may change on resume");
     }
     if (st.at("threads").as_int() != get_threads() || st.at("isa").as_string() != detect_cpu().isa_summary() ||
@@ -349,7 +384,7 @@ int train_run(const TrainConfig& c, const std::string& out) {
   }
   auto run_eval = [&](int64_t s) {
     if (eval_stream.empty()) return;
-    EvalResult r = evaluate(model, eval_stream, c.seq, false);
+    EvalResult r = evaluate(model, eval_stream, c.seq, false, kv.get(), C);
     metrics.write_eval(s, r.loss(), std::exp(r.loss()));
     std::fprintf(stderr, "%seval at step %lld: loss %.4f  ppl %.2f\n", isatty(2) ? "\n" : "", static_cast<long long>(s),
                  r.loss(), std::exp(r.loss()));
@@ -381,10 +416,15 @@ int train_run(const TrainConfig& c, const std::string& out) {
     model.zero_grads();
     double loss_sum = 0;
     for (int64_t i = 0; i < seqs_per_step && N > 0; ++i) {
-      CeResult r = model.forward(Tensor(ids[static_cast<size_t>(i)].data(), DType::i32, {c.seq}),
-                                 Tensor(tg[static_cast<size_t>(i)].data(), DType::i32, {c.seq}), true);
-      model.backward(1.0 / static_cast<double>(N));
-      loss_sum += r.loss_sum;
+      const Tensor id_t(ids[static_cast<size_t>(i)].data(), DType::i32, {c.seq});
+      const Tensor tg_t(tg[static_cast<size_t>(i)].data(), DType::i32, {c.seq});
+      if (kv) {
+        loss_sum += model.chunked_step(id_t, tg_t, C, *kv, 1.0 / static_cast<double>(N)).loss_sum;
+      } else {
+        CeResult r = model.forward(id_t, tg_t, true);
+        model.backward(1.0 / static_cast<double>(N));
+        loss_sum += r.loss_sum;
+      }
     }
     const double loss = N > 0 ? loss_sum / static_cast<double>(N) : 0.0;
     const double norm = global_grad_norm(*ops, model.grads());

@@ -42,6 +42,11 @@ struct TrainConfig {
   int64_t max_nonfinite = 5;
   std::string dump_tokens;
   std::string save_policy = "all";
+  int64_t chunk = 0;            // chunk-recurrent training with chunks of this many tokens (0: off)
+  int64_t page = 0;             // page length of the K/V store (0: min(64, chunk)); divides chunk
+  std::string kv_offload = "none";  // none, host or disk: where past chunks' K/V pages live
+  std::string spill_dir;        // disk: the spill file's folder (empty: --out)
+  double rope_theta = 0;        // > 0: overrides the model's RoPE base
 
   // Keys are the long flag names without "--" (e.g. "grad-accum"); unknown keys are an error.
   void apply_json(const json::Value& o, const std::string& source);

@@ -5,7 +5,7 @@
 set -u
 bin=$1; src=$2; out=$3/train_sigint
 rm -rf "$out"
-"$bin" train --model preset:micro --data "$src/data/kjv/eval.txt" --seq 64 --batch 2 --steps 400 --save-every 0 \
+"$bin" train --model preset:micro --data "$src/data/kjv/eval.txt" --seq 64 --batch 2 --steps 20000 --save-every 0 \
   --eval-every 0 --out "$out" > "$out.log" 2>&1 &
 pid=$!
 # Wait until training is under way (a few steps logged), then interrupt.
@@ -21,7 +21,7 @@ rc=$?
 ck=$(ls -d "$out"/checkpoint-* 2>/dev/null | head -1)
 [ -n "$ck" ] || { echo "no checkpoint saved on SIGINT"; cat "$out.log"; exit 1; }
 step=${ck##*-}
-[ "$step" -ge 3 ] && [ "$step" -lt 400 ] || { echo "unexpected checkpoint step $step"; exit 1; }
+[ "$step" -ge 3 ] && [ "$step" -lt 20000 ] || { echo "unexpected checkpoint step $step"; exit 1; }
 "$bin" train --model preset:micro --data "$src/data/kjv/eval.txt" --seq 64 --batch 2 --steps $((step + 2)) \
   --save-every 0 --eval-every 0 --out "$out" --resume > "$out.resume.log" 2>&1 \
   || { echo "resume failed"; cat "$out.resume.log"; exit 1; }
