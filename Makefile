@@ -6,7 +6,7 @@ ASAN_BUILD ?= build/asan
 CUDA ?= auto
 CTEST_FLAGS ?= --output-on-failure --timeout 120 -j$(JOBS)
 
-.PHONY: all setup build run test test-fast test-asan test-all bench fuzz clean
+.PHONY: all setup build run test test-fast test-asan test-all bench bench-peers fuzz clean
 
 all: build
 
@@ -43,6 +43,12 @@ test-all: build
 bench: build
 	$(BUILD)/bench_kernels
 	$(BUILD)/bench_model
+
+# oomless train and PyTorch + transformers side by side on the same weights and tokens (about an hour on
+# 2 cores; docs/BENCHMARKS.md). Installs torch + transformers into tools/golden/.venv from PyPI first.
+bench-peers: build
+	bench/peers/setup.sh
+	tools/golden/.venv/bin/python bench/peers/run.py --oomless $(BUILD)/oomless --work $(BUILD)/peers
 
 # Each libFuzzer target in fuzz/ for FUZZ_SECONDS (default 60) from its seed corpus; new inputs it
 # finds go to build/fuzz/corpus/NAME (the committed seeds stay as they are). Needs clang (installed).
