@@ -461,6 +461,17 @@ int train_run(const TrainConfig& c, const std::string& out) {
     }
   }
   if (tty) std::fprintf(stderr, "\n");
+  if (kv && kv->options().offload != KvOffload::none) {
+    // What moving the history cost: bytes each way and the time compute waited for them.
+    const OffloadStats st = kv->stats();
+    const int dev = static_cast<int>(Tier::Device);
+    const int tier = static_cast<int>(kv->options().offload == KvOffload::host ? Tier::Host : Tier::Disk);
+    const double run_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+    std::printf("kv offload (%s%s%s): %s out, %s in; compute waited %.2f s on transfers (%.1f%% of %.1f s)\n",
+                kv_offload_name(kv->options().offload), *kv->io_name() ? ", " : "", kv->io_name(),
+                format_bytes(st.bytes[dev][tier]).c_str(), format_bytes(st.bytes[tier][dev]).c_str(), st.wait_seconds,
+                run_s > 0 ? 100.0 * st.wait_seconds / run_s : 0.0, run_s);
+  }
   if (dump) std::fclose(dump);
   if (!g_stop) run_eval(step);
   save(step);
