@@ -24,72 +24,14 @@
 #include <vector>
 
 #include "core/error.h"
+#include "util/spill_scratch.h"
 
 namespace oomless {
 namespace {
 
 namespace fs = std::filesystem;
+using namespace oomless::test;
 
-// A fresh folder on a disk-backed filesystem (the spill file refuses tmpfs, which /tmp may be); the
-// same rule as in spill_file_test.cpp. Empty path when none qualifies.
-struct Scratch {
-  std::string path;
-  Scratch() {
-    std::vector<std::string> parents;
-    if (const char* e = std::getenv("OOMLESS_TEST_SPILL_DIR")) parents.push_back(e);
-    parents.insert(parents.end(), {"/var/tmp", testing::TempDir(), fs::current_path().string()});
-    for (const std::string& p : parents) {
-      struct statfs s {};
-      if (p.empty() || ::statfs(p.c_str(), &s) != 0 || s.f_type == 0x01021994 || s.f_type == 0x858458f6 ||
-          ::access(p.c_str(), W_OK | X_OK) != 0)
-        continue;
-      std::string tmpl = (fs::path(p) / "oomless_offload_test_XXXXXX").string();
-      if (::mkdtemp(tmpl.data())) {
-        path = tmpl;
-        return;
-      }
-    }
-  }
-  ~Scratch() {
-    std::error_code ignore;
-    if (!path.empty()) fs::remove_all(path, ignore);
-  }
-};
-
-#define NEED_SCRATCH(s) \
-  if ((s).path.empty()) GTEST_SKIP() << "no writable disk-backed folder: set OOMLESS_TEST_SPILL_DIR"
-
-struct EnvGuard {
-  std::string name;
-  std::optional<std::string> old;
-  EnvGuard(const char* n, const std::string& value) : name(n) {
-    if (const char* v = std::getenv(n)) old = v;
-    ::setenv(n, value.c_str(), 1);
-  }
-  ~EnvGuard() {
-    if (old)
-      ::setenv(name.c_str(), old->c_str(), 1);
-    else
-      ::unsetenv(name.c_str());
-  }
-};
-
-std::vector<uint8_t> random_bytes(std::mt19937_64& rng, size_t n) {
-  std::vector<uint8_t> v(n);
-  for (auto& b : v) b = uint8_t(rng());
-  return v;
-}
-
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 // Keeps the worker busy for a while (tens of milliseconds: fresh pages fault in as they are written),
 // so that the jobs issued after it queue up behind it.
