@@ -23,6 +23,21 @@ char* PagePool::page_locked(int64_t id, const char* op) const {
   return pages_[id].as<char>();
 }
 
+int64_t PagePool::place_locked(Buffer b) {
+  int64_t id;
+  if (!vacant_.empty()) {
+    id = vacant_.back();
+    vacant_.pop_back();
+    pages_[id] = std::move(b);
+  } else {
+    id = static_cast<int64_t>(pages_.size());
+    pages_.push_back(std::move(b));
+    state_.push_back(State::vacant);
+  }
+  ++held_;
+  return id;
+}
+
 int64_t PagePool::alloc() {
   std::lock_guard<std::mutex> lock(mu_);
   int64_t id;
@@ -34,17 +49,7 @@ int64_t PagePool::alloc() {
       throw OutOfBudget("[page_pool] " + what_ + ": all " + std::to_string(capacity_) + " pages are in use (capacity " +
                         std::to_string(capacity_) + ", in use " + std::to_string(in_use_) + ", " +
                         format_bytes(shape_.page_bytes()) + " per page). Free pages first, or plan a larger capacity.");
-    Buffer b = arena_.alloc(shape_.page_bytes(), cat_, what_);
-    if (!vacant_.empty()) {
-      id = vacant_.back();
-      vacant_.pop_back();
-      pages_[id] = std::move(b);
-    } else {
-      id = static_cast<int64_t>(pages_.size());
-      pages_.push_back(std::move(b));
-      state_.push_back(State::vacant);
-    }
-    ++held_;
+    id = place_locked(arena_.alloc(shape_.page_bytes(), cat_, what_));
   }
   state_[id] = State::in_use;
   if (++in_use_ > peak_in_use_) peak_in_use_ = in_use_;
@@ -71,19 +76,9 @@ void PagePool::reserve(int64_t n) {
   // Onto the free list highest id first, so that alloc hands out the lowest first.
   std::vector<int64_t> ids;
   for (Buffer& b : got) {
-    int64_t id;
-    if (!vacant_.empty()) {
-      id = vacant_.back();
-      vacant_.pop_back();
-      pages_[id] = std::move(b);
-    } else {
-      id = static_cast<int64_t>(pages_.size());
-      pages_.push_back(std::move(b));
-      state_.push_back(State::vacant);
-    }
+    const int64_t id = place_locked(std::move(b));
     state_[id] = State::free;
     ids.push_back(id);
-    ++held_;
   }
   for (auto it = ids.rbegin(); it != ids.rend(); ++it) free_.push_back(*it);
 }

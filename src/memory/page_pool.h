@@ -77,6 +77,7 @@ class PagePool {
  private:
   enum class State : uint8_t { vacant, free, in_use };  // vacant: id known, no page (after trim)
   char* page_locked(int64_t id, const char* op) const;  // mu_ held; checks the id is in use
+  int64_t place_locked(Buffer b);  // mu_ held; gives a new page a vacant or new id (state left as is)
 
   Arena& arena_;
   const Category cat_;
