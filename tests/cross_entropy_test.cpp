@@ -186,6 +186,30 @@ TEST(CrossEntropy, BitwiseIdenticalAcrossThreadCounts) {
     }
 }
 
+// A float head read as bf16 (Tensor::as_bf16) gives the bits of a bf16 copy of it, forward and backward,
+// on every backend: the LM head of bf16 training reads the fp32 master weights without a copy.
+TEST(CrossEntropy, HeadReadAsBf16EqualsABf16Copy) {
+  for (const std::string& be : backends_under_test()) {
+    auto ops = make_ops(be);
+    const DType act = ops->act_dtype();
+    Problem p = make_problem(300, 48, 5003, DType::f32, 17);  // several vocab chunks
+    auto once = [&](Tensor w) {
+      const int64_t T = p.h.t().dims[0], E = p.h.t().dims[1];
+      HostTensor h = p.h.as(act);
+      Outputs o{CeResult{}, HostTensor(act, {T}), HostTensor(act, {T, E}), p.dw0.as(act)};
+      o.r = ops->linear_cross_entropy_forward(o.lse, h, w, p.targets, kIgnore);
+      ops->linear_cross_entropy_backward(o.dh, o.dw, h, w, p.targets, o.lse, kIgnore, 0.5);
+      return o;
+    };
+    HostTensor w_act = p.w.as(act), w_copy = p.w.as(DType::bf16);
+    Outputs read = once(w_act.t().read_as_bf16()), copy = once(w_copy), plain = once(w_act);
+    EXPECT_EQ(std::memcmp(&read.r.loss_sum, &copy.r.loss_sum, sizeof(double)), 0) << be;
+    for (auto m : {&Outputs::lse, &Outputs::dh, &Outputs::dw})
+      EXPECT_EQ(std::memcmp((read.*m).t().data, (copy.*m).t().data, (read.*m).t().nbytes()), 0) << be;
+    EXPECT_NE(read.r.loss_sum, plain.r.loss_sum) << be << ": the head was not rounded";
+  }
+}
+
 // Every row ignored: no loss, lse 0, dh 0, dw untouched; on ref too.
 TEST(CrossEntropy, AllRowsIgnored) {
   std::vector<std::string> bes = backends_under_test();

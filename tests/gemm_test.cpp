@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "backend/cpu/gemm.h"
+#include "backend/cpu/gemm_kernel.h"
 #include "memory/arena.h"
 #include "util/harness.h"
 
@@ -109,6 +110,33 @@ TEST_P(GemmRun, BlockBoundaries) {
 INSTANTIATE_TEST_SUITE_P(Gemm, GemmRun,
                          testing::Combine(testing::Bool(), testing::Bool(), testing::Values(DType::f32, DType::bf16)),
                          param_name);
+
+// The eight-lane f32 -> bf16 rounding of the packing equals the scalar conversion bit for bit: ties to
+// even, carries into the exponent, overflow to infinity, infinities, subnormals and NaNs (kept quiet).
+__attribute__((target("avx2,fma"))) void round8(const float* in, float* out) {
+  _mm256_storeu_ps(out, gemm_detail::load8(reinterpret_cast<const gemm_detail::F32AsBf16*>(in)));
+}
+
+TEST(GemmF32AsBf16, PackingRoundsLikeTheScalarConversion) {
+  if (!__builtin_cpu_supports("avx2")) GTEST_SKIP() << "no AVX2";
+  std::vector<uint32_t> bits = {0x00000000, 0x80000000, 0x3f808000, 0x3f818000, 0x3f80ffff, 0x3f7fffff, 0x7f7fffff,
+                                0xff7fffff, 0x7f800000, 0xff800000, 0x7fc00000, 0x7f800001, 0xffa01234, 0x00000001,
+                                0x00008000, 0x00018000, 0x807fffff, 0x3f7f8000, 0x477fe000, 0x4b7fffff};
+  std::mt19937_64 rng(3);
+  while (bits.size() % 8 || bits.size() < 4096) bits.push_back(static_cast<uint32_t>(rng()));
+  int64_t differ = 0;
+  for (size_t i = 0; i < bits.size(); i += 8) {
+    float in[8], out[8];
+    for (int j = 0; j < 8; ++j) in[j] = bits_f32(bits[i + j]);
+    round8(in, out);
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t want = f32_bits(round_to_bf16(in[j]));
+      if (f32_bits(out[j]) != want && ++differ <= 5)
+        ADD_FAILURE() << std::hex << "0x" << bits[i + j] << " -> 0x" << f32_bits(out[j]) << ", want 0x" << want;
+    }
+  }
+  EXPECT_EQ(differ, 0);
+}
 
 // The same product with 1, 2 and 3 threads gives the same bits.
 TEST(GemmDeterminism, SameBitsForAnyThreadCount) {

@@ -2,6 +2,7 @@
 // float64 reference, on random inputs, odd and round shapes, each input dtype the op takes. Outputs are
 // checked for NaN/Inf, guard bytes and error (relative L2, or the elementwise matmul bound).
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <map>
 
@@ -239,6 +240,63 @@ TEST(OpsErrors, ShapeAndDtypeMismatchesNameTheOp) {
     expect_err([&] { ops->adamw_step(a, a, a, a, cfg); }, "[adamw]");
   }
   EXPECT_THROW(make_ops("tpu"), Error);
+}
+
+// A float B read as bf16 (Tensor::as_bf16, bf16 compute over fp32 master weights) gives the bits of the
+// product with a bf16 copy of B, on every backend, for both layouts of B; the values include exact ties
+// between two bf16 neighbours, so rounding to nearest even is checked, not just rounding.
+TEST(Matmul, BReadAsBf16EqualsTheProductWithABf16Copy) {
+  std::mt19937_64 rng(5);
+  for (const std::string& be : backends_under_test()) {
+    auto ops = make_ops(be);
+    const DType act = ops->act_dtype();
+    for (bool tb : {false, true})
+      for (int64_t M : {int64_t(3), int64_t(40)}) {
+        const int64_t N = 37, K = M == 3 ? 29 : 400;  // skinny and blocked loop nests, one and two k slices
+        HostTensor a(DType::bf16, {M, K}), b(DType::f32, {tb ? N : K, tb ? K : N});
+        a.randn(rng);
+        b.randn(rng);
+        // Every third value sits exactly halfway between two bf16 values (odd and even low bits).
+        for (int64_t i = 0; i < b.numel(); i += 3) {
+          uint32_t u = f32_bits(b.ptr<float>()[i]);
+          b.ptr<float>()[i] = bits_f32((u & 0xffff0000u) | 0x8000u);
+        }
+        HostTensor b_act = b.as(act), b_copy = b.as(DType::bf16);
+        HostTensor c_read(act, {M, N}), c_copy(act, {M, N});
+        ops->matmul(c_read, a, b_act.t().read_as_bf16(), false, tb, false);
+        ops->matmul(c_copy, a, b_copy, false, tb, false);
+        EXPECT_EQ(std::memcmp(c_read.t().data, c_copy.t().data, c_read.t().nbytes()), 0)
+            << be << " M=" << M << (tb ? " b transposed" : "");
+        // Not simply the product with the unrounded b.
+        HostTensor c_plain(act, {M, N}), a_act = a.as(act);
+        ops->matmul(c_plain, a_act, b_act, false, tb, false);
+        EXPECT_GT(rel_l2(c_plain, c_copy), 1e-4) << be;
+      }
+  }
+}
+
+// Only matmul's b and the cross-entropy head take a tensor read as bf16; every other use names it.
+TEST(OpsErrors, ReadAsBf16IsRefusedWhereNotSupported) {
+  for (const std::string& be : backends_under_test()) {
+    auto ops = make_ops(be);
+    const DType act = ops->act_dtype();
+    HostTensor x(act, {4, 6}), w(act, {6}), rstd(act, {4}), b(act, {6, 5}), c(act, {4, 5});
+    x.fill(1.0);
+    w.fill(1.0);
+    auto expect_error = [](auto&& fn, std::initializer_list<const char*> parts, const std::string& what) {
+      try {
+        fn();
+        ADD_FAILURE() << what << ": no error";
+      } catch (const Error& e) {
+        for (const char* p : parts) EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << what << ": " << e.what();
+      }
+    };
+    expect_error([&] { ops->rmsnorm_forward(x, rstd, x, w.t().read_as_bf16(), 1e-5); }, {"[rmsnorm]", "read as bf16"},
+                 be);
+    // b read as bf16 needs a bf16 a.
+    expect_error([&] { ops->matmul(c, x, b.t().read_as_bf16(), false, false, false); },
+                 {"[matmul]", "read as bf16", "needs a bf16 a"}, be);
+  }
 }
 
 }  // namespace

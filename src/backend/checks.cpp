@@ -9,7 +9,13 @@ MatmulDims check_matmul(const Tensor& c, const Tensor& a, const Tensor& b, bool 
   OOM_CHECK(a.ndim == 2 && b.ndim == 2 && c.ndim == 2, op, " needs 2-D tensors, got a ", a.str(), ", b ", b.str(),
             ", c ", c.str());
   check_dtype(op, "a", a, {act, DType::bf16});
-  OOM_CHECK(a.dtype == b.dtype, op, " a ", a.str(), " and b ", b.str(), " must share a dtype");
+  if (b.as_bf16) {
+    // Mixed: b stays in the backend's float type and is rounded to bf16 as it is read.
+    OOM_CHECK(a.dtype == DType::bf16 && b.dtype == act, op, " b ", b.str(), " is read as bf16, which needs a bf16 a and a ",
+              dtype_name(act), " b; a is ", a.str());
+  } else {
+    OOM_CHECK(a.dtype == b.dtype, op, " a ", a.str(), " and b ", b.str(), " must share a dtype");
+  }
   check_dtype(op, "c", c, {act});
   int64_t M = ta ? a.dims[1] : a.dims[0], K = ta ? a.dims[0] : a.dims[1];
   int64_t Kb = tb ? b.dims[1] : b.dims[0], N = tb ? b.dims[0] : b.dims[1];
@@ -134,7 +140,10 @@ CeDims check_cross_entropy(const char* op, const Tensor& lse, const Tensor& h, c
   check_dtype(op, "h", h, {act});
   OOM_CHECK(h.ndim == 2, op, " h must be (T, E), got ", h.str());
   OOM_CHECK(w.ndim == 2, op, " w must be (V, E), got ", w.str());
-  check_dtype(op, "w", w, {act, DType::bf16});
+  if (w.as_bf16)
+    OOM_CHECK(w.dtype == act, op, " w ", w.str(), " is read as bf16, which needs it in ", dtype_name(act));
+  else
+    check_dtype(op, "w", w, {act, DType::bf16});
   int64_t T = h.dims[0], E = h.dims[1], V = w.dims[0];
   OOM_CHECK(w.dims[1] == E, op, " w ", w.str(), " and h ", h.str(), " disagree on the width E");
   check_dtype(op, "lse", lse, {act});

@@ -20,13 +20,14 @@ int64_t Tensor::numel() const {
 
 Tensor Tensor::reshape(std::initializer_list<int64_t> shape) const {
   Tensor t(data, dtype, shape, tier);
+  t.as_bf16 = as_bf16;
   OOM_CHECK(t.numel() == numel(), "[tensor] reshape of ", str(), " to ", t.str(), " changes the element count");
   return t;
 }
 
 std::string Tensor::str() const {
   std::ostringstream os;
-  os << dtype_name(dtype) << "[";
+  os << dtype_name(dtype) << (as_bf16 ? " as bf16[" : "[");
   for (int i = 0; i < ndim; ++i) os << (i ? ", " : "") << dims[i];
   os << "]";
   return os.str();
@@ -54,6 +55,8 @@ void check_shape(const char* op, const char* name, const Tensor& t, std::initial
 }
 
 void check_dtype(const char* op, const char* name, const Tensor& t, std::initializer_list<DType> allowed) {
+  OOM_CHECK(!t.as_bf16, op, " ", name, " is ", t.str(), ", read as bf16, which this op does not take; pass the ",
+            dtype_name(t.dtype), " tensor itself");
   for (DType d : allowed)
     if (t.dtype == d) return;
   std::ostringstream os;

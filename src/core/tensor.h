@@ -25,6 +25,10 @@ struct Tensor {
   int ndim = 0;
   int64_t dims[4] = {0, 0, 0, 0};
   Tier tier = Tier::Host;
+  // A float tensor read as bf16: every value is rounded to nearest even where an op reads it, with no
+  // copy (bf16 compute over fp32 master weights). Only the ops that say so take such a tensor (the B
+  // operand of matmul, the head of the fused cross-entropy); check_dtype refuses it everywhere else.
+  bool as_bf16 = false;
 
   Tensor() = default;
   Tensor(void* d, DType t, std::initializer_list<int64_t> shape, Tier where = Tier::Host);
@@ -51,7 +55,13 @@ struct Tensor {
     }
     return static_cast<T*>(data);
   }
-  std::string str() const;  // e.g. "f32[7, 33]"
+  std::string str() const;  // e.g. "f32[7, 33]", "f32 as bf16[7, 33]"
+  // This view with as_bf16 set.
+  Tensor read_as_bf16() const {
+    Tensor t = *this;
+    t.as_bf16 = true;
+    return t;
+  }
   bool same_shape(const Tensor& o) const;
 };
 

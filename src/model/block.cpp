@@ -14,7 +14,9 @@ namespace {
 // Rows [r0, r0 + n) of a row-major matrix with `cols` columns, as an (n, cols) view.
 Tensor rows(const Tensor& t, int64_t r0, int64_t n, int64_t cols) {
   char* p = static_cast<char*>(t.data) + dtype_bytes(t.dtype, r0 * cols);
-  return Tensor(p, t.dtype, {n, cols});
+  Tensor r(p, t.dtype, {n, cols});
+  r.as_bf16 = t.as_bf16;
+  return r;
 }
 
 // Elements [e0, e0 + n) of a vector.
@@ -35,7 +37,7 @@ Tensor mat(const Tensor& t, int64_t r, int64_t c) { return Tensor(t.data, t.dtyp
 }  // namespace
 
 const LayerParams& Model::wc(int64_t layer) const {
-  return (wcopy_ ? *wcopy_ : params_).layers[static_cast<size_t>(layer)];
+  return wread_[static_cast<size_t>(layer)];
 }
 
 void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos, Tensor x_out, Pass pass) {

@@ -35,9 +35,15 @@ Model::Model(const ModelConfig& cfg, Ops& ops, ParamSet& params, Arena& arena, M
             " backend computes in ", dtype_name(act_));
   if (opt_.dtype == ComputeDType::bf16) {
     OOM_CHECK(act_ == DType::f32, "[model] bf16 compute needs an fp32 backend (cpu), not ", ops.name());
-    wcopy_ = std::make_unique<ParamSet>(cfg_, DType::bf16, arena_, Category::weights);
-    convert_params(*wcopy_, params_);
   }
+  const bool bf16 = opt_.dtype == ComputeDType::bf16;
+  auto read = [bf16](const Tensor& t) { return bf16 && t.data ? t.read_as_bf16() : t; };
+  for (const LayerParams& p : params_.layers) {
+    LayerParams r = p;
+    for (Tensor* w : {&r.wq, &r.wk, &r.wv, &r.wo, &r.wg, &r.wu, &r.wd}) *w = read(*w);
+    wread_.push_back(r);
+  }
+  head_ = read(params_.lm_head);
 }
 
 Model::~Model() = default;
@@ -49,10 +55,6 @@ ParamSet& Model::grads() {
 
 void Model::zero_grads() {
   if (grads_) std::memset(grads_->data(), 0, grads_->bytes());
-}
-
-void Model::sync_weights() {
-  if (wcopy_) convert_params(*wcopy_, params_);
 }
 
 void Model::reserve(int64_t T, bool for_backward, bool chunked) {

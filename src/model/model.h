@@ -8,9 +8,10 @@
 //   none       keep only each block's input, recompute the block before its backward.
 // All three give bitwise the same loss and gradients (kernels are deterministic).
 //
-// Compute dtype: fp32, or bf16 where every projection multiplies bf16 operands (weights held as a bf16
-// working copy, activations rounded while packing) with fp32 accumulation and fp32 outputs; norms,
-// RoPE, attention, softmax and the loss stay in fp32. Loss sums are double.
+// Compute dtype: fp32, or bf16 where every projection multiplies bf16 operands (activations rounded
+// into a bf16 scratch; the fp32 master weights read as bf16, rounded while the GEMM packs them, so no
+// weight copy exists) with fp32 accumulation and fp32 outputs; norms, RoPE, attention, softmax and the
+// loss stay in fp32. Loss sums are double.
 //
 // One sequence per call (T tokens at positions 0..T-1). Memory for sequences up to T is reserved once
 // (reserve); forward/backward allocate nothing.
@@ -73,9 +74,6 @@ class Model {
   // Gradient storage (category grads), allocated on first call, zero-filled.
   ParamSet& grads();
   void zero_grads();
-  // Refresh the bf16 working copy after the master weights changed (bf16 mode only; no-op in fp32).
-  void sync_weights();
-
   // Reserve activations for sequences of up to T tokens, for training (with backward) or inference.
   // chunked: for chunked_step/chunked_eval with chunks of up to T tokens (SavePolicy none also keeps
   // each layer's attention O and LSE).
@@ -128,7 +126,7 @@ class Model {
   void linear_backward_input(Tensor dx, Tensor dy, Tensor wc, bool accumulate);
   void linear_backward_weight(Tensor dw, Tensor dy, Tensor x);
   void bias_backward(Tensor db, Tensor dy);
-  const LayerParams& wc(int64_t layer) const;  // the weights matmuls read: master (fp32) or bf16 copy
+  const LayerParams& wc(int64_t layer) const;  // the weights matmuls read (wread_)
   Tensor as_operand(Tensor x, int slot);  // x itself (fp32) or its bf16 copy in scratch slot 0/1
 
   ModelConfig cfg_;
@@ -138,7 +136,10 @@ class Model {
   ModelOptions opt_;
   DType act_;
   std::unique_ptr<ParamSet> grads_;
-  std::unique_ptr<ParamSet> wcopy_;  // bf16 working copy (bf16 mode)
+  // The weights matmuls and the LM head read: the master tensors, or in bf16 mode the same tensors read
+  // as bf16 (Tensor::as_bf16), rounded while the GEMM packs them, so no copy is kept or refreshed.
+  std::vector<LayerParams> wread_;
+  Tensor head_;
   std::unique_ptr<Scratch> s_;
   int64_t T_ = 0;        // current sequence length
   int64_t cap_T_ = 0;    // reserved

@@ -60,8 +60,7 @@ CeResult Model::chunk_forward(Tensor ids, Tensor targets, int64_t t0, ChunkKv& k
   if (!loss) return {};
   Tensor hn(s.hn.data, act_, {T, cfg_.E}), rstd(s.rstd_f.data, act_, {T}), lse(s.lse_f.data, act_, {T});
   ops_.rmsnorm_forward(hn, rstd, state(cfg_.L), params_.final_norm, cfg_.rms_eps);
-  const Tensor& head = wcopy_ ? wcopy_->lm_head : params_.lm_head;
-  CeResult r = ops_.linear_cross_entropy_forward(lse, hn, head, tg_t, kIgnore);
+  CeResult r = ops_.linear_cross_entropy_forward(lse, hn, head_, tg_t, kIgnore);
   have_forward_ = for_backward;
   return r;
 }

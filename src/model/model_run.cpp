@@ -52,8 +52,7 @@ CeResult Model::forward(Tensor ids, Tensor targets, bool for_backward) {
   const Tensor x_last = run_blocks(id_t, pos, nullptr, 0);
   Tensor hn(s.hn.data, act_, {T, cfg_.E}), rstd(s.rstd_f.data, act_, {T}), lse(s.lse_f.data, act_, {T});
   ops_.rmsnorm_forward(hn, rstd, x_last, params_.final_norm, cfg_.rms_eps);
-  const Tensor& head = wcopy_ ? wcopy_->lm_head : params_.lm_head;
-  CeResult r = ops_.linear_cross_entropy_forward(lse, hn, head, tg_t, kIgnore);
+  CeResult r = ops_.linear_cross_entropy_forward(lse, hn, head_, tg_t, kIgnore);
   have_forward_ = for_backward;
   return r;
 }
@@ -68,8 +67,7 @@ void Model::backward(double grad_scale) {
   Tensor id_t(s.ids.data, DType::i32, {T}), tg_t(s.targets.data, DType::i32, {T});
   Tensor hn(s.hn.data, act_, {T, E}), rstd(s.rstd_f.data, act_, {T}), lse(s.lse_f.data, act_, {T});
   Tensor dx(s.dx.data, act_, {T, E}), dh(s.dh.data, act_, {T, E});
-  const Tensor& head = wcopy_ ? wcopy_->lm_head : params_.lm_head;
-  ops_.linear_cross_entropy_backward(dh, G.lm_head, hn, head, tg_t, lse, kIgnore, grad_scale);
+  ops_.linear_cross_entropy_backward(dh, G.lm_head, hn, head_, tg_t, lse, kIgnore, grad_scale);
   Tensor x_last(s.layer_in[static_cast<size_t>(cfg_.L)].data, act_, {T, E});
   ops_.rmsnorm_backward(dx, G.final_norm, dh, x_last, params_.final_norm, rstd);
   for (int64_t l = cfg_.L - 1; l >= 0; --l) {
@@ -84,14 +82,14 @@ void Model::logits(Tensor out) {
   OOM_CHECK(s_ && T_ > 0, "[model] logits need a forward first");
   check_shape("[model] logits", "out", out, {T_, cfg_.V});
   Tensor hn(s_->hn.data, act_, {T_, cfg_.E});
-  const Tensor& head = wcopy_ ? wcopy_->lm_head : params_.lm_head;
-  ops_.matmul(out, as_operand(hn, 0), head, false, true, false);
+  ops_.matmul(out, as_operand(hn, 0), head_, false, true, false);
 }
 
 std::vector<double> Model::token_losses() {
   OOM_CHECK(s_ && T_ > 0, "[model] token losses need a forward first");
-  // CE_t = lse_t - logit_t[target_t], the target logit from the same head the loss used.
-  const Tensor& head = wcopy_ ? wcopy_->lm_head : params_.lm_head;
+  // CE_t = lse_t - logit_t[target_t], the target logit from the same head the loss used (rounded to
+  // bf16 as it read it, in bf16 mode).
+  const Tensor& head = head_;
   const int64_t E = cfg_.E;
   std::vector<double> out(static_cast<size_t>(T_), 0.0), h(static_cast<size_t>(E)), w(static_cast<size_t>(E)),
       lse(static_cast<size_t>(T_));
@@ -101,6 +99,8 @@ std::vector<double> Model::token_losses() {
     if (tg[t] < 0) continue;
     convert(h.data(), DType::f64, static_cast<const char*>(s_->hn.data) + dtype_bytes(act_, t * E), act_, E);
     convert(w.data(), DType::f64, static_cast<const char*>(head.data) + dtype_bytes(head.dtype, tg[t] * E), head.dtype, E);
+    if (head.as_bf16)
+      for (double& x : w) x = round_to_bf16(static_cast<float>(x));
     double dot = 0;
     for (int64_t e = 0; e < E; ++e) dot += h[static_cast<size_t>(e)] * w[static_cast<size_t>(e)];
     out[static_cast<size_t>(t)] = lse[static_cast<size_t>(t)] - dot;
@@ -124,9 +124,7 @@ void Model::decode_forward(Tensor ids, int64_t t0, std::vector<KvSlots>& cache, 
   Tensor x_last(static_cast<char*>(x_out.data) + dtype_bytes(act_, (T - 1) * cfg_.E), act_, {1, cfg_.E});
   Tensor hn(s.hn.data, act_, {1, cfg_.E}), rstd(s.rstd_f.data, act_, {1});
   ops_.rmsnorm_forward(hn, rstd, x_last, params_.final_norm, cfg_.rms_eps);
-  const Tensor& head = wcopy_ ? wcopy_->lm_head : params_.lm_head;
-  Tensor hn_op = as_operand(hn, 0);
-  ops_.matmul(Tensor(logits_last.data, act_, {1, cfg_.V}), hn_op, head, false, true, false);
+  ops_.matmul(Tensor(logits_last.data, act_, {1, cfg_.V}), as_operand(hn, 0), head_, false, true, false);
   have_forward_ = false;
 }
 

@@ -49,7 +49,7 @@ class ParamSet {
 
 // N(0, std) for matrices and embeddings, 1 for norms, 0 for biases; deterministic for a seed.
 void init_random(ParamSet& p, uint64_t seed, double std = 0.02);
-// dst = src element-wise (float dtypes), e.g. the bf16 working copy of f32 master weights.
+// dst = src element-wise (float dtypes), e.g. f64 copies of f32 parameters.
 void convert_params(ParamSet& dst, const ParamSet& src);
 
 }  // namespace oomless

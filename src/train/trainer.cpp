@@ -339,7 +339,6 @@ int train_run(const TrainConfig& c, const std::string& out) {
     SafetensorsFile of = SafetensorsFile::open(ck->path + "/optimizer.safetensors");
     read_params(of, opt.m(), "m.");
     read_params(of, opt.v(), "v.");
-    model.sync_weights();
     data.restore(st.at("data"));
     step = st.at("step").as_int();
     nonfinite_total = st.at("nonfinite_total").as_int();
@@ -438,7 +437,6 @@ int train_run(const TrainConfig& c, const std::string& out) {
       nonfinite_run = 0;
       if (c.clip > 0) clip_grads(*ops, model.grads(), c.clip, norm);
       opt.step(*ops, params, model.grads(), lr, step - nonfinite_total);
-      model.sync_weights();
       last_loss = loss;
     }
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -43,8 +43,9 @@ void CpuOps::matmul(Tensor c, Tensor a, Tensor b, bool ta, bool tb, bool accumul
   auto [M_, N_, K_] = check_matmul(c, a, b, ta, tb, kAct);
   // Copies: clang before 16 cannot capture structured bindings in lambdas / OpenMP regions.
   const int64_t M = M_, N = N_, K = K_;
-  gemm_->run(GemmShape{.M = M, .N = N, .K = K, .ta = ta, .tb = tb, .ab = a.dtype, .accumulate = accumulate}, a.data,
-             b.data, f32p(c));
+  gemm_->run(GemmShape{.M = M, .N = N, .K = K, .ta = ta, .tb = tb, .ab = a.dtype, .b_as_bf16 = b.as_bf16,
+                       .accumulate = accumulate},
+             a.data, b.data, f32p(c));
 }
 
 void CpuOps::embedding_forward(Tensor out, Tensor ids, Tensor table) {

@@ -20,7 +20,8 @@
 // smallest ones a little slower):
 //   logits tile       Tc * Vc * 4 bytes   <= kTileBytes (8 MiB)
 //   w chunk in f32    Vc * E * 4 bytes    <= kWChunkBytes (16 MiB) unless E > 16384, only when w is bf16
-//                                            (widened once per vocab chunk: the GEMMs stay f32)
+//                                            or read as bf16 (widened or rounded once per vocab chunk:
+//                                            the GEMMs stay f32)
 //   row state         T * 16 bytes        forward only (running max, running sum, target logit)
 // so at most 24 MiB + 16 T bytes, plus the GEMM scratchpads that Gemm charges to the same arena.
 //
@@ -121,9 +122,16 @@ double exp_shift_sum(float* x, int64_t n, float shift) {
   return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
 }
 
-// The f32 rows [v0, v0 + nv) of w: a pointer into w when it is f32, else widened into `dst`.
+// The f32 rows [v0, v0 + nv) of w: a pointer into w when it is f32, else widened (bf16) or rounded
+// (f32 read as bf16) into `dst`.
 const float* w_chunk(const Tensor& w, int64_t v0, int64_t nv, int64_t E, float* dst) {
-  if (w.dtype == DType::f32) return static_cast<const float*>(w.data) + v0 * E;
+  if (w.dtype == DType::f32 && !w.as_bf16) return static_cast<const float*>(w.data) + v0 * E;
+  if (w.as_bf16) {
+    const float* src = static_cast<const float*>(w.data) + v0 * E;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < nv * E; ++i) dst[i] = round_to_bf16(src[i]);
+    return dst;
+  }
   const uint16_t* src = static_cast<const uint16_t*>(w.data) + v0 * E;
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < nv * E; ++i) dst[i] = bf16_to_f32(src[i]);
@@ -161,11 +169,11 @@ CeResult CpuOps::linear_cross_entropy_forward(Tensor lse, Tensor h, Tensor w, Te
     return res;
   }
   const Plan pl = plan_for(T, E, V);
-  const bool widen = w.dtype == DType::bf16;
+  const bool widen = w.dtype == DType::bf16 || w.as_bf16;
   const size_t tile_n = padded(pl.Tc * pl.Vc), wc_n = widen ? padded(pl.Vc * E) : 0;
   Buffer buf = scratch(4 * (tile_n + wc_n) + 16 * padded(T), "cross_entropy");
   float* tile = buf.as<float>();                                 // (Tc, Vc)
-  float* wc = tile + tile_n;                                     // (Vc, E) when w is bf16
+  float* wc = tile + tile_n;                                     // (Vc, E) when w is (read as) bf16
   float* rmax = wc + wc_n;                                       // (T) running max
   double* rsum = reinterpret_cast<double*>(rmax + padded(T));    // (T) running sum of exp(logit - rmax)
   float* tlogit = reinterpret_cast<float*>(rsum + padded(T));    // (T) the target's logit
@@ -224,11 +232,11 @@ void CpuOps::linear_cross_entropy_backward(Tensor dh, Tensor dw, Tensor h, Tenso
     return;
   }
   const Plan pl = plan_for(T, E, V);
-  const bool widen = w.dtype == DType::bf16;
+  const bool widen = w.dtype == DType::bf16 || w.as_bf16;
   const size_t tile_n = padded(pl.Tc * pl.Vc), wc_n = widen ? padded(pl.Vc * E) : 0;
   Buffer buf = scratch(4 * (tile_n + wc_n), "cross_entropy");
   float* tile = buf.as<float>();     // (Tc, Vc) logits, then dlogits in place
-  float* wc = tile + tile_n;         // (Vc, E) when w is bf16
+  float* wc = tile + tile_n;         // (Vc, E) when w is (read as) bf16
   const float gs = static_cast<float>(grad_scale);
 
   for (int64_t v0 = 0; v0 < V; v0 += pl.Vc) {

@@ -42,6 +42,7 @@ void Gemm::run(const GemmShape& shape, const void* a, const void* b, float* c) {
   if (s.ldc == 0) s.ldc = s.N;
   OOM_CHECK(s.M >= 0 && s.N >= 0 && s.K >= 0, "[gemm] negative dimension");
   OOM_CHECK(s.ab == DType::f32 || s.ab == DType::bf16, "[gemm] operands must be f32 or bf16, got ", dtype_name(s.ab));
+  OOM_CHECK(!s.b_as_bf16 || s.ab == DType::bf16, "[gemm] b read as bf16 needs a bf16 a");
   if (s.M == 0 || s.N == 0) return;
   if (s.K == 0) {
     if (!s.accumulate)

@@ -4,7 +4,8 @@
 //
 // Row-major: c (M, N) [+]= op(a) (M, K) . op(b) (K, N), fp32 accumulation. a is stored (M, K) with
 // leading dimension lda (or (K, M) when ta), b is (K, N) with ldb (or (N, K) when tb), c has ldc.
-// a and b are both f32 or both bf16; c is f32.
+// a and b are both f32 or both bf16 (ab); c is f32. With b_as_bf16, a is bf16 and b is f32 rounded to
+// bf16 as it is packed: the product of the bf16 copy of b, without the copy.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -20,6 +21,7 @@ struct GemmShape {
   bool ta = false, tb = false;
   int64_t lda = 0, ldb = 0, ldc = 0;  // 0: the packed default (K or M for a, N or K for b, N for c)
   DType ab = DType::f32;
+  bool b_as_bf16 = false;
   bool accumulate = false;
 };
 

@@ -23,8 +23,8 @@
 // the work evenly. Products of at most 24 rows take a separate loop nest without shared packing
 // (run_skinny).
 //
-// Transposes, leading dimensions and bf16 -> f32 widening all happen in the packing, so neither a
-// transposed A nor bf16 operands cost an extra pass over memory.
+// Transposes, leading dimensions, bf16 -> f32 widening and the rounding of an f32 B read as bf16 all
+// happen in the packing, so neither a transposed A nor bf16 operands cost an extra pass over memory.
 #include <omp.h>
 
 #include <algorithm>
@@ -69,8 +69,9 @@ Plan make_plan(const GemmShape& s) {
   return p;
 }
 
-// Sixteen bf16 values of each of kc rows, widened into one kc x 16 panel.
-__attribute__((target("avx2,fma"))) inline void widen_rows_avx2(float* dst, const uint16_t* src, int64_t ld, int64_t kc) {
+// Sixteen bf16 (or f32-as-bf16) values of each of kc rows, widened into one kc x 16 panel.
+template <class T>
+__attribute__((target("avx2,fma"))) void widen_rows_avx2(float* dst, const T* src, int64_t ld, int64_t kc) {
   for (int64_t k = 0; k < kc; ++k) {
     _mm256_storeu_ps(dst + k * kNr, load8(src + k * ld));
     _mm256_storeu_ps(dst + k * kNr + 8, load8(src + k * ld + 8));
@@ -154,8 +155,8 @@ void pack_a_block(float* dst, const T* src, int64_t ld, bool ta, int64_t kc, int
 // cut into ranges (from the shape) spread over the threads, and each thread packs every kc x 16
 // micro-panel of its range into a private buffer just before the micro-kernel uses it, with no barrier
 // at all. The k slices and micro-kernel are those of the blocked loop nest, so the bits are too.
-template <class T>
-void run_skinny(const GemmShape& s, const Plan& p, const T* a, const T* b, float* c, float* work) {
+template <class TA, class TB>
+void run_skinny(const GemmShape& s, const Plan& p, const TA* a, const TB* b, float* c, float* work) {
   const Kernels& kern = kernels();
   const bool avx2 = kern.avx2;
   const int64_t panels = cdiv(s.N, kNr);
@@ -191,8 +192,8 @@ void run_skinny(const GemmShape& s, const Plan& p, const T* a, const T* b, float
   }
 }
 
-template <class T>
-void run_blocked(const GemmShape& s, const T* a, const T* b, float* c, float* bpack, float* apack) {
+template <class TA, class TB>
+void run_blocked(const GemmShape& s, const TA* a, const TB* b, float* c, float* bpack, float* apack) {
   const Plan p = make_plan(s);
   if (p.skinny) return run_skinny(s, p, a, b, c, apack);
   const Kernels& kern = kernels();
@@ -215,7 +216,7 @@ void run_blocked(const GemmShape& s, const T* a, const T* b, float* c, float* bp
 #pragma omp for schedule(static)
         for (int64_t q = 0; q < panels; ++q) {
           const int64_t jq = j0 + q * kNr;
-          const T* src = s.tb ? b + jq * s.ldb + k0 : b + k0 * s.ldb + jq;
+          const TB* src = s.tb ? b + jq * s.ldb + k0 : b + k0 * s.ldb + jq;
           pack_b_micro(bpack + q * kNr * kc, src, s.ldb, s.tb, kc, std::min<int64_t>(kNr, s.N - jq), avx2);
         }
         int64_t packed_bm = -1;  // the row block now in ap (units of one block are consecutive)
@@ -225,7 +226,7 @@ void run_blocked(const GemmShape& s, const T* a, const T* b, float* c, float* bp
           const int64_t s0 = bm * p.strips / p.nbm, s1 = (bm + 1) * p.strips / p.nbm;
           const int64_t r0 = s0 * kMr, r1 = std::min(s.M, s1 * kMr);
           if (bm != packed_bm) {
-            const T* src = s.ta ? a + k0 * s.lda + r0 : a + r0 * s.lda + k0;
+            const TA* src = s.ta ? a + k0 * s.lda + r0 : a + r0 * s.lda + k0;
             pack_a_block(ap, src, s.lda, s.ta, kc, r1 - r0, avx2);
             packed_bm = bm;
           }
@@ -267,7 +268,9 @@ BlockedSizes blocked_sizes(const GemmShape& s) {
 }
 
 void gemm_blocked(const GemmShape& s, const void* a, const void* b, float* c, float* bpack, float* apack) {
-  if (s.ab == DType::bf16)
+  if (s.b_as_bf16)
+    run_blocked(s, static_cast<const uint16_t*>(a), static_cast<const F32AsBf16*>(b), c, bpack, apack);
+  else if (s.ab == DType::bf16)
     run_blocked(s, static_cast<const uint16_t*>(a), static_cast<const uint16_t*>(b), c, bpack, apack);
   else
     run_blocked(s, static_cast<const float*>(a), static_cast<const float*>(b), c, bpack, apack);

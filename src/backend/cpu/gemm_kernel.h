@@ -167,13 +167,32 @@ inline void pack_bt_generic(float* dst, const float* src, int64_t ld, int64_t kc
   }
 }
 
-// Values as floats: T is float or uint16_t (bf16 bits); load8 reads eight consecutive ones.
+// An f32 read as bf16 (rounded to nearest even as it is loaded): a packing source type like float.
+struct F32AsBf16 {
+  float v;
+};
+static_assert(sizeof(F32AsBf16) == sizeof(float));
+
+// Values as floats: T is float, uint16_t (bf16 bits) or F32AsBf16; load8 reads eight consecutive ones.
 inline float widen(float v) { return v; }
 inline float widen(uint16_t v) { return bf16_to_f32(v); }
+inline float widen(F32AsBf16 v) { return round_to_bf16(v.v); }
 __attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 __attribute__((target("avx2,fma"))) inline __m256 load8(const uint16_t* p) {
   const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+// f32_to_bf16 on eight lanes: add 0x7fff plus the kept lowest bit and clear the low half; a NaN keeps
+// its top half with the quiet bit set.
+__attribute__((target("avx2,fma"))) inline __m256 load8(const F32AsBf16* p) {
+  const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+  const __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x00400000));
+  const __m256i r = _mm256_blendv_epi8(rounded, quiet, nan);
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 
 // Stores the transpose of the 8x8 block r (row i = r[i]) as 8 rows of 8 floats, row j at o + j * stride.

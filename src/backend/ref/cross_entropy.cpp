@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "backend/checks.h"
+#include "backend/ref/ref_load.h"
 #include "backend/ref/ref_ops.h"
 
 namespace oomless {
@@ -17,12 +18,7 @@ namespace oomless {
 namespace {
 constexpr DType kAct = DType::f64;
 constexpr const char* kOp = "[cross_entropy]";
-
-// Element i of an f64 or bf16 tensor as double.
-double load(const Tensor& t, int64_t i) {
-  if (t.dtype == DType::bf16) return bf16_to_f32(static_cast<const uint16_t*>(t.data)[i]);
-  return static_cast<const double*>(t.data)[i];
-}
+using ref_detail::load;
 
 // logits (V) of row t.
 void row_logits(std::vector<double>& logits, const double* h, const Tensor& w, int64_t t, int64_t E, int64_t V) {

@@ -7,20 +7,17 @@
 #include <vector>
 
 #include "backend/checks.h"
+#include "backend/ref/ref_load.h"
 
 namespace oomless {
 
 namespace {
 constexpr DType kAct = DType::f64;
+using ref_detail::load;
 
 double* f64(const Tensor& t) { return static_cast<double*>(t.data); }
 const int32_t* i32(const Tensor& t) { return static_cast<const int32_t*>(t.data); }
 
-// Element i of an f64 or bf16 tensor as double.
-double load(const Tensor& t, int64_t i) {
-  if (t.dtype == DType::bf16) return bf16_to_f32(static_cast<const uint16_t*>(t.data)[i]);
-  return static_cast<const double*>(t.data)[i];
-}
 }  // namespace
 
 void RefOps::matmul(Tensor c, Tensor a, Tensor b, bool ta, bool tb, bool accumulate) {

@@ -1,0 +1,21 @@
+// Reading elements of the reference backend's operands, which are f64, bf16, or f64 read as bf16.
+#pragma once
+#include <cstdint>
+
+#include "core/dtype.h"
+#include "core/tensor.h"
+
+namespace oomless::ref_detail {
+
+// Element i of an f64 or bf16 tensor as double; an f64 tensor read as bf16 (Tensor::as_bf16) gives the
+// value rounded to bf16 by convert().
+inline double load(const Tensor& t, int64_t i) {
+  if (t.dtype == DType::bf16) return bf16_to_f32(static_cast<const uint16_t*>(t.data)[i]);
+  const double x = static_cast<const double*>(t.data)[i];
+  if (!t.as_bf16) return x;
+  uint16_t h = 0;
+  convert(&h, DType::bf16, &x, DType::f64, 1);
+  return bf16_to_f32(h);
+}
+
+}  // namespace oomless::ref_detail
