@@ -10,6 +10,9 @@ the loss curves. MFU = model FLOP/s / the machine's fp32 GEMM rate from `oomless
 for both systems; there is no bf16 arithmetic on an AVX2 CPU, so bf16 runs use it too), with
 model FLOPs per token = 6 * (matmul parameters incl. the LM head) + 6 * L * H * D * T (causal attention,
 forward + backward).
+oomless keeps every activation (--save-policy all) except where --save-policy says otherwise: by default
+smollm2-135m bf16 recomputes each block from its input (none), which trades about a third more compute for
+the activation memory; PyTorch keeps its activations in every row.
 
 usage: bench/peers/run.py [--oomless build/release/oomless] [--work build/peers] [--pairs 5] ...
 Needs tools/golden/.venv (bench/peers/setup.sh creates it).
@@ -78,6 +81,9 @@ def main():
     ap.add_argument("--steps", default="tiny.fp32=12,tiny.bf16=4,smollm2-135m.fp32=5,smollm2-135m.bf16=1",
                     help="optimizer steps per timed run, per MODEL.DTYPE or MODEL (the first step is a warm-up and "
                          "not counted unless it is the only one)")
+    ap.add_argument("--save-policy", default="smollm2-135m.bf16=none",
+                    help="oomless --save-policy per MODEL.DTYPE or MODEL (default all): what forward keeps for "
+                         "backward; none recomputes each block from its input")
     ap.add_argument("--curve-steps", type=int, default=200, help="steps of the loss-curve pair on tiny (0: none)")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=1)
@@ -88,6 +94,8 @@ def main():
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)
     steps = dict(kv.split("=") for kv in a.steps.split(","))
+    policies = dict(kv.split("=") for kv in a.save_policy.split(",") if kv)
+    policy_of = lambda model, dtype: policies.get(f"{model}.{dtype}", policies.get(model, "all"))
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), TOKENIZERS_PARALLELISM="false")
     common = ["--seq", str(a.seq), "--batch", str(a.batch), "--lr", str(a.lr), "--warmup", str(a.warmup)]
 
@@ -113,14 +121,14 @@ def main():
             os.replace(ids + ".tmp", ids)
         return init, ids, json.load(open(os.path.join(init, "config.json")))
 
-    def run_oomless(tag, init, ids, dtype, n):
+    def run_oomless(tag, init, ids, dtype, n, policy="all"):
         out = os.path.join(a.work, "runs", tag)
         subprocess.run(["rm", "-rf", out])
         os.makedirs(os.path.dirname(out), exist_ok=True)
         dump = os.path.join(a.work, f"dump-{tag.split('.')[0]}-{n}.jsonl")
         rss, wall = timed([a.oomless, "train", "--model", init, "--data", ids, "--steps", str(n), "--dtype", dtype,
                            "--threads", str(a.threads), "--eval-every", "0", "--save-every", "0", "--out", out,
-                           "--dump-tokens", dump + ".part"] + common, out + ".log", env)
+                           "--dump-tokens", dump + ".part", "--save-policy", policy] + common, out + ".log", env)
         os.replace(dump + ".part", dump)
         return rss, wall, steps_of(os.path.join(out, "metrics.jsonl"))
 
@@ -149,7 +157,7 @@ def main():
                 for who in (["oomless", "torch"] if p % 2 == 0 else ["torch", "oomless"]):
                     tag = f"{model}.{dtype}.{who}.{p}"
                     if who == "oomless":
-                        rss, wall, rows = run_oomless(tag, init, ids, dtype, n)
+                        rss, wall, rows = run_oomless(tag, init, ids, dtype, n, policy_of(model, dtype))
                     else:
                         rss, wall, rows = run_torch(tag, init, dtype, n)
                     rec[who] = {"rss": rss, "wall": wall, "tps": tps(rows), "losses": [r["loss"] for r in rows]}
@@ -160,7 +168,7 @@ def main():
                       f"last loss {o['losses'][-1]:.5f} vs {t['losses'][-1]:.5f}", flush=True)
                 pairs.append(rec)
             med = lambda f: statistics.median(f(r) for r in pairs)
-            s = {"model": model, "dtype": dtype, "steps": n, "pairs": len(pairs),
+            s = {"model": model, "dtype": dtype, "save_policy": policy_of(model, dtype), "steps": n, "pairs": len(pairs),
                  "oomless_tps": med(lambda r: r["oomless"]["tps"]), "torch_tps": med(lambda r: r["torch"]["tps"]),
                  "tps_ratio": med(lambda r: r["oomless"]["tps"] / r["torch"]["tps"]),
                  "oomless_rss": med(lambda r: r["oomless"]["rss"]), "torch_rss": med(lambda r: r["torch"]["rss"]),
@@ -187,10 +195,10 @@ def main():
     path = a.json or os.path.join(a.work, "results.json")
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
-    print("\n| model | dtype | oomless tok/s | PyTorch tok/s | ratio | oomless peak RSS | PyTorch peak RSS | ratio | MFU oomless / PyTorch |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| model | dtype | oomless --save-policy | oomless tok/s | PyTorch tok/s | ratio | oomless peak RSS | PyTorch peak RSS | ratio | MFU oomless / PyTorch |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for s in results["summary"]:
-        print(f"| {s['model']} | {s['dtype']} | {s['oomless_tps']:.0f} | {s['torch_tps']:.0f} | {s['tps_ratio']:.2f}x | "
+        print(f"| {s['model']} | {s['dtype']} | {s.get('save_policy', 'all')} | {s['oomless_tps']:.0f} | {s['torch_tps']:.0f} | {s['tps_ratio']:.2f}x | "
               f"{s['oomless_rss'] / 2**20:.0f} MiB | {s['torch_rss'] / 2**20:.0f} MiB | {s['rss_ratio']:.2f}x | "
               f"{100 * s['oomless_mfu']:.1f}% / {100 * s['torch_mfu']:.1f}% |")
     print(f"\nresults: {path}")
