@@ -137,15 +137,15 @@ TEST(Train, NonFiniteStepsAreSkippedThenTheRunStops) {
   EXPECT_EQ(lines, 4);
 }
 
-// Every budget either fails at setup (before step 1: no metrics line, no checkpoint) with the ledger's
-// figures, or completes all its steps.
-TEST(Train, BudgetSweepFailsAtSetupOrCompletes) {
+// Runs `c` under each budget (MiB): every run either fails at setup (before step 1: no metrics line, no
+// checkpoint) with the ledger's figures, or completes all its steps; some of each.
+void expect_budget_sweep(TrainConfig c, const std::vector<double>& budgets_mib) {
   int failed = 0, completed = 0;
-  for (double mib : {0.5, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 16.0, 24.0, 48.0}) {
-    const std::string out = testing::TempDir() + "/oomless_train_budget";
-    TrainConfig c = micro(out);
-    c.steps = 2;
-    c.save_every = 0;
+  const std::string out = c.out;
+  c.steps = 2;
+  c.save_every = 0;
+  for (double mib : budgets_mib) {
+    fs::remove_all(out);
     c.budget = std::to_string(static_cast<int64_t>(mib * 1024 * 1024));
     try {
       ASSERT_EQ(run_training(c), 0);
@@ -163,6 +163,28 @@ TEST(Train, BudgetSweepFailsAtSetupOrCompletes) {
   }
   EXPECT_GT(failed, 0);
   EXPECT_GT(completed, 0);
+}
+
+TEST(Train, BudgetSweepFailsAtSetupOrCompletes) {
+  expect_budget_sweep(micro(testing::TempDir() + "/oomless_train_budget"),
+                      {0.5, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 16.0, 24.0, 48.0});
+}
+
+// Chunk-recurrent runs take their workspaces in a dry step over two chunks only; a longer sequence (here
+// five chunks, the last one partial) must not need more, whatever the offload mode.
+TEST(Train, ChunkedBudgetSweepFailsAtSetupOrCompletes) {
+  for (const char* mode : {"none", "host", "disk"}) {
+    SCOPED_TRACE(mode);
+    TrainConfig c = micro(testing::TempDir() + "/oomless_train_budget_chunked");
+    c.seq = 4 * 96 + 40;
+    c.batch = 1;
+    c.chunk = 96;
+    c.page = 32;
+    c.kv_offload = mode;
+    std::vector<double> budgets;
+    for (double mib = 10.0; mib <= 20.0; mib += 0.25) budgets.push_back(mib);
+    expect_budget_sweep(c, budgets);
+  }
 }
 
 }  // namespace

@@ -263,9 +263,12 @@ int train_run(const TrainConfig& c, const std::string& out) {
     }
     // A dry forward + backward on zeros before step 1: the kernels' workspaces (GEMM packing, cross-entropy
     // chunks) are taken from the arena on first use, so a budget too small for them fails here, at setup,
-    // not in the middle of the run.
-    std::vector<int32_t> zeros(static_cast<size_t>(c.seq), 0);
-    const Tensor z(zeros.data(), DType::i32, {c.seq});
+    // not in the middle of the run. Chunk-recurrent: two chunks suffice (a chunk with history; every call
+    // of a longer sequence has the same shapes or smaller ones, and the store reserved its pages for
+    // --seq already), so the dry run does not cost a whole long step.
+    const int64_t dry_T = kv ? std::min<int64_t>(c.seq, 2 * C) : c.seq;
+    std::vector<int32_t> zeros(static_cast<size_t>(dry_T), 0);
+    const Tensor z(zeros.data(), DType::i32, {dry_T});
     if (kv) {
       model.chunked_step(z, z, C, *kv, 0.0);
     } else {
