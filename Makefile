@@ -6,7 +6,7 @@ ASAN_BUILD ?= build/asan
 CUDA ?= auto
 CTEST_FLAGS ?= --output-on-failure --timeout 120 -j$(JOBS)
 
-.PHONY: all setup build run test test-fast test-asan test-all bench bench-peers fuzz clean
+.PHONY: all setup build run test test-fast test-asan test-all bench bench-peers bench-long fuzz clean
 
 all: build
 
@@ -49,6 +49,14 @@ bench: build
 bench-peers: build
 	bench/peers/setup.sh
 	tools/golden/.venv/bin/python bench/peers/run.py --oomless $(BUILD)/oomless --work $(BUILD)/peers
+
+# One training step against the sequence length T: chunk-recurrent oomless train (K/V history on the device,
+# in host memory, on disk), full-sequence oomless and PyTorch + transformers; peak RSS, ledger, step time
+# (at most 45 minutes on 2 cores: longer steps are extrapolated). Writes bench/long_context/results/DATE.json
+# and docs/long_context_memory.svg. Installs torch + transformers into tools/golden/.venv from PyPI first.
+bench-long: build
+	bench/peers/setup.sh
+	tools/golden/.venv/bin/python bench/long_context/run.py --oomless $(BUILD)/oomless --work $(BUILD)/long
 
 # Each libFuzzer target in fuzz/ for FUZZ_SECONDS (default 60) from its seed corpus; new inputs it
 # finds go to build/fuzz/corpus/NAME (the committed seeds stay as they are). Needs clang (installed).
