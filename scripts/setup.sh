@@ -3,7 +3,8 @@
 # everything is present. Needs root (or sudo) only when something must be installed.
 set -euo pipefail
 
-packages=(g++ cmake make pkg-config libdnnl-dev libgtest-dev libpcre2-dev libutf8proc-dev liburing-dev time)
+# ocl-icd-opencl-dev: Debian's oneDNN CMake config looks for OpenCL (only recommended, so not pulled in).
+packages=(g++ cmake make pkg-config libdnnl-dev ocl-icd-opencl-dev libgtest-dev libpcre2-dev libutf8proc-dev liburing-dev time)
 # `scripts/setup.sh fuzz`: also what the libFuzzer build needs.
 if [ "${1:-}" = fuzz ]; then packages+=(clang libomp-14-dev libclang-rt-14-dev); fi
 
