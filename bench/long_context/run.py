@@ -338,6 +338,9 @@ def parse_args():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None, help="results file (default bench/long_context/results/DATE.json)")
     ap.add_argument("--svg", default=os.path.join(ROOT, "docs/long_context_memory.svg"))
+    ap.add_argument("--add-to", default=None, metavar="RESULTS.json",
+                    help="an earlier results file: its rows are kept except those this run measures again (same "
+                         "model, mode and T); the summary, table and plot are made from both")
     a = ap.parse_args()
     a.budget = parse_size(a.budget)
     a.time_box = dict(kv.split("=") if "=" in kv else ("", kv) for kv in a.time_box.split(","))
@@ -786,16 +789,40 @@ def plain(x):
     return "inf" if x == float("inf") else x
 
 
+def merged(earlier, rows, models):
+    """The rows of an earlier results file with this run's on top: a (model, mode, T) this run has replaces
+    the earlier row; models in the earlier order, new ones after; rows by model, then T, then series."""
+    key = lambda r: (r["model"], r["mode"], r["T"])
+    new = {key(r) for r in rows}
+    out = [r for r in earlier["rows"] if key(r) not in new] + rows
+    order = list(dict.fromkeys([r["model"] for r in earlier["rows"]] + models))
+    series = ("torch", "full") + CHUNKED
+    out.sort(key=lambda r: (order.index(r["model"]), r["T"], series.index(r["mode"])))
+    return out, order
+
+
 def main():
     a = parse_args()
+    earlier = None
+    if a.add_to:
+        with open(a.add_to) as f:
+            earlier = json.load(f)
+    # The machine, so that runs on different days can be told apart (figures are compared within a run).
+    probe = json.loads(sh([a.oomless, "probe", "--json", "--threads", str(a.threads)]).stdout)
+    print(f"machine: {probe.get('cpu')} ({probe.get('isa')}); fp32 GEMM {probe.get('gemm_f32_gflops', 0):.1f} GFLOP/s",
+          flush=True)
     bench = Bench(a)
     rows = bench.run()
+    if earlier:
+        rows, a.models = merged(earlier, rows, a.models)
     summary = {"time_floors": [f for m in a.models for f in time_floors(rows, m)],
                "slopes": [disk_slope(rows, m) for m in a.models],
                "budget": [budget_comparison(rows, m, a.budget) for m in a.models]}
     torch = next((r for r in rows if r.get("torch")), {})
     results = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "args": vars(a),
-               "cgroup": bench.cgroup.describe(), "torch": torch.get("torch"),
+               "added_to": {"file": os.path.relpath(a.add_to, ROOT), "date": earlier.get("date"),
+                            "args": earlier.get("args")} if earlier else None,
+               "cgroup": bench.cgroup.describe(), "probe": probe, "torch": torch.get("torch"),
                "transformers": torch.get("transformers"), "elapsed_s": bench.elapsed(), "rows": rows,
                "summary": summary}
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
