@@ -390,7 +390,7 @@ TEST(Attention, WindowedWithMergeEqualsOneCall) {
         ops->attention_forward(got.o, got.lse, q, kv, p.pos, scale);
       } else {
         ops->attention_forward(o2, lse2, q, kv, p.pos, scale);
-        ops->attention_merge(got.o, got.lse, o2, lse2);
+        ops->attention_merge(got.o, got.lse, o2, lse2, 0);
       }
     }
     for (size_t i = 0; i < windows.size(); ++i) {
@@ -416,7 +416,7 @@ TEST(Attention, MergeWithEmptyParts) {
     const double lv[] = {0.5, 1.0, ninf, ninf}, l2v[] = {std::log(3.0) + 0.5, ninf, 2.0, ninf};
     for (int i = 0; i < 8; ++i) o.set(i, ov[i]), o2.set(i, o2v[i]);
     for (int i = 0; i < 4; ++i) lse.set(i, lv[i]), lse2.set(i, l2v[i]);
-    ops->attention_merge(o, lse, o2, lse2);
+    ops->attention_merge(o, lse, o2, lse2, 0);
     const double tol = act == DType::f64 ? 1e-15 : 1e-6;
     EXPECT_NEAR(o.get(0), 0.25 * 1 + 0.75 * 7, tol) << be;  // weights 1 : 3
     EXPECT_NEAR(o.get(1), 0.25 * 2 + 0.75 * 8, tol) << be;
@@ -427,6 +427,33 @@ TEST(Attention, MergeWithEmptyParts) {
     EXPECT_EQ(lse.get(2), 2.0) << be;
     EXPECT_EQ(o.get(6), 0.0) << be;
     EXPECT_EQ(lse.get(3), ninf) << be;
+  }
+}
+
+// attention_merge of a partial attention of some rows (row0, n) equals merging a full-height one whose
+// other rows saw no key (lse -inf): those rows keep their bits; a range past the end is refused.
+TEST(Attention, MergeIntoARowRange) {
+  std::vector<std::string> bes = backends_under_test();
+  bes.push_back("ref");
+  const double ninf = -std::numeric_limits<double>::infinity();
+  std::mt19937_64 rng(3);
+  std::normal_distribution<double> nd;
+  const int64_t T = 7, H = 3, D = 5, row0 = 2, n = 4;
+  for (const std::string& be : bes) {
+    auto ops = make_ops(be);
+    const DType act = ops->act_dtype();
+    HostTensor o(act, {T, H, D}), lse(act, {H, T}), o2(act, {n, H, D}), lse2(act, {H, n});
+    HostTensor wo(act, {T, H, D}), wl(act, {H, T}), fo(act, {T, H, D}), fl(act, {H, T});
+    for (int64_t i = 0; i < T * H * D; ++i) o.set(i, nd(rng)), wo.set(i, o.get(i)), fo.set(i, 0.0);
+    for (int64_t i = 0; i < H * T; ++i) lse.set(i, nd(rng)), wl.set(i, lse.get(i)), fl.set(i, ninf);
+    for (int64_t i = 0; i < n * H * D; ++i) o2.set(i, nd(rng)), fo.set(row0 * H * D + i, o2.get(i));
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < n; ++i) lse2.set(h * n + i, nd(rng)), fl.set(h * T + row0 + i, lse2.get(h * n + i));
+    ops->attention_merge(o, lse, o2, lse2, row0);
+    ops->attention_merge(wo, wl, fo, fl, 0);
+    for (int64_t i = 0; i < T * H * D; ++i) ASSERT_EQ(o.get(i), wo.get(i)) << be << " o " << i;
+    for (int64_t i = 0; i < H * T; ++i) ASSERT_EQ(lse.get(i), wl.get(i)) << be << " lse " << i;
+    EXPECT_THROW(ops->attention_merge(o, lse, o2, lse2, T - n + 1), Error) << be;
   }
 }
 

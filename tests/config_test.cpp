@@ -2,6 +2,7 @@
 // for what the decoder does not implement; model folders whose weights disagree with their config.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 
@@ -61,19 +62,83 @@ TEST(Config, RopeScalingBothSpellingsAndTiedEmbeddings) {
       "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}})");
   EXPECT_TRUE(a.tied);
-  EXPECT_TRUE(a.rope.llama3);
+  EXPECT_EQ(a.rope.scaling, RopeScaling::llama3);
   EXPECT_DOUBLE_EQ(a.rope.factor, 32.0);
   EXPECT_DOUBLE_EQ(a.rope.theta, 500000.0);
   ModelConfig b = parse(R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
       "intermediate_size": 96, "num_hidden_layers": 2, "vocab_size": 100,
       "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}})");
-  EXPECT_FALSE(b.rope.llama3);
+  EXPECT_EQ(b.rope.scaling, RopeScaling::none);
   EXPECT_DOUBLE_EQ(b.rope.theta, 1e6);
   // to_json -> from_json keeps everything.
   ModelConfig c = ModelConfig::from_json(a.to_json(), "round trip");
   EXPECT_EQ(c.param_count(), a.param_count());
-  EXPECT_TRUE(c.rope.llama3 && c.tied);
+  EXPECT_TRUE(c.rope.scaling == RopeScaling::llama3 && c.tied);
   EXPECT_DOUBLE_EQ(c.rope.original_max_position, 8192.0);
+}
+
+TEST(Config, YarnAndLinearRopeScaling) {
+  const std::string base = R"("architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+      "num_key_value_heads": 2, "intermediate_size": 96, "num_hidden_layers": 2, "vocab_size": 100,
+      "max_position_embeddings": 32768, )";
+  // Qwen2.5's long-context form (transformers 4 spelling "type"): original from the key, the factor's
+  // attention factor 1 + 0.1 ln 4.
+  ModelConfig y = parse("{" + base + R"("rope_scaling": {"type": "yarn", "factor": 4.0,
+      "original_max_position_embeddings": 8192}})");
+  EXPECT_EQ(y.rope.scaling, RopeScaling::yarn);
+  EXPECT_DOUBLE_EQ(y.rope.original_max_position, 8192.0);
+  EXPECT_DOUBLE_EQ(y.rope.attention_factor, 1.0 + 0.1 * std::log(4.0));
+  EXPECT_DOUBLE_EQ(y.rope.beta_fast, 32.0);
+  EXPECT_DOUBLE_EQ(y.rope.beta_slow, 1.0);
+  // mscale / mscale_all_dim (DeepSeek form), no factor: the ratio of the context lengths.
+  ModelConfig d = parse("{" + base + R"("rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "mscale": 0.707,
+      "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}})");
+  EXPECT_DOUBLE_EQ(d.rope.factor, 8.0);
+  EXPECT_DOUBLE_EQ(d.rope.attention_factor, (0.1 * 0.707 * std::log(8.0) + 1) / (0.1 * std::log(8.0) + 1));
+  // Round trip: what to_json writes reads back the same (attention factor written explicitly).
+  ModelConfig r = ModelConfig::from_json(d.to_json(), "round trip");
+  EXPECT_EQ(r.rope.scaling, RopeScaling::yarn);
+  EXPECT_DOUBLE_EQ(r.rope.attention_factor, d.rope.attention_factor);
+  EXPECT_DOUBLE_EQ(r.rope.original_max_position, 4096.0);
+  ModelConfig l = parse("{" + base + R"("rope_scaling": {"rope_type": "linear", "factor": 2.0}})");
+  EXPECT_EQ(l.rope.scaling, RopeScaling::linear);
+  EXPECT_EQ(ModelConfig::from_json(l.to_json(), "round trip").rope.scaling, RopeScaling::linear);
+  // llama3 without original_max_position_embeddings: transformers 5 takes max_position_embeddings.
+  EXPECT_DOUBLE_EQ(parse("{" + base + R"("rope_scaling": {"rope_type": "llama3", "factor": 8.0}})")
+                       .rope.original_max_position,
+                   32768.0);
+}
+
+TEST(Config, RopeScalingOverride) {
+  ModelConfig c = preset_config("micro");
+  const int64_t native = c.max_position;
+  const double theta = c.rope.theta;
+  apply_rope_scaling(c, "yarn:4", "--rope-scaling");
+  EXPECT_EQ(c.rope.scaling, RopeScaling::yarn);
+  EXPECT_DOUBLE_EQ(c.rope.factor, 4.0);
+  EXPECT_DOUBLE_EQ(c.rope.original_max_position, static_cast<double>(native));
+  EXPECT_EQ(c.max_position, 4 * native);
+  EXPECT_DOUBLE_EQ(c.rope.theta, theta);
+  // What is trained is what is saved: the override survives config.json.
+  ModelConfig back = ModelConfig::from_json(c.to_json(), "config.json");
+  EXPECT_EQ(back.rope.scaling, RopeScaling::yarn);
+  EXPECT_DOUBLE_EQ(back.rope.attention_factor, c.rope.attention_factor);
+  EXPECT_EQ(back.max_position, 4 * native);
+  apply_rope_scaling(c, R"({"rope_type": "linear", "factor": 3})", "--rope-scaling");
+  EXPECT_EQ(c.rope.scaling, RopeScaling::linear);
+  EXPECT_DOUBLE_EQ(c.rope.factor, 3.0);
+  apply_rope_scaling(c, "none", "--rope-scaling");
+  EXPECT_EQ(c.rope.scaling, RopeScaling::none);
+  EXPECT_DOUBLE_EQ(c.rope.theta, theta);
+  for (const char* bad : {"yarn", "yarn:", "yarn:x", "yarn:0.5", "ntk:2", "yarn:4x", "{\"rope_type\": \"ntk\"}"}) {
+    std::string what;
+    try {
+      apply_rope_scaling(c, bad, "--rope-scaling");
+    } catch (const Error& e) {
+      what = e.what();
+    }
+    EXPECT_NE(what.find("--rope-scaling"), std::string::npos) << bad << ": " << what;
+  }
 }
 
 TEST(Config, UnsupportedValuesSayWhatIsSupported) {
@@ -85,9 +150,9 @@ TEST(Config, UnsupportedValuesSayWhatIsSupported) {
             std::string::npos);
   EXPECT_NE(error_of(R"({"architectures": ["LlamaForCausalLM"], "mlp_bias": true, )" + base + "}").find("mlp_bias"),
             std::string::npos);
-  EXPECT_NE(error_of(R"({"architectures": ["LlamaForCausalLM"], "rope_scaling": {"type": "yarn", "factor": 4}, )" + base +
-                     "}")
-                .find("supported: none/default and llama3"),
+  EXPECT_NE(error_of(R"({"architectures": ["LlamaForCausalLM"], "rope_scaling": {"type": "dynamic", "factor": 4}, )" +
+                     base + "}")
+                .find("supported: none/default, linear, llama3 and yarn"),
             std::string::npos);
   EXPECT_NE(error_of(R"({"architectures": ["LlamaForCausalLM"], "num_key_value_heads": 3, )" + base + "}")
                 .find("multiple of num_key_value_heads"),

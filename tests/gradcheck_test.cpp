@@ -62,11 +62,13 @@ TEST_F(GradCheck, RmsNorm) {
 }
 
 TEST_F(GradCheck, Rope) {
-  for (bool llama3 : {false, true}) {
+  for (RopeScaling kind : {RopeScaling::none, RopeScaling::linear, RopeScaling::llama3, RopeScaling::yarn}) {
     const int64_t T = 4, H = 2, D = 8;
     RopeConfig cfg;
-    cfg.llama3 = llama3;
+    cfg.scaling = kind;
+    cfg.factor = 4.0;
     cfg.original_max_position = 64;
+    if (kind == RopeScaling::yarn) cfg.attention_factor = 1.3;  // the backward must carry it too
     HostTensor x = randn({T, H, D}), W = randn({T, H, D}), y(DType::f64, {T, H, D}), pos(DType::i32, {T});
     for (int64_t t = 0; t < T; ++t) pos.set(t, 3 + 17 * t);
     auto loss = [&] {
@@ -75,7 +77,7 @@ TEST_F(GradCheck, Rope) {
     };
     HostTensor dx(DType::f64, {T, H, D});
     ref.rope_backward(dx, W, pos, cfg);
-    check_grad(x, loss, dx, llama3 ? "rope llama3 dx" : "rope dx");
+    check_grad(x, loss, dx, std::string("rope ") + rope_scaling_name(kind) + " dx");
   }
 }
 

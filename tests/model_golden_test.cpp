@@ -1,13 +1,19 @@
-// Whole models against transformers: tiny random Llama (MHA/GQA, tied/untied, llama3 rope scaling,
-// attention_bias), Qwen2, Qwen3 and Mistral folders made by tools/golden/make_models.py, with logits,
-// loss and every parameter gradient computed by transformers in float64. Per tensor, relative L2 error:
+// Whole models against transformers: tiny random Llama (MHA/GQA, tied/untied, llama3 and linear rope
+// scaling, attention_bias), Qwen2 (plain and yarn rope scaling), Qwen3 and Mistral folders made by
+// tools/golden/make_models.py, with logits, loss and every parameter gradient computed by transformers in
+// float64. Per tensor, relative L2 error:
 //   oomless fp32 (cpu) <= max(3 x torch fp32's error, 1e-6)
-//   oomless bf16 (cpu) <= 1.5 x torch bf16-autocast's error; for the loss, a single scalar whose error is
-//   one signed sample (it ranges 3.7e-5 .. 3.6e-4 for torch across the seven variants), the bound is
-//   1.5 x the largest of torch's bf16 loss errors over the variants.
+//   oomless bf16 (cpu) <= 1.5 x torch bf16-autocast's error, where for a gradient torch's error is taken as
+//   at least its median over the variant's gradients: a key bias's gradient nearly cancels in exact
+//   arithmetic (softmax is blind to a shift every key shares; only RoPE breaks that), so its relative error
+//   is noise for both (ours / torch from 0.6x to 1.8x on it across the variants). The loss is a single
+//   scalar whose error is one signed sample (torch 3.7e-5 .. 4.1e-4 across the variants, ours from 0.02x
+//   to 7x torch's on the same variant); its bound is 2 x the largest of torch's bf16 loss errors.
+//   Across all 227 compared tensors ours / torch has a geometric mean of 0.72.
 //   oomless float64 (ref backend) <= 1e-9: the same math, so only rounding differs.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 
@@ -88,10 +94,17 @@ void check_model(const std::string& name, Mode mode) {
   CeResult r = m.forward(Tensor(ids.data(), DType::i32, {T}), Tensor(targets.data(), DType::i32, {T}), true);
   m.backward(1.0 / static_cast<double>(r.count));
 
+  // torch's median bf16 error over this variant's gradients.
+  std::vector<double> grad_errs;
+  for (const auto& [key, v] : torch_err.as_object())
+    if (key.rfind("grad.", 0) == 0) grad_errs.push_back(v.as_number(key));
+  std::sort(grad_errs.begin(), grad_errs.end());
+  const double median_grad = grad_errs.empty() ? 0.0 : grad_errs[grad_errs.size() / 2];
   auto bound = [&](const std::string& key) {
     if (mode == Mode::f64) return 1e-9;
     double e = torch_err.at(key).as_number(key);
-    if (mode == Mode::bf16 && key == "loss") e = max_torch_bf16_loss_error();
+    if (mode == Mode::bf16 && key == "loss") return 2 * max_torch_bf16_loss_error();
+    if (mode == Mode::bf16 && key.rfind("grad.", 0) == 0) e = std::max(e, median_grad);
     return mode == Mode::fp32 ? std::max(3 * e, 1e-6) : 1.5 * e;
   };
   auto check = [&](const std::string& key, double err) {
@@ -166,7 +179,7 @@ TEST(ModelGolden, EvalGradientOfWindowZeroIsTransformersGradient) {
         << params.specs()[i].name;
 }
 
-TEST(ModelGolden, AllSevenVariantsArePresent) { EXPECT_EQ(golden_models().size(), 7u); }
+TEST(ModelGolden, AllNineVariantsArePresent) { EXPECT_EQ(golden_models().size(), 9u); }
 
 }  // namespace
 }  // namespace oomless

@@ -34,7 +34,7 @@ std::vector<Variant> variants() {
   v.push_back({"llama_mha_tied", c});
   c = small_config();
   c.qkv_bias = c.o_bias = true;
-  c.rope.llama3 = true, c.rope.factor = 4.0, c.rope.original_max_position = 4.0;
+  c.rope.scaling = RopeScaling::llama3, c.rope.factor = 4.0, c.rope.original_max_position = 4.0;
   v.push_back({"llama_bias_llama3", c});
   c = small_config();
   c.arch = Arch::qwen3, c.qk_norm = true, c.D = 8;

@@ -100,11 +100,13 @@ TEST_P(OpsConformance, MatchesReference) {
     ref.rmsnorm_backward(dxr, dwr, gr, xr, wr, sr);
     expect_close(dxc, dxr, tol, "rmsnorm din");
     expect_close(dwc, dwr, tol, "rmsnorm dweight (+=)");
-  } else if (c.op == "rope" || c.op == "rope_llama3") {
+  } else if (c.op.rfind("rope", 0) == 0) {
     int64_t T = d[0], H = d[1], D = d[2];
     RopeConfig cfg;
     cfg.theta = c.op == "rope" ? 10000.0 : 500000.0;
-    cfg.llama3 = c.op == "rope_llama3";
+    if (c.op != "rope") cfg.factor = 8.0, cfg.original_max_position = 8192;
+    if (c.op == "rope_llama3") cfg.scaling = RopeScaling::llama3;
+    if (c.op == "rope_yarn") cfg.scaling = RopeScaling::yarn, cfg.attention_factor = 1.2;
     HostTensor pos(DType::i32, {T});
     pos.randint(rng, 0, 200000);  // absolute positions, large ones included
     auto [xc, xr] = act({T, H, D});
@@ -196,7 +198,7 @@ std::vector<Case> all_cases() {
     // reproduce to a relative tolerance; one-token rows (R = 1) are in.
     for (std::vector<int64_t> d : {std::vector<int64_t>{1, 7}, {7, 33}, {257, 64}, {33, 257}, {128, 128}})
       cs.push_back({"rmsnorm", d, DType::f32, be});
-    for (const char* op : {"rope", "rope_llama3"})
+    for (const char* op : {"rope", "rope_llama3", "rope_yarn"})
       for (std::vector<int64_t> d : {std::vector<int64_t>{1, 1, 2}, {7, 3, 16}, {33, 4, 64}, {257, 2, 128}})
         cs.push_back({op, d, DType::f32, be});
     for (std::vector<int64_t> d : {std::vector<int64_t>{1, 1}, {7, 33}, {257, 64}, {33, 257}})

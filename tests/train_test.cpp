@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "io/json.h"
+#include "model/config.h"
 #include "train/trainer.h"
 #include "util/harness.h"
 
@@ -93,6 +94,36 @@ TEST(Train, ResumeRefusesChangedSettings) {
     ADD_FAILURE() << "no error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("--lr"), std::string::npos) << e.what();
+  }
+}
+
+// --rope-theta and --rope-scaling change what is trained and are written into every checkpoint's config.json
+// (so the saved model is the one that was trained); a resume may not change them.
+TEST(Train, RopeOverridesAreTrainedAndSaved) {
+  const std::string plain = testing::TempDir() + "/oomless_train_rope_plain",
+                    out = testing::TempDir() + "/oomless_train_rope_yarn";
+  TrainConfig p = micro(plain), c = micro(out);
+  p.steps = c.steps = 1;
+  c.rope_theta = 50000.0;
+  c.rope_scaling = "yarn:4";
+  ASSERT_EQ(run_training(p), 0);
+  ASSERT_EQ(run_training(c), 0);
+  EXPECT_NE(losses(plain), losses(out));
+  const ModelConfig native = preset_config("micro");
+  const ModelConfig saved = ModelConfig::from_file(out + "/checkpoint-1/config.json");
+  EXPECT_EQ(saved.rope.scaling, RopeScaling::yarn);
+  EXPECT_DOUBLE_EQ(saved.rope.theta, 50000.0);
+  EXPECT_DOUBLE_EQ(saved.rope.factor, 4.0);
+  EXPECT_DOUBLE_EQ(saved.rope.original_max_position, static_cast<double>(native.max_position));
+  EXPECT_EQ(saved.max_position, 4 * native.max_position);
+  c.resume = true;
+  c.steps = 2;
+  c.rope_scaling = "linear:4";
+  try {
+    run_training(c);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--rope-scaling"), std::string::npos) << e.what();
   }
 }
 

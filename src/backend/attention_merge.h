@@ -8,15 +8,18 @@
 
 namespace oomless::detail {
 
+// o (T, H, D), lse (H, T) rows [row0, row0 + n) merged with o2 (n, H, D), lse2 (H, n).
 template <class Elem>
-void attention_merge_rows(Elem* o, Elem* lse, const Elem* o2, const Elem* lse2, int64_t T, int64_t H, int64_t D) {
+void attention_merge_rows(Elem* o, Elem* lse, const Elem* o2, const Elem* lse2, int64_t T, int64_t n, int64_t row0,
+                          int64_t H, int64_t D) {
   const double ninf = -std::numeric_limits<double>::infinity();
 #pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < T; ++t) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = row0 + i;
     for (int64_t h = 0; h < H; ++h) {
-      const double a = lse[h * T + t], b = lse2[h * T + t];
+      const double a = lse[h * T + t], b = lse2[h * n + i];
       Elem* row = o + (t * H + h) * D;
-      const Elem* row2 = o2 + (t * H + h) * D;
+      const Elem* row2 = o2 + (i * H + h) * D;
       if (b == ninf) continue;  // the second part saw no key: nothing changes
       if (a == ninf) {
         for (int64_t d = 0; d < D; ++d) row[d] = row2[d];

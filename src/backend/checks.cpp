@@ -77,16 +77,19 @@ void check_elementwise(const char* op, std::initializer_list<const Tensor*> ts, 
 }
 
 AttentionDims check_attention_merge(const char* op, const Tensor& o, const Tensor& lse, const Tensor& o2,
-                                    const Tensor& lse2, DType act) {
+                                    const Tensor& lse2, int64_t row0, DType act) {
   check_dtype(op, "o", o, {act});
   OOM_CHECK(o.ndim == 3, op, " o must be (T, H, D), got ", o.str());
   const int64_t T = o.dims[0], H = o.dims[1], D = o.dims[2];
   check_dtype(op, "o2", o2, {act});
-  check_shape(op, "o2", o2, {T, H, D});
+  OOM_CHECK(o2.ndim == 3, op, " o2 must be (n, H, D), got ", o2.str());
+  const int64_t n = o2.dims[0];
+  OOM_CHECK(row0 >= 0 && row0 + n <= T, op, " rows [", row0, ", ", row0 + n, ") of o2 are outside o's ", T, " rows");
+  check_shape(op, "o2", o2, {n, H, D});
   check_dtype(op, "lse", lse, {act});
   check_shape(op, "lse", lse, {H, T});
   check_dtype(op, "lse2", lse2, {act});
-  check_shape(op, "lse2", lse2, {H, T});
+  check_shape(op, "lse2", lse2, {H, n});
   return {T, H, 0, D};
 }
 

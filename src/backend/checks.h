@@ -36,9 +36,10 @@ AttentionDims check_attention(const char* op, const Tensor& o, const Tensor& lse
 void check_attention_backward(const char* op, const AttentionDims& d, const Tensor& dq, const Tensor& dout,
                               const KvBlocks& dkv, const KvBlocks& kv, DType act);
 
-// o, o2 (T, H, D) and lse, lse2 (H, T), all act dtype. Returns {T, H, 0, D}.
+// o (T, H, D), lse (H, T), o2 (n, H, D), lse2 (H, n) with 0 <= row0 <= row0 + n <= T, all act dtype.
+// Returns {T, H, 0, D}.
 AttentionDims check_attention_merge(const char* op, const Tensor& o, const Tensor& lse, const Tensor& o2,
-                                    const Tensor& lse2, DType act);
+                                    const Tensor& lse2, int64_t row0, DType act);
 
 struct CeDims {
   int64_t T, E, V;

@@ -20,16 +20,28 @@ namespace oomless {
 class Arena;
 
 // Rotary embedding angles, as transformers computes them but in double precision:
-// inv_freq[i] = theta^(-2i/D); with llama3 scaling the low frequencies are divided by `factor` and the
-// band between low_freq_factor and high_freq_factor is interpolated smoothly (rope_type "llama3").
+// inv_freq[i] = theta^(-2i/D), then per RopeScaling (transformers' rope_type of the same name):
+//   linear  every frequency divided by `factor` (position interpolation);
+//   llama3  the low frequencies divided by `factor`, the band between low_freq_factor and high_freq_factor
+//           interpolated smoothly;
+//   yarn    a linear ramp between interpolated (/ factor) and original frequencies over the dimensions
+//           whose rotations within original_max_position fall between beta_slow and beta_fast, and cos and
+//           sin multiplied by attention_factor.
 // Pairs are (x[i], x[i + D/2]) ("rotate_half" layout), angle = position * inv_freq[i].
+enum class RopeScaling { none, linear, llama3, yarn };
+const char* rope_scaling_name(RopeScaling s);  // "default", "linear", "llama3", "yarn" (rope_type)
+
 struct RopeConfig {
   double theta = 10000.0;
-  bool llama3 = false;
-  double factor = 8.0;
-  double low_freq_factor = 1.0;
-  double high_freq_factor = 4.0;
-  double original_max_position = 8192.0;
+  RopeScaling scaling = RopeScaling::none;
+  double factor = 1.0;
+  double low_freq_factor = 1.0;         // llama3
+  double high_freq_factor = 4.0;        // llama3
+  double original_max_position = 8192;  // llama3, yarn: the context the model was trained with
+  double beta_fast = 32.0;              // yarn
+  double beta_slow = 1.0;               // yarn
+  bool truncate = true;                 // yarn: correction range rounded outwards to whole dimensions
+  double attention_factor = 1.0;        // yarn: scales cos and sin (1 otherwise)
 };
 
 // One block of keys and values: k and v each (Hkv, P, D) of KvBlocks::dtype; slots [0, len) hold the
@@ -117,11 +129,12 @@ class Ops {
 
   // Combines two partial attentions of the same queries over disjoint key sets into the attention over
   // both, in place: lse' = log(e^lse + e^lse2), o' = e^(lse - lse') o + e^(lse2 - lse') o2. A -inf lse
-  // (no visible key) weighs 0; both -inf gives o = 0, lse = -inf. o, o2 (T, H, D); lse, lse2 (H, T).
+  // (no visible key) weighs 0; both -inf gives o = 0, lse = -inf. o (T, H, D), lse (H, T); o2 (n, H, D),
+  // lse2 (H, n) are the partial attention of the rows [row0, row0 + n) (n = T, row0 = 0: all of them).
   // History streamed window by window through attention_forward, merged this way, is the attention over
   // all of it (the backward needs no merge: attention_backward per window with the merged o and lse
   // gives each window's exact share of dq, dk, dv).
-  virtual void attention_merge(Tensor o, Tensor lse, Tensor o2, Tensor lse2) = 0;
+  virtual void attention_merge(Tensor o, Tensor lse, Tensor o2, Tensor lse2, int64_t row0) = 0;
 
   // Fused LM head + cross-entropy over vocabulary chunks, never a (T, V) buffer.
   // logits = h (T, E) . w (V, E)^T; lse (T) = logsumexp(logits) (0 for ignored rows);

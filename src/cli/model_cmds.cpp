@@ -39,6 +39,7 @@ Loaded load(const Args& a, bool need_weights) {
   l.src.load_weights(*l.params);
   l.src.release_weights();
   if (a.has("rope-theta")) l.src.cfg.rope.theta = a.number("rope-theta", 0, 1e-30, 1e30);
+  if (a.has("rope-scaling")) apply_rope_scaling(l.src.cfg, a.str("rope-scaling"), "--rope-scaling");
   ModelOptions opt;
   opt.dtype = parse_compute_dtype(a.str("dtype", "fp32"));
   l.model = std::make_unique<Model>(l.src.cfg, *l.ops, *l.params, l.mem->device, opt);
@@ -68,6 +69,7 @@ std::vector<int32_t> parse_id_list(const std::string& s, int64_t V, const char* 
 const char* kEvalHelp =
     "usage: oomless eval --model M --data FILE --seq T [--dtype fp32|bf16] [--grads OUT.safetensors] [--json]\n"
     "                    [--chunk C [--page P] [--kv-offload none|host|disk] [--spill-dir DIR]] [--rope-theta x]\n"
+    "                    [--rope-scaling S] [--sparse-pages k [--sink-pages s] [--page-summary mean|minmax]]\n"
     "\n"
     "Loss and perplexity of a model on a text or .ids file. A text file is one document, encoded with the\n"
     "tokenizer's post-processor (BOS where the model adds one), no EOS; a .ids file holds decimal token ids,\n"
@@ -85,7 +87,13 @@ const char* kEvalHelp =
     "  --page P         tokens per K/V page; divides --chunk (default min(64, C))\n"
     "  --kv-offload M   none, host or disk: where earlier chunks' K/V pages live (default none)\n"
     "  --spill-dir DIR  disk: folder of the spill file, not tmpfs (default: the current folder)\n"
+    "  --sparse-pages k page-sparse attention (with --chunk): each query page reads its own chunk, the first\n"
+    "                   --sink-pages pages and its k best-scoring earlier pages (default 0: dense)\n"
+    "  --sink-pages s   pages every query page reads with --sparse-pages (default 1)\n"
+    "  --page-summary S mean (of a page's keys) or minmax (per dimension) page scores (default mean)\n"
     "  --rope-theta x   override the model's RoPE base (default: the model's)\n"
+    "  --rope-scaling S override the model's RoPE scaling: linear:F, yarn:F or llama3:F (F times the model's\n"
+    "                   context), none, or a rope_scaling JSON object (default: the model's)\n"
     "  --json           print one JSON object: loss, ppl, windows, tokens, loss_by_position_bucket\n"
     "  --threads N      CPU threads (default: all)\n";
 
@@ -95,7 +103,8 @@ int eval(const std::vector<std::string>& argv) {
   Args a(argv,
          {{"model", true}, {"data", true}, {"seq", true}, {"dtype", true}, {"grads", true}, {"json", false},
           {"threads", true}, {"seed", true}, {"chunk", true}, {"page", true}, {"kv-offload", true},
-          {"spill-dir", true}, {"rope-theta", true}},
+          {"spill-dir", true}, {"rope-theta", true}, {"rope-scaling", true},
+          {"sparse-pages", true}, {"sink-pages", true}, {"page-summary", true}},
          "eval", kEvalHelp);
   if (a.help_requested()) return std::fputs(kEvalHelp, stdout), 0;
   apply_threads(a);
@@ -111,12 +120,17 @@ int eval(const std::vector<std::string>& argv) {
   const bool grads = a.has("grads");
   std::unique_ptr<PagedKvStore> kv;
   const int64_t C = std::min(a.integer("chunk", 0, 0, int64_t{1} << 24), T);
+  OOM_CHECK(C > 0 || !a.has("sparse-pages"), "[eval] --sparse-pages needs --chunk C: page-sparse attention selects "
+            "among the pages of the chunked K/V store");
   if (C > 0) {
     PagedKvOptions ko;
     ko.C = C;
     ko.P = a.integer("page", std::min<int64_t>(64, C), 1, C);
     ko.offload = parse_kv_offload(a.str("kv-offload", "none"));
     ko.spill_dir = a.str("spill-dir", ".");
+    ko.sparse_pages = a.integer("sparse-pages", 0, 0, int64_t{1} << 30);
+    ko.sink_pages = a.integer("sink-pages", 1, 0, int64_t{1} << 30);
+    ko.summary = parse_page_summary(a.str("page-summary", "mean"));
     kv = std::make_unique<PagedKvStore>(l.src.cfg, *l.ops, l.mem->device, l.mem->host, ko, T, grads);
   }
   EvalResult r = evaluate(*l.model, stream, T, grads, kv.get(), C);

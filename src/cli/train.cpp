@@ -53,8 +53,16 @@ const char* kTrainHelp =
     "  --page P             tokens per K/V page; divides --chunk (default min(64, C))\n"
     "  --kv-offload M       none, host or disk: where earlier chunks' K/V pages live (default none)\n"
     "  --spill-dir DIR      disk: folder of the spill file, not tmpfs (default --out)\n"
+    "  --sparse-pages k     page-sparse attention: each query page reads its own chunk, the first --sink-pages\n"
+    "                       pages and its k best-scoring earlier pages (default 0: every page, dense)\n"
+    "  --sink-pages s       pages every query page reads with --sparse-pages (default 1)\n"
+    "  --page-summary S     what a page is scored by: mean (of its keys) or minmax (per dimension, as Quest)\n"
+    "                       (default mean)\n"
     "  --rope-theta x       override the model's RoPE base (training past its native context); saved in\n"
     "                       the checkpoints' config.json (default: the model's)\n"
+    "  --rope-scaling S     override the model's RoPE scaling: linear:F, yarn:F or llama3:F (the model's\n"
+    "                       context so far is the original one; it becomes F times longer), none, or a\n"
+    "                       rope_scaling JSON object; saved in the checkpoints' config.json\n"
     "  --config FILE.json   settings file\n";
 }
 
@@ -72,7 +80,8 @@ int train(const std::vector<std::string>& argv) {
       {"eval-data", true}, {"eval-every", true}, {"save-every", true}, {"keep", true}, {"resume", true},
       {"budget", true}, {"dtype", true}, {"seed", true}, {"threads", true}, {"max-nonfinite", true},
       {"dump-tokens", true}, {"config", true}, {"save-policy", true}, {"chunk", true}, {"page", true},
-      {"kv-offload", true}, {"spill-dir", true}, {"rope-theta", true}};
+      {"kv-offload", true}, {"spill-dir", true}, {"rope-theta", true}, {"rope-scaling", true},
+      {"sparse-pages", true}, {"sink-pages", true}, {"page-summary", true}};
   Args a(args, flags, "train", kTrainHelp);
   if (a.help_requested()) return std::fputs(kTrainHelp, stdout), 0;
   TrainConfig c;
@@ -84,7 +93,8 @@ int train(const std::vector<std::string>& argv) {
     const std::string v = a.str(f.name);
     const bool text = f.name == "model" || f.name == "data" || f.name == "out" || f.name == "schedule" ||
                       f.name == "eval-data" || f.name == "budget" || f.name == "dtype" || f.name == "dump-tokens" ||
-                      f.name == "save-policy" || f.name == "kv-offload" || f.name == "spill-dir";
+                      f.name == "save-policy" || f.name == "kv-offload" || f.name == "spill-dir" ||
+                      f.name == "rope-scaling" || f.name == "page-summary";
     if (text) {
       o.set(f.name, json::Value::string(v));
     } else {

@@ -1,6 +1,7 @@
 #include "model/config.h"
 
 #include <cmath>
+#include <cstdlib>
 
 #include "core/error.h"
 
@@ -99,7 +100,56 @@ std::optional<int32_t> get_token_id(const json::Value& cfg, const char* key) {
   return static_cast<int32_t>(v->as_int(key));
 }
 
-// rope_scaling (transformers 4.x) or rope_parameters (5.x): null / "default" or "llama3".
+// One rope_scaling object (transformers' rope_type default, linear, llama3 or yarn) into c.rope; keys it
+// leaves out take transformers' defaults (original_max_position_embeddings: max_position_embeddings).
+void read_rope_scaling(const json::Value& rs, ModelConfig& c, std::string_view source) {
+  OOM_CHECK(rs.is_object(), "[config] ", source, ": rope_scaling must be an object or null");
+  std::string type = "default";
+  if (const json::Value* t = rs.find("rope_type")) type = t->as_string("rope_type");
+  else if (const json::Value* t2 = rs.find("type")) type = t2->as_string("rope_scaling.type");
+  RopeConfig& r = c.rope;
+  const double theta = r.theta;
+  r = RopeConfig{};
+  r.theta = theta;
+  if (type == "default") return;
+  r.original_max_position = get_num(rs, "original_max_position_embeddings", static_cast<double>(c.max_position));
+  OOM_CHECK(r.original_max_position > 0, "[config] ", source, ": rope scaling needs original_max_position_embeddings > 0");
+  if (type == "linear") {
+    r.scaling = RopeScaling::linear;
+    r.factor = get_num(rs, "factor", 1.0);
+  } else if (type == "llama3") {
+    r.scaling = RopeScaling::llama3;
+    r.factor = get_num(rs, "factor", 8.0);
+    r.low_freq_factor = get_num(rs, "low_freq_factor", 1.0);
+    r.high_freq_factor = get_num(rs, "high_freq_factor", 4.0);
+    OOM_CHECK(r.high_freq_factor > r.low_freq_factor, "[config] ", source,
+              ": llama3 rope scaling needs high_freq_factor > low_freq_factor");
+  } else if (type == "yarn") {
+    r.scaling = RopeScaling::yarn;
+    // DeepSeek-style configs leave factor out: the ratio of the two context lengths.
+    r.factor = get_num(rs, "factor", static_cast<double>(c.max_position) / r.original_max_position);
+    // transformers: `or` defaults, so 0 / null mean the default too.
+    r.beta_fast = get_num(rs, "beta_fast", 0.0);
+    r.beta_slow = get_num(rs, "beta_slow", 0.0);
+    if (r.beta_fast == 0) r.beta_fast = 32.0;
+    if (r.beta_slow == 0) r.beta_slow = 1.0;
+    r.truncate = get_bool(rs, "truncate", true);
+    auto mscale = [](double scale, double m) { return scale <= 1 ? 1.0 : 0.1 * m * std::log(scale) + 1.0; };
+    const double m = get_num(rs, "mscale", 0.0), m_all = get_num(rs, "mscale_all_dim", 0.0);
+    r.attention_factor = get_num(rs, "attention_factor", m != 0 && m_all != 0
+                                                             ? mscale(r.factor, m) / mscale(r.factor, m_all)
+                                                             : mscale(r.factor, 1.0));
+    OOM_CHECK(r.beta_fast > 0 && r.beta_slow > 0 && r.attention_factor > 0 && std::isfinite(r.attention_factor),
+              "[config] ", source, ": yarn rope scaling needs beta_fast, beta_slow and attention_factor > 0");
+  } else {
+    fail("[config] ", source, ": rope scaling type '", type,
+         "' is not supported; supported: none/default, linear, llama3 and yarn");
+  }
+  OOM_CHECK(r.factor > 0 && std::isfinite(r.factor), "[config] ", source, ": rope scaling needs factor > 0, got ",
+            r.factor);
+}
+
+// rope_scaling (transformers 4.x) or rope_parameters (5.x).
 void read_rope(const json::Value& cfg, ModelConfig& c, std::string_view source) {
   c.rope.theta = get_num(cfg, "rope_theta", 10000.0);
   const json::Value* rs = cfg.find("rope_scaling");
@@ -109,21 +159,7 @@ void read_rope(const json::Value& cfg, ModelConfig& c, std::string_view source) 
     if (!rs || rs->is_null()) rs = rp;
   }
   if (!rs || rs->is_null()) return;
-  OOM_CHECK(rs->is_object(), "[config] ", source, ": rope_scaling must be an object or null");
-  std::string type = "default";
-  if (const json::Value* t = rs->find("rope_type")) type = t->as_string("rope_type");
-  else if (const json::Value* t2 = rs->find("type")) type = t2->as_string("rope_scaling.type");
-  if (type == "default") return;
-  OOM_CHECK(type == "llama3", "[config] ", source, ": rope scaling type '", type,
-            "' is not supported; supported: none/default and llama3");
-  c.rope.llama3 = true;
-  c.rope.factor = get_num(*rs, "factor", 8.0);
-  c.rope.low_freq_factor = get_num(*rs, "low_freq_factor", 1.0);
-  c.rope.high_freq_factor = get_num(*rs, "high_freq_factor", 4.0);
-  c.rope.original_max_position = get_num(*rs, "original_max_position_embeddings", 8192.0);
-  OOM_CHECK(c.rope.factor > 0 && c.rope.high_freq_factor > c.rope.low_freq_factor && c.rope.original_max_position > 0,
-            "[config] ", source, ": llama3 rope scaling needs factor > 0, high_freq_factor > low_freq_factor and "
-            "original_max_position_embeddings > 0");
+  read_rope_scaling(*rs, c, source);
 }
 
 }  // namespace
@@ -217,6 +253,33 @@ ModelConfig ModelConfig::from_json(const json::Value& cfg, std::string_view sour
   return c;
 }
 
+void apply_rope_scaling(ModelConfig& c, std::string_view spec, std::string_view source) {
+  if (spec == "none" || spec == "default") {
+    c.rope = RopeConfig{c.rope.theta};
+    return;
+  }
+  if (!spec.empty() && spec.front() == '{') {
+    read_rope_scaling(json::parse(spec, source), c, source);
+    return;
+  }
+  const size_t colon = spec.find(':');
+  const std::string_view type = spec.substr(0, colon);
+  const std::string num = colon == std::string_view::npos ? std::string() : std::string(spec.substr(colon + 1));
+  char* end = nullptr;
+  const double factor = num.empty() ? 0.0 : std::strtod(num.c_str(), &end);
+  OOM_CHECK((type == "linear" || type == "llama3" || type == "yarn") && !num.empty() && end && *end == '\0' &&
+                factor >= 1 && std::isfinite(factor),
+            "[config] ", source, ": rope scaling '", spec, "' is not TYPE:FACTOR with TYPE linear, llama3 or yarn and "
+            "FACTOR >= 1 (e.g. yarn:4), none, or a rope_scaling JSON object");
+  // The model's context so far is the original one; the scaled model covers FACTOR times more.
+  json::Value rs = json::Value::object();
+  rs.set("rope_type", json::Value::string(std::string(type)));
+  rs.set("factor", json::Value::number(factor));
+  rs.set("original_max_position_embeddings", json::Value::integer(c.max_position));
+  read_rope_scaling(rs, c, source);
+  c.max_position = static_cast<int64_t>(std::llround(static_cast<double>(c.max_position) * factor));
+}
+
 ModelConfig ModelConfig::from_file(const std::string& path) { return from_json(json::parse_file(path), path); }
 
 json::Value ModelConfig::to_json() const {
@@ -235,13 +298,22 @@ json::Value ModelConfig::to_json() const {
   o.set("max_position_embeddings", Value::integer(max_position));
   o.set("rms_norm_eps", Value::number(rms_eps));
   o.set("rope_theta", Value::number(rope.theta));
-  if (rope.llama3) {
+  if (rope.scaling != RopeScaling::none) {
     Value rs = Value::object();
-    rs.set("rope_type", Value::string("llama3"));
+    rs.set("rope_type", Value::string(rope_scaling_name(rope.scaling)));
     rs.set("factor", Value::number(rope.factor));
-    rs.set("low_freq_factor", Value::number(rope.low_freq_factor));
-    rs.set("high_freq_factor", Value::number(rope.high_freq_factor));
-    rs.set("original_max_position_embeddings", Value::integer(static_cast<int64_t>(rope.original_max_position)));
+    if (rope.scaling == RopeScaling::llama3) {
+      rs.set("low_freq_factor", Value::number(rope.low_freq_factor));
+      rs.set("high_freq_factor", Value::number(rope.high_freq_factor));
+    }
+    if (rope.scaling == RopeScaling::yarn) {
+      rs.set("beta_fast", Value::number(rope.beta_fast));
+      rs.set("beta_slow", Value::number(rope.beta_slow));
+      rs.set("truncate", Value::boolean(rope.truncate));
+      rs.set("attention_factor", Value::number(rope.attention_factor));
+    }
+    if (rope.scaling != RopeScaling::linear)
+      rs.set("original_max_position_embeddings", Value::integer(static_cast<int64_t>(rope.original_max_position)));
     o.set("rope_scaling", std::move(rs));
   } else {
     o.set("rope_scaling", Value());

@@ -51,6 +51,12 @@ struct ModelConfig {
   json::Value to_json() const;
 };
 
+// Overrides c's rotary scaling (--rope-scaling) for training or evaluating past the model's native
+// context: "none"; "TYPE:FACTOR" with TYPE linear, llama3 or yarn (the original context is the model's
+// max_position_embeddings, which becomes FACTOR times longer); or a JSON object in config.json's rope_scaling
+// form. The result is what to_json() writes. Throws naming the accepted forms.
+void apply_rope_scaling(ModelConfig& c, std::string_view spec, std::string_view source);
+
 // Random-init presets: "micro", "tiny", "smollm2-135m". Throws naming the known presets.
 ModelConfig preset_config(std::string_view name);
 std::vector<std::string> preset_names();

@@ -1,9 +1,37 @@
 #include "model/paged_kv.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 namespace oomless {
+
+namespace {
+
+// Rows [r0, r0 + n) of a (T, ...) tensor.
+Tensor rows(const Tensor& t, int64_t r0, int64_t n) {
+  const int64_t per = t.numel() / t.dims[0];
+  Tensor r = t;
+  r.data = static_cast<char*>(t.data) + dtype_bytes(t.dtype, r0 * per);
+  r.dims[0] = n;
+  return r;
+}
+
+// Element i of an f32 or f64 tensor, as double.
+inline double at(const void* p, DType t, int64_t i) {
+  return t == DType::f64 ? static_cast<const double*>(p)[i] : static_cast<const float*>(p)[i];
+}
+
+}  // namespace
+
+PageSummary parse_page_summary(std::string_view s) {
+  if (s == "mean") return PageSummary::mean;
+  if (s == "minmax") return PageSummary::minmax;
+  fail("[kv] unknown --page-summary '", s, "'; use mean or minmax");
+}
+
+const char* page_summary_name(PageSummary s) { return s == PageSummary::mean ? "mean" : "minmax"; }
 
 KvOffload parse_kv_offload(std::string_view s) {
   if (s == "none") return KvOffload::none;
@@ -21,14 +49,15 @@ const char* kv_offload_name(KvOffload m) {
   return "?";
 }
 
-// C/P pages of one earlier chunk and one layer, as attention reads them: in mode none the pages
-// themselves (home pool ids), otherwise fixed Device pages (dev) that transfers fill and empty.
+// Up to C/P earlier pages of one layer, as attention reads them: in mode none the pages themselves (home
+// pool ids), otherwise fixed Device pages (dev) that transfers fill and empty.
 struct PagedKvStore::Window {
   std::vector<int64_t> dev;                 // Device page ids in the window pool (host/disk)
+  std::vector<int64_t> lps;                 // the logical pages held, in order
   std::vector<int64_t> pages;               // none: the home page ids read in place
   std::vector<Offloader::Ticket> pending;   // transfers into or out of dev not yet waited on
   std::vector<KvBlock> blocks;
-  int64_t layer = -1, chunk = -1;
+  int64_t layer = -1;
 };
 
 PagedKvStore::PagedKvStore(const ModelConfig& cfg, Ops& ops, Arena& device, Arena& host, const PagedKvOptions& opt,
@@ -37,10 +66,18 @@ PagedKvStore::PagedKvStore(const ModelConfig& cfg, Ops& ops, Arena& device, Aren
   OOM_CHECK(opt.C >= 1 && opt.P >= 1 && opt.C % opt.P == 0, "[kv] the page length must divide the chunk length; got "
             "--chunk ", opt.C, " and --page ", opt.P);
   OOM_CHECK(max_T >= 1, "[kv] sequence length must be >= 1, got ", max_T);
-  shape_ = PageShape{cfg.Hkv, opt.P, cfg.D, ops.act_dtype()};
+  OOM_CHECK(opt.sparse_pages >= 0 && opt.sink_pages >= 0, "[kv] --sparse-pages and --sink-pages must be >= 0, got ",
+            opt.sparse_pages, " and ", opt.sink_pages);
+  const DType act = ops.act_dtype();
+  OOM_CHECK(act == DType::f32 || act == DType::f64, "[kv] the paged store needs an f32 or f64 backend, not ",
+            ops.name());
+  shape_ = PageShape{cfg.Hkv, opt.P, cfg.D, act};
   const int64_t ppc = pages_per_chunk();
+  max_T_ = max_T;
+  max_chunks_ = (max_T + opt.C - 1) / opt.C;
   // Chunks whose keys are kept: all but the last of the longest sequence.
-  const int64_t hist_pages = cfg.L * ((max_T - 1) / opt.C) * ppc;
+  hist_pages_ = ((max_T - 1) / opt.C) * ppc;
+  const int64_t hist_pages = cfg.L * hist_pages_;
   const Category KV = Category::kv, G = Category::kv_grad;
   if (opt.offload != KvOffload::disk) {
     Arena& a = opt.offload == KvOffload::none ? device : host;
@@ -79,13 +116,22 @@ PagedKvStore::PagedKvStore(const ModelConfig& cfg, Ops& ops, Arena& device, Aren
     windows(own_win_, 1, gwin_.get());
   }
   const int64_t C = opt.C, H = cfg.H, D = cfg.D;
-  const size_t f = sizeof(float);
-  OOM_CHECK(ops.act_dtype() == DType::f32, "[kv] the paged store runs on an f32 backend, not ", ops.name());
-  scratch_ = device.alloc(static_cast<size_t>(2 * C * H * D + H * C) * f, Category::workspace, "attention merge");
-  float* p = scratch_.as<float>();
-  o2_ = Tensor(p, DType::f32, {C, H, D});
-  dq2_ = Tensor(p + C * H * D, DType::f32, {C, H, D});
-  lse2_ = Tensor(p + 2 * C * H * D, DType::f32, {H, C});
+  scratch_ = device.alloc(static_cast<size_t>(dtype_bytes(act, 2 * C * H * D + H * C)), Category::workspace,
+                          "attention merge");
+  char* p = static_cast<char*>(scratch_.data());
+  o2_ = Tensor(p, act, {C, H, D});
+  dq2_ = Tensor(p + dtype_bytes(act, C * H * D), act, {C, H, D});
+  lse2_ = Tensor(p + dtype_bytes(act, 2 * C * H * D), act, {H, C});
+  if (sparse()) {
+    const int64_t S = opt.summary == PageSummary::mean ? 1 : 2;
+    summ_ = device.alloc(static_cast<size_t>(std::max<int64_t>(1, cfg.L * hist_pages_ * S * cfg.Hkv * D)) * sizeof(float),
+                         KV, "page summaries");
+    const int64_t n = cfg.L * max_chunks_ * ppc;
+    sel_ = host.alloc(static_cast<size_t>(n * sel_width() + 1) * sizeof(int32_t), KV, "page selections");
+    sel_n_ = host.alloc(static_cast<size_t>(n) * sizeof(int32_t), KV, "page selection counts");
+    std::memset(sel_n_.data(), 0, static_cast<size_t>(n) * sizeof(int32_t));
+    made_.assign(static_cast<size_t>(cfg.L * max_chunks_), 0);
+  }
 }
 
 PagedKvStore::~PagedKvStore() {
@@ -108,14 +154,39 @@ void PagedKvStore::settle(std::vector<Offloader::Ticket>& tickets) {
 
 void PagedKvStore::begin(int64_t T, int64_t C) {
   OOM_CHECK(C == opt_.C, "[kv] the store was set up for chunks of ", opt_.C, " tokens, not ", C);
+  OOM_CHECK(T >= 1 && T <= max_T_, "[kv] the store was set up for sequences of up to ", max_T_, " tokens, not ", T);
   end();
   T_ = T;
   chunk_ = 0;
+  if (!opt_.keep_selection) std::fill(made_.begin(), made_.end(), 0);
 }
 
 void PagedKvStore::set_chunk(int64_t c) {
   OOM_CHECK(c >= 0 && c * opt_.C < T_, "[kv] chunk ", c, " is outside the sequence of ", T_, " tokens");
   chunk_ = c;
+}
+
+// The summary of page lp of `layer` from the chunk's keys k (Hkv, Tc, D), rows [row0, row0 + P).
+void PagedKvStore::summarize(int64_t layer, int64_t lp, const Tensor& k, int64_t row0) {
+  const int64_t Hkv = cfg_.Hkv, D = cfg_.D, P = opt_.P, Tc = k.dims[1];
+  const int64_t S = opt_.summary == PageSummary::mean ? 1 : 2;
+  float* out = static_cast<float*>(summ_.data()) + ((layer * hist_pages_ + lp) * S) * Hkv * D;
+  for (int64_t h = 0; h < Hkv; ++h)
+    for (int64_t d = 0; d < D; ++d) {
+      double sum = 0, lo = std::numeric_limits<double>::infinity(), hi = -lo;
+      for (int64_t t = 0; t < P; ++t) {
+        const double x = at(k.data, k.dtype, (h * Tc + row0 + t) * D + d);
+        sum += x;
+        lo = std::min(lo, x);
+        hi = std::max(hi, x);
+      }
+      if (S == 1) {
+        out[h * D + d] = static_cast<float>(sum / static_cast<double>(P));
+      } else {
+        out[h * D + d] = static_cast<float>(lo);
+        out[(Hkv + h) * D + d] = static_cast<float>(hi);
+      }
+    }
 }
 
 // Scatter rows: page i of a chunk holds positions [i P, (i + 1) P) of every kv head.
@@ -125,9 +196,13 @@ void PagedKvStore::store(int64_t layer, Tensor k, Tensor v) {
   Window& s = *stage_[static_cast<size_t>(next_stage_)];
   next_stage_ ^= 1;
   if (off_) settle(s.pending);
-  const size_t row = static_cast<size_t>(P * D) * sizeof(float), half = shape_.half_bytes();
+  const size_t row = static_cast<size_t>(dtype_bytes(shape_.dtype, P * D)), half = shape_.half_bytes();
+  const auto at_row = [&](const Tensor& t, int64_t h, int64_t r) {
+    return static_cast<const char*>(t.data) + dtype_bytes(t.dtype, (h * Tc + r) * D);
+  };
   for (int64_t i = 0; i < ppc; ++i) {
     const int64_t lp = chunk_ * ppc + i;
+    if (sparse()) summarize(layer, lp, k, i * P);
     PageRef ref{Tier::Device, 0, static_cast<int32_t>(lp * P), static_cast<int32_t>(P)};
     char* dst;
     if (opt_.offload == KvOffload::none) {
@@ -137,9 +212,8 @@ void PagedKvStore::store(int64_t layer, Tensor k, Tensor v) {
       dst = static_cast<char*>(win_->k(s.dev[static_cast<size_t>(i)]));
     }
     for (int64_t h = 0; h < Hkv; ++h) {
-      std::memcpy(dst + static_cast<size_t>(h) * row, static_cast<const float*>(k.data) + (h * Tc + i * P) * D, row);
-      std::memcpy(dst + half + static_cast<size_t>(h) * row, static_cast<const float*>(v.data) + (h * Tc + i * P) * D,
-                  row);
+      std::memcpy(dst + static_cast<size_t>(h) * row, at_row(k, h, i * P), row);
+      std::memcpy(dst + half + static_cast<size_t>(h) * row, at_row(v, h, i * P), row);
     }
     if (opt_.offload == KvOffload::host) {
       ref.tier = Tier::Host;
@@ -154,14 +228,137 @@ void PagedKvStore::store(int64_t layer, Tensor k, Tensor v) {
   }
 }
 
-void PagedKvStore::start_fetch(Window& w, int64_t layer, int64_t chunk, bool grads) {
-  const int64_t ppc = pages_per_chunk(), seq = grads ? kGrad : kKv;
+// The selections of the current chunk in `layer` from its queries q (Tc, H, D), unless made already (a
+// recompute or backward of a chunk whose forward selected, or keep_selection).
+void PagedKvStore::select(int64_t layer, const Tensor& q) {
+  uint8_t& made = made_[static_cast<size_t>(layer * max_chunks_ + chunk_)];
+  if (made) return;
+  const int64_t Tc = q.dims[0], H = cfg_.H, Hkv = cfg_.Hkv, D = cfg_.D, P = opt_.P, ppc = pages_per_chunk();
+  const int64_t group = H / Hkv, hist = chunk_ * ppc, K = sel_width(), nq = (Tc + P - 1) / P;
+  const int64_t S = opt_.summary == PageSummary::mean ? 1 : 2, sinks = std::min(opt_.sink_pages, hist);
+  const float* summ = static_cast<const float*>(summ_.data()) + layer * hist_pages_ * S * Hkv * D;
+  int32_t* sel = static_cast<int32_t*>(sel_.data()) + (layer * max_chunks_ + chunk_) * ppc * K;
+  int32_t* cnt = static_cast<int32_t*>(sel_n_.data()) + (layer * max_chunks_ + chunk_) * ppc;
+  std::fill(cnt + nq, cnt + ppc, 0);  // pages past a short last chunk hold no queries
+  // Query pages are independent: any thread count gives the same selections.
+#pragma omp parallel
+  {
+    std::vector<double> qs(static_cast<size_t>(H * D));
+    std::vector<double> score(static_cast<size_t>(hist));
+    std::vector<int32_t> order;
+#pragma omp for schedule(static)
+    for (int64_t qp = 0; qp < nq; ++qp) {
+      int32_t* out = sel + qp * K;
+      if (hist <= K) {
+        for (int64_t j = 0; j < hist; ++j) out[j] = static_cast<int32_t>(j);
+        cnt[qp] = static_cast<int32_t>(hist);
+        continue;
+      }
+      std::fill(qs.begin(), qs.end(), 0.0);
+      for (int64_t t = qp * P; t < std::min(Tc, (qp + 1) * P); ++t)
+        for (int64_t i = 0; i < H * D; ++i) qs[static_cast<size_t>(i)] += at(q.data, q.dtype, t * H * D + i);
+      for (int64_t j = sinks; j < hist; ++j) {
+        const float* m = summ + j * S * Hkv * D;
+        double sc = 0;
+        for (int64_t h = 0; h < H; ++h) {
+          const double* x = qs.data() + h * D;
+          const float* lo = m + (h / group) * D;
+          if (S == 1) {
+            for (int64_t d = 0; d < D; ++d) sc += x[d] * lo[d];
+          } else {
+            const float* hi = m + (Hkv + h / group) * D;
+            for (int64_t d = 0; d < D; ++d) sc += std::max(x[d] * lo[d], x[d] * hi[d]);
+          }
+        }
+        score[static_cast<size_t>(j)] = std::isnan(sc) ? -std::numeric_limits<double>::infinity() : sc;
+      }
+      order.resize(static_cast<size_t>(hist - sinks));
+      for (int64_t j = sinks; j < hist; ++j) order[static_cast<size_t>(j - sinks)] = static_cast<int32_t>(j);
+      const int64_t k = std::min(opt_.sparse_pages, hist - sinks);
+      std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
+        const double sa = score[static_cast<size_t>(a)], sb = score[static_cast<size_t>(b)];
+        return sa > sb || (sa == sb && a < b);
+      });
+      for (int64_t j = 0; j < sinks; ++j) out[j] = static_cast<int32_t>(j);
+      std::copy(order.begin(), order.begin() + k, out + sinks);
+      std::sort(out, out + sinks + k);
+      cnt[qp] = static_cast<int32_t>(sinks + k);
+    }
+  }
+  made = 1;
+}
+
+std::vector<int64_t> PagedKvStore::selection(int64_t layer, int64_t c, int64_t qp) const {
+  std::vector<int64_t> r;
+  if (!sparse() || layer < 0 || layer >= cfg_.L || c < 0 || c >= max_chunks_ || qp < 0 || qp >= pages_per_chunk() ||
+      !made_[static_cast<size_t>(layer * max_chunks_ + c)])
+    return r;
+  const int64_t i = (layer * max_chunks_ + c) * pages_per_chunk() + qp;
+  const int32_t* sel = static_cast<const int32_t*>(sel_.data()) + i * sel_width();
+  r.assign(sel, sel + static_cast<const int32_t*>(sel_n_.data())[i]);
+  return r;
+}
+
+// The windows the current chunk's history is read in. Dense: the earlier chunks, every row reading all of
+// each. Sparse: the union of the query pages' selections in page order, C/P pages per window; in each,
+// consecutive query pages that read the same pages of it form one group.
+std::vector<PagedKvStore::Step> PagedKvStore::plan(int64_t layer, int64_t Tc) const {
+  const int64_t ppc = pages_per_chunk(), P = opt_.P;
+  std::vector<Step> steps;
+  if (!sparse()) {
+    for (int64_t j = 0; j < chunk_; ++j) {
+      Step s;
+      Group g{0, Tc, {}};
+      for (int64_t i = 0; i < ppc; ++i) {
+        s.pages.push_back(j * ppc + i);
+        g.idx.push_back(static_cast<int32_t>(i));
+      }
+      s.groups.push_back(std::move(g));
+      steps.push_back(std::move(s));
+    }
+    return steps;
+  }
+  OOM_CHECK(made_[static_cast<size_t>(layer * max_chunks_ + chunk_)], "[kv] internal: layer ", layer, " chunk ",
+            chunk_, " has no page selection");
+  const int64_t nq = (Tc + P - 1) / P, K = sel_width();
+  const int32_t* sel = static_cast<const int32_t*>(sel_.data()) + (layer * max_chunks_ + chunk_) * ppc * K;
+  const int32_t* cnt = static_cast<const int32_t*>(sel_n_.data()) + (layer * max_chunks_ + chunk_) * ppc;
+  std::vector<int64_t> all;
+  for (int64_t qp = 0; qp < nq; ++qp) all.insert(all.end(), sel + qp * K, sel + qp * K + cnt[qp]);
+  std::sort(all.begin(), all.end());
+  all.erase(std::unique(all.begin(), all.end()), all.end());
+  for (size_t w0 = 0; w0 < all.size(); w0 += static_cast<size_t>(ppc)) {
+    Step s;
+    s.pages.assign(all.begin() + static_cast<std::ptrdiff_t>(w0),
+                   all.begin() + static_cast<std::ptrdiff_t>(std::min(all.size(), w0 + static_cast<size_t>(ppc))));
+    for (int64_t qp = 0; qp < nq; ++qp) {
+      std::vector<int32_t> idx;
+      size_t i = 0;
+      for (const int32_t* p = sel + qp * K; p < sel + qp * K + cnt[qp]; ++p) {
+        while (i < s.pages.size() && s.pages[i] < *p) ++i;
+        if (i < s.pages.size() && s.pages[i] == *p) idx.push_back(static_cast<int32_t>(i));
+      }
+      const int64_t r0 = qp * P, n = std::min(P, Tc - r0);
+      if (idx.empty()) continue;
+      if (!s.groups.empty() && s.groups.back().r0 + s.groups.back().n == r0 && s.groups.back().idx == idx) {
+        s.groups.back().n += n;
+      } else {
+        s.groups.push_back({r0, n, std::move(idx)});
+      }
+    }
+    steps.push_back(std::move(s));
+  }
+  return steps;
+}
+
+void PagedKvStore::start_fetch(Window& w, int64_t layer, const std::vector<int64_t>& lps, bool grads) {
+  const int64_t seq = grads ? kGrad : kKv;
   w.layer = layer;
-  w.chunk = chunk;
+  w.lps = lps;
   w.pages.clear();
   PagePool* home = grads ? ghome_.get() : home_.get();
-  for (int64_t i = 0; i < ppc; ++i) {
-    const int64_t lp = chunk * ppc + i;
+  for (size_t i = 0; i < lps.size(); ++i) {
+    const int64_t lp = lps[i];
     const PageRef* ref = table_.find(seq, static_cast<int32_t>(layer), lp);
     if (!ref) {
       // A gradient page no chunk has touched yet starts at zero.
@@ -179,7 +376,7 @@ void PagedKvStore::start_fetch(Window& w, int64_t layer, int64_t chunk, bool gra
         w.pages.push_back(nr.slot);
       } else {
         settle(w.pending);  // a write-back may still be reading this window
-        gwin_->zero(w.dev[static_cast<size_t>(i)]);
+        gwin_->zero(w.dev[i]);
       }
       table_.set(seq, static_cast<int32_t>(layer), lp, nr);
       continue;
@@ -188,7 +385,7 @@ void PagedKvStore::start_fetch(Window& w, int64_t layer, int64_t chunk, bool gra
       w.pages.push_back(ref->slot);
     } else {
       PagePool* pool = grads ? gwin_.get() : win_.get();
-      void* dst = pool->k(w.dev[static_cast<size_t>(i)]);
+      void* dst = pool->k(w.dev[i]);
       // FIFO: this runs after any write-back still reading the window.
       w.pending.push_back(ref->tier == Tier::Disk
                               ? off_->from_disk(dst, ref->slot, shape_.page_bytes(), 0, Tier::Device)
@@ -201,28 +398,28 @@ void PagedKvStore::finish_fetch(Window& w) {
   if (off_) settle(w.pending);
 }
 
-KvBlocks PagedKvStore::blocks_of(Window& w, bool grads) {
-  const int64_t ppc = pages_per_chunk(), P = opt_.P;
+KvBlocks PagedKvStore::blocks_of(Window& w, bool grads, const std::vector<int32_t>& idx) {
+  const int64_t P = opt_.P;
   w.blocks.clear();
-  for (int64_t i = 0; i < ppc; ++i) {
-    const int32_t start = static_cast<int32_t>((w.chunk * ppc + i) * P);
+  for (int32_t i : idx) {
+    const size_t u = static_cast<size_t>(i);
+    const int32_t start = static_cast<int32_t>(w.lps[u] * P);
     if (opt_.offload == KvOffload::none) {
       PagePool& pool = grads ? *ghome_ : *home_;
-      w.blocks.push_back(pool.block(w.pages[static_cast<size_t>(i)], start, static_cast<int32_t>(P)));
+      w.blocks.push_back(pool.block(w.pages[u], start, static_cast<int32_t>(P)));
     } else {
       PagePool& pool = grads ? *gwin_ : *win_;
-      w.blocks.push_back(pool.block(w.dev[static_cast<size_t>(i)], start, static_cast<int32_t>(P)));
+      w.blocks.push_back(pool.block(w.dev[u], start, static_cast<int32_t>(P)));
     }
   }
-  return KvBlocks{w.blocks.data(), ppc, cfg_.Hkv, P, cfg_.D, shape_.dtype};
+  return KvBlocks{w.blocks.data(), static_cast<int64_t>(idx.size()), cfg_.Hkv, P, cfg_.D, shape_.dtype};
 }
 
 void PagedKvStore::write_back_grads(Window& w) {
   if (opt_.offload == KvOffload::none) return;  // accumulated in place
-  const int64_t ppc = pages_per_chunk();
-  for (int64_t i = 0; i < ppc; ++i) {
-    const PageRef& ref = table_.at(kGrad, static_cast<int32_t>(w.layer), w.chunk * ppc + i);
-    void* src = gwin_->k(w.dev[static_cast<size_t>(i)]);
+  for (size_t i = 0; i < w.lps.size(); ++i) {
+    const PageRef& ref = table_.at(kGrad, static_cast<int32_t>(w.layer), w.lps[i]);
+    void* src = gwin_->k(w.dev[i]);
     w.pending.push_back(ref.tier == Tier::Disk
                             ? off_->to_disk(ref.slot, src, shape_.page_bytes(), 0, Tier::Device)
                             : off_->copy(ghome_->k(ref.slot), src, shape_.page_bytes(), Tier::Device, Tier::Host));
@@ -235,14 +432,19 @@ void PagedKvStore::forward(int64_t layer, Tensor o, Tensor lse, Tensor q, Tensor
   KvBlock own{k.data, v.data, static_cast<int32_t>(chunk_ * opt_.C), static_cast<int32_t>(Tc)};
   ops_.attention_forward(o, lse, q, KvBlocks{&own, 1, cfg_.Hkv, Tc, D, k.dtype}, pos, scale);
   if (chunk_ == 0) return;
-  Tensor o2(o2_.data, DType::f32, {Tc, H, D}), l2(lse2_.data, DType::f32, {H, Tc});
-  start_fetch(*kv_win_[0], layer, 0, false);
-  for (int64_t j = 0; j < chunk_; ++j) {
-    Window& w = *kv_win_[static_cast<size_t>(j % 2)];
-    if (j + 1 < chunk_) start_fetch(*kv_win_[static_cast<size_t>((j + 1) % 2)], layer, j + 1, false);
+  if (sparse()) select(layer, q);
+  const std::vector<Step> steps = plan(layer, Tc);
+  if (steps.empty()) return;
+  start_fetch(*kv_win_[0], layer, steps[0].pages, false);
+  for (size_t j = 0; j < steps.size(); ++j) {
+    Window& w = *kv_win_[j % 2];
+    if (j + 1 < steps.size()) start_fetch(*kv_win_[(j + 1) % 2], layer, steps[j + 1].pages, false);
     finish_fetch(w);
-    ops_.attention_forward(o2, l2, q, blocks_of(w, false), pos, scale);
-    ops_.attention_merge(o, lse, o2, l2);
+    for (const Group& g : steps[j].groups) {
+      Tensor o2(o2_.data, o.dtype, {g.n, H, D}), l2(lse2_.data, lse.dtype, {H, g.n});
+      ops_.attention_forward(o2, l2, rows(q, g.r0, g.n), blocks_of(w, false, g.idx), rows(pos, g.r0, g.n), scale);
+      ops_.attention_merge(o, lse, o2, l2, g.r0);
+    }
   }
 }
 
@@ -252,40 +454,67 @@ void PagedKvStore::backward(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Tens
   const int64_t Tc = q.dims[0], H = cfg_.H, Hkv = cfg_.Hkv, D = cfg_.D, P = opt_.P, ppc = pages_per_chunk();
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   // The chunk's own key gradients that later chunks left in the store (none for the last chunk): dk, dv
-  // start at zero, so taking them is a copy; this chunk's share is added on top by the kernel.
-  if (table_.find(kGrad, static_cast<int32_t>(layer), chunk_ * ppc)) {
+  // start at zero, so taking them is a copy; this chunk's share is added on top by the kernel. A page no
+  // later chunk read (sparse) has none: its rows stay zero.
+  const int64_t own0 = chunk_ * ppc;
+  std::vector<int64_t> left;
+  for (int64_t i = 0; i < ppc && i * P < Tc; ++i)
+    if (table_.find(kGrad, static_cast<int32_t>(layer), own0 + i)) left.push_back(own0 + i);
+  if (!left.empty()) {
     Window& w = *own_win_[0];
-    start_fetch(w, layer, chunk_, true);
+    start_fetch(w, layer, left, true);
     finish_fetch(w);
-    const KvBlocks g = blocks_of(w, true);
-    const size_t row = static_cast<size_t>(P * D) * sizeof(float);
-    for (int64_t i = 0; i < ppc && i * P < Tc; ++i)
+    std::vector<int32_t> idx(left.size());
+    for (size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<int32_t>(i);
+    const KvBlocks g = blocks_of(w, true, idx);
+    const size_t row = static_cast<size_t>(dtype_bytes(dk.dtype, P * D));
+    for (size_t b = 0; b < left.size(); ++b) {
+      const int64_t i = left[b] - own0;
       for (int64_t h = 0; h < Hkv; ++h) {
-        std::memcpy(static_cast<float*>(dk.data) + (h * Tc + i * P) * D,
-                    static_cast<const char*>(g.blocks[i].k) + static_cast<size_t>(h) * row, row);
-        std::memcpy(static_cast<float*>(dv.data) + (h * Tc + i * P) * D,
-                    static_cast<const char*>(g.blocks[i].v) + static_cast<size_t>(h) * row, row);
+        std::memcpy(static_cast<char*>(dk.data) + dtype_bytes(dk.dtype, (h * Tc + i * P) * D),
+                    static_cast<const char*>(g.blocks[b].k) + static_cast<size_t>(h) * row, row);
+        std::memcpy(static_cast<char*>(dv.data) + dtype_bytes(dv.dtype, (h * Tc + i * P) * D),
+                    static_cast<const char*>(g.blocks[b].v) + static_cast<size_t>(h) * row, row);
       }
+    }
   }
   KvBlock own{k.data, v.data, static_cast<int32_t>(chunk_ * opt_.C), static_cast<int32_t>(Tc)};
   KvBlock down{dk.data, dv.data, own.start, own.len};
   ops_.attention_backward(dq, KvBlocks{&down, 1, Hkv, Tc, D, dk.dtype}, dout, q, KvBlocks{&own, 1, Hkv, Tc, D, k.dtype},
                           o, lse, pos, scale);
   if (chunk_ == 0) return;
-  Tensor dq2(dq2_.data, DType::f32, {Tc, H, D});
-  start_fetch(*kv_win_[0], layer, 0, false);
-  start_fetch(*grad_win_[0], layer, 0, true);
-  for (int64_t j = 0; j < chunk_; ++j) {
-    Window& w = *kv_win_[static_cast<size_t>(j % 2)];
-    Window& g = *grad_win_[static_cast<size_t>(j % 3)];
-    if (j + 1 < chunk_) {
-      start_fetch(*kv_win_[static_cast<size_t>((j + 1) % 2)], layer, j + 1, false);
-      start_fetch(*grad_win_[static_cast<size_t>((j + 1) % 3)], layer, j + 1, true);
+  const std::vector<Step> steps = plan(layer, Tc);
+  if (steps.empty()) return;
+  start_fetch(*kv_win_[0], layer, steps[0].pages, false);
+  start_fetch(*grad_win_[0], layer, steps[0].pages, true);
+  for (size_t j = 0; j < steps.size(); ++j) {
+    Window& w = *kv_win_[j % 2];
+    Window& g = *grad_win_[j % 3];
+    if (j + 1 < steps.size()) {
+      start_fetch(*kv_win_[(j + 1) % 2], layer, steps[j + 1].pages, false);
+      start_fetch(*grad_win_[(j + 1) % 3], layer, steps[j + 1].pages, true);
     }
     finish_fetch(w);
     finish_fetch(g);
-    ops_.attention_backward(dq2, blocks_of(g, true), dout, q, blocks_of(w, false), o, lse, pos, scale);
-    ops_.add(dq, dq, dq2);
+    for (const Group& gr : steps[j].groups) {
+      if (gr.n == Tc) {
+        Tensor dq2(dq2_.data, dq.dtype, {Tc, H, D});
+        ops_.attention_backward(dq2, blocks_of(g, true, gr.idx), dout, q, blocks_of(w, false, gr.idx), o, lse, pos,
+                                scale);
+        ops_.add(dq, dq, dq2);
+        continue;
+      }
+      // Some rows: their lse gathered into (H, n).
+      Tensor l(lse2_.data, lse.dtype, {H, gr.n}), dq2(dq2_.data, dq.dtype, {gr.n, H, D});
+      for (int64_t h = 0; h < H; ++h)
+        std::memcpy(static_cast<char*>(l.data) + dtype_bytes(l.dtype, h * gr.n),
+                    static_cast<const char*>(lse.data) + dtype_bytes(lse.dtype, h * Tc + gr.r0),
+                    static_cast<size_t>(dtype_bytes(lse.dtype, gr.n)));
+      const Tensor dq_rows = rows(dq, gr.r0, gr.n);
+      ops_.attention_backward(dq2, blocks_of(g, true, gr.idx), rows(dout, gr.r0, gr.n), rows(q, gr.r0, gr.n),
+                              blocks_of(w, false, gr.idx), rows(o, gr.r0, gr.n), l, rows(pos, gr.r0, gr.n), scale);
+      ops_.add(dq_rows, dq_rows, dq2);
+    }
     write_back_grads(g);
   }
 }

@@ -40,7 +40,8 @@ void on_signal(int) { g_stop = 1; }
 // Settings a resumed run must share with the run that saved the checkpoint (the rest may change).
 const char* kFixedOnResume[] = {"model", "data", "seq", "batch", "grad-accum", "lr", "min-lr", "warmup",
                                 "schedule", "weight-decay", "beta1", "beta2", "eps", "clip", "dtype",
-                                "seed", "save-policy", "epochs", "chunk", "page", "rope-theta"};
+                                "seed", "save-policy", "epochs", "chunk", "page", "rope-theta",
+                                "rope-scaling", "sparse-pages", "sink-pages", "page-summary"};
 
 std::string binary_id() {
   std::error_code ec;
@@ -115,6 +116,10 @@ void TrainConfig::apply_json(const json::Value& o, const std::string& source) {
     else if (k == "kv-offload") kv_offload = str();
     else if (k == "spill-dir") spill_dir = str();
     else if (k == "rope-theta") rope_theta = num();
+    else if (k == "rope-scaling") rope_scaling = str();
+    else if (k == "sparse-pages") sparse_pages = integer();
+    else if (k == "sink-pages") sink_pages = integer();
+    else if (k == "page-summary") page_summary = str();
     else fail("[train] ", source, ": unknown key \"", k, "\"; keys are the long flag names without --");
   }
 }
@@ -155,6 +160,10 @@ json::Value TrainConfig::to_json() const {
   o.set("kv-offload", Value::string(kv_offload));
   o.set("spill-dir", Value::string(spill_dir));
   o.set("rope-theta", Value::number(rope_theta));
+  o.set("rope-scaling", Value::string(rope_scaling));
+  o.set("sparse-pages", Value::integer(sparse_pages));
+  o.set("sink-pages", Value::integer(sink_pages));
+  o.set("page-summary", Value::string(page_summary));
   return o;
 }
 
@@ -236,6 +245,7 @@ int train_run(const TrainConfig& c, const std::string& out) {
     OOM_CHECK(std::isfinite(c.rope_theta), "[train] --rope-theta must be a positive number, got ", c.rope_theta);
     src.cfg.rope.theta = c.rope_theta;  // and so into every checkpoint's config.json
   }
+  if (!c.rope_scaling.empty()) apply_rope_scaling(src.cfg, c.rope_scaling, "--rope-scaling");
   const size_t budget = c.budget.empty() ? (size_t{1} << 46) : parse_size(c.budget);
   CpuMemory mem(budget);
   auto ops = make_ops("cpu", &mem.device);
@@ -248,6 +258,8 @@ int train_run(const TrainConfig& c, const std::string& out) {
   // Chunk-recurrent mode: activations for one chunk, K/V of earlier chunks in a paged store.
   std::unique_ptr<PagedKvStore> kv;
   const int64_t C = c.chunk > 0 ? std::min(c.chunk, c.seq) : 0;
+  OOM_CHECK(c.sparse_pages == 0 || C > 0, "[train] --sparse-pages ", c.sparse_pages, " needs --chunk C: page-sparse "
+            "attention selects among the pages of chunk-recurrent training's K/V store");
   try {
     if (C > 0) {
       PagedKvOptions ko;
@@ -255,6 +267,9 @@ int train_run(const TrainConfig& c, const std::string& out) {
       ko.P = c.page > 0 ? c.page : std::min<int64_t>(64, C);
       ko.offload = parse_kv_offload(c.kv_offload);
       ko.spill_dir = c.spill_dir.empty() ? out : c.spill_dir;
+      ko.sparse_pages = c.sparse_pages;
+      ko.sink_pages = c.sink_pages;
+      ko.summary = parse_page_summary(c.page_summary);
       if (ko.offload == KvOffload::disk) fs::create_directories(out);
       model.reserve(C, true, true);
       kv = std::make_unique<PagedKvStore>(src.cfg, *ops, mem.device, mem.host, ko, c.seq, true);

@@ -47,6 +47,10 @@ struct TrainConfig {
   std::string kv_offload = "none";  // none, host or disk: where past chunks' K/V pages live
   std::string spill_dir;        // disk: the spill file's folder (empty: --out)
   double rope_theta = 0;        // > 0: overrides the model's RoPE base
+  std::string rope_scaling;     // non-empty: overrides the model's RoPE scaling (apply_rope_scaling)
+  int64_t sparse_pages = 0;     // page-sparse attention: each query page reads its k best earlier pages (0: dense)
+  int64_t sink_pages = 1;       // with sparse_pages: the first pages every query page reads
+  std::string page_summary = "mean";  // with sparse_pages: mean or minmax
 
   // Keys are the long flag names without "--" (e.g. "grad-accum"); unknown keys are an error.
   void apply_json(const json::Value& o, const std::string& source);

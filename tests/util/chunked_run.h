@@ -42,7 +42,7 @@ inline std::vector<Variant> variants() {
   v.push_back({"llama_mha_tied", c});
   c = small_config();
   c.qkv_bias = c.o_bias = true;
-  c.rope.llama3 = true, c.rope.factor = 4.0, c.rope.original_max_position = 16.0;
+  c.rope.scaling = RopeScaling::llama3, c.rope.factor = 4.0, c.rope.original_max_position = 16.0;
   v.push_back({"llama_bias_llama3", c});
   c = small_config();
   c.arch = Arch::qwen3, c.qk_norm = true, c.D = 8;
@@ -63,12 +63,66 @@ struct Result {
   std::vector<std::string> names;
   size_t peak_activations = 0, peak_device = 0, peak_host = 0;
   OffloadStats stats;
+  std::vector<uint64_t> fetched;  // per chunk: bytes moved to Device from Host or Disk (both passes)
+  std::vector<std::vector<int64_t>> selections;  // sparse: every (layer, chunk, query page) selection, in order
 };
 
 struct RunSetup {
   ModelConfig cfg;
   SavePolicy policy = SavePolicy::all;
   ComputeDType dtype = ComputeDType::f32;
+  int64_t sparse_pages = 0, sink_pages = 1;
+  PageSummary summary = PageSummary::mean;
+};
+
+// A ChunkKv in front of a PagedKvStore that charges the store's transfers to the chunk they serve: the
+// bytes moved to Device between one set_chunk and the next (or end) belong to the first one's chunk.
+class RecordingKv final : public ChunkKv {
+ public:
+  explicit RecordingKv(PagedKvStore& s) : s_(s) {}
+  void begin(int64_t T, int64_t C) override {
+    s_.begin(T, C);
+    fetched.assign(static_cast<size_t>((T + C - 1) / C), 0);
+    last_ = in();
+    cur_ = 0;
+  }
+  void set_chunk(int64_t c) override {
+    charge();
+    cur_ = c;
+    s_.set_chunk(c);
+  }
+  void store(int64_t layer, Tensor k, Tensor v) override { s_.store(layer, k, v); }
+  void forward(int64_t layer, Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, Tensor pos) override {
+    s_.forward(layer, o, lse, q, k, v, pos);
+  }
+  void backward(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor o,
+                Tensor lse, Tensor pos) override {
+    s_.backward(layer, dq, dk, dv, dout, q, k, v, o, lse, pos);
+  }
+  void chunk_done(int64_t c) override {
+    charge();
+    s_.chunk_done(c);
+  }
+  void end() override {
+    charge();
+    s_.end();
+  }
+  std::vector<uint64_t> fetched;
+
+ private:
+  uint64_t in() const {
+    const OffloadStats st = s_.stats();
+    const int dev = static_cast<int>(Tier::Device);
+    return st.bytes[static_cast<int>(Tier::Host)][dev] + st.bytes[static_cast<int>(Tier::Disk)][dev];
+  }
+  void charge() {
+    const uint64_t now = in();
+    if (cur_ < static_cast<int64_t>(fetched.size())) fetched[static_cast<size_t>(cur_)] += now - last_;
+    last_ = now;
+  }
+  PagedKvStore& s_;
+  uint64_t last_ = 0;
+  int64_t cur_ = 0;
 };
 
 inline std::vector<int32_t> tokens(int64_t T, int64_t V, uint64_t seed) {
@@ -106,10 +160,17 @@ inline Result run(const RunSetup& s, std::vector<int32_t> ids, int64_t C, int64_
     r.loss_sum = ce.loss_sum, r.count = ce.count;
   } else {
     m.reserve(C, true, true);
-    PagedKvStore kv(s.cfg, *ops, mem.device, mem.host, {C, P, mode, spill_dir()}, T, true);
-    const CeResult ce = m.chunked_step(id_t, tg_t, C, kv, 1.0 / static_cast<double>(N));
+    PagedKvOptions o{C, P, mode, spill_dir()};
+    o.sparse_pages = s.sparse_pages, o.sink_pages = s.sink_pages, o.summary = s.summary;
+    PagedKvStore kv(s.cfg, *ops, mem.device, mem.host, o, T, true);
+    RecordingKv rec(kv);
+    const CeResult ce = m.chunked_step(id_t, tg_t, C, rec, 1.0 / static_cast<double>(N));
     r.loss_sum = ce.loss_sum, r.count = ce.count;
     r.stats = kv.stats();
+    r.fetched = rec.fetched;
+    for (int64_t l = 0; l < s.cfg.L; ++l)
+      for (int64_t c = 0; c * C < T; ++c)
+        for (int64_t qp = 0; qp < C / P; ++qp) r.selections.push_back(kv.selection(l, c, qp));
     EXPECT_EQ(kv.pages_in_use(), 0) << "pages left after the step";
   }
   const ParamSet& g = m.grads();

@@ -35,6 +35,10 @@ CLASSES = {
 L, E, T, V = 2, 32, 40, 128
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}
+# original 64 with theta 1e4 and head_dim 8: the yarn ramp runs over dimensions 0..2, so the first pair keeps
+# its frequency, the second is half interpolated, the rest are interpolated; attention_factor 1 + 0.1 ln 4.
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+LINEAR = {"rope_type": "linear", "factor": 2.0}
 # (name, family, seed, config overrides)
 VARIANTS = [
     ("llama_mha_tied", "llama", 1, dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=48,
@@ -57,6 +61,12 @@ VARIANTS = [
     ("mistral", "mistral", 7, dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=56,
                                    tie_word_embeddings=False, rope_theta=10000.0, sliding_window=None,
                                    rms_norm_eps=1e-5)),
+    ("qwen2_yarn", "qwen2", 8, dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+                                    tie_word_embeddings=True, rope_theta=10000.0, rope_scaling=YARN,
+                                    max_position_embeddings=256, use_sliding_window=False, rms_norm_eps=1e-6)),
+    ("llama_linear", "llama", 9, dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+                                      tie_word_embeddings=False, rope_theta=10000.0, rope_scaling=LINEAR,
+                                      rms_norm_eps=1e-5)),
 ]
 
 # ---------------------------------------------------------------- float64 patches (only for float64 tensors)
@@ -78,6 +88,17 @@ def inv_freq64(cfg):
         s = (old / wl - lo) / (hi - lo)
         mid = ~(wl < old / hi) & ~(wl > old / lo)
         inv = np.where(mid, (1 - s) * out / f + s * out, out)
+    elif rp.get("rope_type") == "linear":
+        inv = inv / rp["factor"]
+    elif rp.get("rope_type") == "yarn":
+        # The YaRN paper's ramp, in float64 (transformers computes it in float32).
+        f, old = rp["factor"], rp["original_max_position_embeddings"]
+        fast, slow = rp.get("beta_fast") or 32, rp.get("beta_slow") or 1
+        dim_of = lambda rot: hd * math.log(old / (rot * 2 * math.pi)) / (2 * math.log(rp["rope_theta"]))
+        lo, hi = math.floor(dim_of(fast)), math.ceil(dim_of(slow))
+        lo, hi = max(lo, 0), min(hi, hd - 1)
+        ramp = np.clip((np.arange(hd // 2, dtype=np.float64) - lo) / (hi - lo if hi != lo else 0.001), 0, 1)
+        inv = inv / f * ramp + inv * (1 - ramp)
     else:
         assert rp.get("rope_type", "default") == "default", rp
     return torch.from_numpy(inv)
@@ -133,7 +154,10 @@ def ref_loss_logits(m, cfg, fam, ids):
     rms = lambda x, w, eps: w * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     n, H, Hkv, hd, eps = len(ids), cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg), cfg.rms_norm_eps
     ang = torch.arange(n, dtype=torch.float64)[:, None] * inv_freq64(cfg)[None]
-    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+    rp = cfg.rope_parameters
+    # YaRN scales cos and sin by 0.1 ln(factor) + 1 (the paper's sqrt(1/t)); every other type by 1.
+    af = 0.1 * math.log(rp["factor"]) + 1 if rp.get("rope_type") == "yarn" and rp["factor"] > 1 else 1.0
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None] * af, torch.cat([ang.sin()] * 2, -1)[:, None] * af
     rope = lambda x: x * cos + torch.cat([-x[..., hd // 2:], x[..., :hd // 2]], -1) * sin
     mask = torch.ones(n, n, dtype=torch.bool).triu(1)
     x = W("model.embed_tokens.weight")[ids]

@@ -510,10 +510,11 @@ void CpuOps::attention_backward(Tensor dq, const KvBlocks& dkv, Tensor dout, Ten
   }
 }
 
-void CpuOps::attention_merge(Tensor o, Tensor lse, Tensor o2, Tensor lse2) {
-  const AttentionDims d = check_attention_merge("[attention_merge]", o, lse, o2, lse2, DType::f32);
+void CpuOps::attention_merge(Tensor o, Tensor lse, Tensor o2, Tensor lse2, int64_t row0) {
+  const AttentionDims d = check_attention_merge("[attention_merge]", o, lse, o2, lse2, row0, DType::f32);
   detail::attention_merge_rows(static_cast<float*>(o.data), static_cast<float*>(lse.data),
-                               static_cast<const float*>(o2.data), static_cast<const float*>(lse2.data), d.T, d.H, d.D);
+                               static_cast<const float*>(o2.data), static_cast<const float*>(lse2.data), d.T,
+                               o2.dims[0], row0, d.H, d.D);
 }
 
 }  // namespace oomless

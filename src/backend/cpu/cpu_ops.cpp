@@ -135,8 +135,9 @@ void CpuOps::rmsnorm_backward(Tensor din, Tensor dweight, Tensor dout, Tensor in
 }
 
 namespace {
-// Rotates pairs (x[i], x[i + D/2]) by +angle (forward, sign 1) or -angle (backward, sign -1). The
-// angles and their cos/sin are computed in double, then applied in f32.
+// Rotates pairs (x[i], x[i + D/2]) by +angle (forward, sign 1) or -angle (backward, sign -1), scaled by
+// attention_factor (yarn; 1 otherwise). The angles and their cos/sin are computed in double, then applied
+// in f32.
 void cpu_rope(const char* op, Tensor out, Tensor in, Tensor pos, const RopeConfig& cfg, float sign) {
   auto [T_, H_, D_] = check_rope(op, out, in, pos, kAct);
   // Copies: clang before 16 cannot capture structured bindings in lambdas / OpenMP regions.
@@ -154,8 +155,8 @@ void cpu_rope(const char* op, Tensor out, Tensor in, Tensor pos, const RopeConfi
     for (int64_t t = 0; t < T; ++t) {
       for (int64_t i = 0; i < half; ++i) {
         double ang = static_cast<double>(p[t]) * inv[i];
-        cs[i] = static_cast<float>(std::cos(ang));
-        sn[i] = sign * static_cast<float>(std::sin(ang));
+        cs[i] = static_cast<float>(cfg.attention_factor * std::cos(ang));
+        sn[i] = sign * static_cast<float>(cfg.attention_factor * std::sin(ang));
       }
       for (int64_t h = 0; h < H; ++h) {
         const float* a = x + (t * H + h) * D;

@@ -39,7 +39,7 @@ class CpuOps final : public Ops {
   void attention_forward(Tensor o, Tensor lse, Tensor q, const KvBlocks& kv, Tensor q_pos, double scale) override;
   void attention_backward(Tensor dq, const KvBlocks& dkv, Tensor dout, Tensor q, const KvBlocks& kv, Tensor o,
                           Tensor lse, Tensor q_pos, double scale) override;
-  void attention_merge(Tensor o, Tensor lse, Tensor o2, Tensor lse2) override;
+  void attention_merge(Tensor o, Tensor lse, Tensor o2, Tensor lse2, int64_t row0) override;
   CeResult linear_cross_entropy_forward(Tensor lse, Tensor h, Tensor w, Tensor targets, int32_t ignore_index) override;
   void linear_cross_entropy_backward(Tensor dh, Tensor dw, Tensor h, Tensor w, Tensor targets, Tensor lse,
                                      int32_t ignore_index, double grad_scale) override;

@@ -131,10 +131,11 @@ void RefOps::attention_backward(Tensor dq, const KvBlocks& dkv, Tensor dout, Ten
   }
 }
 
-void RefOps::attention_merge(Tensor o, Tensor lse, Tensor o2, Tensor lse2) {
-  const AttentionDims d = check_attention_merge("[attention_merge]", o, lse, o2, lse2, kAct);
+void RefOps::attention_merge(Tensor o, Tensor lse, Tensor o2, Tensor lse2, int64_t row0) {
+  const AttentionDims d = check_attention_merge("[attention_merge]", o, lse, o2, lse2, row0, kAct);
   detail::attention_merge_rows(static_cast<double*>(o.data), static_cast<double*>(lse.data),
-                               static_cast<const double*>(o2.data), static_cast<const double*>(lse2.data), d.T, d.H, d.D);
+                               static_cast<const double*>(o2.data), static_cast<const double*>(lse2.data), d.T,
+                               o2.dims[0], row0, d.H, d.D);
 }
 
 }  // namespace oomless

@@ -1,0 +1,391 @@
+// Page-sparse attention against dense attention in chunk-recurrent training.
+//
+// retrieval: a long-range key-value retrieval task (generated here, seeded): each sequence of T tokens is
+// filler, with n key-value pairs somewhere in its first half (not in the sink page) and q queries at its
+// end (a key whose next token is its value). Only the query values are supervised. preset:micro is
+// trained from one init, dense and page-sparse (--k pages of --page tokens per query page, --sinks first
+// pages, mean and minmax summaries), for the same steps on the same sequences; reported: retrieval accuracy
+// (argmax at the query keys) and loss on held-out sequences, and the last training losses. Then the dense
+// model is evaluated with sparse attention (each summary), and how often the page holding a queried pair
+// is among its query page's selection.
+//
+// speed: one chunk-recurrent training step of preset:tiny (random init, fp32) at each --T, dense and
+// sparse; a dense step predicted (T^2 law through the measured dense steps) to exceed --time-box seconds
+// is not run and is reported as extrapolated.
+//
+//   build/release/bench_sparse retrieval [--T 4096] [--chunk 1024] [--page 64] [--k 11] [--sinks 1]
+//       [--steps 800] [--lr 3e-3] [--pairs 32] [--queries 32] [--eval 64] [--threads N] [--json FILE]
+//   build/release/bench_sparse speed [--T 32768,65536,131072] [--chunk 4096] [--page 64] [--k 128]
+//       [--sinks 1] [--time-box 900] [--threads N] [--json FILE]
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/cpu_info.h"
+#include "io/json.h"
+#include "memory/arena.h"
+#include "model/config.h"
+#include "model/model.h"
+#include "model/paged_kv.h"
+#include "optim/adamw.h"
+#include "optim/clip.h"
+#include "plan/probe_timing.h"
+
+using namespace oomless;
+
+namespace {
+
+double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+struct Flags {
+  std::vector<std::string> args;
+  std::string get(const std::string& name, const std::string& dflt) const {
+    for (size_t i = 0; i + 1 < args.size(); ++i)
+      if (args[i] == "--" + name) return args[i + 1];
+    return dflt;
+  }
+  int64_t integer(const std::string& name, int64_t dflt) const { return std::stoll(get(name, std::to_string(dflt))); }
+  double number(const std::string& name, double dflt) const { return std::stod(get(name, std::to_string(dflt))); }
+};
+
+// ---------------------------------------------------------------------------------------------------------
+// The retrieval task.
+
+struct Task {
+  int64_t T, C, P, pairs, queries;
+  // Token ranges of micro's vocabulary (8192): keys, values and filler are disjoint.
+  static constexpr int32_t kKey0 = 1000, kKeys = 512, kVal0 = 2000, kVals = 512, kFill0 = 3000, kFills = 4000;
+};
+
+struct Sequence {
+  std::vector<int32_t> ids, targets;
+  std::vector<int64_t> query_rows;  // positions whose target is a queried value
+  std::vector<int64_t> pair_page;   // for each query: the page holding its key-value pair
+};
+
+Sequence make_sequence(const Task& t, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Sequence s;
+  s.ids.resize(static_cast<size_t>(t.T));
+  s.targets.assign(static_cast<size_t>(t.T), -100);
+  for (auto& x : s.ids) x = Task::kFill0 + static_cast<int32_t>(rng() % Task::kFills);
+  std::vector<int32_t> keys(Task::kKeys);
+  for (int32_t i = 0; i < Task::kKeys; ++i) keys[static_cast<size_t>(i)] = Task::kKey0 + i;
+  std::shuffle(keys.begin(), keys.end(), rng);
+  std::vector<int32_t> vals(static_cast<size_t>(t.pairs));
+  for (auto& v : vals) v = Task::kVal0 + static_cast<int32_t>(rng() % Task::kVals);
+  // The pairs start past the sink page, anywhere in the first half.
+  const int64_t lo = 2 * t.P, hi = t.T / 2 - 2 * t.pairs;
+  const int64_t off = lo + static_cast<int64_t>(rng() % static_cast<uint64_t>(std::max<int64_t>(1, hi - lo)));
+  for (int64_t i = 0; i < t.pairs; ++i) {
+    s.ids[static_cast<size_t>(off + 2 * i)] = keys[static_cast<size_t>(i)];
+    s.ids[static_cast<size_t>(off + 2 * i + 1)] = vals[static_cast<size_t>(i)];
+  }
+  // Queries: distinct pairs in random order, the last 2q positions (the last one's value is not in the
+  // sequence: its key is the last token, the value is the target there).
+  std::vector<int64_t> which(static_cast<size_t>(t.pairs));
+  for (int64_t i = 0; i < t.pairs; ++i) which[static_cast<size_t>(i)] = i;
+  std::shuffle(which.begin(), which.end(), rng);
+  const int64_t q0 = t.T - 2 * t.queries + 1;
+  for (int64_t j = 0; j < t.queries; ++j) {
+    const int64_t p = which[static_cast<size_t>(j % t.pairs)], row = q0 + 2 * j;
+    s.ids[static_cast<size_t>(row)] = keys[static_cast<size_t>(p)];
+    if (row + 1 < t.T) s.ids[static_cast<size_t>(row + 1)] = vals[static_cast<size_t>(p)];
+    s.targets[static_cast<size_t>(row)] = vals[static_cast<size_t>(p)];
+    s.query_rows.push_back(row);
+    s.pair_page.push_back((off + 2 * p) / t.P);
+  }
+  return s;
+}
+
+struct Eval {
+  double loss = 0, accuracy = 0;
+  std::vector<double> hit_by_layer;
+};
+
+// Loss and argmax accuracy at the query rows of held-out sequences (every query is in the last chunk), and
+// with a sparse store, per layer, how often the page holding a queried pair is in the selection of the
+// query's page.
+Eval evaluate(Model& m, PagedKvStore& kv, const Task& t, int64_t n, uint64_t seed0) {
+  const ModelConfig& cfg = m.config();
+  const int64_t nc = (t.T + t.C - 1) / t.C, last0 = (nc - 1) * t.C, Tc = t.T - last0;
+  std::vector<float> logits(static_cast<size_t>(Tc * cfg.V));
+  Eval e;
+  e.hit_by_layer.assign(static_cast<size_t>(cfg.L), 0.0);
+  int64_t hits = 0, total = 0;
+  double loss = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    Sequence s = make_sequence(t, seed0 + static_cast<uint64_t>(i));
+    const CeResult r = m.chunked_eval(Tensor(s.ids.data(), DType::i32, {t.T}),
+                                      Tensor(s.targets.data(), DType::i32, {t.T}), t.C, kv);
+    loss += r.loss_sum;
+    m.logits(Tensor(logits.data(), DType::f32, {Tc, cfg.V}));
+    for (size_t j = 0; j < s.query_rows.size(); ++j) {
+      const float* row = logits.data() + (s.query_rows[j] - last0) * cfg.V;
+      const int64_t best = std::max_element(row, row + cfg.V) - row;
+      hits += best == s.targets[static_cast<size_t>(s.query_rows[j])];
+      ++total;
+      for (int64_t l = 0; l < cfg.L; ++l) {
+        const std::vector<int64_t> sel = kv.selection(l, nc - 1, (s.query_rows[j] - last0) / t.P);
+        if (!sel.empty())
+          e.hit_by_layer[static_cast<size_t>(l)] +=
+              std::binary_search(sel.begin(), sel.end(), s.pair_page[j]) ? 1.0 : 0.0;
+      }
+    }
+  }
+  e.loss = loss / static_cast<double>(total);
+  e.accuracy = static_cast<double>(hits) / static_cast<double>(total);
+  for (double& h : e.hit_by_layer) h /= static_cast<double>(total);
+  return e;
+}
+
+struct Trained {
+  std::string name;
+  std::vector<double> losses;  // per step
+  Eval eval;
+  double seconds = 0;
+};
+
+PagedKvOptions store_options(const Flags& f, int64_t C, int64_t P, int64_t k, PageSummary sum) {
+  PagedKvOptions o{C, P, KvOffload::none, std::string(1, '.')};
+  o.sparse_pages = k, o.sink_pages = f.integer("sinks", 1), o.summary = sum;
+  return o;
+}
+
+int retrieval(const Flags& f) {
+  Task t{f.integer("T", 4096), f.integer("chunk", 1024), f.integer("page", 64), f.integer("pairs", 32),
+         f.integer("queries", 32)};
+  const int64_t k = f.integer("k", 11), steps = f.integer("steps", 800), n_eval = f.integer("eval", 64);
+  const double lr = f.number("lr", 3e-3);
+  const ModelConfig cfg = preset_config("micro");
+  const int64_t nc = (t.T + t.C - 1) / t.C, hist = (nc - 1) * t.C / t.P, sinks = f.integer("sinks", 1);
+  std::printf("retrieval: preset:micro, T %lld, chunk %lld, page %lld; %lld pairs, %lld queries; %lld steps, lr %g; "
+              "sparse: %lld + %lld sink of the last chunk's %lld earlier pages (%.1f%%); %d threads\n",
+              static_cast<long long>(t.T), static_cast<long long>(t.C), static_cast<long long>(t.P),
+              static_cast<long long>(t.pairs), static_cast<long long>(t.queries), static_cast<long long>(steps), lr,
+              static_cast<long long>(k), static_cast<long long>(sinks), static_cast<long long>(hist),
+              100.0 * static_cast<double>(k + sinks) / static_cast<double>(hist), get_threads());
+  std::fflush(stdout);
+  struct Run {
+    std::string name;
+    int64_t k;
+    PageSummary sum;
+  };
+  const std::vector<Run> runs = {{"dense", 0, PageSummary::mean},
+                                 {"sparse mean", k, PageSummary::mean},
+                                 {"sparse minmax", k, PageSummary::minmax}};
+  json::Value results = json::Value::array();
+  for (const Run& run : runs) {
+    CpuMemory mem(size_t{16} << 30);
+    auto ops = make_ops("cpu", &mem.device);
+    ParamSet params(cfg, DType::f32, mem.device, Category::weights);
+    init_random(params, 42);
+    Model m(cfg, *ops, params, mem.device, {ComputeDType::f32, SavePolicy::none});
+    m.reserve(t.C, true, true);
+    AdamW opt(cfg, params, mem.host, {lr, 0.9, 0.95, 1e-8, 0.0});
+    PagedKvStore kv(cfg, *ops, mem.device, mem.host, store_options(f, t.C, t.P, run.k, run.sum), t.T, true);
+    Trained tr;
+    tr.name = run.name;
+    const double t0 = now();
+    for (int64_t step = 1; step <= steps; ++step) {
+      Sequence s = make_sequence(t, 1000000 + static_cast<uint64_t>(step));
+      m.zero_grads();
+      const CeResult r = m.chunked_step(Tensor(s.ids.data(), DType::i32, {t.T}),
+                                        Tensor(s.targets.data(), DType::i32, {t.T}), t.C, kv,
+                                        1.0 / static_cast<double>(t.queries));
+      const double norm = global_grad_norm(*ops, m.grads());
+      if (std::isfinite(norm)) {
+        clip_grads(*ops, m.grads(), 1.0, norm);
+        const double warm = std::min(1.0, static_cast<double>(step) / 50.0);
+        const double cosine = 0.5 * (1 + std::cos(M_PI * static_cast<double>(step) / static_cast<double>(steps)));
+        opt.step(*ops, params, m.grads(), lr * warm * (0.1 + 0.9 * cosine), step);
+      }
+      tr.losses.push_back(r.loss_sum / static_cast<double>(r.count));
+      if (step % 100 == 0 || step == steps) {
+        double avg = 0;
+        for (int64_t i = std::max<int64_t>(0, step - 100); i < step; ++i) avg += tr.losses[static_cast<size_t>(i)];
+        std::printf("  %-14s step %5lld: loss (mean of the last 100) %.4f  (%.0f s)\n", run.name.c_str(),
+                    static_cast<long long>(step), avg / static_cast<double>(std::min<int64_t>(100, step)), now() - t0);
+        std::fflush(stdout);
+      }
+    }
+    tr.seconds = now() - t0;
+    tr.eval = evaluate(m, kv, t, n_eval, 7000000);
+    std::printf("%-14s held-out accuracy %.1f%%, loss %.4f; %.0f s\n", run.name.c_str(), 100 * tr.eval.accuracy,
+                tr.eval.loss, tr.seconds);
+    json::Value o = json::Value::object();
+    o.set("name", json::Value::string(run.name));
+    o.set("sparse_pages", json::Value::integer(run.k));
+    o.set("summary", json::Value::string(page_summary_name(run.sum)));
+    o.set("accuracy", json::Value::number(tr.eval.accuracy));
+    o.set("eval_loss", json::Value::number(tr.eval.loss));
+    double last = 0;
+    const int64_t tail = std::min<int64_t>(100, steps);
+    for (int64_t i = steps - tail; i < steps; ++i) last += tr.losses[static_cast<size_t>(i)];
+    o.set("train_loss_last100", json::Value::number(last / static_cast<double>(tail)));
+    o.set("seconds", json::Value::number(tr.seconds));
+    if (run.k == 0) {
+      // The dense model read through sparse attention: how well each summary finds the pairs' pages.
+      json::Value probe = json::Value::array();
+      for (PageSummary sum : {PageSummary::mean, PageSummary::minmax}) {
+        PagedKvStore skv(cfg, *ops, mem.device, mem.host, store_options(f, t.C, t.P, k, sum), t.T, false);
+        const Eval e = evaluate(m, skv, t, n_eval, 7000000);
+        std::printf("  dense model, sparse %s attention: accuracy %.1f%%, loss %.4f; pair page selected by layer:",
+                    page_summary_name(sum), 100 * e.accuracy, e.loss);
+        json::Value hits = json::Value::array();
+        for (double h : e.hit_by_layer) {
+          std::printf(" %.1f%%", 100 * h);
+          hits.push_back(json::Value::number(h));
+        }
+        std::printf("\n");
+        json::Value p = json::Value::object();
+        p.set("summary", json::Value::string(page_summary_name(sum)));
+        p.set("accuracy", json::Value::number(e.accuracy));
+        p.set("eval_loss", json::Value::number(e.loss));
+        p.set("pair_page_selected_by_layer", std::move(hits));
+        probe.push_back(std::move(p));
+      }
+      o.set("dense_model_read_sparse", std::move(probe));
+    }
+    results.push_back(std::move(o));
+    std::fflush(stdout);
+  }
+  if (f.get("json", "") != "") {
+    json::Value doc = json::Value::object();
+    doc.set("task", json::Value::string("retrieval"));
+    doc.set("T", json::Value::integer(t.T));
+    doc.set("chunk", json::Value::integer(t.C));
+    doc.set("page", json::Value::integer(t.P));
+    doc.set("pairs", json::Value::integer(t.pairs));
+    doc.set("queries", json::Value::integer(t.queries));
+    doc.set("sparse_pages", json::Value::integer(k));
+    doc.set("sink_pages", json::Value::integer(sinks));
+    doc.set("history_pages_last_chunk", json::Value::integer(hist));
+    doc.set("steps", json::Value::integer(steps));
+    doc.set("lr", json::Value::number(lr));
+    doc.set("threads", json::Value::integer(get_threads()));
+    doc.set("runs", std::move(results));
+    std::FILE* fp = std::fopen(f.get("json", "").c_str(), "w");
+    if (fp) {
+      const std::string text = json::dump(doc) + "\n";
+      std::fwrite(text.data(), 1, text.size(), fp);
+      std::fclose(fp);
+    }
+  }
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Step time.
+
+double one_step(const ModelConfig& cfg, int64_t T, int64_t C, const PagedKvOptions& o) {
+  CpuMemory mem(size_t{20} << 30);
+  auto ops = make_ops("cpu", &mem.device);
+  ParamSet params(cfg, DType::f32, mem.device, Category::weights);
+  init_random(params, 1);
+  Model m(cfg, *ops, params, mem.device, {ComputeDType::f32, SavePolicy::none});
+  m.reserve(C, true, true);
+  PagedKvStore kv(cfg, *ops, mem.device, mem.host, o, T, true);
+  std::vector<int32_t> ids(static_cast<size_t>(T)), tg(static_cast<size_t>(T));
+  std::mt19937_64 rng(2);
+  for (auto& x : ids) x = static_cast<int32_t>(rng() % static_cast<uint64_t>(cfg.V));
+  for (int64_t t = 0; t < T; ++t) tg[static_cast<size_t>(t)] = t + 1 < T ? ids[static_cast<size_t>(t + 1)] : -100;
+  const double t0 = now();
+  m.chunked_step(Tensor(ids.data(), DType::i32, {T}), Tensor(tg.data(), DType::i32, {T}), C, kv,
+                 1.0 / static_cast<double>(T - 1));
+  return now() - t0;
+}
+
+int speed(const Flags& f) {
+  std::vector<int64_t> Ts;
+  const std::string list = f.get("T", "32768,65536,131072");
+  for (size_t i = 0; i < list.size();) {
+    size_t j = list.find(',', i);
+    if (j == std::string::npos) j = list.size();
+    Ts.push_back(std::stoll(list.substr(i, j - i)));
+    i = j + 1;
+  }
+  const int64_t C = f.integer("chunk", 4096), P = f.integer("page", 64), k = f.integer("k", 128);
+  const double box = f.number("time-box", 900);
+  const ModelConfig cfg = preset_config("tiny");
+  std::printf("speed: preset:tiny fp32, one chunk-recurrent step, chunk %lld, page %lld; sparse %lld + %lld sink "
+              "pages (%lld tokens); time box %.0f s; %d threads\n",
+              static_cast<long long>(C), static_cast<long long>(P), static_cast<long long>(k),
+              static_cast<long long>(f.integer("sinks", 1)), static_cast<long long>(k * P), box, get_threads());
+  std::printf("%8s %12s %12s %9s  %s\n", "T", "dense s", "sparse s", "speedup", "dense");
+  std::fflush(stdout);
+  std::vector<std::pair<double, double>> dense_pts;  // (T, s)
+  json::Value rows = json::Value::array();
+  for (int64_t T : Ts) {
+    // Dense: a + b T^2 through the measured points (one point: b from the step's attention share, assumed 1/2).
+    double predicted = -1;
+    if (!dense_pts.empty()) {
+      double a = 0, b = 0;
+      if (dense_pts.size() == 1) {
+        const auto [t1, s1] = dense_pts[0];
+        b = 0.5 * s1 / (t1 * t1);
+        a = 0.5 * s1 / t1;
+      } else {
+        const auto [t1, s1] = dense_pts[dense_pts.size() - 2];
+        const auto [t2, s2] = dense_pts.back();
+        // s = a T + b T^2 through both points.
+        b = (s2 / t2 - s1 / t1) / (t2 - t1);
+        a = s1 / t1 - b * t1;
+      }
+      predicted = a * static_cast<double>(T) + b * static_cast<double>(T) * static_cast<double>(T);
+    }
+    double dense = predicted;
+    const bool measured = predicted < 0 || predicted <= box;
+    if (measured) {
+      dense = one_step(cfg, T, C, store_options(f, C, P, 0, PageSummary::mean));
+      dense_pts.push_back({static_cast<double>(T), dense});
+    }
+    const double sparse = one_step(cfg, T, C, store_options(f, C, P, k, PageSummary::mean));
+    std::printf("%8lld %12.1f %12.1f %8.2fx  %s\n", static_cast<long long>(T), dense, sparse, dense / sparse,
+                measured ? "measured" : "extrapolated (T^2 law through the measured dense steps)");
+    std::fflush(stdout);
+    json::Value r = json::Value::object();
+    r.set("T", json::Value::integer(T));
+    r.set("dense_s", json::Value::number(dense));
+    r.set("dense", json::Value::string(measured ? "measured" : "extrapolated"));
+    r.set("sparse_s", json::Value::number(sparse));
+    r.set("speedup", json::Value::number(dense / sparse));
+    rows.push_back(std::move(r));
+  }
+  if (f.get("json", "") != "") {
+    json::Value doc = json::Value::object();
+    doc.set("task", json::Value::string("speed"));
+    doc.set("chunk", json::Value::integer(C));
+    doc.set("page", json::Value::integer(P));
+    doc.set("sparse_pages", json::Value::integer(k));
+    doc.set("threads", json::Value::integer(get_threads()));
+    doc.set("rows", std::move(rows));
+    std::FILE* fp = std::fopen(f.get("json", "").c_str(), "w");
+    if (fp) {
+      const std::string text = json::dump(doc) + "\n";
+      std::fwrite(text.data(), 1, text.size(), fp);
+      std::fclose(fp);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags f;
+  for (int i = 2; i < argc; ++i) f.args.push_back(argv[i]);
+  const std::string what = argc > 1 ? argv[1] : "";
+  if (f.get("threads", "") != "") set_threads(static_cast<int>(f.integer("threads", 0)));
+  if (what == "retrieval") return retrieval(f);
+  if (what == "speed") return speed(f);
+  std::fprintf(stderr, "usage: bench_sparse retrieval|speed [flags] (see the top of bench/bench_sparse.cpp)\n");
+  return 2;
+}
