@@ -6,7 +6,7 @@ ASAN_BUILD ?= build/asan
 CUDA ?= auto
 CTEST_FLAGS ?= --output-on-failure --timeout 120 -j$(JOBS)
 
-.PHONY: all setup build run test test-fast test-asan test-all bench bench-peers bench-long fuzz clean
+.PHONY: all setup build run test test-fast test-asan test-all bench bench-peers bench-long bench-sparse fuzz clean
 
 all: build
 
@@ -57,6 +57,13 @@ bench-peers: build
 bench-long: build
 	bench/peers/setup.sh
 	tools/golden/.venv/bin/python bench/long_context/run.py --oomless $(BUILD)/oomless --work $(BUILD)/long
+
+# Page-sparse against dense attention (bench/bench_sparse.cpp): step time of preset:tiny at T = 32K-128K
+# (dense steps past the time box extrapolated by a T^2 law), then the retrieval task on preset:micro.
+bench-sparse: build
+	mkdir -p bench/long_context/results
+	$(BUILD)/bench_sparse speed --json bench/long_context/results/sparse-speed-$$(date +%F).json
+	$(BUILD)/bench_sparse retrieval --json bench/long_context/results/sparse-retrieval-$$(date +%F).json
 
 # Each libFuzzer target in fuzz/ for FUZZ_SECONDS (default 60) from its seed corpus; new inputs it
 # finds go to build/fuzz/corpus/NAME (the committed seeds stay as they are). Needs clang (installed).
