@@ -17,8 +17,9 @@
 // is not run and is reported as extrapolated.
 //
 //   build/release/bench_sparse retrieval [--T 4096] [--chunk 1024] [--page 64] [--k 11] [--sinks 1]
-//       [--steps 2000] [--lr 3e-3] [--pairs 32] [--queries 256] [--eval 64] [--runs dense,mean,minmax]
-//       [--threads N] [--json FILE]
+//       [--steps 2000] [--lr 3e-3] [--pairs 32] [--queries 256] [--keys 128] [--values 128] [--batch 1]
+//       [--warm-steps 0 [--warm-T 256] [--warm-pairs 8] [--warm-queries 48]] [--eval 64]
+//       [--runs dense,mean,minmax] [--threads N] [--json FILE]
 //   build/release/bench_sparse speed [--T 32768,65536,131072] [--chunk 4096] [--page 64] [--k 128]
 //       [--sinks 1] [--time-box 900] [--threads N] [--json FILE]
 #include <algorithm>
@@ -173,6 +174,53 @@ PagedKvOptions store_options(const Flags& f, int64_t C, int64_t P, int64_t k, Pa
   return o;
 }
 
+// `steps` AdamW steps (warmup 50 steps, cosine to 10%), each over `batch` sequences with gradients
+// accumulated; the mean query loss of every step.
+std::vector<double> train_steps(Model& m, Ops& ops, ParamSet& params, AdamW& opt, ChunkKv& kv, const Task& t,
+                                int64_t steps, int64_t batch, double lr, uint64_t seed0, const std::string& name) {
+  std::vector<double> losses;
+  const double t0 = now();
+  for (int64_t step = 1; step <= steps; ++step) {
+    m.zero_grads();
+    CeResult total;
+    for (int64_t b = 0; b < batch; ++b) {
+      Sequence s = make_sequence(t, seed0 + static_cast<uint64_t>(step * batch + b));
+      const CeResult r = m.chunked_step(Tensor(s.ids.data(), DType::i32, {t.T}),
+                                        Tensor(s.targets.data(), DType::i32, {t.T}), t.C, kv,
+                                        1.0 / static_cast<double>(t.queries * batch));
+      total.loss_sum += r.loss_sum;
+      total.count += r.count;
+    }
+    const double norm = global_grad_norm(ops, m.grads());
+    if (std::isfinite(norm)) {
+      clip_grads(ops, m.grads(), 1.0, norm);
+      const double warm = std::min(1.0, static_cast<double>(step) / 50.0);
+      const double cosine = 0.5 * (1 + std::cos(M_PI * static_cast<double>(step) / static_cast<double>(steps)));
+      opt.step(ops, params, m.grads(), lr * warm * (0.1 + 0.9 * cosine), step);
+    }
+    losses.push_back(total.loss_sum / static_cast<double>(total.count));
+    if (step % 100 == 0 || step == steps) {
+      double avg = 0;
+      for (int64_t i = std::max<int64_t>(0, step - 100); i < step; ++i) avg += losses[static_cast<size_t>(i)];
+      std::printf("  %-14s step %5lld: loss (mean of the last 100) %.4f  (%.0f s)\n", name.c_str(),
+                  static_cast<long long>(step), avg / static_cast<double>(std::min<int64_t>(100, step)), now() - t0);
+      std::fflush(stdout);
+    }
+  }
+  return losses;
+}
+
+std::vector<std::vector<float>> snapshot(const ParamSet& p) {
+  std::vector<std::vector<float>> s;
+  for (const Tensor& t : p.tensors())
+    s.emplace_back(static_cast<const float*>(t.data), static_cast<const float*>(t.data) + t.numel());
+  return s;
+}
+
+void restore(ParamSet& p, const std::vector<std::vector<float>>& s) {
+  for (size_t i = 0; i < s.size(); ++i) std::memcpy(p.tensors()[i].data, s[i].data(), s[i].size() * sizeof(float));
+}
+
 int retrieval(const Flags& f) {
   Task t{f.integer("T", 4096), f.integer("chunk", 1024), f.integer("page", 64), f.integer("pairs", 32),
          f.integer("queries", 256)};
@@ -199,6 +247,40 @@ int retrieval(const Flags& f) {
                                  {"sparse minmax", k, PageSummary::minmax}};
   json::Value results = json::Value::array();
   const std::string only = f.get("runs", "dense,mean,minmax");
+  const int64_t batch = f.integer("batch", 1), warm_steps = f.integer("warm-steps", 0);
+  // Optional warm-up phase shared by every run: short one-chunk sequences (dense and sparse are the same
+  // there), where the retrieval mechanism forms far sooner; the runs then start from its weights.
+  Task w{f.integer("warm-T", 256), 0, t.P, f.integer("warm-pairs", 8), f.integer("warm-queries", 48), t.kKeys, t.kVals};
+  w.C = w.T;
+  std::vector<std::vector<float>> start;
+  json::Value warm_json = json::Value::object();
+  if (warm_steps > 0) {
+    CpuMemory mem(size_t{8} << 30);
+    auto ops = make_ops("cpu", &mem.device);
+    ParamSet params(cfg, DType::f32, mem.device, Category::weights);
+    init_random(params, 42);
+    Model m(cfg, *ops, params, mem.device, {ComputeDType::f32, SavePolicy::none});
+    m.reserve(w.C, true, true);
+    AdamW opt(cfg, params, mem.host, {lr, 0.9, 0.95, 1e-8, 0.0});
+    PagedKvStore kv(cfg, *ops, mem.device, mem.host, store_options(f, w.C, w.P, 0, PageSummary::mean), w.T, true);
+    const double t0 = now();
+    const std::vector<double> losses =
+        train_steps(m, *ops, params, opt, kv, w, warm_steps, batch, lr, 500000000, "warm-up");
+    const Eval e = evaluate(m, kv, w, n_eval, 8000000);
+    std::printf("warm-up (T %lld, %lld pairs, %lld queries, batch %lld, %lld steps): held-out accuracy first round "
+                "%.1f%%, all %.1f%%; %.0f s\n", static_cast<long long>(w.T), static_cast<long long>(w.pairs),
+                static_cast<long long>(w.queries), static_cast<long long>(batch), static_cast<long long>(warm_steps),
+                100 * e.far_accuracy, 100 * e.accuracy, now() - t0);
+    std::fflush(stdout);
+    start = snapshot(params);
+    warm_json.set("T", json::Value::integer(w.T));
+    warm_json.set("pairs", json::Value::integer(w.pairs));
+    warm_json.set("queries", json::Value::integer(w.queries));
+    warm_json.set("steps", json::Value::integer(warm_steps));
+    warm_json.set("far_accuracy", json::Value::number(e.far_accuracy));
+    warm_json.set("accuracy", json::Value::number(e.accuracy));
+    warm_json.set("seconds", json::Value::number(now() - t0));
+  }
   for (const Run& run : runs) {
     const std::string tag = run.k == 0 ? "dense" : page_summary_name(run.sum);
     if (("," + only + ",").find("," + tag + ",") == std::string::npos) continue;
@@ -206,6 +288,7 @@ int retrieval(const Flags& f) {
     auto ops = make_ops("cpu", &mem.device);
     ParamSet params(cfg, DType::f32, mem.device, Category::weights);
     init_random(params, 42);
+    if (!start.empty()) restore(params, start);
     Model m(cfg, *ops, params, mem.device, {ComputeDType::f32, SavePolicy::none});
     m.reserve(t.C, true, true);
     AdamW opt(cfg, params, mem.host, {lr, 0.9, 0.95, 1e-8, 0.0});
@@ -213,28 +296,7 @@ int retrieval(const Flags& f) {
     Trained tr;
     tr.name = run.name;
     const double t0 = now();
-    for (int64_t step = 1; step <= steps; ++step) {
-      Sequence s = make_sequence(t, 1000000 + static_cast<uint64_t>(step));
-      m.zero_grads();
-      const CeResult r = m.chunked_step(Tensor(s.ids.data(), DType::i32, {t.T}),
-                                        Tensor(s.targets.data(), DType::i32, {t.T}), t.C, kv,
-                                        1.0 / static_cast<double>(t.queries));
-      const double norm = global_grad_norm(*ops, m.grads());
-      if (std::isfinite(norm)) {
-        clip_grads(*ops, m.grads(), 1.0, norm);
-        const double warm = std::min(1.0, static_cast<double>(step) / 50.0);
-        const double cosine = 0.5 * (1 + std::cos(M_PI * static_cast<double>(step) / static_cast<double>(steps)));
-        opt.step(*ops, params, m.grads(), lr * warm * (0.1 + 0.9 * cosine), step);
-      }
-      tr.losses.push_back(r.loss_sum / static_cast<double>(r.count));
-      if (step % 100 == 0 || step == steps) {
-        double avg = 0;
-        for (int64_t i = std::max<int64_t>(0, step - 100); i < step; ++i) avg += tr.losses[static_cast<size_t>(i)];
-        std::printf("  %-14s step %5lld: loss (mean of the last 100) %.4f  (%.0f s)\n", run.name.c_str(),
-                    static_cast<long long>(step), avg / static_cast<double>(std::min<int64_t>(100, step)), now() - t0);
-        std::fflush(stdout);
-      }
-    }
+    tr.losses = train_steps(m, *ops, params, opt, kv, t, steps, batch, lr, 1000000, run.name);
     tr.seconds = now() - t0;
     tr.eval = evaluate(m, kv, t, n_eval, 7000000);
     std::printf("%-14s held-out accuracy: first round (far) %.1f%%, all queries %.1f%%; loss %.4f; %.0f s\n",
@@ -290,6 +352,10 @@ int retrieval(const Flags& f) {
     doc.set("sink_pages", json::Value::integer(sinks));
     doc.set("history_pages_last_chunk", json::Value::integer(hist));
     doc.set("steps", json::Value::integer(steps));
+    doc.set("batch", json::Value::integer(batch));
+    doc.set("keys", json::Value::integer(t.kKeys));
+    doc.set("values", json::Value::integer(t.kVals));
+    doc.set("warm_up", std::move(warm_json));
     doc.set("lr", json::Value::number(lr));
     doc.set("threads", json::Value::integer(get_threads()));
     doc.set("runs", std::move(results));
