@@ -101,7 +101,9 @@ int train(const std::vector<std::string>& argv) {
       const bool whole = f.name != "lr" && f.name != "min-lr" && f.name != "weight-decay" && f.name != "beta1" &&
                          f.name != "beta2" && f.name != "eps" && f.name != "clip" && f.name != "epochs" &&
                          f.name != "rope-theta";
-      o.set(f.name, whole ? json::Value::integer(a.integer(f.name, 0, 0, INT64_MAX))
+      // --steps 0 would read as "not given" (train by epochs): say so instead of running a whole epoch.
+      const int64_t min_whole = f.name == "steps" ? 1 : 0;
+      o.set(f.name, whole ? json::Value::integer(a.integer(f.name, 0, min_whole, INT64_MAX))
                           : json::Value::number(a.number(f.name, 0, 0, 1e30)));
     }
   }
