@@ -18,7 +18,7 @@
 //
 //   build/release/bench_sparse retrieval [--T 4096] [--chunk 1024] [--page 64] [--k 11] [--sinks 1]
 //       [--steps 2000] [--lr 3e-3] [--pairs 32] [--queries 256] [--keys 128] [--values 128] [--batch 1]
-//       [--warm-steps 0 [--warm-T 256] [--warm-pairs 8] [--warm-queries 48]] [--eval 64]
+//       [--warm-steps 0 [--warm-T 256] [--warm-pairs 8] [--warm-queries 48] [--warm-batch 8]] [--eval 64]
 //       [--runs dense,mean,minmax] [--threads N] [--json FILE]
 //   build/release/bench_sparse speed [--T 32768,65536,131072] [--chunk 4096] [--page 64] [--k 128]
 //       [--sinks 1] [--time-box 900] [--threads N] [--json FILE]
@@ -248,6 +248,7 @@ int retrieval(const Flags& f) {
   json::Value results = json::Value::array();
   const std::string only = f.get("runs", "dense,mean,minmax");
   const int64_t batch = f.integer("batch", 1), warm_steps = f.integer("warm-steps", 0);
+  const int64_t warm_batch = f.integer("warm-batch", 8);
   // Optional warm-up phase shared by every run: short one-chunk sequences (dense and sparse are the same
   // there), where the retrieval mechanism forms far sooner; the runs then start from its weights.
   Task w{f.integer("warm-T", 256), 0, t.P, f.integer("warm-pairs", 8), f.integer("warm-queries", 48), t.kKeys, t.kVals};
@@ -265,11 +266,12 @@ int retrieval(const Flags& f) {
     PagedKvStore kv(cfg, *ops, mem.device, mem.host, store_options(f, w.C, w.P, 0, PageSummary::mean), w.T, true);
     const double t0 = now();
     const std::vector<double> losses =
-        train_steps(m, *ops, params, opt, kv, w, warm_steps, batch, lr, 500000000, "warm-up");
+        train_steps(m, *ops, params, opt, kv, w, warm_steps, warm_batch, lr, 500000000, "warm-up");
     const Eval e = evaluate(m, kv, w, n_eval, 8000000);
     std::printf("warm-up (T %lld, %lld pairs, %lld queries, batch %lld, %lld steps): held-out accuracy first round "
                 "%.1f%%, all %.1f%%; %.0f s\n", static_cast<long long>(w.T), static_cast<long long>(w.pairs),
-                static_cast<long long>(w.queries), static_cast<long long>(batch), static_cast<long long>(warm_steps),
+                static_cast<long long>(w.queries), static_cast<long long>(warm_batch),
+                static_cast<long long>(warm_steps),
                 100 * e.far_accuracy, 100 * e.accuracy, now() - t0);
     std::fflush(stdout);
     start = snapshot(params);
@@ -277,6 +279,7 @@ int retrieval(const Flags& f) {
     warm_json.set("pairs", json::Value::integer(w.pairs));
     warm_json.set("queries", json::Value::integer(w.queries));
     warm_json.set("steps", json::Value::integer(warm_steps));
+    warm_json.set("batch", json::Value::integer(warm_batch));
     warm_json.set("far_accuracy", json::Value::number(e.far_accuracy));
     warm_json.set("accuracy", json::Value::number(e.accuracy));
     warm_json.set("seconds", json::Value::number(now() - t0));

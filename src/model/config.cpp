@@ -113,7 +113,8 @@ void read_rope_scaling(const json::Value& rs, ModelConfig& c, std::string_view s
   r.theta = theta;
   if (type == "default") return;
   r.original_max_position = get_num(rs, "original_max_position_embeddings", static_cast<double>(c.max_position));
-  OOM_CHECK(r.original_max_position > 0, "[config] ", source, ": rope scaling needs original_max_position_embeddings > 0");
+  OOM_CHECK(r.original_max_position > 0, "[config] ", source,
+            ": rope scaling needs original_max_position_embeddings > 0");
   if (type == "linear") {
     r.scaling = RopeScaling::linear;
     r.factor = get_num(rs, "factor", 1.0);

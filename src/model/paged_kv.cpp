@@ -124,8 +124,8 @@ PagedKvStore::PagedKvStore(const ModelConfig& cfg, Ops& ops, Arena& device, Aren
   lse2_ = Tensor(p + dtype_bytes(act, 2 * C * H * D), act, {H, C});
   if (sparse()) {
     const int64_t S = opt.summary == PageSummary::mean ? 1 : 2;
-    summ_ = device.alloc(static_cast<size_t>(std::max<int64_t>(1, cfg.L * hist_pages_ * S * cfg.Hkv * D)) * sizeof(float),
-                         KV, "page summaries");
+    const int64_t summaries = std::max<int64_t>(1, cfg.L * hist_pages_ * S * cfg.Hkv * D);
+    summ_ = device.alloc(static_cast<size_t>(summaries) * sizeof(float), KV, "page summaries");
     const int64_t n = cfg.L * max_chunks_ * ppc;
     sel_ = host.alloc(static_cast<size_t>(n * sel_width() + 1) * sizeof(int32_t), KV, "page selections");
     sel_n_ = host.alloc(static_cast<size_t>(n) * sizeof(int32_t), KV, "page selection counts");
