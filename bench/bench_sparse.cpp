@@ -60,6 +60,13 @@ struct Flags {
   double number(const std::string& name, double dflt) const { return std::stod(get(name, std::to_string(dflt))); }
 };
 
+void write_json(const std::string& path, const json::Value& doc) {
+  std::FILE* fp = std::fopen(path.c_str(), "w");
+  const std::string text = json::dump(doc) + "\n";
+  if (!fp || std::fwrite(text.data(), 1, text.size(), fp) != text.size() || std::fclose(fp) != 0)
+    std::fprintf(stderr, "bench_sparse: cannot write %s\n", path.c_str());
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // The retrieval task.
 
@@ -362,12 +369,7 @@ int retrieval(const Flags& f) {
     doc.set("lr", json::Value::number(lr));
     doc.set("threads", json::Value::integer(get_threads()));
     doc.set("runs", std::move(results));
-    std::FILE* fp = std::fopen(f.get("json", "").c_str(), "w");
-    if (fp) {
-      const std::string text = json::dump(doc) + "\n";
-      std::fwrite(text.data(), 1, text.size(), fp);
-      std::fclose(fp);
-    }
+    write_json(f.get("json", ""), doc);
   }
   return 0;
 }
@@ -457,12 +459,7 @@ int speed(const Flags& f) {
     doc.set("sparse_pages", json::Value::integer(k));
     doc.set("threads", json::Value::integer(get_threads()));
     doc.set("rows", std::move(rows));
-    std::FILE* fp = std::fopen(f.get("json", "").c_str(), "w");
-    if (fp) {
-      const std::string text = json::dump(doc) + "\n";
-      std::fwrite(text.data(), 1, text.size(), fp);
-      std::fclose(fp);
-    }
+    write_json(f.get("json", ""), doc);
   }
   return 0;
 }

@@ -8,6 +8,7 @@
 #include <random>
 
 #include "memory/arena.h"
+#include "util/fd_check.h"
 #include "model/model.h"
 
 namespace oomless {
@@ -93,27 +94,7 @@ TEST_P(ModelFd, EveryParameterGradientMatchesFiniteDifferences) {
     CeResult q = m.forward(ids, tg, false);
     return q.loss_sum * scale;
   };
-  std::mt19937_64 rng(11);
-  int checked = 0;
-  for (size_t i = 0; i < params.specs().size(); ++i) {
-    const Tensor& w = params.tensors()[i];
-    const Tensor& g = m.grads().tensors()[i];
-    double* wp = static_cast<double*>(w.data);
-    const double* gp = static_cast<const double*>(g.data);
-    for (int k = 0; k < 4; ++k) {
-      const int64_t j = static_cast<int64_t>(rng() % static_cast<uint64_t>(w.numel()));
-      const double save = wp[j], h = 1e-5;
-      wp[j] = save + h;
-      const double lp = loss();
-      wp[j] = save - h;
-      const double lm = loss();
-      wp[j] = save;
-      const double fd = (lp - lm) / (2 * h);
-      EXPECT_NEAR(gp[j], fd, 1e-7 + 1e-6 * std::abs(fd)) << params.specs()[i].name << "[" << j << "]";
-      ++checked;
-    }
-  }
-  EXPECT_GT(checked, 40);
+  EXPECT_GT(test::check_sampled_gradients(params, m.grads(), loss, 4, 11), 40);
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, ModelFd, ::testing::Range(0, 4));

@@ -3,6 +3,7 @@
 // pages per query page, gives the same bits in every offload mode and SavePolicy, moves bytes per chunk
 // bounded by k and not by T, and its gradients (selection fixed) match finite differences in float64.
 #include "util/chunked_run.h"
+#include "util/fd_check.h"
 
 namespace oomless::test {
 namespace {
@@ -134,27 +135,7 @@ TEST(SparseAttention, GradientsMatchFiniteDifferencesWithTheSelectionFixed) {
     // Sparse indeed: the last chunk's query pages read 3 of the 20 earlier pages.
     EXPECT_EQ(kv.selection(cfg.L - 1, 5, 0).size(), 3u);
     auto loss = [&] { return m.chunked_eval(id_t, tg_t, C, kv).loss_sum * scale; };
-    std::mt19937_64 rng(13);
-    int checked = 0;
-    for (size_t i = 0; i < params.specs().size(); ++i) {
-      const Tensor& w = params.tensors()[i];
-      const Tensor& g = m.grads().tensors()[i];
-      double* wp = static_cast<double*>(w.data);
-      const double* gp = static_cast<const double*>(g.data);
-      for (int r = 0; r < 3; ++r) {
-        const int64_t j = static_cast<int64_t>(rng() % static_cast<uint64_t>(w.numel()));
-        const double save = wp[j], h = 1e-5;
-        wp[j] = save + h;
-        const double lp = loss();
-        wp[j] = save - h;
-        const double lm = loss();
-        wp[j] = save;
-        const double fd = (lp - lm) / (2 * h);
-        EXPECT_NEAR(gp[j], fd, 1e-7 + 1e-6 * std::abs(fd)) << params.specs()[i].name << "[" << j << "]";
-        ++checked;
-      }
-    }
-    EXPECT_GT(checked, 25);
+    EXPECT_GT(check_sampled_gradients(params, m.grads(), loss, 3, 13), 25);
   }
 }
 
