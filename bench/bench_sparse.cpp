@@ -97,6 +97,10 @@ Sequence make_sequence(const Task& t, uint64_t seed) {
   for (auto& v : vals) v = Task::kVal0 + static_cast<int32_t>(rng() % static_cast<uint64_t>(t.kVals));
   // The pairs start past the sink page, anywhere in the first half.
   const int64_t lo = 2 * t.P, hi = t.T / 2 - 2 * t.pairs;
+  const int64_t last_chunk = t.T - (t.T - 1) / t.C * t.C;
+  OOM_CHECK(lo <= hi && 2 * t.queries < t.T / 2 && 2 * t.queries <= last_chunk,
+            "[bench_sparse] the task does not fit T = ", t.T, ": ", t.pairs, " pairs must fit between position ", lo,
+            " (two pages) and T/2, and ", t.queries, " queries in the last chunk and the second half");
   const int64_t off = lo + static_cast<int64_t>(rng() % static_cast<uint64_t>(std::max<int64_t>(1, hi - lo)));
   for (int64_t i = 0; i < t.pairs; ++i) {
     s.ids[static_cast<size_t>(off + 2 * i)] = keys[static_cast<size_t>(i)];
@@ -260,6 +264,7 @@ int retrieval(const Flags& f) {
   // there), where the retrieval mechanism forms far sooner; the runs then start from its weights.
   Task w{f.integer("warm-T", 256), 0, t.P, f.integer("warm-pairs", 8), f.integer("warm-queries", 48), t.kKeys, t.kVals};
   w.C = w.T;
+  w.P = std::min(t.P, w.T / 8);  // one chunk: the page only places the pairs (past two pages)
   std::vector<std::vector<float>> start;
   json::Value warm_json = json::Value::object();
   if (warm_steps > 0) {
@@ -466,7 +471,7 @@ int speed(const Flags& f) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run_main(int argc, char** argv) {
   Flags f;
   for (int i = 2; i < argc; ++i) f.args.push_back(argv[i]);
   const std::string what = argc > 1 ? argv[1] : "";
@@ -475,4 +480,13 @@ int main(int argc, char** argv) {
   if (what == "speed") return speed(f);
   std::fprintf(stderr, "usage: bench_sparse retrieval|speed [flags] (see the top of bench/bench_sparse.cpp)\n");
   return 2;
+}
+
+int main(int argc, char** argv) {
+  try {
+    return run_main(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_sparse: %s\n", e.what());
+    return 1;
+  }
 }
