@@ -63,7 +63,8 @@ bench-long: build
 bench-sparse: build
 	mkdir -p bench/long_context/results
 	$(BUILD)/bench_sparse speed --json bench/long_context/results/sparse-speed-$$(date +%F).json
-	$(BUILD)/bench_sparse retrieval --json bench/long_context/results/sparse-retrieval-$$(date +%F).json
+	$(BUILD)/bench_sparse retrieval --ids $(BUILD)/retrieval-T4096 \
+	  --json bench/long_context/results/sparse-retrieval-$$(date +%F).json
 
 # Each libFuzzer target in fuzz/ for FUZZ_SECONDS (default 60) from its seed corpus; new inputs it
 # finds go to build/fuzz/corpus/NAME (the committed seeds stay as they are). Needs clang (installed).

@@ -1,27 +1,32 @@
 // Page-sparse attention against dense attention in chunk-recurrent training.
 //
-// retrieval: a long-range key-value retrieval task (generated here, seeded): each sequence of T tokens is
-// filler, with n key-value pairs somewhere in its first half (past the sink page) and, at its end, q
-// queries (a key whose next token is its value) in rounds, each round every pair once in a random order.
-// The first round can only be answered from the pairs far back; later rounds may also copy an earlier
-// round (local), which is what makes the mechanism learnable in a few thousand steps of batch 1. Only the
-// query values are supervised. preset:micro is trained from one init, dense and page-sparse (--k pages of
-// --page tokens per query page, --sinks first pages, mean and minmax summaries), for the same steps on the
-// same sequences; reported on held-out sequences: retrieval accuracy (argmax) on the first round ("far")
-// and on every query, the loss, and the last training losses. Then the dense model is evaluated with
-// sparse attention (each summary), with how often the page holding a first-round pair is among its query
-// page's selection.
+// retrieval: a long-range key-value retrieval task (generated here, seeded, written as .ids and read back):
+// each sequence of T tokens is filler, with n key-value pairs somewhere in its first half (past the sink
+// page) and, at its end, q queries (a key whose next token is its value) in rounds, each round every pair
+// once in a random order. The first round can only be answered from the pairs far back ("far"); later
+// rounds may also copy an earlier round. Only the query values are supervised. preset:micro, with RoPE
+// theta 1e6 (--rope-theta; with 16-dim heads and the preset's 1e4, only one frequency pair turns by less
+// than a radian over 4K positions, too few dimensions to match a key across the sequence), first learns
+// the mechanism in a shared warm-up: the copy task (make_copy_sequence: every token of a repeated stretch
+// supervised) on one-chunk sequences, 2000 steps of 8 x 256 tokens, then 300 steps of 1 x 4096 (the
+// second stage teaches it to find a match 4K tokens back). From those weights it is trained dense and
+// page-sparse (--k pages of --page tokens per query page, --sinks first pages, mean and minmax summaries)
+// on the same retrieval sequences for the same steps; reported on held-out sequences, before and after:
+// retrieval accuracy (argmax) on the first round and on every query, and the loss. Then the dense model is
+// evaluated with sparse attention (each summary), with how often the page holding a first-round pair is
+// among its query page's selection.
 //
 // speed: one chunk-recurrent training step of preset:tiny (random init, fp32) at each --T, dense and
 // sparse; a dense step predicted (T^2 law through the measured dense steps) to exceed --time-box seconds
 // is not run and is reported as extrapolated.
 //
 //   build/release/bench_sparse retrieval [--T 4096] [--chunk 1024] [--page 64] [--k 11] [--sinks 1]
-//       [--steps 2000] [--lr 3e-3] [--pairs 32] [--queries 256] [--keys 128] [--values 128] [--batch 1]
-//       [--warm-steps 0 [--warm-T 256] [--warm-pairs 8] [--warm-queries 48] [--warm-batch 8]] [--eval 64]
-//       [--runs dense,mean,minmax] [--threads N] [--json FILE]
+//       [--steps 3000] [--lr 1e-3] [--pairs 32] [--queries 256] [--keys 64] [--values 64] [--batch 1]
+//       [--rope-theta 1e6] [--warm-task copy|retrieval] [--warm-T 256,4096] [--warm-steps 2000,300]
+//       [--warm-batch 8,1] [--warm-lr 3e-3] [--warm-pairs 8] [--warm-queries 48] [--warm-file F | --init F]
+//       [--eval 32] [--runs dense,mean,minmax] [--ids PREFIX] [--save-dense F] [--threads N] [--json FILE]
 //   build/release/bench_sparse speed [--T 32768,65536,131072] [--chunk 4096] [--page 64] [--k 128]
-//       [--sinks 1] [--time-box 900] [--threads N] [--json FILE]
+//       [--sinks 1] [--summary minmax|mean] [--dense yes|no] [--time-box 900] [--threads N] [--json FILE]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -32,6 +37,7 @@
 #include <vector>
 
 #include "core/cpu_info.h"
+#include "data/text.h"
 #include "io/json.h"
 #include "memory/arena.h"
 #include "model/config.h"
@@ -60,12 +66,24 @@ struct Flags {
   double number(const std::string& name, double dflt) const { return std::stod(get(name, std::to_string(dflt))); }
 };
 
-void write_json(const std::string& path, const json::Value& doc) {
-  std::FILE* fp = std::fopen(path.c_str(), "w");
-  const std::string text = json::dump(doc) + "\n";
-  if (!fp || std::fwrite(text.data(), 1, text.size(), fp) != text.size() || std::fclose(fp) != 0)
-    std::fprintf(stderr, "bench_sparse: cannot write %s\n", path.c_str());
+std::vector<int64_t> int_list(const std::string& list) {
+  std::vector<int64_t> out;
+  for (size_t i = 0; i < list.size();) {
+    size_t j = list.find(',', i);
+    if (j == std::string::npos) j = list.size();
+    out.push_back(std::stoll(list.substr(i, j - i)));
+    i = j + 1;
+  }
+  return out;
 }
+
+void write_text(const std::string& path, const std::string& text) {
+  std::FILE* fp = std::fopen(path.c_str(), "w");
+  OOM_CHECK(fp && std::fwrite(text.data(), 1, text.size(), fp) == text.size() && std::fclose(fp) == 0,
+            "[bench_sparse] cannot write ", path, " (does its folder exist and is it writable?)");
+}
+
+void write_json(const std::string& path, const json::Value& doc) { write_text(path, json::dump(doc) + "\n"); }
 
 // ---------------------------------------------------------------------------------------------------------
 // The retrieval task.
@@ -73,6 +91,7 @@ void write_json(const std::string& path, const json::Value& doc) {
 struct Task {
   int64_t T, C, P, pairs, queries;
   int32_t kKeys = 128, kVals = 128;  // how many distinct keys and values (--keys, --values; <= 1000)
+  bool copy = false;                 // train on make_copy_sequence instead (the warm-up's --warm-task copy)
   // Token ranges of micro's vocabulary (8192): keys, values and filler are disjoint.
   static constexpr int32_t kKey0 = 1000, kVal0 = 2000, kFill0 = 3000, kFills = 4000;
 };
@@ -127,6 +146,69 @@ Sequence make_sequence(const Task& t, uint64_t seed) {
   return s;
 }
 
+// The warm-up task that teaches the mechanism: random tokens (from the key, value and filler ranges), built
+// left to right, where stretches of 2 to 32 tokens repeat an earlier stretch from anywhere before them;
+// every token of a repeat but its last is supervised with the token after it, which can only be predicted by
+// finding the earlier occurrence of the token and copying what followed it: the induction mechanism that
+// retrieval needs, with a training signal at about a third of the positions instead of a few queries.
+Sequence make_copy_sequence(int64_t T, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Sequence s;
+  s.ids.resize(static_cast<size_t>(T));
+  s.targets.assign(static_cast<size_t>(T), -100);
+  const uint64_t span = static_cast<uint64_t>(Task::kFill0 + Task::kFills - Task::kKey0);
+  for (auto& x : s.ids) x = Task::kKey0 + static_cast<int32_t>(rng() % span);
+  int64_t pos = 16 + static_cast<int64_t>(rng() % 16);
+  while (pos < T) {
+    const int64_t len = std::min({T - pos, pos, 2 + static_cast<int64_t>(rng() % 31)});
+    const int64_t src = static_cast<int64_t>(rng() % static_cast<uint64_t>(pos - len + 1));
+    for (int64_t i = 0; i < len; ++i) s.ids[static_cast<size_t>(pos + i)] = s.ids[static_cast<size_t>(src + i)];
+    for (int64_t i = 0; i + 1 < len; ++i)
+      s.targets[static_cast<size_t>(pos + i)] = s.ids[static_cast<size_t>(pos + i + 1)];
+    pos += len + 4 + static_cast<int64_t>(rng() % 32);  // random tokens between repeats
+  }
+  return s;
+}
+
+// The task as `.ids`: one sequence per line, its T ids and then the last query's value (T + 1 tokens), so
+// a line alone gives every target (the token after each query row) and the pair's position (the key's
+// first occurrence).
+void write_ids(const std::string& path, const Task& t, int64_t n, uint64_t seed0) {
+  std::string text;
+  for (int64_t i = 0; i < n; ++i) {
+    const Sequence s = make_sequence(t, seed0 + static_cast<uint64_t>(i));
+    for (int32_t id : s.ids) text += std::to_string(id) + ' ';
+    text += std::to_string(s.targets[static_cast<size_t>(s.query_rows.back())]) + '\n';
+  }
+  write_text(path, text);
+}
+
+std::vector<Sequence> read_task_ids(const std::string& path, const Task& t) {
+  const std::vector<int32_t> all = read_ids_file(path, preset_config("micro").V);
+  OOM_CHECK(all.size() % static_cast<size_t>(t.T + 1) == 0, "[bench_sparse] ", path, " does not hold lines of T + 1 = ",
+            t.T + 1, " ids; write it again with this --T");
+  std::vector<Sequence> out;
+  for (size_t at = 0; at < all.size(); at += static_cast<size_t>(t.T + 1)) {
+    const int32_t* line = all.data() + at;
+    Sequence s;
+    s.ids.assign(line, line + t.T);
+    s.targets.assign(static_cast<size_t>(t.T), -100);
+    const int64_t q0 = t.T - 2 * t.queries + 1;
+    for (int64_t j = 0; j < t.queries; ++j) {
+      const int64_t row = q0 + 2 * j;
+      s.targets[static_cast<size_t>(row)] = line[row + 1];
+      s.query_rows.push_back(row);
+      s.first.push_back(j < t.pairs);
+      const int64_t pair = std::find(line, line + t.T / 2, line[row]) - line;
+      OOM_CHECK(pair < t.T / 2, "[bench_sparse] ", path, ": query ", j, " of line ", out.size() + 1,
+                " has no pair in the first half; the file does not match --T/--pairs/--queries");
+      s.pair_page.push_back(pair / t.P);
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
 struct Eval {
   double loss = 0, accuracy = 0, far_accuracy = 0;
   std::vector<double> hit_by_layer;  // first-round queries whose pair's page is selected
@@ -135,7 +217,7 @@ struct Eval {
 // Loss and argmax accuracy at the query rows of held-out sequences (every query is in the last chunk), and
 // with a sparse store, per layer, how often the page holding a first-round query's pair is in the
 // selection of the query's page.
-Eval evaluate(Model& m, PagedKvStore& kv, const Task& t, int64_t n, uint64_t seed0) {
+Eval evaluate(Model& m, PagedKvStore& kv, const Task& t, const std::vector<Sequence>& data) {
   const ModelConfig& cfg = m.config();
   const int64_t nc = (t.T + t.C - 1) / t.C, last0 = (nc - 1) * t.C, Tc = t.T - last0;
   std::vector<float> logits(static_cast<size_t>(Tc * cfg.V));
@@ -143,10 +225,9 @@ Eval evaluate(Model& m, PagedKvStore& kv, const Task& t, int64_t n, uint64_t see
   e.hit_by_layer.assign(static_cast<size_t>(cfg.L), 0.0);
   int64_t hits = 0, total = 0, far_hits = 0, far = 0;
   double loss = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    Sequence s = make_sequence(t, seed0 + static_cast<uint64_t>(i));
-    const CeResult r = m.chunked_eval(Tensor(s.ids.data(), DType::i32, {t.T}),
-                                      Tensor(s.targets.data(), DType::i32, {t.T}), t.C, kv);
+  for (const Sequence& s : data) {
+    const CeResult r = m.chunked_eval(Tensor(const_cast<int32_t*>(s.ids.data()), DType::i32, {t.T}),
+                                      Tensor(const_cast<int32_t*>(s.targets.data()), DType::i32, {t.T}), t.C, kv);
     loss += r.loss_sum;
     m.logits(Tensor(logits.data(), DType::f32, {Tc, cfg.V}));
     for (size_t j = 0; j < s.query_rows.size(); ++j) {
@@ -188,17 +269,20 @@ PagedKvOptions store_options(const Flags& f, int64_t C, int64_t P, int64_t k, Pa
 // `steps` AdamW steps (warmup 50 steps, cosine to 10%), each over `batch` sequences with gradients
 // accumulated; the mean query loss of every step.
 std::vector<double> train_steps(Model& m, Ops& ops, ParamSet& params, AdamW& opt, ChunkKv& kv, const Task& t,
-                                int64_t steps, int64_t batch, double lr, uint64_t seed0, const std::string& name) {
+                                int64_t steps, int64_t batch, double lr, uint64_t seed0, const std::string& name,
+                                const std::vector<Sequence>* data = nullptr) {
   std::vector<double> losses;
   const double t0 = now();
   for (int64_t step = 1; step <= steps; ++step) {
     m.zero_grads();
     CeResult total;
     for (int64_t b = 0; b < batch; ++b) {
-      Sequence s = make_sequence(t, seed0 + static_cast<uint64_t>(step * batch + b));
+      const uint64_t seed = seed0 + static_cast<uint64_t>(step * batch + b);
+      Sequence s = data ? (*data)[static_cast<size_t>((step - 1) * batch + b)]
+                   : t.copy ? make_copy_sequence(t.T, seed) : make_sequence(t, seed);
       const CeResult r = m.chunked_step(Tensor(s.ids.data(), DType::i32, {t.T}),
                                         Tensor(s.targets.data(), DType::i32, {t.T}), t.C, kv,
-                                        1.0 / static_cast<double>(t.queries * batch));
+                                        1.0 / static_cast<double>((t.copy ? t.T / 3 : t.queries) * batch));
       total.loss_sum += r.loss_sum;
       total.count += r.count;
     }
@@ -232,18 +316,36 @@ void restore(ParamSet& p, const std::vector<std::vector<float>>& s) {
   for (size_t i = 0; i < s.size(); ++i) std::memcpy(p.tensors()[i].data, s[i].data(), s[i].size() * sizeof(float));
 }
 
+// Parameters as raw f32 in ParamSet order (the warm-up's --warm-file / --init, --save-dense).
+void save_weights(const std::string& path, const std::vector<std::vector<float>>& w) {
+  std::FILE* fp = std::fopen(path.c_str(), "wb");
+  bool ok = fp != nullptr;
+  for (const auto& v : w) ok = ok && std::fwrite(v.data(), sizeof(float), v.size(), fp) == v.size();
+  OOM_CHECK(ok && std::fclose(fp) == 0, "[bench_sparse] cannot write ", path);
+}
+
+void load_weights(const std::string& path, std::vector<std::vector<float>>& w) {
+  std::FILE* fp = std::fopen(path.c_str(), "rb");
+  OOM_CHECK(fp, "[bench_sparse] cannot open ", path);
+  bool ok = true;
+  for (auto& v : w) ok = ok && std::fread(v.data(), sizeof(float), v.size(), fp) == v.size();
+  std::fclose(fp);
+  OOM_CHECK(ok, "[bench_sparse] ", path, " is shorter than preset:micro's parameters (write it with --warm-file)");
+}
+
 int retrieval(const Flags& f) {
   Task t{f.integer("T", 4096), f.integer("chunk", 1024), f.integer("page", 64), f.integer("pairs", 32),
          f.integer("queries", 256)};
-  t.kKeys = static_cast<int32_t>(std::clamp<int64_t>(f.integer("keys", 128), t.pairs, 1000));
-  t.kVals = static_cast<int32_t>(std::clamp<int64_t>(f.integer("values", 128), 2, 1000));
-  const int64_t k = f.integer("k", 11), steps = f.integer("steps", 2000), n_eval = f.integer("eval", 64);
-  const double lr = f.number("lr", 3e-3);
-  const ModelConfig cfg = preset_config("micro");
+  t.kKeys = static_cast<int32_t>(std::clamp<int64_t>(f.integer("keys", 64), t.pairs, 1000));
+  t.kVals = static_cast<int32_t>(std::clamp<int64_t>(f.integer("values", 64), 2, 1000));
+  const int64_t k = f.integer("k", 11), steps = f.integer("steps", 3000), n_eval = f.integer("eval", 32);
+  const double lr = f.number("lr", 1e-3);
+  ModelConfig cfg = preset_config("micro");
+  cfg.rope.theta = f.number("rope-theta", 1e6);  // see the top of the file
   const int64_t nc = (t.T + t.C - 1) / t.C, hist = (nc - 1) * t.C / t.P, sinks = f.integer("sinks", 1);
-  std::printf("retrieval: preset:micro, T %lld, chunk %lld, page %lld; %lld pairs, %lld queries; %lld steps, lr %g; "
+  std::printf("retrieval: preset:micro (RoPE theta %g), T %lld, chunk %lld, page %lld; %lld pairs, %lld queries; %lld steps, lr %g; "
               "sparse: %lld + %lld sink of the last chunk's %lld earlier pages (%.1f%%); %d threads\n",
-              static_cast<long long>(t.T), static_cast<long long>(t.C), static_cast<long long>(t.P),
+              cfg.rope.theta, static_cast<long long>(t.T), static_cast<long long>(t.C), static_cast<long long>(t.P),
               static_cast<long long>(t.pairs), static_cast<long long>(t.queries), static_cast<long long>(steps), lr,
               static_cast<long long>(k), static_cast<long long>(sinks), static_cast<long long>(hist),
               100.0 * static_cast<double>(k + sinks) / static_cast<double>(hist), get_threads());
@@ -258,44 +360,80 @@ int retrieval(const Flags& f) {
                                  {"sparse minmax", k, PageSummary::minmax}};
   json::Value results = json::Value::array();
   const std::string only = f.get("runs", "dense,mean,minmax");
-  const int64_t batch = f.integer("batch", 1), warm_steps = f.integer("warm-steps", 0);
-  const int64_t warm_batch = f.integer("warm-batch", 8);
-  // Optional warm-up phase shared by every run: short one-chunk sequences (dense and sparse are the same
-  // there), where the retrieval mechanism forms far sooner; the runs then start from its weights.
-  Task w{f.integer("warm-T", 256), 0, t.P, f.integer("warm-pairs", 8), f.integer("warm-queries", 48), t.kKeys, t.kVals};
-  w.C = w.T;
-  w.P = std::min(t.P, w.T / 8);  // one chunk: the page only places the pairs (past two pages)
+  const int64_t batch = f.integer("batch", 1);
+  // Optional warm-up shared by every run, in stages (comma lists --warm-T, --warm-steps, --warm-batch; a
+  // single value applies to every stage): one-chunk sequences (dense and sparse are the same there) of the
+  // copy task (--warm-task copy, the default) or of the retrieval task itself; the runs start from its
+  // weights. --init F starts from weights saved by --warm-file F of an earlier run instead of the random init.
+  const std::vector<int64_t> warm_Ts = int_list(f.get("warm-T", "256,4096")), warm_steps = int_list(f.get("warm-steps", "2000,300")),
+                             warm_batches = int_list(f.get("warm-batch", "8,1"));
+  const double warm_lr = f.number("warm-lr", 3e-3);
+  const size_t n_stages = std::max({warm_Ts.size(), warm_steps.size(), warm_batches.size()});
+  auto stage_value = [&](const std::vector<int64_t>& v, size_t i) { return v[std::min(i, v.size() - 1)]; };
   std::vector<std::vector<float>> start;
-  json::Value warm_json = json::Value::object();
-  if (warm_steps > 0) {
+  json::Value warm_json = json::Value::array();
+  const std::string init_file = f.get("init", ""), warm_file = f.get("warm-file", "");
+  if (!init_file.empty()) {
+    CpuMemory mem(size_t{1} << 30);
+    ParamSet params(cfg, DType::f32, mem.device, Category::weights);
+    start = snapshot(params);
+    load_weights(init_file, start);
+    std::printf("init: %s\n", init_file.c_str());
+  }
+  if (stage_value(warm_steps, 0) > 0) {
+    const int64_t maxT = *std::max_element(warm_Ts.begin(), warm_Ts.end());
     CpuMemory mem(size_t{8} << 30);
     auto ops = make_ops("cpu", &mem.device);
     ParamSet params(cfg, DType::f32, mem.device, Category::weights);
     init_random(params, 42);
+    if (!start.empty()) restore(params, start);
     Model m(cfg, *ops, params, mem.device, {ComputeDType::f32, SavePolicy::none});
-    m.reserve(w.C, true, true);
-    AdamW opt(cfg, params, mem.host, {lr, 0.9, 0.95, 1e-8, 0.0});
-    PagedKvStore kv(cfg, *ops, mem.device, mem.host, store_options(f, w.C, w.P, 0, PageSummary::mean), w.T, true);
-    const double t0 = now();
-    const std::vector<double> losses =
-        train_steps(m, *ops, params, opt, kv, w, warm_steps, warm_batch, lr, 500000000, "warm-up");
-    const Eval e = evaluate(m, kv, w, n_eval, 8000000);
-    std::printf("warm-up (T %lld, %lld pairs, %lld queries, batch %lld, %lld steps): held-out accuracy first round "
-                "%.1f%%, all %.1f%%; %.0f s\n", static_cast<long long>(w.T), static_cast<long long>(w.pairs),
-                static_cast<long long>(w.queries), static_cast<long long>(warm_batch),
-                static_cast<long long>(warm_steps),
-                100 * e.far_accuracy, 100 * e.accuracy, now() - t0);
-    std::fflush(stdout);
+    m.reserve(maxT, true, true);
+    for (size_t st = 0; st < n_stages; ++st) {
+      Task w{stage_value(warm_Ts, st), 0, t.P, f.integer("warm-pairs", 8), f.integer("warm-queries", 48), t.kKeys,
+             t.kVals};
+      w.C = w.T;
+      w.copy = f.get("warm-task", "copy") == "copy";
+      w.P = std::min(t.P, w.T / 8);  // one chunk: the page only places the pairs (past two pages)
+      const int64_t n_steps = stage_value(warm_steps, st), wb = stage_value(warm_batches, st);
+      AdamW opt(cfg, params, mem.host, {warm_lr, 0.9, 0.95, 1e-8, 0.0});
+      PagedKvStore kv(cfg, *ops, mem.device, mem.host, store_options(f, w.C, w.P, 0, PageSummary::mean), w.T, true);
+      const double t0 = now();
+      const std::vector<double> losses = train_steps(m, *ops, params, opt, kv, w, n_steps, wb, warm_lr,
+                                                     500000000 + 10000000 * st, "warm-up " + std::to_string(st + 1));
+      std::vector<Sequence> held_out;
+      for (int64_t i = 0; i < n_eval; ++i) held_out.push_back(make_sequence(w, 8000000 + static_cast<uint64_t>(i)));
+      const Eval e = evaluate(m, kv, w, held_out);
+      std::printf("warm-up stage %zu (%s task, T %lld, batch %lld, %lld steps): retrieval at T %lld (%lld pairs, "
+                  "%lld queries), held-out accuracy first round %.1f%%, all %.1f%%; %.0f s\n", st + 1,
+                  w.copy ? "copy" : "retrieval", static_cast<long long>(w.T), static_cast<long long>(wb),
+                  static_cast<long long>(n_steps), static_cast<long long>(w.T), static_cast<long long>(w.pairs),
+                  static_cast<long long>(w.queries), 100 * e.far_accuracy, 100 * e.accuracy, now() - t0);
+      std::fflush(stdout);
+      json::Value stage = json::Value::object();
+      stage.set("task", json::Value::string(w.copy ? "copy" : "retrieval"));
+      stage.set("T", json::Value::integer(w.T));
+      stage.set("steps", json::Value::integer(n_steps));
+      stage.set("batch", json::Value::integer(wb));
+      stage.set("lr", json::Value::number(warm_lr));
+      stage.set("eval_pairs", json::Value::integer(w.pairs));
+      stage.set("eval_queries", json::Value::integer(w.queries));
+      stage.set("far_accuracy", json::Value::number(e.far_accuracy));
+      stage.set("accuracy", json::Value::number(e.accuracy));
+      stage.set("seconds", json::Value::number(now() - t0));
+      warm_json.push_back(std::move(stage));
+    }
     start = snapshot(params);
-    warm_json.set("T", json::Value::integer(w.T));
-    warm_json.set("pairs", json::Value::integer(w.pairs));
-    warm_json.set("queries", json::Value::integer(w.queries));
-    warm_json.set("steps", json::Value::integer(warm_steps));
-    warm_json.set("batch", json::Value::integer(warm_batch));
-    warm_json.set("far_accuracy", json::Value::number(e.far_accuracy));
-    warm_json.set("accuracy", json::Value::number(e.accuracy));
-    warm_json.set("seconds", json::Value::number(now() - t0));
+    if (!warm_file.empty()) save_weights(warm_file, start);  // for later runs (--init F --warm-steps 0)
   }
+  // The task's sequences as .ids (written, then read back: the runs train and evaluate on the files).
+  const std::string prefix = f.get("ids", "retrieval-T" + std::to_string(t.T));
+  write_ids(prefix + "-train.ids", t, steps * batch, 1000000);
+  write_ids(prefix + "-eval.ids", t, n_eval, 7000000);
+  const std::vector<Sequence> train_data = read_task_ids(prefix + "-train.ids", t);
+  const std::vector<Sequence> eval_data = read_task_ids(prefix + "-eval.ids", t);
+  std::printf("task: %s-train.ids (%zu sequences), %s-eval.ids (%zu)\n", prefix.c_str(), train_data.size(),
+              prefix.c_str(), eval_data.size());
   for (const Run& run : runs) {
     const std::string tag = run.k == 0 ? "dense" : page_summary_name(run.sum);
     if (("," + only + ",").find("," + tag + ",") == std::string::npos) continue;
@@ -310,10 +448,14 @@ int retrieval(const Flags& f) {
     PagedKvStore kv(cfg, *ops, mem.device, mem.host, store_options(f, t.C, t.P, run.k, run.sum), t.T, true);
     Trained tr;
     tr.name = run.name;
+    const Eval before = evaluate(m, kv, t, eval_data);
+    std::printf("%-14s before training: held-out accuracy first round (far) %.1f%%, all %.1f%%; loss %.4f\n",
+                run.name.c_str(), 100 * before.far_accuracy, 100 * before.accuracy, before.loss);
+    std::fflush(stdout);
     const double t0 = now();
-    tr.losses = train_steps(m, *ops, params, opt, kv, t, steps, batch, lr, 1000000, run.name);
+    tr.losses = train_steps(m, *ops, params, opt, kv, t, steps, batch, lr, 0, run.name, &train_data);
     tr.seconds = now() - t0;
-    tr.eval = evaluate(m, kv, t, n_eval, 7000000);
+    tr.eval = evaluate(m, kv, t, eval_data);
     std::printf("%-14s held-out accuracy: first round (far) %.1f%%, all queries %.1f%%; loss %.4f; %.0f s\n",
                 run.name.c_str(), 100 * tr.eval.far_accuracy, 100 * tr.eval.accuracy, tr.eval.loss, tr.seconds);
     json::Value o = json::Value::object();
@@ -323,17 +465,21 @@ int retrieval(const Flags& f) {
     o.set("far_accuracy", json::Value::number(tr.eval.far_accuracy));
     o.set("accuracy", json::Value::number(tr.eval.accuracy));
     o.set("eval_loss", json::Value::number(tr.eval.loss));
+    o.set("far_accuracy_before", json::Value::number(before.far_accuracy));
+    o.set("accuracy_before", json::Value::number(before.accuracy));
+    o.set("eval_loss_before", json::Value::number(before.loss));
     double last = 0;
     const int64_t tail = std::min<int64_t>(100, steps);
     for (int64_t i = steps - tail; i < steps; ++i) last += tr.losses[static_cast<size_t>(i)];
-    o.set("train_loss_last100", json::Value::number(last / static_cast<double>(tail)));
+    if (tail > 0) o.set("train_loss_last100", json::Value::number(last / static_cast<double>(tail)));
     o.set("seconds", json::Value::number(tr.seconds));
+    if (run.k == 0 && f.get("save-dense", "") != "") save_weights(f.get("save-dense", ""), snapshot(params));
     if (run.k == 0) {
       // The dense model read through sparse attention: how well each summary finds the pairs' pages.
       json::Value probe = json::Value::array();
       for (PageSummary sum : {PageSummary::mean, PageSummary::minmax}) {
         PagedKvStore skv(cfg, *ops, mem.device, mem.host, store_options(f, t.C, t.P, k, sum), t.T, false);
-        const Eval e = evaluate(m, skv, t, n_eval, 7000000);
+        const Eval e = evaluate(m, skv, t, eval_data);
         std::printf("  dense model, sparse %s attention: accuracy far %.1f%%, all %.1f%%, loss %.4f; far pair's page "
                     "selected by layer:", page_summary_name(sum), 100 * e.far_accuracy, 100 * e.accuracy, e.loss);
         json::Value hits = json::Value::array();
@@ -372,6 +518,8 @@ int retrieval(const Flags& f) {
     doc.set("values", json::Value::integer(t.kVals));
     doc.set("warm_up", std::move(warm_json));
     doc.set("lr", json::Value::number(lr));
+    doc.set("rope_theta", json::Value::number(cfg.rope.theta));
+    doc.set("ids", json::Value::string(prefix));
     doc.set("threads", json::Value::integer(get_threads()));
     doc.set("runs", std::move(results));
     write_json(f.get("json", ""), doc);
@@ -401,15 +549,10 @@ double one_step(const ModelConfig& cfg, int64_t T, int64_t C, const PagedKvOptio
 }
 
 int speed(const Flags& f) {
-  std::vector<int64_t> Ts;
-  const std::string list = f.get("T", "32768,65536,131072");
-  for (size_t i = 0; i < list.size();) {
-    size_t j = list.find(',', i);
-    if (j == std::string::npos) j = list.size();
-    Ts.push_back(std::stoll(list.substr(i, j - i)));
-    i = j + 1;
-  }
+  const std::vector<int64_t> Ts = int_list(f.get("T", "32768,65536,131072"));
   const int64_t C = f.integer("chunk", 4096), P = f.integer("page", 64), k = f.integer("k", 128);
+  const PageSummary summary = parse_page_summary(f.get("summary", "minmax"));
+  const bool run_dense = f.get("dense", "yes") != "no";  // no: the sparse steps only
   const double box = f.number("time-box", 900);
   const ModelConfig cfg = preset_config("tiny");
   std::printf("speed: preset:tiny fp32, one chunk-recurrent step, chunk %lld, page %lld; sparse %lld + %lld sink "
@@ -439,19 +582,20 @@ int speed(const Flags& f) {
       predicted = a * static_cast<double>(T) + b * static_cast<double>(T) * static_cast<double>(T);
     }
     double dense = predicted;
-    const bool measured = predicted < 0 || predicted <= box;
+    const bool measured = run_dense && (predicted < 0 || predicted <= box);
     if (measured) {
       dense = one_step(cfg, T, C, store_options(f, C, P, 0, PageSummary::mean));
       dense_pts.push_back({static_cast<double>(T), dense});
     }
-    const double sparse = one_step(cfg, T, C, store_options(f, C, P, k, PageSummary::mean));
+    const double sparse = one_step(cfg, T, C, store_options(f, C, P, k, summary));
     std::printf("%8lld %12.1f %12.1f %8.2fx  %s\n", static_cast<long long>(T), dense, sparse, dense / sparse,
-                measured ? "measured" : "extrapolated (T^2 law through the measured dense steps)");
+                measured ? "measured" : run_dense ? "extrapolated (T^2 law through the measured dense steps)"
+                                                  : "not run (--dense no)");
     std::fflush(stdout);
     json::Value r = json::Value::object();
     r.set("T", json::Value::integer(T));
     r.set("dense_s", json::Value::number(dense));
-    r.set("dense", json::Value::string(measured ? "measured" : "extrapolated"));
+    r.set("dense", json::Value::string(measured ? "measured" : run_dense ? "extrapolated" : "not run"));
     r.set("sparse_s", json::Value::number(sparse));
     r.set("speedup", json::Value::number(dense / sparse));
     rows.push_back(std::move(r));
@@ -462,6 +606,7 @@ int speed(const Flags& f) {
     doc.set("chunk", json::Value::integer(C));
     doc.set("page", json::Value::integer(P));
     doc.set("sparse_pages", json::Value::integer(k));
+    doc.set("summary", json::Value::string(page_summary_name(summary)));
     doc.set("threads", json::Value::integer(get_threads()));
     doc.set("rows", std::move(rows));
     write_json(f.get("json", ""), doc);

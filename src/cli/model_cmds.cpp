@@ -90,7 +90,7 @@ const char* kEvalHelp =
     "  --sparse-pages k page-sparse attention (with --chunk): each query page reads its own chunk, the first\n"
     "                   --sink-pages pages and its k best-scoring earlier pages (default 0: dense)\n"
     "  --sink-pages s   pages every query page reads with --sparse-pages (default 1)\n"
-    "  --page-summary S mean (of a page's keys) or minmax (per dimension) page scores (default mean)\n"
+    "  --page-summary S minmax (per dimension, as Quest; the default) or mean (of a page's keys) page scores\n"
     "  --rope-theta x   override the model's RoPE base (default: the model's)\n"
     "  --rope-scaling S override the model's RoPE scaling: linear:F, yarn:F or llama3:F (F times the model's\n"
     "                   context), none, or a rope_scaling JSON object (default: the model's)\n"
@@ -130,7 +130,7 @@ int eval(const std::vector<std::string>& argv) {
     ko.spill_dir = a.str("spill-dir", ".");
     ko.sparse_pages = a.integer("sparse-pages", 0, 0, int64_t{1} << 30);
     ko.sink_pages = a.integer("sink-pages", 1, 0, int64_t{1} << 30);
-    ko.summary = parse_page_summary(a.str("page-summary", "mean"));
+    ko.summary = parse_page_summary(a.str("page-summary", "minmax"));
     kv = std::make_unique<PagedKvStore>(l.src.cfg, *l.ops, l.mem->device, l.mem->host, ko, T, grads);
   }
   EvalResult r = evaluate(*l.model, stream, T, grads, kv.get(), C);

@@ -61,7 +61,7 @@ struct PagedKvOptions {
   IoMode io = IoMode::automatic;
   int64_t sparse_pages = 0;      // k: each query page reads its k best earlier pages (0: all, dense)
   int64_t sink_pages = 1;        // with sparse_pages: the first pages every query page reads
-  PageSummary summary = PageSummary::mean;
+  PageSummary summary = PageSummary::minmax;
   // Selections outlive the sequence: a later one replays the first one's (same length). For finite
   // differences with the selection fixed, and for analysis.
   bool keep_selection = false;

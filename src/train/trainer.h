@@ -50,7 +50,7 @@ struct TrainConfig {
   std::string rope_scaling;     // non-empty: overrides the model's RoPE scaling (apply_rope_scaling)
   int64_t sparse_pages = 0;     // page-sparse attention: each query page reads its k best earlier pages (0: dense)
   int64_t sink_pages = 1;       // with sparse_pages: the first pages every query page reads
-  std::string page_summary = "mean";  // with sparse_pages: mean or minmax
+  std::string page_summary = "minmax";  // with sparse_pages: minmax or mean
 
   // Keys are the long flag names without "--" (e.g. "grad-accum"); unknown keys are an error.
   void apply_json(const json::Value& o, const std::string& source);
