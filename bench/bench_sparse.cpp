@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -317,6 +318,30 @@ void restore(ParamSet& p, const std::vector<std::vector<float>>& s) {
   for (size_t i = 0; i < s.size(); ++i) std::memcpy(p.tensors()[i].data, s[i].data(), s[i].size() * sizeof(float));
 }
 
+// A model to train or time: preset weights (random init with `seed`, or `start` when given) and its
+// memory, reserved for chunks of C tokens.
+struct Trainee {
+  CpuMemory mem;
+  std::unique_ptr<Ops> ops;
+  ParamSet params;
+  bool initialized;  // params hold their values before the model is built on them
+  Model m;
+  Trainee(const ModelConfig& cfg, uint64_t seed, const std::vector<std::vector<float>>& start, int64_t C,
+          size_t bytes)
+      : mem(bytes),
+        ops(make_ops("cpu", &mem.device)),
+        params(cfg, DType::f32, mem.device, Category::weights),
+        initialized(initialize(params, seed, start)),
+        m(cfg, *ops, params, mem.device, {ComputeDType::f32, SavePolicy::none}) {
+    m.reserve(C, true, true);
+  }
+  static bool initialize(ParamSet& p, uint64_t seed, const std::vector<std::vector<float>>& start) {
+    init_random(p, seed);
+    if (!start.empty()) restore(p, start);
+    return true;
+  }
+};
+
 // Parameters as raw f32 in ParamSet order (the warm-up's --warm-file / --init, --save-dense).
 void save_weights(const std::string& path, const std::vector<std::vector<float>>& w) {
   std::FILE* fp = std::fopen(path.c_str(), "wb");
@@ -383,13 +408,11 @@ int retrieval(const Flags& f) {
   }
   if (stage_value(warm_steps, 0) > 0) {
     const int64_t maxT = *std::max_element(warm_Ts.begin(), warm_Ts.end());
-    CpuMemory mem(size_t{8} << 30);
-    auto ops = make_ops("cpu", &mem.device);
-    ParamSet params(cfg, DType::f32, mem.device, Category::weights);
-    init_random(params, 42);
-    if (!start.empty()) restore(params, start);
-    Model m(cfg, *ops, params, mem.device, {ComputeDType::f32, SavePolicy::none});
-    m.reserve(maxT, true, true);
+    Trainee b(cfg, 42, start, maxT, size_t{8} << 30);
+    CpuMemory& mem = b.mem;
+    Ops& ops = *b.ops;
+    ParamSet& params = b.params;
+    Model& m = b.m;
     for (size_t st = 0; st < n_stages; ++st) {
       Task w{stage_value(warm_Ts, st), 0, t.P, f.integer("warm-pairs", 8), f.integer("warm-queries", 48), t.kKeys,
              t.kVals};
@@ -398,9 +421,9 @@ int retrieval(const Flags& f) {
       w.P = std::min(t.P, w.T / 8);  // one chunk: the page only places the pairs (past two pages)
       const int64_t n_steps = stage_value(warm_steps, st), wb = stage_value(warm_batches, st);
       AdamW opt(cfg, params, mem.host, {warm_lr, 0.9, 0.95, 1e-8, 0.0});
-      PagedKvStore kv(cfg, *ops, mem.device, mem.host, store_options(f, w.C, w.P, 0, PageSummary::mean), w.T, true);
+      PagedKvStore kv(cfg, ops, mem.device, mem.host, store_options(f, w.C, w.P, 0, PageSummary::mean), w.T, true);
       const double t0 = now();
-      const std::vector<double> losses = train_steps(m, *ops, params, opt, kv, w, n_steps, wb, warm_lr,
+      const std::vector<double> losses = train_steps(m, ops, params, opt, kv, w, n_steps, wb, warm_lr,
                                                      500000000 + 10000000 * st, "warm-up " + std::to_string(st + 1));
       std::vector<Sequence> held_out;
       for (int64_t i = 0; i < n_eval; ++i) held_out.push_back(make_sequence(w, 8000000 + static_cast<uint64_t>(i)));
@@ -438,15 +461,13 @@ int retrieval(const Flags& f) {
   for (const Run& run : runs) {
     const std::string tag = run.k == 0 ? "dense" : page_summary_name(run.sum);
     if (("," + only + ",").find("," + tag + ",") == std::string::npos) continue;
-    CpuMemory mem(size_t{16} << 30);
-    auto ops = make_ops("cpu", &mem.device);
-    ParamSet params(cfg, DType::f32, mem.device, Category::weights);
-    init_random(params, 42);
-    if (!start.empty()) restore(params, start);
-    Model m(cfg, *ops, params, mem.device, {ComputeDType::f32, SavePolicy::none});
-    m.reserve(t.C, true, true);
+    Trainee b(cfg, 42, start, t.C, size_t{16} << 30);
+    CpuMemory& mem = b.mem;
+    Ops& ops = *b.ops;
+    ParamSet& params = b.params;
+    Model& m = b.m;
     AdamW opt(cfg, params, mem.host, {lr, 0.9, 0.95, 1e-8, 0.0});
-    PagedKvStore kv(cfg, *ops, mem.device, mem.host, store_options(f, t.C, t.P, run.k, run.sum), t.T, true);
+    PagedKvStore kv(cfg, ops, mem.device, mem.host, store_options(f, t.C, t.P, run.k, run.sum), t.T, true);
     Trained tr;
     tr.name = run.name;
     const Eval before = evaluate(m, kv, t, eval_data);
@@ -454,7 +475,7 @@ int retrieval(const Flags& f) {
                 run.name.c_str(), 100 * before.far_accuracy, 100 * before.accuracy, before.loss);
     std::fflush(stdout);
     const double t0 = now();
-    tr.losses = train_steps(m, *ops, params, opt, kv, t, steps, batch, lr, 0, run.name, &train_data);
+    tr.losses = train_steps(m, ops, params, opt, kv, t, steps, batch, lr, 0, run.name, &train_data);
     tr.seconds = now() - t0;
     tr.eval = evaluate(m, kv, t, eval_data);
     std::printf("%-14s held-out accuracy: first round (far) %.1f%%, all queries %.1f%%; loss %.4f; %.0f s\n",
@@ -479,7 +500,7 @@ int retrieval(const Flags& f) {
       // The dense model read through sparse attention: how well each summary finds the pairs' pages.
       json::Value probe = json::Value::array();
       for (PageSummary sum : {PageSummary::mean, PageSummary::minmax}) {
-        PagedKvStore skv(cfg, *ops, mem.device, mem.host, store_options(f, t.C, t.P, k, sum), t.T, false);
+        PagedKvStore skv(cfg, ops, mem.device, mem.host, store_options(f, t.C, t.P, k, sum), t.T, false);
         const Eval e = evaluate(m, skv, t, eval_data);
         std::printf("  dense model, sparse %s attention: accuracy far %.1f%%, all %.1f%%, loss %.4f; far pair's page "
                     "selected by layer:", page_summary_name(sum), 100 * e.far_accuracy, 100 * e.accuracy, e.loss);
@@ -532,13 +553,9 @@ int retrieval(const Flags& f) {
 // Step time.
 
 double one_step(const ModelConfig& cfg, int64_t T, int64_t C, const PagedKvOptions& o) {
-  CpuMemory mem(size_t{20} << 30);
-  auto ops = make_ops("cpu", &mem.device);
-  ParamSet params(cfg, DType::f32, mem.device, Category::weights);
-  init_random(params, 1);
-  Model m(cfg, *ops, params, mem.device, {ComputeDType::f32, SavePolicy::none});
-  m.reserve(C, true, true);
-  PagedKvStore kv(cfg, *ops, mem.device, mem.host, o, T, true);
+  Trainee b(cfg, 1, {}, C, size_t{20} << 30);
+  Model& m = b.m;
+  PagedKvStore kv(cfg, *b.ops, b.mem.device, b.mem.host, o, T, true);
   std::vector<int32_t> ids(static_cast<size_t>(T)), tg(static_cast<size_t>(T));
   std::mt19937_64 rng(2);
   for (auto& x : ids) x = static_cast<int32_t>(rng() % static_cast<uint64_t>(cfg.V));
