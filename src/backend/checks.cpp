@@ -163,6 +163,7 @@ CeDims check_cross_entropy(const char* op, const Tensor& lse, const Tensor& h, c
 void check_cross_entropy_backward(const char* op, const CeDims& d, const Tensor& dh, const Tensor& dw, DType act) {
   check_dtype(op, "dh", dh, {act});
   check_shape(op, "dh", dh, {d.T, d.E});
+  if (!dw.data) return;  // a frozen head: no weight gradient
   check_dtype(op, "dw", dw, {act});
   check_shape(op, "dw", dw, {d.V, d.E});
 }

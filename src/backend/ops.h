@@ -92,7 +92,7 @@ class Ops {
   // out (R, E) = in * rstd * weight, rstd (R) = 1/sqrt(mean(in^2) + eps). R rows (tokens, or tokens x
   // heads for per-head q/k norms). out may alias in.
   virtual void rmsnorm_forward(Tensor out, Tensor rstd, Tensor in, Tensor weight, double eps) = 0;
-  // din (R, E) = ; dweight (E) +=.
+  // din (R, E) = ; dweight (E) +=, or nothing when dweight is empty (a frozen weight).
   virtual void rmsnorm_backward(Tensor din, Tensor dweight, Tensor dout, Tensor in, Tensor weight, Tensor rstd) = 0;
 
   // out (T, H, D) = rotate(in) by the angles of pos (T); out may alias in. D even.
@@ -142,7 +142,7 @@ class Ops {
   virtual CeResult linear_cross_entropy_forward(Tensor lse, Tensor h, Tensor w, Tensor targets,
                                                 int32_t ignore_index) = 0;
   // With dlogits = grad_scale * (softmax - onehot(target)) on supervised rows and 0 elsewhere:
-  // dh (T, E) = dlogits . w; dw (V, E) += dlogits^T . h (act dtype).
+  // dh (T, E) = dlogits . w; dw (V, E) += dlogits^T . h (act dtype), skipped when dw is empty (a frozen head).
   virtual void linear_cross_entropy_backward(Tensor dh, Tensor dw, Tensor h, Tensor w, Tensor targets, Tensor lse,
                                              int32_t ignore_index, double grad_scale) = 0;
 

@@ -107,7 +107,7 @@ void CpuOps::rmsnorm_backward(Tensor din, Tensor dweight, Tensor dout, Tensor in
   // Copies: clang before 16 cannot capture structured bindings in lambdas / OpenMP regions.
   const int64_t R = R_, E = E_;
   check_elementwise("[rmsnorm_backward]", {&din, &in}, kAct);
-  check_same_shape("[rmsnorm_backward]", "dweight", dweight, "weight", weight);
+  if (dweight.data) check_same_shape("[rmsnorm_backward]", "dweight", dweight, "weight", weight);
   const float* x = f32p(in);
   const float* dy = f32p(dout);
   const float* w = f32p(weight);
@@ -115,7 +115,7 @@ void CpuOps::rmsnorm_backward(Tensor din, Tensor dweight, Tensor dout, Tensor in
   float* dx = f32p(din);
   float* dw = f32p(dweight);
   // dweight first: din may alias dout.
-  int64_t nb = (E + kColBlock - 1) / kColBlock;
+  const int64_t nb = dw ? (E + kColBlock - 1) / kColBlock : 0;  // no dweight: a frozen norm
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < nb; ++b) {
     int64_t e0 = b * kColBlock, e1 = std::min(E, e0 + kColBlock);

@@ -263,7 +263,7 @@ void CpuOps::linear_cross_entropy_backward(Tensor dh, Tensor dw, Tensor h, Tenso
       // dh (nt, E) = / += dlogits (nt, nv) . wv (nv, E)
       gemm().run(GemmShape{.M = nt, .N = E, .K = nv, .accumulate = v0 > 0}, tile, wv, dhp + t0 * E);
       // dw (nv, E) += dlogits^T (nv, nt) . h (nt, E); the GEMM transposes dlogits while packing.
-      gemm().run(GemmShape{.M = nv, .N = E, .K = nt, .ta = true, .accumulate = true}, tile, hp + t0 * E, dwp + v0 * E);
+      if (dwp) gemm().run(GemmShape{.M = nv, .N = E, .K = nt, .ta = true, .accumulate = true}, tile, hp + t0 * E, dwp + v0 * E);
     }
   }
 }

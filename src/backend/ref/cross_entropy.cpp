@@ -73,7 +73,7 @@ void RefOps::linear_cross_entropy_backward(Tensor dh, Tensor dw, Tensor h, Tenso
       double d = grad_scale * (std::exp(logits[v] - lp[t]) - (v == tg[t] ? 1.0 : 0.0));
       for (int64_t e = 0; e < E; ++e) {
         dhp[t * E + e] += d * load(w, v * E + e);
-        dwp[v * E + e] += d * hp[t * E + e];
+        if (dwp) dwp[v * E + e] += d * hp[t * E + e];
       }
     }
   }

@@ -71,7 +71,7 @@ void RefOps::rmsnorm_forward(Tensor out, Tensor rstd, Tensor in, Tensor weight, 
 void RefOps::rmsnorm_backward(Tensor din, Tensor dweight, Tensor dout, Tensor in, Tensor weight, Tensor rstd) {
   auto [R, E] = check_rmsnorm("[rmsnorm_backward]", dout, rstd, in, weight, kAct);
   check_elementwise("[rmsnorm_backward]", {&din, &in}, kAct);
-  check_same_shape("[rmsnorm_backward]", "dweight", dweight, "weight", weight);
+  if (dweight.data) check_same_shape("[rmsnorm_backward]", "dweight", dweight, "weight", weight);
   for (int64_t r = 0; r < R; ++r) {
     const double* x = f64(in) + r * E;
     const double* dy = f64(dout) + r * E;
@@ -79,7 +79,7 @@ void RefOps::rmsnorm_backward(Tensor din, Tensor dweight, Tensor dout, Tensor in
     for (int64_t e = 0; e < E; ++e) dot += dy[e] * f64(weight)[e] * x[e];
     for (int64_t e = 0; e < E; ++e) {
       double dx = rs * dy[e] * f64(weight)[e] - x[e] * rs * rs * rs * dot / static_cast<double>(E);
-      f64(dweight)[e] += dy[e] * x[e] * rs;
+      if (dweight.data) f64(dweight)[e] += dy[e] * x[e] * rs;
       f64(din)[r * E + e] = dx;
     }
   }
