@@ -288,12 +288,13 @@ std::vector<double> train_steps(Model& m, Ops& ops, ParamSet& params, AdamW& opt
       total.loss_sum += r.loss_sum;
       total.count += r.count;
     }
-    const double norm = global_grad_norm(ops, m.grads());
+    const TrainableSet trained = m.trainable();
+    const double norm = global_grad_norm(ops, trained);
     if (std::isfinite(norm)) {
-      clip_grads(ops, m.grads(), 1.0, norm);
+      clip_grads(ops, trained, 1.0, norm);
       const double warm = std::min(1.0, static_cast<double>(step) / 50.0);
       const double cosine = 0.5 * (1 + std::cos(M_PI * static_cast<double>(step) / static_cast<double>(steps)));
-      opt.step(ops, params, m.grads(), lr * warm * (0.1 + 0.9 * cosine), step);
+      opt.step(ops, trained, lr * warm * (0.1 + 0.9 * cosine), step);
     }
     losses.push_back(total.loss_sum / static_cast<double>(total.count));
     if (step % 100 == 0 || step == steps) {
@@ -420,7 +421,7 @@ int retrieval(const Flags& f) {
       w.copy = f.get("warm-task", "copy") == "copy";
       w.P = std::min(t.P, w.T / 8);  // one chunk: the page only places the pairs (past two pages)
       const int64_t n_steps = stage_value(warm_steps, st), wb = stage_value(warm_batches, st);
-      AdamW opt(cfg, params, mem.host, {warm_lr, 0.9, 0.95, 1e-8, 0.0});
+      AdamW opt(m.trainable(), mem.host, {warm_lr, 0.9, 0.95, 1e-8, 0.0});
       PagedKvStore kv(cfg, ops, mem.device, mem.host, store_options(f, w.C, w.P, 0, PageSummary::mean), w.T, true);
       const double t0 = now();
       const std::vector<double> losses = train_steps(m, ops, params, opt, kv, w, n_steps, wb, warm_lr,
@@ -466,7 +467,7 @@ int retrieval(const Flags& f) {
     Ops& ops = *b.ops;
     ParamSet& params = b.params;
     Model& m = b.m;
-    AdamW opt(cfg, params, mem.host, {lr, 0.9, 0.95, 1e-8, 0.0});
+    AdamW opt(m.trainable(), mem.host, {lr, 0.9, 0.95, 1e-8, 0.0});
     PagedKvStore kv(cfg, ops, mem.device, mem.host, store_options(f, t.C, t.P, run.k, run.sum), t.T, true);
     Trained tr;
     tr.name = run.name;

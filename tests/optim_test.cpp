@@ -87,7 +87,7 @@ void run_golden(const std::string& backend, DType dtype, const std::vector<std::
 
   AdamWSettings st;
   st.lr = lrs[0], st.beta1 = hp[0], st.beta2 = hp[1], st.eps = hp[2], st.weight_decay = hp[3];
-  AdamW opt(g.cfg, params, g.arena, st);
+  AdamW opt(trainable_set(params, grads), g.arena, st);
   EXPECT_EQ(g.ledger.current(Tier::Host, Category::optimizer), 2 * params.bytes());
   EXPECT_EQ(opt.m().dtype(), dtype);
 
@@ -96,7 +96,7 @@ void run_golden(const std::string& backend, DType dtype, const std::vector<std::
   for (int64_t k = 1; k <= 5; ++k) {
     for (size_t i = 0; i < params.specs().size(); ++i)
       load(grads.tensors()[i], g.golden, "grad" + std::to_string(k) + "." + params.specs()[i].name);
-    opt.step(*ops, params, grads, lrs[static_cast<size_t>(k - 1)], k);
+    opt.step(*ops, trainable_set(params, grads), lrs[static_cast<size_t>(k - 1)], k);
   }
   EXPECT_EQ(g.ledger.peak_all(), peak_before) << "step() must not allocate";
 
@@ -119,23 +119,29 @@ TEST(AdamW, MatchesTorchFloat64OnRef) { run_golden("ref", DType::f64, {{"f64.", 
 TEST(AdamW, RefusesMismatchedSets) {
   GoldenRun g;
   ParamSet params(g.cfg, DType::f32, g.arena, Category::weights);
+  ParamSet grads(g.cfg, DType::f32, g.arena, Category::grads);
   AdamWSettings st;
-  AdamW opt(g.cfg, params, g.arena, st);
+  AdamW opt(trainable_set(params, grads), g.arena, st);
   auto ops = make_ops("cpu");
   ModelConfig other = g.cfg;
   other.tied = false;
-  ParamSet untied(other, DType::f32, g.arena, Category::grads);
+  ParamSet untied(other, DType::f32, g.arena, Category::weights);
+  ParamSet ugrads(other, DType::f32, g.arena, Category::grads);
+  ParamSet params64(g.cfg, DType::f64, g.arena, Category::weights);
   ParamSet grads64(g.cfg, DType::f64, g.arena, Category::grads);
-  ParamSet grads(g.cfg, DType::f32, g.arena, Category::grads);
-  EXPECT_THROW(opt.step(*ops, params, untied, 1e-3, 1), Error);
-  EXPECT_THROW(opt.step(*ops, params, grads64, 1e-3, 1), Error);
-  EXPECT_THROW(opt.step(*ops, params, grads, 1e-3, 0), Error);
-  EXPECT_NO_THROW(opt.step(*ops, params, grads, 1e-3, 1));
+  EXPECT_THROW(opt.step(*ops, trainable_set(untied, ugrads), 1e-3, 1), Error);
+  EXPECT_THROW(opt.step(*ops, trainable_set(params64, grads64), 1e-3, 1), Error);
+  EXPECT_THROW(opt.step(*ops, trainable_set(params, grads), 1e-3, 0), Error);
+  EXPECT_NO_THROW(opt.step(*ops, trainable_set(params, grads), 1e-3, 1));
+  EXPECT_THROW(AdamW(TrainableSet{}, g.arena, st), Error);  // nothing to train
   st.beta2 = 1.0;
-  EXPECT_THROW(AdamW(g.cfg, params, g.arena, st), Error);
+  EXPECT_THROW(AdamW(trainable_set(params, grads), g.arena, st), Error);
 }
 
 // ---- gradient norm and clipping ----
+
+// A gradient set as the clip functions see it (the parameters are not read).
+TrainableSet grads_only(const ParamSet& g) { return trainable_set(g, g); }
 
 struct Grads {
   ModelConfig cfg = golden_config();
@@ -165,7 +171,7 @@ TEST(Clip, GlobalNormIsTheNormOfAllGradients) {
     // The golden layout is f32; ref computes in f64, so give it an f64 copy.
     ParamSet g64(gr.cfg, DType::f64, gr.arena, Category::grads);
     convert_params(g64, gr.g);
-    const double n = global_grad_norm(*ops, b == "ref" ? g64 : gr.g);
+    const double n = global_grad_norm(*ops, grads_only(b == "ref" ? g64 : gr.g));
     EXPECT_NEAR(n, gr.expected_norm(), 1e-12 * gr.expected_norm()) << b;
     EXPECT_GT(n, 1.0) << b;
   }
@@ -181,9 +187,9 @@ TEST(Clip, ScalesByMaxOverNormPlusEpsilonWhenAbove) {
     for (const Tensor& t : gr.g.tensors()) v.push_back(to_f64(t));
     return v;
   }();
-  const double norm = global_grad_norm(*ops, gr.g);
+  const double norm = global_grad_norm(*ops, grads_only(gr.g));
   const double max_norm = norm / 3;
-  clip_grads(*ops, gr.g, max_norm, norm);
+  clip_grads(*ops, grads_only(gr.g), max_norm, norm);
   const double s = max_norm / (norm + 1e-6);
   for (size_t i = 0; i < before.size(); ++i) {
     const std::vector<double> after = to_f64(gr.g.tensors()[i]);
@@ -191,7 +197,7 @@ TEST(Clip, ScalesByMaxOverNormPlusEpsilonWhenAbove) {
       ASSERT_NEAR(after[j], before[i][j] * s, 1e-7 * std::abs(before[i][j])) << i << " " << j;
   }
   // torch's clip lands just under max_norm.
-  const double clipped = global_grad_norm(*ops, gr.g);
+  const double clipped = global_grad_norm(*ops, grads_only(gr.g));
   EXPECT_LT(clipped, max_norm);
   EXPECT_NEAR(clipped, max_norm * norm / (norm + 1e-6), 1e-6 * max_norm);
 }
@@ -201,9 +207,9 @@ TEST(Clip, LeavesGradientsAloneAtOrBelowMaxNorm) {
   auto ops = make_ops("cpu");
   std::vector<char> before(static_cast<const char*>(gr.g.data()),
                            static_cast<const char*>(gr.g.data()) + gr.g.bytes());
-  const double norm = global_grad_norm(*ops, gr.g);
-  clip_grads(*ops, gr.g, norm, norm);
-  clip_grads(*ops, gr.g, 2 * norm, norm);
+  const double norm = global_grad_norm(*ops, grads_only(gr.g));
+  clip_grads(*ops, grads_only(gr.g), norm, norm);
+  clip_grads(*ops, grads_only(gr.g), 2 * norm, norm);
   EXPECT_EQ(std::memcmp(before.data(), gr.g.data(), before.size()), 0);
 }
 
@@ -211,16 +217,16 @@ TEST(Clip, NonfiniteNormIsReportedAndNotApplied) {
   Grads gr;
   auto ops = make_ops("cpu");
   gr.g.layers[0].wk.as<float>("test")[3] = std::numeric_limits<float>::infinity();
-  const double inf_norm = global_grad_norm(*ops, gr.g);
+  const double inf_norm = global_grad_norm(*ops, grads_only(gr.g));
   EXPECT_TRUE(std::isinf(inf_norm));
   gr.g.layers[0].wk.as<float>("test")[3] = std::numeric_limits<float>::quiet_NaN();
-  const double nan_norm = global_grad_norm(*ops, gr.g);
+  const double nan_norm = global_grad_norm(*ops, grads_only(gr.g));
   EXPECT_TRUE(std::isnan(nan_norm));
   const float first = gr.g.embed.as<float>("test")[1];
-  EXPECT_THROW(clip_grads(*ops, gr.g, 1.0, nan_norm), Error);
-  EXPECT_THROW(clip_grads(*ops, gr.g, 1.0, inf_norm), Error);
+  EXPECT_THROW(clip_grads(*ops, grads_only(gr.g), 1.0, nan_norm), Error);
+  EXPECT_THROW(clip_grads(*ops, grads_only(gr.g), 1.0, inf_norm), Error);
   EXPECT_EQ(gr.g.embed.as<float>("test")[1], first);
-  EXPECT_THROW(clip_grads(*ops, gr.g, 0.0, 1.0), Error);
+  EXPECT_THROW(clip_grads(*ops, grads_only(gr.g), 0.0, 1.0), Error);
 }
 
 // ---- schedules ----

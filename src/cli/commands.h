@@ -12,5 +12,6 @@ int generate(const std::vector<std::string>& args);
 int tokenize(const std::vector<std::string>& args);
 int train(const std::vector<std::string>& args);
 int convert(const std::vector<std::string>& args);
+int merge(const std::vector<std::string>& args);
 
 }  // namespace oomless::cli

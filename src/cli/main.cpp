@@ -20,6 +20,7 @@ const char* kUsage =
     "  generate   continue a prompt (greedy or sampled) with a KV cache\n"
     "  tokenize   text -> token ids, or ids -> text\n"
     "  convert    write a model (preset, GGUF or HF folder) as a Hugging Face folder\n"
+    "  merge      fold a LoRA adapter into its base model and write a Hugging Face folder\n"
     "  probe      measure this machine: CPU, ISA, GEMM and attention GFLOP/s, memory bandwidth\n"
     "\n"
     "Run `oomless <command> --help` for a command's options.\n";
@@ -40,6 +41,7 @@ int main(int argc, char** argv) {
     if (cmd == "generate") return oomless::cli::generate(args);
     if (cmd == "tokenize") return oomless::cli::tokenize(args);
     if (cmd == "convert") return oomless::cli::convert(args);
+    if (cmd == "merge") return oomless::cli::merge(args);
     std::fprintf(stderr, "oomless: unknown command '%s'\n\n%s", cmd.c_str(), kUsage);
     return 2;
   } catch (const oomless::Error& e) {

@@ -10,6 +10,7 @@
 #include "io/json.h"
 #include "io/safetensors.h"
 #include "memory/arena.h"
+#include "model/adapter_io.h"
 #include "model/eval.h"
 #include "model/generate.h"
 #include "model/load.h"
@@ -26,6 +27,7 @@ struct Loaded {
   std::unique_ptr<CpuMemory> mem;  // declared first: destroyed last, after everything holding its buffers
   std::unique_ptr<Ops> ops;
   std::unique_ptr<ParamSet> params;
+  std::unique_ptr<AdapterSet> adapters;  // --adapter DIR
   std::unique_ptr<Model> model;
 };
 
@@ -42,6 +44,13 @@ Loaded load(const Args& a, bool need_weights) {
   if (a.has("rope-scaling")) apply_rope_scaling(l.src.cfg, a.str("rope-scaling"), "--rope-scaling");
   ModelOptions opt;
   opt.dtype = parse_compute_dtype(a.str("dtype", "fp32"));
+  if (a.has("adapter")) {
+    const std::string dir = a.str("adapter");
+    l.adapters = std::make_unique<AdapterSet>(l.src.cfg, read_adapter_settings(dir), DType::f32, l.mem->device,
+                                              Category::adapter);
+    load_adapter(dir, l.src.cfg, *l.adapters);
+    opt.adapters = l.adapters.get();
+  }
   l.model = std::make_unique<Model>(l.src.cfg, *l.ops, *l.params, l.mem->device, opt);
   return l;
 }
@@ -67,7 +76,7 @@ std::vector<int32_t> parse_id_list(const std::string& s, int64_t V, const char* 
 }
 
 const char* kEvalHelp =
-    "usage: oomless eval --model M --data FILE --seq T [--dtype fp32|bf16] [--grads OUT.safetensors] [--json]\n"
+    "usage: oomless eval --model M [--adapter DIR] --data FILE --seq T [--dtype fp32|bf16] [--grads OUT] [--json]\n"
     "                    [--chunk C [--page P] [--kv-offload none|host|disk] [--spill-dir DIR]] [--rope-theta x]\n"
     "                    [--rope-scaling S] [--sparse-pages k [--sink-pages s] [--page-summary mean|minmax]]\n"
     "\n"
@@ -78,10 +87,13 @@ const char* kEvalHelp =
     "loss = sum of cross-entropy / number of predictions (T - 1 per window).\n"
     "\n"
     "  --model M        (required)\n"
+    "  --adapter DIR    a LoRA adapter folder (PEFT's format: adapter_config.json, adapter_model.safetensors)\n"
+    "                   applied to the model\n"
     "  --data FILE      text or .ids file (required)\n"
     "  --seq T          window length in tokens (required, >= 2)\n"
     "  --dtype D        fp32 (default) or bf16 projections with fp32 accumulation\n"
     "  --grads OUT      write the gradient of window 0's mean loss as F32 safetensors under Hugging Face names\n"
+    "                   (with --adapter: the adapter's gradients, under PEFT's names)\n"
     "  --chunk C        run each window chunk by chunk (C tokens of activations at a time; keys and values of\n"
     "                   earlier chunks in a paged store) (default 0: the whole window at once)\n"
     "  --page P         tokens per K/V page; divides --chunk (default min(64, C))\n"
@@ -104,7 +116,7 @@ int eval(const std::vector<std::string>& argv) {
          {{"model", true}, {"data", true}, {"seq", true}, {"dtype", true}, {"grads", true}, {"json", false},
           {"threads", true}, {"seed", true}, {"chunk", true}, {"page", true}, {"kv-offload", true},
           {"spill-dir", true}, {"rope-theta", true}, {"rope-scaling", true},
-          {"sparse-pages", true}, {"sink-pages", true}, {"page-summary", true}},
+          {"sparse-pages", true}, {"sink-pages", true}, {"page-summary", true}, {"adapter", true}},
          "eval", kEvalHelp);
   if (a.help_requested()) return std::fputs(kEvalHelp, stdout), 0;
   apply_threads(a);
@@ -135,7 +147,8 @@ int eval(const std::vector<std::string>& argv) {
   }
   EvalResult r = evaluate(*l.model, stream, T, grads, kv.get(), C);
   if (grads) {
-    const ParamSet& g = l.model->grads();
+    // With an adapter the base is frozen: the adapter's gradients, under PEFT's names.
+    const ParamSet& g = l.adapters ? l.model->adapter_grads().tensors() : l.model->grads();
     std::vector<StWrite> w;
     for (size_t i = 0; i < g.specs().size(); ++i)
       w.push_back({g.specs()[i].name, DType::f32, g.specs()[i].shape, g.tensors()[i].data});
@@ -172,13 +185,15 @@ int eval(const std::vector<std::string>& argv) {
 
 namespace {
 const char* kGenerateHelp =
-    "usage: oomless generate --model M [--prompt S | --prompt-ids \"1 2 3\"] [--max-new N] [--dtype fp32|bf16]\n"
+    "usage: oomless generate --model M [--adapter DIR] [--prompt S | --prompt-ids \"1 2 3\"] [--max-new N]\n"
+    "                        [--dtype fp32|bf16]\n"
     "                        [--temperature t] [--top-p p] [--seed s] [--ignore-eos] [--json]\n"
     "\n"
     "Continues a prompt with a KV cache. Temperature 0 (the default) is greedy decoding; otherwise tokens are\n"
     "sampled from softmax(logits / t) restricted to the smallest set of tokens whose probability reaches\n"
     "top-p. Generation stops at the model's end-of-sequence token unless --ignore-eos.\n"
     "\n"
+    "  --adapter DIR    a LoRA adapter folder (PEFT's format) applied to the model\n"
     "  --prompt S       text, encoded with the tokenizer's post-processor (default: empty)\n"
     "  --prompt-ids L   token ids instead of text\n"
     "  --max-new N      new tokens (default 64)\n"
@@ -193,7 +208,7 @@ int generate(const std::vector<std::string>& argv) {
   Args a(argv,
          {{"model", true}, {"prompt", true}, {"prompt-ids", true}, {"max-new", true}, {"dtype", true},
           {"temperature", true}, {"top-p", true}, {"seed", true}, {"ignore-eos", false}, {"json", false},
-          {"threads", true}},
+          {"threads", true}, {"adapter", true}},
          "generate", kGenerateHelp);
   if (a.help_requested()) return std::fputs(kGenerateHelp, stdout), 0;
   apply_threads(a);
@@ -323,6 +338,40 @@ int convert(const std::vector<std::string>& argv) {
   save_hf_model(out, l.src, *l.params);
   std::printf("wrote %s (%s, %lld parameters)\n", out.c_str(), arch_name(l.src.cfg.arch),
               static_cast<long long>(l.src.cfg.param_count()));
+  return 0;
+}
+
+namespace {
+
+const char* kMergeHelp =
+    "usage: oomless merge --model M --adapter DIR --out HF_DIR [--dtype fp32|bf16]\n"
+    "\n"
+    "Folds a LoRA adapter into its base model (W + s B A for every adapted projection, as PEFT's\n"
+    "merge_and_unload) and writes the result as a Hugging Face folder (config.json, model.safetensors,\n"
+    "tokenizer files) that transformers and `--model HF_DIR` load as they are.\n"
+    "\n"
+    "  --model M      the adapter's base: HF folder, .gguf or preset:NAME (required)\n"
+    "  --adapter DIR  the adapter folder (PEFT's format) (required)\n"
+    "  --out HF_DIR   a new or empty folder (required)\n"
+    "  --dtype D      fp32 (default) or bf16 weights in model.safetensors\n"
+    "  --seed s       random init of a preset base (default 0)\n";
+
+}  // namespace
+
+int merge(const std::vector<std::string>& argv) {
+  Args a(argv, {{"model", true}, {"adapter", true}, {"out", true}, {"dtype", true}, {"seed", true}}, "merge",
+         kMergeHelp);
+  if (a.help_requested()) return std::fputs(kMergeHelp, stdout), 0;
+  const std::string out = a.required("out");
+  a.required("adapter");
+  const std::string dt = a.str("dtype", "fp32");
+  OOM_CHECK(dt == "fp32" || dt == "bf16", "[merge] --dtype ", dt, " is not supported; use fp32 or bf16");
+  Loaded l = load(a, true);
+  merge_lora(*l.ops, *l.params, *l.adapters, l.mem->device);
+  save_hf_model(out, l.src, *l.params, dt == "bf16" ? DType::bf16 : DType::f32);
+  std::printf("wrote %s: %s with the adapter of %s merged (r %lld, %zu projections per layer)\n", out.c_str(),
+              arch_name(l.src.cfg.arch), a.str("adapter").c_str(), static_cast<long long>(l.adapters->settings().r),
+              l.adapters->settings().targets.size());
   return 0;
 }
 

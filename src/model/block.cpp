@@ -11,8 +11,9 @@ namespace oomless {
 
 namespace {
 
-// Rows [r0, r0 + n) of a row-major matrix with `cols` columns, as an (n, cols) view.
+// Rows [r0, r0 + n) of a row-major matrix with `cols` columns, as an (n, cols) view (empty stays empty).
 Tensor rows(const Tensor& t, int64_t r0, int64_t n, int64_t cols) {
+  if (!t.data) return Tensor();
   char* p = static_cast<char*>(t.data) + dtype_bytes(t.dtype, r0 * cols);
   Tensor r(p, t.dtype, {n, cols});
   r.as_bf16 = t.as_bf16;
@@ -53,29 +54,33 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
   // Queries: projection [-> per-head RMSNorm (Qwen3)] -> RoPE.
   Tensor q2 = mat(a.q, T, H * D);
   if (pass != Pass::kv_only) {
-    if (cfg_.qk_norm) {
-      linear_forward(mat(a.q_pre, T, H * D), h1, C.wq, P.bq);
-      ops_.rmsnorm_forward(mat(a.q, T * H, D), a.q_rstd, mat(a.q_pre, T * H, D), P.q_norm, eps);
-    } else {
-      linear_forward(q2, h1, C.wq, P.bq);
+    Tensor qlin = cfg_.qk_norm ? mat(a.q_pre, T, H * D) : q2;
+    linear_forward(qlin, h1, C.wq, P.bq);
+    if (lora_on(layer, Proj::q)) {
+      lora_down(layer, Proj::q, a.u[0], h1);
+      lora_up(layer, Proj::q, qlin, a.u[0], 0);
     }
+    if (cfg_.qk_norm)
+      ops_.rmsnorm_forward(mat(a.q, T * H, D), a.q_rstd, mat(a.q_pre, T * H, D), P.q_norm, eps);
     ops_.rope_forward(a.q, a.q, pos, cfg_.rope);
   }
 
-  // Keys and values, one kv head at a time, into (Hkv, P, D).
+  // Keys and values, one kv head at a time, into (Hkv, P, D); a LoRA's x A^T once for all heads.
+  const bool lk = lora_on(layer, Proj::k), lv = lora_on(layer, Proj::v);
+  if (lk) lora_down(layer, Proj::k, a.u[1], h1);
+  if (lv) lora_down(layer, Proj::v, a.u[2], h1);
   for (int64_t h = 0; h < Hkv; ++h) {
     Tensor kh = head(kv.k, h, Pk, t0, T, D);
     Tensor wk = rows(C.wk, h * D, D, E), wv = rows(C.wv, h * D, D, E);
-    if (cfg_.qk_norm) {
-      Tensor kp = head(a.k_pre, h, T, 0, T, D);
-      linear_forward(kp, h1, wk, span(P.bk, h * D, D));
-      ops_.rmsnorm_forward(kh, span(a.k_rstd, h * T, T), kp, P.k_norm, eps);
-    } else {
-      linear_forward(kh, h1, wk, span(P.bk, h * D, D));
-    }
+    Tensor klin = cfg_.qk_norm ? head(a.k_pre, h, T, 0, T, D) : kh;
+    linear_forward(klin, h1, wk, span(P.bk, h * D, D));
+    if (lk) lora_up(layer, Proj::k, klin, a.u[1], h * D);
+    if (cfg_.qk_norm) ops_.rmsnorm_forward(kh, span(a.k_rstd, h * T, T), klin, P.k_norm, eps);
     Tensor kh3(kh.data, kh.dtype, {T, int64_t{1}, D});
     ops_.rope_forward(kh3, kh3, pos, cfg_.rope);
-    linear_forward(head(kv.v, h, Pk, t0, T, D), h1, wv, span(P.bv, h * D, D));
+    Tensor vh = head(kv.v, h, Pk, t0, T, D);
+    linear_forward(vh, h1, wv, span(P.bv, h * D, D));
+    if (lv) lora_up(layer, Proj::v, vh, a.u[2], h * D);
   }
 
   if (pass == Pass::kv_only) return;
@@ -88,16 +93,36 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
   }
 
   Tensor proj = mat(s_->proj, T, E);
-  linear_forward(proj, as_operand(mat(a.o, T, H * D), 0), C.wo, P.bo);
+  Tensor o_op = as_operand(mat(a.o, T, H * D), 0);
+  linear_forward(proj, o_op, C.wo, P.bo);
+  if (lora_on(layer, Proj::o)) {
+    lora_down(layer, Proj::o, a.u[3], o_op);
+    lora_up(layer, Proj::o, proj, a.u[3], 0);
+  }
   ops_.add(a.x_mid, a.x_in, proj);
 
   ops_.rmsnorm_forward(a.h2, a.rstd2, a.x_mid, P.post_norm, eps);
   Tensor h2 = as_operand(a.h2, 0);
   linear_forward(a.gate, h2, C.wg, Tensor());
   linear_forward(a.up, h2, C.wu, Tensor());
+  for (Proj p : {Proj::gate, Proj::up}) {
+    if (!lora_on(layer, p)) continue;
+    Tensor u = a.u[static_cast<int>(p)];
+    lora_down(layer, p, u, h2);
+    lora_up(layer, p, p == Proj::gate ? a.gate : a.up, u, 0);
+  }
   ops_.swiglu_forward(a.act, a.gate, a.up);
-  if (pass != Pass::full) return;
-  linear_forward(proj, as_operand(a.act, 0), C.wd, Tensor());
+  const bool ld = lora_on(layer, Proj::down);
+  if (pass != Pass::full) {
+    if (ld) lora_down(layer, Proj::down, a.u[6], as_operand(a.act, 0));  // the backward needs it
+    return;
+  }
+  Tensor act_op = as_operand(a.act, 0);
+  linear_forward(proj, act_op, C.wd, Tensor());
+  if (ld) {
+    lora_down(layer, Proj::down, a.u[6], act_op);
+    lora_up(layer, Proj::down, proj, a.u[6], 0);
+  }
   ops_.add(x_out, a.x_mid, proj);
 }
 
@@ -130,33 +155,46 @@ void Model::recompute_for_backward(int64_t layer, Acts& a, Tensor pos) {
 void Model::block_backward(int64_t layer, Acts& a, Tensor pos, Tensor dx) {
   const LayerParams& P = params_.layers[static_cast<size_t>(layer)];
   const LayerParams& C = wc(layer);
-  const LayerParams& G = grads_->layers[static_cast<size_t>(layer)];
+  const LayerParams& G = grads_ ? grads_->layers[static_cast<size_t>(layer)] : no_grads_;  // frozen: all empty
   Scratch& s = *s_;
   const int64_t T = a.x_in.dims[0], E = cfg_.E, F = cfg_.F, H = cfg_.H, Hkv = cfg_.Hkv, D = cfg_.D;
   auto view = [](const Tensor& t, std::initializer_list<int64_t> shape) { return Tensor(t.data, t.dtype, shape); };
   Tensor dh = view(s.dh, {T, E}), dxn = view(s.dxn, {T, E});
   Tensor dgate = view(s.dgate, {T, F}), dup = view(s.dup, {T, F}), dact = view(s.dact, {T, F});
+  // A whole adapted projection's LoRA backward: its output gradient dy_op, input x_op, input gradient dx_in.
+  auto lora = [&](Proj p, Tensor dx_in, Tensor dy_op, Tensor x_op) {
+    if (!lora_on(layer, p)) return;
+    lora_backward_rows(layer, p, s.du[0], dy_op, a.u[static_cast<int>(p)], 0, false);
+    lora_backward_input(layer, p, dx_in, s.du[0], x_op);
+  };
+  if (lora_r_) s.du[0] = view(s.du[0], {T, lora_r_}), s.du[1] = view(s.du[1], {T, lora_r_});
 
   // MLP: x_out = x_mid + down(silu(gate(h2)) * up(h2)).
   Tensor dx_op = as_operand(dx, 0);
+  Tensor act_op = as_operand(a.act, 1);
   linear_backward_input(dact, dx_op, C.wd, false);
-  linear_backward_weight(G.wd, dx_op, as_operand(a.act, 1));
+  linear_backward_weight(G.wd, dx_op, act_op);
+  lora(Proj::down, dact, dx_op, act_op);
   ops_.swiglu_backward(dgate, dup, dact, a.gate, a.up);
   Tensor h2 = as_operand(a.h2, 1);
   Tensor g_op = as_operand(dgate, 0);
   linear_backward_input(dh, g_op, C.wg, false);
   linear_backward_weight(G.wg, g_op, h2);
+  lora(Proj::gate, dh, g_op, h2);
   Tensor u_op = as_operand(dup, 0);
   linear_backward_input(dh, u_op, C.wu, true);
   linear_backward_weight(G.wu, u_op, h2);
+  lora(Proj::up, dh, u_op, h2);
   ops_.rmsnorm_backward(dxn, G.post_norm, dh, a.x_mid, P.post_norm, a.rstd2);
   ops_.add(dx, dx, dxn);
 
   // Attention output projection: x_mid = x_in + o_proj(o).
   Tensor d_o = view(s.d_o, {T, H, D});
   dx_op = as_operand(dx, 0);
+  Tensor o_op = as_operand(mat(a.o, T, H * D), 1);
   linear_backward_input(mat(d_o, T, H * D), dx_op, C.wo, false);
-  linear_backward_weight(G.wo, dx_op, as_operand(mat(a.o, T, H * D), 1));
+  linear_backward_weight(G.wo, dx_op, o_op);
+  lora(Proj::o, mat(d_o, T, H * D), dx_op, o_op);
   bias_backward(G.bo, dx);
 
   // Attention; dK/dV accumulate, so start from zero.
@@ -194,18 +232,24 @@ void Model::block_backward(int64_t layer, Acts& a, Tensor pos, Tensor dx) {
   Tensor dq_op = as_operand(mat(dq_lin, T, H * D), 0);
   linear_backward_input(dh, dq_op, C.wq, false);
   linear_backward_weight(G.wq, dq_op, h1);
+  lora(Proj::q, dh, dq_op, h1);
   bias_backward(G.bq, mat(dq_lin, T, H * D));
+  const bool lk = lora_on(layer, Proj::k), lv = lora_on(layer, Proj::v);
   for (int64_t h = 0; h < Hkv; ++h) {
     Tensor dkh = head(dk_lin, h, T, 0, T, D), dvh = head(dv, h, T, 0, T, D);
     Tensor k_op = as_operand(dkh, 0);
     linear_backward_input(dh, k_op, rows(C.wk, h * D, D, E), true);
     linear_backward_weight(rows(G.wk, h * D, D, E), k_op, h1);
+    if (lk) lora_backward_rows(layer, Proj::k, s.du[0], k_op, a.u[1], h * D, h > 0);
     bias_backward(span(G.bk, h * D, D), dkh);
     Tensor v_op = as_operand(dvh, 0);
     linear_backward_input(dh, v_op, rows(C.wv, h * D, D, E), true);
     linear_backward_weight(rows(G.wv, h * D, D, E), v_op, h1);
+    if (lv) lora_backward_rows(layer, Proj::v, s.du[1], v_op, a.u[2], h * D, h > 0);
     bias_backward(span(G.bv, h * D, D), dvh);
   }
+  if (lk) lora_backward_input(layer, Proj::k, dh, s.du[0], h1);
+  if (lv) lora_backward_input(layer, Proj::v, dh, s.du[1], h1);
   ops_.rmsnorm_backward(dxn, G.in_norm, dh, a.x_in, P.in_norm, a.rstd1);
   ops_.add(dx, dx, dxn);
 }

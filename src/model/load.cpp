@@ -194,19 +194,21 @@ void write_text(const fs::path& path, const std::string& text) {
 
 }  // namespace
 
-void save_hf_model(const std::string& dir, const ModelSource& src, const ParamSet& params) {
+void save_hf_model(const std::string& dir, const ModelSource& src, const ParamSet& params, DType dtype) {
+  OOM_CHECK(dtype == DType::f32 || dtype == DType::bf16, "[model] a Hugging Face folder is written in F32 or BF16, not ",
+            dtype_name(dtype));
   std::error_code ec;
   OOM_CHECK(!fs::exists(dir, ec) || (fs::is_directory(dir, ec) && fs::is_empty(dir, ec)), "[model] ", dir,
             " already exists and is not an empty folder; give a new folder (nothing was written)");
   fs::create_directories(dir, ec);
   OOM_CHECK(!ec, "[model] cannot create ", dir, ": ", ec.message());
-  std::vector<std::vector<float>> copies;
+  std::vector<std::vector<char>> copies;
   std::vector<StWrite> w;
   for (size_t i = 0; i < params.specs().size(); ++i) {
     const Tensor& t = params.tensors()[i];
-    copies.emplace_back(static_cast<size_t>(t.numel()));
-    convert(copies.back().data(), DType::f32, t.data, t.dtype, t.numel());
-    w.push_back({params.specs()[i].name, DType::f32, params.specs()[i].shape, copies.back().data()});
+    copies.emplace_back(static_cast<size_t>(dtype_bytes(dtype, t.numel())));
+    convert(copies.back().data(), dtype, t.data, t.dtype, t.numel());
+    w.push_back({params.specs()[i].name, dtype, params.specs()[i].shape, copies.back().data()});
   }
   write_safetensors((fs::path(dir) / "model.safetensors").string(), w, {{"format", "pt"}});
   write_text(fs::path(dir) / "config.json", json::dump(src.cfg.to_json(), 2) + "\n");

@@ -48,6 +48,6 @@ std::string_view bundled_eval_text();
 // Writes a model folder transformers loads as it is: config.json + model.safetensors (F32, HF names;
 // tied models store only the embedding) + src's tokenizer.json and tokenizer_config.json when it has them.
 // dir must not exist or be empty; files are written under dir and fsynced.
-void save_hf_model(const std::string& dir, const ModelSource& src, const ParamSet& params);
+void save_hf_model(const std::string& dir, const ModelSource& src, const ParamSet& params, DType dtype = DType::f32);
 
 }  // namespace oomless

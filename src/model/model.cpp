@@ -44,17 +44,49 @@ Model::Model(const ModelConfig& cfg, Ops& ops, ParamSet& params, Arena& arena, M
     wread_.push_back(r);
   }
   head_ = read(params_.lm_head);
+  if (opt_.adapters) {
+    const AdapterSet& ad = *opt_.adapters;
+    OOM_CHECK(ad.layers() == cfg_.L && ad.tensors().dtype() == act_, "[model] the adapters (", ad.layers(),
+              " layers of ", dtype_name(ad.tensors().dtype()), ") do not fit this model (", cfg_.L, " layers, ",
+              dtype_name(act_), ")");
+    OOM_CHECK(!ad.settings().dora, "[model] DoRA is not supported yet; use LoRA (without --dora)");
+    lora_r_ = ad.settings().r;
+    lora_scale_ = ad.settings().scale();
+    for (int64_t l = 0; l < cfg_.L; ++l) {
+      LayerLora r = ad.layer(l);
+      for (LoraTensors& t : r.p) t.a = read(t.a), t.b = read(t.b);
+      aread_.push_back(r);
+    }
+  }
 }
 
 Model::~Model() = default;
 
 ParamSet& Model::grads() {
+  OOM_CHECK(!opt_.adapters, "[model] the base model is frozen under adapters: it has no gradients");
   if (!grads_) grads_ = std::make_unique<ParamSet>(cfg_, act_, arena_, Category::grads);
   return *grads_;
 }
 
+AdapterSet& Model::adapter_grads() {
+  OOM_CHECK(opt_.adapters, "[model] adapter gradients need adapters");
+  if (!agrads_) agrads_ = std::make_unique<AdapterSet>(cfg_, opt_.adapters->settings(), act_, arena_, Category::grads);
+  return *agrads_;
+}
+
+void Model::ensure_grads() {
+  if (opt_.adapters) adapter_grads();
+  else grads();
+}
+
+TrainableSet Model::trainable() {
+  if (opt_.adapters) return trainable_set(opt_.adapters->tensors(), adapter_grads().tensors());
+  return trainable_set(params_, grads());
+}
+
 void Model::zero_grads() {
   if (grads_) std::memset(grads_->data(), 0, grads_->bytes());
+  if (agrads_) std::memset(agrads_->tensors().data(), 0, agrads_->tensors().bytes());
 }
 
 void Model::reserve(int64_t T, bool for_backward, bool chunked) {
@@ -102,6 +134,8 @@ void Model::reserve(int64_t T, bool for_backward, bool chunked) {
     a.gate = alloc(act_, {T, F}, cat, "gate");
     a.up = alloc(act_, {T, F}, cat, "up");
     a.act = maybe(all, {T, F}, "act");
+    for (int p = 0; p < kProjCount; ++p)
+      if (lora_on(0, static_cast<Proj>(p))) a.u[p] = alloc(act_, {T, lora_r_}, cat, "lora_u");
     return a;
   };
   s->work = act_set(W, true);
@@ -139,10 +173,14 @@ void Model::reserve(int64_t T, bool for_backward, bool chunked) {
     s->dup = alloc(act_, {T, F}, W, "dup");
     s->dact = alloc(act_, {T, F}, W, "dact");
     if (cfg_.qk_norm) s->tmp_rows = alloc(act_, {std::max(T * H, Hkv * T) * D}, W, "norm_tmp");
+    if (opt_.adapters)
+      for (Tensor& t : s->du) t = alloc(act_, {T, lora_r_}, W, "lora_du");
   }
   if (opt_.dtype == ComputeDType::bf16) {
     s->op_elems = T * std::max({E, F, H * D});
-    for (Tensor& t : s->op) t = alloc(DType::bf16, {s->op_elems}, W, "bf16 operand");
+    s->op_small_elems = T * lora_r_;
+    for (int i = 0; i < 4; ++i)
+      if (i < 2 || opt_.adapters) s->op[i] = alloc(DType::bf16, {i < 2 ? s->op_elems : s->op_small_elems}, W, "bf16 operand");
   }
   s_ = std::move(s);
   cap_T_ = T;
@@ -161,6 +199,7 @@ Model::Acts Model::acts_for_layer(int64_t layer) {
     pick(a.k_pre, sv.k_pre), pick(a.k_rstd, sv.k_rstd), pick(a.q, sv.q), pick(a.k, sv.k), pick(a.v, sv.v);
     pick(a.o, sv.o), pick(a.lse, sv.lse), pick(a.x_mid, sv.x_mid), pick(a.h2, sv.h2), pick(a.rstd2, sv.rstd2);
     pick(a.gate, sv.gate), pick(a.up, sv.up), pick(a.act, sv.act);
+    for (int p = 0; p < kProjCount; ++p) pick(a.u[p], sv.u[p]);
   }
   a.x_in = s_->layer_in[static_cast<size_t>(layer) % s_->layer_in.size()];
   // Views for the current length T (buffers are sized for the reserved capacity).
@@ -172,13 +211,14 @@ Model::Acts Model::acts_for_layer(int64_t layer) {
   re(a.k_pre, {Hkv, T, D}), re(a.k_rstd, {Hkv * T}), re(a.q, {T, H, D}), re(a.k, {Hkv, T, D});
   re(a.v, {Hkv, T, D}), re(a.o, {T, H, D}), re(a.lse, {H, T}), re(a.x_mid, {T, E}), re(a.h2, {T, E});
   re(a.rstd2, {T}), re(a.gate, {T, F}), re(a.up, {T, F}), re(a.act, {T, F});
+  for (Tensor& u : a.u) re(u, {T, lora_r_});
   return a;
 }
 
 Tensor Model::as_operand(Tensor x, int slot) {
   OOM_CHECK(x.ndim == 2, "[model] matmul operands are 2-D, got ", x.str());
   if (opt_.dtype != ComputeDType::bf16) return x;
-  OOM_CHECK(x.numel() <= s_->op_elems, "[model] bf16 operand scratch too small");
+  OOM_CHECK(x.numel() <= (slot < 2 ? s_->op_elems : s_->op_small_elems), "[model] bf16 operand scratch too small");
   Tensor b(s_->op[slot].data, DType::bf16, {x.dims[0], x.dims[1]});
   ops_.convert(b, x);
   return b;
@@ -199,8 +239,37 @@ void Model::linear_backward_input(Tensor dx, Tensor dy, Tensor wc, bool accumula
 }
 
 void Model::linear_backward_weight(Tensor dw, Tensor dy, Tensor x) {
-  // dW (N, K) += dy^T (N, T) . x (T, K); dy, x are operands.
+  // dW (N, K) += dy^T (N, T) . x (T, K); dy, x are operands. Nothing for a frozen weight.
+  if (!dw.data) return;
   ops_.matmul(dw, dy, x, true, false, true);
+}
+
+bool Model::lora_on(int64_t layer, Proj p) const {
+  return !aread_.empty() && aread_[static_cast<size_t>(layer)][p].a.data;
+}
+
+void Model::lora_down(int64_t layer, Proj p, Tensor u, Tensor x_op) {
+  ops_.matmul(u, x_op, aread_[static_cast<size_t>(layer)][p].a, false, true, false);
+  ops_.scale(u, lora_scale_);
+}
+
+void Model::lora_up(int64_t layer, Proj p, Tensor y, Tensor u, int64_t r0) {
+  const Tensor& b = aread_[static_cast<size_t>(layer)][p].b;
+  Tensor br = rows_of(b, r0, y.dims[1]);
+  ops_.matmul(y, as_operand(u, 2), br, false, true, true);
+}
+
+void Model::lora_backward_rows(int64_t layer, Proj p, Tensor du, Tensor dy_op, Tensor u, int64_t r0, bool accumulate) {
+  const int64_t n = dy_op.dims[1];
+  ops_.matmul(rows_of(agrads_->layer(layer)[p].b, r0, n), dy_op, as_operand(u, 2), true, false, true);
+  ops_.matmul(du, dy_op, rows_of(aread_[static_cast<size_t>(layer)][p].b, r0, n), false, false, accumulate);
+}
+
+void Model::lora_backward_input(int64_t layer, Proj p, Tensor dx, Tensor du, Tensor x_op) {
+  ops_.scale(du, lora_scale_);
+  Tensor du_op = as_operand(du, 3);
+  ops_.matmul(agrads_->layer(layer)[p].a, du_op, x_op, true, false, true);
+  ops_.matmul(dx, du_op, aread_[static_cast<size_t>(layer)][p].a, false, false, true);
 }
 
 void Model::bias_backward(Tensor db, Tensor dy) {

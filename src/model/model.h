@@ -35,7 +35,9 @@
 #include "memory/arena.h"
 #include "model/chunk_kv.h"
 #include "model/config.h"
+#include "model/lora.h"
 #include "model/params.h"
+#include "model/trainable.h"
 
 namespace oomless {
 
@@ -49,6 +51,9 @@ ComputeDType parse_compute_dtype(std::string_view s);  // "fp32"/"f32", "bf16"
 struct ModelOptions {
   ComputeDType dtype = ComputeDType::f32;
   SavePolicy save = SavePolicy::all;
+  // LoRA adapters on the projections (in the act dtype; the model keeps a reference). With adapters the
+  // base is frozen: no base weight gradient is computed or stored, only the adapters' gradients.
+  AdapterSet* adapters = nullptr;
 };
 
 // Where one block reads and writes its keys and values: (Hkv, P, D) each, the chunk's T tokens going
@@ -71,8 +76,14 @@ class Model {
   const ModelOptions& options() const { return opt_; }
   ParamSet& params() { return params_; }
 
-  // Gradient storage (category grads), allocated on first call, zero-filled.
+  // Gradient storage of every parameter (category grads), allocated on first call, zero-filled. Full
+  // training only: with adapters the base is frozen and has no gradients (an error).
   ParamSet& grads();
+  // Adapter gradients (category grads), allocated on first call; needs adapters.
+  AdapterSet& adapter_grads();
+  // What trains, with its gradients (allocated here): every parameter in param_specs order, or the
+  // adapter tensors in PEFT order.
+  TrainableSet trainable();
   void zero_grads();
   // Reserve activations for sequences of up to T tokens, for training (with backward) or inference.
   // chunked: for chunked_step/chunked_eval with chunks of up to T tokens (SavePolicy none also keeps
@@ -126,8 +137,17 @@ class Model {
   void linear_backward_input(Tensor dx, Tensor dy, Tensor wc, bool accumulate);
   void linear_backward_weight(Tensor dw, Tensor dy, Tensor x);
   void bias_backward(Tensor db, Tensor dy);
+  // LoRA pieces of projection p of `layer` (see model/lora.h): u (T, r) = s * x A^T; y += u B^T for rows
+  // [r0, r0 + n) of the projection's output; backward: dB rows += dy^T u and du (=|+=) dy B rows, then
+  // (once per projection) du *= s, dA += du^T x, dx += du A.
+  bool lora_on(int64_t layer, Proj p) const;
+  void lora_down(int64_t layer, Proj p, Tensor u, Tensor x_op);
+  void lora_up(int64_t layer, Proj p, Tensor y, Tensor u, int64_t r0);
+  void lora_backward_rows(int64_t layer, Proj p, Tensor du, Tensor dy_op, Tensor u, int64_t r0, bool accumulate);
+  void lora_backward_input(int64_t layer, Proj p, Tensor dx, Tensor du, Tensor x_op);
+  void ensure_grads();
   const LayerParams& wc(int64_t layer) const;  // the weights matmuls read (wread_)
-  Tensor as_operand(Tensor x, int slot);  // x itself (fp32) or its bf16 copy in scratch slot 0/1
+  Tensor as_operand(Tensor x, int slot);  // x itself (fp32) or its bf16 copy in scratch slot 0/1 (2/3: (T, r))
 
   ModelConfig cfg_;
   Ops& ops_;
@@ -136,6 +156,11 @@ class Model {
   ModelOptions opt_;
   DType act_;
   std::unique_ptr<ParamSet> grads_;
+  std::unique_ptr<AdapterSet> agrads_;
+  std::vector<LayerLora> aread_;  // the adapter tensors matmuls read (as bf16 in bf16 mode)
+  LayerParams no_grads_;          // a frozen layer's gradients: all empty
+  int64_t lora_r_ = 0;
+  double lora_scale_ = 0;
   // The weights matmuls and the LM head read: the master tensors, or in bf16 mode the same tensors read
   // as bf16 (Tensor::as_bf16), rounded while the GEMM packs them, so no copy is kept or refreshed.
   std::vector<LayerParams> wread_;

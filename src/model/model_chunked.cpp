@@ -86,7 +86,7 @@ CeResult Model::chunked_step(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv,
   const int64_t T = ids.dims[0], n = (T + C - 1) / C;
   OOM_CHECK(s_ && cap_chunked_ && cap_backward_ && std::min(C, T) <= cap_T_, "[model] chunked_step with chunks of ",
             std::min(C, T), " tokens needs reserve(", std::min(C, T), ", true, true) first");
-  grads();
+  ensure_grads();
   ChunkScope scope(chunk_kv_, kv);
   kv.begin(T, C);
   // Pass 1: every chunk but the last, keys and values only.

@@ -7,6 +7,16 @@
 
 namespace oomless {
 
+// Rows [r0, r0 + n) of a row-major matrix (R, cols), as an (n, cols) view keeping as_bf16; empty for an
+// empty tensor (a frozen weight's gradient).
+inline Tensor rows_of(const Tensor& t, int64_t r0, int64_t n) {
+  if (!t.data) return Tensor();
+  const int64_t cols = t.dims[1];
+  Tensor r(static_cast<char*>(t.data) + dtype_bytes(t.dtype, r0 * cols), t.dtype, {n, cols});
+  r.as_bf16 = t.as_bf16;
+  return r;
+}
+
 // The activations of one block. Which of these live in per-layer saved buffers and which in the shared
 // recompute set depends on the SavePolicy (acts_for_layer). Shapes for a sequence of T tokens.
 struct Model::Acts {
@@ -20,6 +30,7 @@ struct Model::Acts {
   Tensor x_mid;           // (T, E) residual after attention
   Tensor h2, rstd2;       // (T, E), (T) post-attention norm
   Tensor gate, up, act;   // (T, F)
+  Tensor u[kProjCount];   // (T, r) LoRA s * x A^T per adapted projection, or empty
 };
 
 // Memory reserved for sequences of up to cap_T tokens.
@@ -40,8 +51,9 @@ struct Model::Scratch {
   Tensor dk, dv, dk_pre;                     // (Hkv, T, D)
   Tensor dgate, dup, dact;                   // (T, F)
   Tensor tmp_rows;                           // (max(T*H, Hkv*T) * D) throwaway norm output when recomputing rstd
-  Tensor op[2];                              // bf16 operand copies, max(T*max(E, F, H*D, V-chunk)) each
-  int64_t op_elems = 0;
+  Tensor op[4];                              // bf16 operand copies: 0, 1 max(T*max(E, F, H*D)); 2, 3 (T, r)
+  int64_t op_elems = 0, op_small_elems = 0;
+  Tensor du[2];                              // (T, r) LoRA input gradients (k and v need two at once)
 };
 
 }  // namespace oomless

@@ -36,7 +36,7 @@ CeResult Model::forward(Tensor ids, Tensor targets, bool for_backward) {
   cfg_.check_sequence(T);
   OOM_CHECK(s_ && T <= cap_T_, "[model] forward of ", T, " tokens needs reserve(", T, ") first");
   OOM_CHECK(!for_backward || cap_backward_, "[model] forward for backward needs reserve(T, true)");
-  if (for_backward) grads();
+  if (for_backward) ensure_grads();
   T_ = T;
   Scratch& s = *s_;
   const int32_t* id = ids.as<int32_t>("[model]");
@@ -61,21 +61,23 @@ void Model::backward(double grad_scale) {
   OOM_CHECK(have_forward_, "[model] backward needs a forward(for_backward = true) first");
   have_forward_ = false;
   Scratch& s = *s_;
-  ParamSet& G = grads();
+  ensure_grads();
+  // Under adapters the embedding, final norm and head are frozen: no weight gradients (empty tensors).
+  const Tensor g_head = grads_ ? grads_->lm_head : Tensor(), g_norm = grads_ ? grads_->final_norm : Tensor();
   const int64_t T = T_, E = cfg_.E;
   Tensor pos(s.pos.data, DType::i32, {T});
   Tensor id_t(s.ids.data, DType::i32, {T}), tg_t(s.targets.data, DType::i32, {T});
   Tensor hn(s.hn.data, act_, {T, E}), rstd(s.rstd_f.data, act_, {T}), lse(s.lse_f.data, act_, {T});
   Tensor dx(s.dx.data, act_, {T, E}), dh(s.dh.data, act_, {T, E});
-  ops_.linear_cross_entropy_backward(dh, G.lm_head, hn, head_, tg_t, lse, kIgnore, grad_scale);
+  ops_.linear_cross_entropy_backward(dh, g_head, hn, head_, tg_t, lse, kIgnore, grad_scale);
   Tensor x_last(s.layer_in[static_cast<size_t>(cfg_.L)].data, act_, {T, E});
-  ops_.rmsnorm_backward(dx, G.final_norm, dh, x_last, params_.final_norm, rstd);
+  ops_.rmsnorm_backward(dx, g_norm, dh, x_last, params_.final_norm, rstd);
   for (int64_t l = cfg_.L - 1; l >= 0; --l) {
     Acts a = acts_for_layer(l);
     recompute_for_backward(l, a, pos);
     block_backward(l, a, pos, dx);
   }
-  ops_.embedding_backward(G.embed, dx, id_t);
+  if (grads_) ops_.embedding_backward(grads_->embed, dx, id_t);
 }
 
 void Model::logits(Tensor out) {

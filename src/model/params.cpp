@@ -1,5 +1,6 @@
 #include "model/params.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -24,8 +25,8 @@ int64_t numel_of(const std::vector<int64_t>& shape) {
 
 }  // namespace
 
-ParamSet::ParamSet(const ModelConfig& cfg, DType dtype, Arena& arena, Category cat)
-    : specs_(param_specs(cfg)), dtype_(dtype) {
+ParamSet::ParamSet(std::vector<ParamSpec> specs, DType dtype, Arena& arena, Category cat, const char* what)
+    : specs_(std::move(specs)), dtype_(dtype) {
   // Each parameter starts on a 64-byte boundary so kernels see aligned rows.
   std::vector<size_t> offsets;
   size_t total = 0;
@@ -33,10 +34,14 @@ ParamSet::ParamSet(const ModelConfig& cfg, DType dtype, Arena& arena, Category c
     offsets.push_back(total);
     total += (static_cast<size_t>(dtype_bytes(dtype, numel_of(s.shape))) + 63) / 64 * 64;
   }
-  storage_ = arena.alloc(total, cat, "parameters");
-  std::memset(storage_.data(), 0, total);
+  storage_ = arena.alloc(std::max<size_t>(total, 1), cat, what);
+  std::memset(storage_.data(), 0, storage_.size());
   for (size_t i = 0; i < specs_.size(); ++i)
     tensors_.push_back(make_view(storage_.as<char>() + offsets[i], dtype, specs_[i].shape));
+}
+
+ParamSet::ParamSet(const ModelConfig& cfg, DType dtype, Arena& arena, Category cat)
+    : ParamSet(param_specs(cfg), dtype, arena, cat, "parameters") {
 
   // Named accessors, in param_specs() order.
   size_t i = 0;
@@ -70,6 +75,15 @@ const Tensor* ParamSet::find(std::string_view hf_name) const {
   for (size_t i = 0; i < specs_.size(); ++i)
     if (specs_[i].name == hf_name) return &tensors_[i];
   return nullptr;
+}
+
+TrainableSet trainable_set(const ParamSet& params, const ParamSet& grads) {
+  OOM_CHECK(params.specs().size() == grads.specs().size(), "[model] parameters (", params.specs().size(),
+            " tensors) and gradients (", grads.specs().size(), ") differ in layout");
+  TrainableSet t;
+  for (size_t i = 0; i < params.specs().size(); ++i)
+    t.push_back({params.specs()[i].name, params.tensors()[i], grads.tensors()[i], params.specs()[i].decay});
+  return t;
 }
 
 void init_random(ParamSet& p, uint64_t seed, double std) {

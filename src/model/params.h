@@ -7,6 +7,7 @@
 
 #include "memory/arena.h"
 #include "model/config.h"
+#include "model/trainable.h"
 
 namespace oomless {
 
@@ -27,6 +28,9 @@ class ParamSet {
   ParamSet() = default;
   // Allocates every parameter of `cfg` in `dtype` from `arena`, zero-filled.
   ParamSet(const ModelConfig& cfg, DType dtype, Arena& arena, Category cat);
+  // Any named set of tensors (adapters, optimizer state) in one zero-filled buffer; the named model
+  // accessors below stay empty.
+  ParamSet(std::vector<ParamSpec> specs, DType dtype, Arena& arena, Category cat, const char* what);
 
   const std::vector<ParamSpec>& specs() const { return specs_; }
   const std::vector<Tensor>& tensors() const { return tensors_; }
@@ -46,6 +50,9 @@ class ParamSet {
   DType dtype_ = DType::f32;
   Buffer storage_;
 };
+
+// Every tensor of `params` with its gradient in `grads` (the same layout), in order: full training.
+TrainableSet trainable_set(const ParamSet& params, const ParamSet& grads);
 
 // N(0, std) for matrices and embeddings, 1 for norms, 0 for biases; deterministic for a seed.
 void init_random(ParamSet& p, uint64_t seed, double std = 0.02);

@@ -6,48 +6,74 @@ namespace oomless {
 
 namespace {
 
-// The state is laid out from the same specs as the parameters; anything else is a caller error that
-// would otherwise update the wrong tensors.
-void check_layout(const char* what, const ParamSet& p, const ParamSet& state) {
-  OOM_CHECK(p.specs().size() == state.specs().size() && p.dtype() == state.dtype(), "[optim] ", what, " has ",
-            p.specs().size(), " tensors of ", dtype_name(p.dtype()), ", the optimizer state ", state.specs().size(),
-            " of ", dtype_name(state.dtype()));
-  for (size_t i = 0; i < p.specs().size(); ++i)
-    OOM_CHECK(p.specs()[i].name == state.specs()[i].name && p.tensors()[i].same_shape(state.tensors()[i]),
-              "[optim] ", what, " tensor ", i, " (", p.specs()[i].name, ", ", p.tensors()[i].str(),
-              ") does not match the optimizer state (", state.specs()[i].name, ", ", state.tensors()[i].str(), ")");
+std::vector<ParamSpec> state_specs(const TrainableSet& p) {
+  std::vector<ParamSpec> s;
+  for (const Trainable& t : p) {
+    std::vector<int64_t> shape(t.param.dims, t.param.dims + t.param.ndim);
+    s.push_back({t.name, shape, t.decay});
+  }
+  return s;
+}
+
+DType set_dtype(const TrainableSet& p) {
+  OOM_CHECK(!p.empty(), "[optim] nothing to train: the trainable set is empty");
+  for (const Trainable& t : p)
+    OOM_CHECK(t.param.dtype == p[0].param.dtype && t.grad.dtype == t.param.dtype && t.grad.same_shape(t.param),
+              "[optim] ", t.name, ": parameter ", t.param.str(), " and gradient ", t.grad.str(),
+              " must share one float dtype and shape");
+  return p[0].param.dtype;
 }
 
 }  // namespace
 
-AdamW::AdamW(const ModelConfig& cfg, const ParamSet& params, Arena& arena, const AdamWSettings& settings)
+AdamW::AdamW(const TrainableSet& params, Arena& arena, const AdamWSettings& settings)
     : settings_(settings),
-      m_(cfg, params.dtype(), arena, Category::optimizer),
-      v_(cfg, params.dtype(), arena, Category::optimizer) {
+      m_(state_specs(params), set_dtype(params), arena, Category::optimizer, "adamw m"),
+      v_(state_specs(params), set_dtype(params), arena, Category::optimizer, "adamw v") {
   OOM_CHECK(settings.beta1 >= 0 && settings.beta1 < 1 && settings.beta2 >= 0 && settings.beta2 < 1,
             "[optim] AdamW betas must be in [0, 1), got ", settings.beta1, ", ", settings.beta2);
   OOM_CHECK(settings.eps > 0, "[optim] AdamW eps must be positive, got ", settings.eps);
   OOM_CHECK(settings.weight_decay >= 0 && std::isfinite(settings.weight_decay),
             "[optim] AdamW weight_decay must be finite and >= 0, got ", settings.weight_decay);
-  check_layout("the parameter set", params, m_);
 }
 
-void AdamW::step(Ops& ops, ParamSet& params, const ParamSet& grads, double lr, int64_t step) {
+void AdamW::step(Ops& ops, const TrainableSet& params, double lr, int64_t step) {
   OOM_CHECK(step >= 1, "[optim] AdamW steps count from 1, got ", step);
   OOM_CHECK(std::isfinite(lr) && lr >= 0, "[optim] AdamW learning rate must be finite and >= 0, got ", lr);
-  check_layout("the parameter set", params, m_);
-  check_layout("the gradient set", grads, m_);
+  // The state is laid out from the same set; anything else would update the wrong tensors.
+  OOM_CHECK(params.size() == m_.specs().size(), "[optim] AdamW was built for ", m_.specs().size(),
+            " tensors, the step has ", params.size());
   AdamWConfig c;
   c.lr = lr;
   c.beta1 = settings_.beta1;
   c.beta2 = settings_.beta2;
   c.eps = settings_.eps;
   c.step = step;
-  const std::vector<ParamSpec>& specs = params.specs();
-  for (size_t i = 0; i < specs.size(); ++i) {
-    c.weight_decay = specs[i].decay ? settings_.weight_decay : 0.0;
-    ops.adamw_step(params.tensors()[i], grads.tensors()[i], m_.tensors()[i], v_.tensors()[i], c);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Trainable& t = params[i];
+    OOM_CHECK(t.name == m_.specs()[i].name && t.param.same_shape(m_.tensors()[i]), "[optim] tensor ", i, " (", t.name,
+              ", ", t.param.str(), ") does not match the optimizer state (", m_.specs()[i].name, ", ",
+              m_.tensors()[i].str(), ")");
+    c.weight_decay = t.decay ? settings_.weight_decay : 0.0;
+    ops.adamw_step(t.param, t.grad, m_.tensors()[i], v_.tensors()[i], c);
   }
+}
+
+std::vector<NamedTensor> AdamW::state() {
+  std::vector<NamedTensor> s;
+  for (size_t i = 0; i < m_.specs().size(); ++i) s.push_back({"m." + m_.specs()[i].name, m_.tensors()[i]});
+  for (size_t i = 0; i < v_.specs().size(); ++i) s.push_back({"v." + v_.specs()[i].name, v_.tensors()[i]});
+  return s;
+}
+
+json::Value AdamW::settings_json() const {
+  json::Value o = json::Value::object();
+  o.set("optimizer", json::Value::string("adamw"));
+  o.set("beta1", json::Value::number(settings_.beta1));
+  o.set("beta2", json::Value::number(settings_.beta2));
+  o.set("eps", json::Value::number(settings_.eps));
+  o.set("weight-decay", json::Value::number(settings_.weight_decay));
+  return o;
 }
 
 }  // namespace oomless

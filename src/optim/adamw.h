@@ -1,18 +1,18 @@
-// AdamW over a ParamSet, with torch.optim.AdamW's semantics: Adam moments with bias correction, and
+// AdamW over a TrainableSet, with torch.optim.AdamW's semantics: Adam moments with bias correction, and
 // decoupled weight decay (p -= lr * wd * p, applied beside the Adam update rather than added to the
-// gradient). Decay applies only to parameters whose ParamSpec::decay is set: matrices and embeddings
-// decay, norm weights and biases do not (the usual "no_decay" group). A tied embedding is one entry of
-// the ParamSet, so it gets one update per step from its summed gradient.
+// gradient). Decay applies only to tensors whose Trainable::decay is set: matrices and embeddings decay,
+// norm weights and biases do not (the usual "no_decay" group). A tied embedding is one entry, so it gets
+// one update per step from its summed gradient.
 //
-// The moments m and v are ParamSets in the parameters' dtype, allocated once in the constructor from
-// the arena as Category::optimizer: step() allocates nothing. m() and v() expose them for checkpoints.
+// The moments m and v are ParamSets laid out like the trainable set, in its dtype, allocated once in the
+// constructor from the arena as Category::optimizer: step() allocates nothing. Their checkpoint names are
+// "m." and "v." before each trainable tensor's name.
 #pragma once
 #include <cstdint>
 
-#include "backend/ops.h"
 #include "memory/arena.h"
-#include "model/config.h"
 #include "model/params.h"
+#include "optim/optimizer.h"
 
 namespace oomless {
 
@@ -24,20 +24,19 @@ struct AdamWSettings {
   double weight_decay = 0.0;
 };
 
-class AdamW {
+class AdamW final : public Optimizer {
  public:
-  // `params` fixes the dtype and layout of the state; cfg must be the config it was built from.
-  AdamW(const ModelConfig& cfg, const ParamSet& params, Arena& arena, const AdamWSettings& settings);
+  // `params` fixes the names, shapes and dtype of the state.
+  AdamW(const TrainableSet& params, Arena& arena, const AdamWSettings& settings);
 
-  // One update of every parameter from grads at rate lr; step counts optimizer steps from 1 (bias
-  // correction). params and grads must have the state's layout and dtype.
-  void step(Ops& ops, ParamSet& params, const ParamSet& grads, double lr, int64_t step);
+  const char* name() const override { return "adamw"; }
+  void step(Ops& ops, const TrainableSet& params, double lr, int64_t step) override;
+  std::vector<NamedTensor> state() override;
+  json::Value settings_json() const override;
 
   const AdamWSettings& settings() const { return settings_; }
-  ParamSet& m() { return m_; }  // first moments, for checkpoints
+  ParamSet& m() { return m_; }  // first moments
   ParamSet& v() { return v_; }  // second moments
-  const ParamSet& m() const { return m_; }
-  const ParamSet& v() const { return v_; }
 
  private:
   AdamWSettings settings_;

@@ -6,16 +6,16 @@
 // every gradient.
 #pragma once
 #include "backend/ops.h"
-#include "model/params.h"
+#include "model/trainable.h"
 
 namespace oomless {
 
-// sqrt of the sum over tensors, in ParamSet order, of ops.sum_squares: each term is a double combined
+// sqrt of the sum over the set's gradients, in order, of ops.sum_squares: each term is a double combined
 // in a fixed order, so the norm is bit-identical for any thread count. NaN or Inf when any gradient is.
-double global_grad_norm(Ops& ops, const ParamSet& grads);
+double global_grad_norm(Ops& ops, const TrainableSet& set);
 
 // Scales every gradient by max_norm / (norm + 1e-6) when norm > max_norm; leaves them unchanged
-// otherwise. norm is global_grad_norm(grads). Throws for a nonfinite norm or a non-positive max_norm.
-void clip_grads(Ops& ops, ParamSet& grads, double max_norm, double norm);
+// otherwise. norm is global_grad_norm(set). Throws for a nonfinite norm or a non-positive max_norm.
+void clip_grads(Ops& ops, const TrainableSet& set, double max_norm, double norm);
 
 }  // namespace oomless

@@ -18,6 +18,7 @@
 #include "memory/arena.h"
 #include "model/eval.h"
 #include "model/generate.h"
+#include "model/adapter_io.h"
 #include "model/load.h"
 #include "model/model.h"
 #include "model/paged_kv.h"
@@ -36,12 +37,6 @@ namespace {
 
 volatile std::sig_atomic_t g_stop = 0;
 void on_signal(int) { g_stop = 1; }
-
-// Settings a resumed run must share with the run that saved the checkpoint (the rest may change).
-const char* kFixedOnResume[] = {"model", "data", "seq", "batch", "grad-accum", "lr", "min-lr", "warmup",
-                                "schedule", "weight-decay", "beta1", "beta2", "eps", "clip", "dtype",
-                                "seed", "save-policy", "epochs", "chunk", "page", "rope-theta",
-                                "rope-scaling", "sparse-pages", "sink-pages", "page-summary"};
 
 std::string binary_id() {
   std::error_code ec;
@@ -68,6 +63,22 @@ void read_params(const SafetensorsFile& f, ParamSet& p, const std::string& prefi
   }
 }
 
+std::vector<StWrite> tensor_writes(const std::vector<NamedTensor>& ts) {
+  std::vector<StWrite> w;
+  for (const NamedTensor& t : ts)
+    w.push_back({t.name, t.t.dtype, std::vector<int64_t>(t.t.dims, t.t.dims + t.t.ndim), t.t.data});
+  return w;
+}
+
+void read_tensors(const SafetensorsFile& f, const std::vector<NamedTensor>& ts) {
+  for (const NamedTensor& t : ts) {
+    const StTensor* s = f.find(t.name);
+    OOM_CHECK(s && s->dtype == t.t.dtype && static_cast<uint64_t>(t.t.nbytes()) == s->nbytes, "[train] ", f.path(),
+              ": tensor '", t.name, "' is missing or has another shape/dtype");
+    std::memcpy(t.t.data, s->data, s->nbytes);
+  }
+}
+
 CheckpointFile safetensors_file(const std::string& name, std::vector<StWrite> tensors) {
   return {name, "", [tensors = std::move(tensors), name](int fd) {
             write_safetensors_stream(tensors, {{"format", "pt"}}, [fd](const void* d, size_t n) { checkpoint_write(fd, d, n); },
@@ -77,98 +88,177 @@ CheckpointFile safetensors_file(const std::string& name, std::vector<StWrite> te
 
 }  // namespace
 
+namespace {
+
+using K = TrainOption::Kind;
+TrainOption text(const char* n, bool fixed, const char* arg, const char* help, std::string TrainConfig::*m) {
+  TrainOption o{n, K::text, fixed, arg, help};
+  o.text = m;
+  return o;
+}
+TrainOption whole(const char* n, bool fixed, const char* arg, const char* help, int64_t TrainConfig::*m) {
+  TrainOption o{n, K::integer, fixed, arg, help};
+  o.integer = m;
+  return o;
+}
+TrainOption real(const char* n, bool fixed, const char* arg, const char* help, double TrainConfig::*m) {
+  TrainOption o{n, K::number, fixed, arg, help};
+  o.number = m;
+  return o;
+}
+TrainOption flag(const char* n, bool fixed, const char* help, bool TrainConfig::*m) {
+  TrainOption o{n, K::boolean, fixed, "", help};
+  o.boolean = m;
+  return o;
+}
+
+}  // namespace
+
+const std::vector<TrainOption>& train_options() {
+  using C = TrainConfig;
+  static const std::vector<TrainOption> table = {
+      text("model", true, "M", "HF folder, .gguf or preset:NAME (default preset:tiny)", &C::model),
+      text("data", true, "D",
+           "files or folders, comma-separated: text, .ids, .jsonl ({\"text\"} or {\"messages\"})\n(default: the "
+           "bundled corpus)",
+           &C::data),
+      text("out", false, "DIR",
+           "run folder: checkpoints, metrics.jsonl, report.html; a new run needs a new\nfolder (default "
+           "runs/run-YYYYmmdd-HHMMSS)",
+           &C::out),
+      whole("seq", true, "T", "tokens per sequence (default 256)", &C::seq),
+      whole("batch", true, "B", "sequences per micro-batch (default 8)", &C::batch),
+      whole("grad-accum", true, "N", "micro-batches per optimizer step (default 1)", &C::grad_accum),
+      whole("steps", false, "n", "total optimizer steps of the run (default: from --epochs)", &C::steps),
+      real("epochs", true, "e", "passes over the data when --steps is not given (default 1)", &C::epochs),
+      real("lr", true, "x", "peak learning rate (default 1e-3)", &C::lr),
+      real("min-lr", true, "x", "floor of the schedule (default 1e-4)", &C::min_lr),
+      whole("warmup", true, "n", "linear warmup steps (default 20)", &C::warmup),
+      text("schedule", true, "S", "cosine, linear or constant (default cosine)", &C::schedule),
+      real("weight-decay", true, "w", "decoupled, not on norms and biases (default 0.1)", &C::weight_decay),
+      real("beta1", true, "b", "AdamW beta1 (default 0.9)", &C::beta1),
+      real("beta2", true, "b", "AdamW beta2 (default 0.95)", &C::beta2),
+      real("eps", true, "e", "AdamW epsilon (default 1e-8)", &C::eps),
+      real("clip", true, "c", "global gradient-norm clip, 0 = off (default 1.0)", &C::clip),
+      text("eval-data", false, "F",
+           "held-out text or .ids file: loss of its first 32 windows (default: none, or the\nbundled eval text "
+           "with the bundled corpus)",
+           &C::eval_data),
+      whole("eval-every", false, "n", "evaluate every n steps, and at the end (default 100)", &C::eval_every),
+      whole("save-every", false, "n", "checkpoint every n steps, and at the end (default 200)", &C::save_every),
+      whole("keep", false, "K", "keep the newest K checkpoints, 0 = all (default 2)", &C::keep),
+      text("budget", false, "SIZE", "memory budget for Device+Host, e.g. 24GiB or 24GB (default: none)", &C::budget),
+      text("dtype", true, "D", "fp32 or bf16 projections (default fp32)", &C::dtype),
+      text("save-policy", true, "P", "all, selective or none (recompute) (default all)", &C::save_policy),
+      whole("seed", true, "s", "data order, preset and adapter init (default 0)", &C::seed),
+      whole("threads", false, "n", "CPU threads (default: all)", &C::threads),
+      whole("max-nonfinite", false, "k", "stop after more than k non-finite steps in a row (default 5)",
+            &C::max_nonfinite),
+      text("dump-tokens", false, "FILE", "write each step's token ids and targets as JSON lines", &C::dump_tokens),
+      whole("chunk", true, "C",
+            "chunk-recurrent training: activations for C tokens at a time, keys and values of\nearlier chunks in "
+            "a paged store (default 0: off)",
+            &C::chunk),
+      whole("page", true, "P", "tokens per K/V page; divides --chunk (default min(64, C))", &C::page),
+      text("kv-offload", false, "M", "none, host or disk: where earlier chunks' K/V pages live (default none)",
+           &C::kv_offload),
+      text("spill-dir", false, "DIR", "disk: folder of the spill file, not tmpfs (default --out)", &C::spill_dir),
+      whole("sparse-pages", true, "k",
+            "page-sparse attention: each query page reads its own chunk, the first --sink-pages\npages and its k "
+            "best-scoring earlier pages (default 0: every page, dense)",
+            &C::sparse_pages),
+      whole("sink-pages", true, "s", "pages every query page reads with --sparse-pages (default 1)", &C::sink_pages),
+      text("page-summary", true, "S",
+           "what a page is scored by: minmax (per-dimension bounds of its keys, as Quest;\nthe default) or mean "
+           "(of its keys)",
+           &C::page_summary),
+      real("rope-theta", true, "x",
+           "override the model's RoPE base (training past its native context); saved in\nthe checkpoints' "
+           "config.json (default: the model's)",
+           &C::rope_theta),
+      text("rope-scaling", true, "S",
+           "override the model's RoPE scaling: linear:F, yarn:F or llama3:F (the model's\ncontext so far is the "
+           "original one; it becomes F times longer), none, or a\nrope_scaling JSON object; saved in the "
+           "checkpoints' config.json",
+           &C::rope_scaling),
+      whole("lora", true, "r",
+            "LoRA of rank r on the --lora-targets projections; the base is frozen (no base\ngradients or "
+            "optimizer state) and checkpoints are PEFT adapter folders (default 0: train\nevery parameter)",
+            &C::lora),
+      real("lora-alpha", true, "a", "LoRA scale numerator: s = a / r (default 2r)", &C::lora_alpha),
+      real("lora-dropout", true, "p", "dropout on the adapters' input (default 0)", &C::lora_dropout),
+      text("lora-targets", true, "L",
+           "projections to adapt: comma-separated q,k,v,o,gate,up,down (or q_proj, ...), or\nall-linear "
+           "(default all-linear)",
+           &C::lora_targets),
+      flag("rslora", true, "rank-stabilised LoRA: s = a / sqrt(r)", &C::rslora),
+      flag("dora", true, "DoRA (weight-decomposed LoRA)", &C::dora),
+      text("adapter", true, "DIR", "start from this adapter folder (oomless's or PEFT's) instead of a new one",
+           &C::adapter),
+  };
+  return table;
+}
+
+std::string train_options_help() {
+  std::string out;
+  for (const TrainOption& o : train_options()) {
+    std::string head = std::string("  --") + o.name + (*o.arg ? std::string(" ") + o.arg : "");
+    if (head.size() < 23) head.resize(23, ' ');
+    else head += ' ';
+    std::string body = o.help;
+    for (size_t i = 0; (i = body.find('\n', i)) != std::string::npos; i += 24) body.replace(i, 1, "\n" + std::string(23, ' '));
+    out += head + body + "\n";
+  }
+  return out;
+}
+
 void TrainConfig::apply_json(const json::Value& o, const std::string& source) {
   OOM_CHECK(o.is_object(), "[train] ", source, ": a config file is a JSON object of flag names and values");
-  for (const auto& [k, v] : o.as_object()) {
-    auto num = [&]() { return v.as_number(k); };
-    auto integer = [&]() { return v.as_int(k); };
-    auto str = [&]() { return v.as_string(k); };
-    if (k == "model") model = str();
-    else if (k == "data") data = str();
-    else if (k == "out") out = str();
-    else if (k == "seq") seq = integer();
-    else if (k == "batch") batch = integer();
-    else if (k == "grad-accum") grad_accum = integer();
-    else if (k == "steps") steps = integer();
-    else if (k == "epochs") epochs = num();
-    else if (k == "lr") lr = num();
-    else if (k == "min-lr") min_lr = num();
-    else if (k == "warmup") warmup = integer();
-    else if (k == "schedule") schedule = str();
-    else if (k == "weight-decay") weight_decay = num();
-    else if (k == "beta1") beta1 = num();
-    else if (k == "beta2") beta2 = num();
-    else if (k == "eps") eps = num();
-    else if (k == "clip") clip = num();
-    else if (k == "eval-data") eval_data = str();
-    else if (k == "eval-every") eval_every = integer();
-    else if (k == "save-every") save_every = integer();
-    else if (k == "keep") keep = integer();
-    else if (k == "budget") budget = str();
-    else if (k == "dtype") dtype = str();
-    else if (k == "seed") seed = static_cast<uint64_t>(integer());
-    else if (k == "threads") threads = integer();
-    else if (k == "max-nonfinite") max_nonfinite = integer();
-    else if (k == "dump-tokens") dump_tokens = str();
-    else if (k == "save-policy") save_policy = str();
-    else if (k == "chunk") chunk = integer();
-    else if (k == "page") page = integer();
-    else if (k == "kv-offload") kv_offload = str();
-    else if (k == "spill-dir") spill_dir = str();
-    else if (k == "rope-theta") rope_theta = num();
-    else if (k == "rope-scaling") rope_scaling = str();
-    else if (k == "sparse-pages") sparse_pages = integer();
-    else if (k == "sink-pages") sink_pages = integer();
-    else if (k == "page-summary") page_summary = str();
-    else fail("[train] ", source, ": unknown key \"", k, "\"; keys are the long flag names without --");
+  for (const auto& kv : o.as_object()) {
+    const std::string& k = kv.first;
+    const json::Value& v = kv.second;
+    const TrainOption* opt = nullptr;
+    for (const TrainOption& t : train_options())
+      if (k == t.name) opt = &t;
+    OOM_CHECK(opt, "[train] ", source, ": unknown key \"", k, "\"; keys are the long flag names without --");
+    switch (opt->kind) {
+      case K::text: this->*(opt->text) = v.as_string(k); break;
+      case K::integer: this->*(opt->integer) = v.as_int(k); break;
+      case K::number: this->*(opt->number) = v.as_number(k); break;
+      case K::boolean: this->*(opt->boolean) = v.as_bool(k); break;
+    }
   }
 }
 
 json::Value TrainConfig::to_json() const {
   using json::Value;
   Value o = Value::object();
-  o.set("model", Value::string(model));
-  o.set("data", Value::string(data));
-  o.set("out", Value::string(out));
-  o.set("seq", Value::integer(seq));
-  o.set("batch", Value::integer(batch));
-  o.set("grad-accum", Value::integer(grad_accum));
-  o.set("steps", Value::integer(steps));
-  o.set("epochs", Value::number(epochs));
-  o.set("lr", Value::number(lr));
-  o.set("min-lr", Value::number(min_lr));
-  o.set("warmup", Value::integer(warmup));
-  o.set("schedule", Value::string(schedule));
-  o.set("weight-decay", Value::number(weight_decay));
-  o.set("beta1", Value::number(beta1));
-  o.set("beta2", Value::number(beta2));
-  o.set("eps", Value::number(eps));
-  o.set("clip", Value::number(clip));
-  o.set("eval-data", Value::string(eval_data));
-  o.set("eval-every", Value::integer(eval_every));
-  o.set("save-every", Value::integer(save_every));
-  o.set("keep", Value::integer(keep));
-  o.set("budget", Value::string(budget));
-  o.set("dtype", Value::string(dtype));
-  o.set("seed", Value::integer(static_cast<int64_t>(seed)));
-  o.set("threads", Value::integer(threads));
-  o.set("max-nonfinite", Value::integer(max_nonfinite));
-  o.set("dump-tokens", Value::string(dump_tokens));
-  o.set("save-policy", Value::string(save_policy));
-  o.set("chunk", Value::integer(chunk));
-  o.set("page", Value::integer(page));
-  o.set("kv-offload", Value::string(kv_offload));
-  o.set("spill-dir", Value::string(spill_dir));
-  o.set("rope-theta", Value::number(rope_theta));
-  o.set("rope-scaling", Value::string(rope_scaling));
-  o.set("sparse-pages", Value::integer(sparse_pages));
-  o.set("sink-pages", Value::integer(sink_pages));
-  o.set("page-summary", Value::string(page_summary));
+  for (const TrainOption& t : train_options()) {
+    switch (t.kind) {
+      case K::text: o.set(t.name, Value::string(this->*(t.text))); break;
+      case K::integer: o.set(t.name, Value::integer(this->*(t.integer))); break;
+      case K::number: o.set(t.name, Value::number(this->*(t.number))); break;
+      case K::boolean: o.set(t.name, Value::boolean(this->*(t.boolean))); break;
+    }
+  }
   return o;
 }
 
 namespace {
 int train_run(const TrainConfig& c, const std::string& out);
+
+LoraSettings lora_settings(const TrainConfig& c) {
+  LoraSettings s;
+  s.r = c.lora;
+  s.alpha = c.lora_alpha > 0 ? c.lora_alpha : 2.0 * static_cast<double>(c.lora);
+  s.dropout = c.lora_dropout;
+  s.targets = parse_lora_targets(c.lora_targets);
+  s.rslora = c.rslora;
+  s.dora = c.dora;
+  OOM_CHECK(s.dropout == 0, "[train] --lora-dropout ", s.dropout, " is not supported yet; use 0");
+  OOM_CHECK(!s.dora, "[train] --dora is not supported yet; use LoRA (without --dora)");
+  return s;
+}
 }
 
 int run_training(const TrainConfig& c) {
@@ -252,9 +342,19 @@ int train_run(const TrainConfig& c, const std::string& out) {
   ParamSet params(src.cfg, DType::f32, mem.device, Category::weights);
   src.load_weights(params);
   src.release_weights();
-  Model model(src.cfg, *ops, params, mem.device, {parse_compute_dtype(c.dtype), parse_save_policy(c.save_policy)});
-  AdamW opt(src.cfg, params, mem.host, {c.lr, c.beta1, c.beta2, c.eps, c.weight_decay});
-  model.grads();
+  // --lora: adapters on a frozen base (PEFT's default init, or --adapter's tensors).
+  std::unique_ptr<AdapterSet> adapters;
+  if (c.lora > 0) {
+    adapters = std::make_unique<AdapterSet>(src.cfg, lora_settings(c), DType::f32, mem.device, Category::adapter);
+    init_lora(*adapters, static_cast<uint64_t>(c.seed) + 1);
+    if (!c.adapter.empty()) load_adapter(c.adapter, src.cfg, *adapters);
+  } else {
+    OOM_CHECK(c.adapter.empty(), "[train] --adapter ", c.adapter, " needs --lora r (the adapter's rank)");
+  }
+  ModelOptions mo{parse_compute_dtype(c.dtype), parse_save_policy(c.save_policy), adapters.get()};
+  Model model(src.cfg, *ops, params, mem.device, mo);
+  const TrainableSet trained = model.trainable();
+  AdamW opt(trained, mem.host, {c.lr, c.beta1, c.beta2, c.eps, c.weight_decay});
   // Chunk-recurrent mode: activations for one chunk, K/V of earlier chunks in a paged store.
   std::unique_ptr<PagedKvStore> kv;
   const int64_t C = c.chunk > 0 ? std::min(c.chunk, c.seq) : 0;
@@ -342,7 +442,9 @@ int train_run(const TrainConfig& c, const std::string& out) {
     const json::Value& saved = st.at("config");
     const json::Value now = c.to_json();
     const json::Value defaults = TrainConfig{}.to_json();  // settings a run saved by an older binary lacks
-    for (const char* k : kFixedOnResume) {
+    for (const TrainOption& opt : train_options()) {
+      if (!opt.fixed_on_resume) continue;
+      const char* k = opt.name;
       const json::Value& was = saved.find(k) ? saved.at(k) : defaults.at(k);
       OOM_CHECK(json::dump(was) == json::dump(now.at(k)), "[train] --resume: --", k, " was ", json::dump(was),
                 " in the saved run and is ", json::dump(now.at(k)),
@@ -352,11 +454,13 @@ int train_run(const TrainConfig& c, const std::string& out) {
         st.at("binary").as_string() != binary_id())
       warn("the thread count, CPU instruction set or binary differs from the saved run's: results may differ in the "
            "last bits from an uninterrupted run");
-    SafetensorsFile mf = SafetensorsFile::open(ck->path + "/model.safetensors");
-    read_params(mf, params, "");
+    if (adapters) {
+      read_params(SafetensorsFile::open(ck->path + "/" + kAdapterWeights), adapters->tensors(), "");
+    } else {
+      read_params(SafetensorsFile::open(ck->path + "/model.safetensors"), params, "");
+    }
     SafetensorsFile of = SafetensorsFile::open(ck->path + "/optimizer.safetensors");
-    read_params(of, opt.m(), "m.");
-    read_params(of, opt.v(), "v.");
+    read_tensors(of, opt.state());
     data.restore(st.at("data"));
     step = st.at("step").as_int();
     nonfinite_total = st.at("nonfinite_total").as_int();
@@ -367,11 +471,15 @@ int train_run(const TrainConfig& c, const std::string& out) {
 
   auto save = [&](int64_t s) {
     std::vector<CheckpointFile> files;
-    files.push_back(safetensors_file("model.safetensors", param_writes(params, "")));
-    std::vector<StWrite> ow = param_writes(opt.m(), "m."), vw = param_writes(opt.v(), "v.");
-    ow.insert(ow.end(), vw.begin(), vw.end());
-    files.push_back(safetensors_file("optimizer.safetensors", ow));
-    files.push_back({"config.json", json::dump(src.cfg.to_json(), 2) + "\n", {}});
+    if (adapters) {
+      // A PEFT adapter folder: the base is unchanged, so only the adapter is written.
+      files.push_back(safetensors_file(kAdapterWeights, param_writes(adapters->tensors(), "")));
+      files.push_back({kAdapterConfig, json::dump(adapter_config_json(adapters->settings(), c.model), 2) + "\n", {}});
+    } else {
+      files.push_back(safetensors_file("model.safetensors", param_writes(params, "")));
+      files.push_back({"config.json", json::dump(src.cfg.to_json(), 2) + "\n", {}});
+    }
+    files.push_back(safetensors_file("optimizer.safetensors", tensor_writes(opt.state())));
     if (src.tokenizer_json.size()) files.push_back({"tokenizer.json", src.tokenizer_json, {}});
     if (!src.tokenizer_config.is_null()) files.push_back({"tokenizer_config.json", json::dump(src.tokenizer_config, 2) + "\n", {}});
     json::Value st = json::Value::object();
@@ -444,7 +552,7 @@ int train_run(const TrainConfig& c, const std::string& out) {
       }
     }
     const double loss = N > 0 ? loss_sum / static_cast<double>(N) : 0.0;
-    const double norm = global_grad_norm(*ops, model.grads());
+    const double norm = global_grad_norm(*ops, trained);
     const bool skip = !std::isfinite(loss) || !std::isfinite(norm);
     if (skip) {
       ++nonfinite_run, ++nonfinite_total;
@@ -453,8 +561,8 @@ int train_run(const TrainConfig& c, const std::string& out) {
                    static_cast<long long>(nonfinite_run), static_cast<long long>(nonfinite_total));
     } else {
       nonfinite_run = 0;
-      if (c.clip > 0) clip_grads(*ops, model.grads(), c.clip, norm);
-      opt.step(*ops, params, model.grads(), lr, step - nonfinite_total);
+      if (c.clip > 0) clip_grads(*ops, trained, c.clip, norm);
+      opt.step(*ops, trained, lr, step - nonfinite_total);
       last_loss = loss;
     }
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

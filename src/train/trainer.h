@@ -8,6 +8,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "io/json.h"
 
@@ -37,7 +38,7 @@ struct TrainConfig {
   std::string resume_dir;      // empty: --out
   std::string budget;          // empty: no limit
   std::string dtype = "fp32";
-  uint64_t seed = 0;
+  int64_t seed = 0;
   int64_t threads = 0;         // 0: all
   int64_t max_nonfinite = 5;
   std::string dump_tokens;
@@ -51,11 +52,37 @@ struct TrainConfig {
   int64_t sparse_pages = 0;     // page-sparse attention: each query page reads its k best earlier pages (0: dense)
   int64_t sink_pages = 1;       // with sparse_pages: the first pages every query page reads
   std::string page_summary = "minmax";  // with sparse_pages: minmax or mean
+  int64_t lora = 0;             // LoRA rank on the projections, base frozen (0: train every parameter)
+  double lora_alpha = 0;        // 0: 2 * rank
+  double lora_dropout = 0;
+  std::string lora_targets = "all-linear";
+  bool rslora = false;
+  bool dora = false;
+  std::string adapter;          // an adapter folder (oomless's or PEFT's) to continue
 
   // Keys are the long flag names without "--" (e.g. "grad-accum"); unknown keys are an error.
   void apply_json(const json::Value& o, const std::string& source);
   json::Value to_json() const;
 };
+
+// The option table: every setting of TrainConfig once, with its flag/JSON key, kind, whether a resumed
+// run must keep it, and its --help line. apply_json, to_json, the resume check, the CLI's flags and its
+// help are all generated from it.
+struct TrainOption {
+  enum class Kind { text, integer, number, boolean };
+  const char* name;   // the long flag without "--", and the JSON key
+  Kind kind;
+  bool fixed_on_resume;
+  const char* arg;    // the value's name in --help ("" for a switch)
+  const char* help;   // the help text; '\n' starts a continuation line
+  std::string TrainConfig::*text = nullptr;
+  int64_t TrainConfig::*integer = nullptr;
+  double TrainConfig::*number = nullptr;
+  bool TrainConfig::*boolean = nullptr;
+};
+const std::vector<TrainOption>& train_options();
+// The options block of `oomless train --help`, one line (or more) per option in table order.
+std::string train_options_help();
 
 // Runs (or resumes) training; returns the process exit code. Progress goes to stderr, results to stdout.
 int run_training(const TrainConfig& cfg);

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -73,7 +74,34 @@ struct RunSetup {
   ComputeDType dtype = ComputeDType::f32;
   int64_t sparse_pages = 0, sink_pages = 1;
   PageSummary summary = PageSummary::mean;
+  int64_t lora_r = 0;  // > 0: a LoRA of this rank on every projection (random A and B), base frozen
 };
+
+// LoRA settings on every projection of a block, alpha = 2r.
+inline LoraSettings all_linear_lora(int64_t r) {
+  LoraSettings s;
+  s.r = r;
+  s.alpha = 2.0 * static_cast<double>(r);
+  s.targets = parse_lora_targets("all-linear");
+  return s;
+}
+
+// Adapters with PEFT's init of A and a random (non-zero) B, so that every adapter gradient is non-zero.
+inline std::unique_ptr<AdapterSet> random_adapters(const ModelConfig& cfg, const LoraSettings& s, DType dtype,
+                                                   Arena& arena, uint64_t seed) {
+  auto a = std::make_unique<AdapterSet>(cfg, s, dtype, arena, Category::adapter);
+  init_lora(*a, seed);
+  std::mt19937_64 rng(seed + 1);
+  std::uniform_real_distribution<double> u(-0.3, 0.3);
+  for (size_t i = 0; i < a->tensors().specs().size(); ++i) {
+    if (a->tensors().specs()[i].name.find("lora_B") == std::string::npos) continue;
+    const Tensor& t = a->tensors().tensors()[i];
+    std::vector<double> v(static_cast<size_t>(t.numel()));
+    for (double& x : v) x = u(rng);
+    convert(t.data, t.dtype, v.data(), DType::f64, t.numel());
+  }
+  return a;
+}
 
 // A ChunkKv in front of a PagedKvStore that charges the store's transfers to the chunk they serve: the
 // bytes moved to Device between one set_chunk and the next (or end) belong to the first one's chunk.
@@ -145,7 +173,9 @@ inline Result run(const RunSetup& s, std::vector<int32_t> ids, int64_t C, int64_
   auto ops = make_ops("cpu", &mem.device);
   ParamSet params(s.cfg, DType::f32, mem.device, Category::weights);
   init_random(params, 5, 0.3);  // large weights: attention far from uniform, so history matters
-  Model m(s.cfg, *ops, params, mem.device, {s.dtype, s.policy});
+  std::unique_ptr<AdapterSet> ad;
+  if (s.lora_r > 0) ad = random_adapters(s.cfg, all_linear_lora(s.lora_r), DType::f32, mem.device, 17);
+  Model m(s.cfg, *ops, params, mem.device, {s.dtype, s.policy, ad.get()});
   const int64_t T = static_cast<int64_t>(ids.size());
   std::vector<int32_t> tg = targets_of(ids);
   int64_t N = 0;
@@ -173,10 +203,9 @@ inline Result run(const RunSetup& s, std::vector<int32_t> ids, int64_t C, int64_
         for (int64_t qp = 0; qp < C / P; ++qp) r.selections.push_back(kv.selection(l, c, qp));
     EXPECT_EQ(kv.pages_in_use(), 0) << "pages left after the step";
   }
-  const ParamSet& g = m.grads();
-  for (size_t i = 0; i < g.specs().size(); ++i) {
-    const Tensor& t = g.tensors()[i];
-    r.names.push_back(g.specs()[i].name);
+  for (const Trainable& tr : m.trainable()) {
+    const Tensor& t = tr.grad;
+    r.names.push_back(tr.name);
     r.grads.emplace_back(static_cast<const float*>(t.data), static_cast<const float*>(t.data) + t.numel());
   }
   r.peak_activations = mem.ledger.peak(Tier::Device, Category::activations);

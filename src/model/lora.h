@@ -1,0 +1,81 @@
+// LoRA adapters (Hu et al. 2021; rsLoRA: Kalajdzievski 2023) on the decoder's linear projections, laid
+// out and named as PEFT saves them, so an adapter folder moves between oomless and PEFT as it is.
+//
+// For an adapted projection with base weight W (N, K) and bias b:
+//   y = x W^T + b + s * (x A^T) B^T,  A (r, K), B (N, r),  s = alpha / r  (rsLoRA: alpha / sqrt(r)).
+// A starts as PEFT's default (kaiming-uniform with a = sqrt(5): U(-1/sqrt(K), 1/sqrt(K))), B at zero, so
+// an untrained adapter leaves the model unchanged.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "backend/ops.h"
+#include "memory/arena.h"
+#include "model/config.h"
+#include "model/params.h"
+
+namespace oomless {
+
+// The linear projections of a block, in block order.
+enum class Proj : int { q, k, v, o, gate, up, down };
+inline constexpr int kProjCount = 7;
+const char* proj_short_name(Proj p);  // "q", "k", ... (the --lora-targets names)
+const char* proj_module(Proj p);      // "self_attn.q_proj", "mlp.gate_proj", ...
+int64_t proj_out(const ModelConfig& c, Proj p);  // N
+int64_t proj_in(const ModelConfig& c, Proj p);   // K
+
+struct LoraSettings {
+  int64_t r = 0;           // rank; 0: no adapters
+  double alpha = 0;        // lora_alpha
+  double dropout = 0;      // lora_dropout (on the adapter's input)
+  std::vector<Proj> targets;
+  bool rslora = false;     // s = alpha / sqrt(r)
+  bool dora = false;
+  double scale() const;
+};
+
+// "q,k,v,o,gate,up,down" (short names, or the module names q_proj, ..., down_proj, in any order) or
+// "all-linear" (every projection of the blocks; the LM head is not adapted, as in PEFT).
+std::vector<Proj> parse_lora_targets(std::string_view list);
+// Checks r, alpha and dropout against the model: r <= min(N, K) of every target.
+void validate_lora(const LoraSettings& s, const ModelConfig& c);
+
+// One projection's adapter tensors: a (r, K), b (N, r); empty when the projection is not adapted.
+struct LoraTensors {
+  Tensor a, b;
+};
+struct LayerLora {
+  LoraTensors p[kProjCount];
+  const LoraTensors& operator[](Proj x) const { return p[static_cast<int>(x)]; }
+};
+
+// PEFT's key of a projection's adapter tensor: part "lora_A.weight" or "lora_B.weight".
+std::string lora_key(int64_t layer, Proj p, std::string_view part);
+
+// Every adapter tensor of a model in one buffer (a ParamSet under PEFT's names, in layer then projection
+// order, A before B), with per-layer views. The same layout serves the gradients (Category::grads).
+class AdapterSet {
+ public:
+  AdapterSet(const ModelConfig& cfg, const LoraSettings& s, DType dtype, Arena& arena, Category cat);
+  const LoraSettings& settings() const { return settings_; }
+  ParamSet& tensors() { return set_; }
+  const ParamSet& tensors() const { return set_; }
+  const LayerLora& layer(int64_t l) const { return layers_[static_cast<size_t>(l)]; }
+  int64_t layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  LoraSettings settings_;
+  ParamSet set_;
+  std::vector<LayerLora> layers_;
+};
+
+// Folds the adapters into the base: W += s * B A for every adapted projection (what PEFT's
+// merge_and_unload computes). params and adapters share a dtype; the scratch is charged to `arena`.
+void merge_lora(Ops& ops, ParamSet& params, const AdapterSet& a, Arena& arena);
+
+// PEFT's default initialisation: A ~ U(-1/sqrt(K), 1/sqrt(K)) from a seeded generator, B = 0.
+void init_lora(AdapterSet& a, uint64_t seed);
+
+}  // namespace oomless

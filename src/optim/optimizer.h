@@ -1,0 +1,32 @@
+// The optimizer interface: one update of a TrainableSet per step, its state as named tensors for
+// checkpoints, and the settings a resumed run must keep. AdamW is the one implementation today.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "backend/ops.h"
+#include "io/json.h"
+#include "model/trainable.h"
+
+namespace oomless {
+
+struct NamedTensor {
+  std::string name;
+  Tensor t;
+};
+
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+  virtual const char* name() const = 0;
+  // One update of every trainable tensor from its gradient at rate lr; step counts from 1. `params` must
+  // be the set the optimizer was built for (same names, shapes, order).
+  virtual void step(Ops& ops, const TrainableSet& params, double lr, int64_t step) = 0;
+  // The state, named for checkpoints (e.g. "m.NAME", "v.NAME"); load_state reads them back in place.
+  virtual std::vector<NamedTensor> state() = 0;
+  // The settings that define the run (fixed on resume), as JSON.
+  virtual json::Value settings_json() const = 0;
+};
+
+}  // namespace oomless

@@ -1,0 +1,53 @@
+#!/bin/sh
+# `oomless train --lora` end to end on preset:micro: checkpoints are PEFT adapter folders (no model
+# weights), 2 steps + resume + 2 steps give the adapter bytes of 4 uninterrupted steps, `eval --adapter`
+# and `generate --adapter` run the adapted model, `merge` folds it into a Hugging Face folder whose eval
+# loss is the adapted model's, and bad settings are clear errors.
+# usage: train_lora.sh OOMLESS_BINARY SOURCE_DIR WORK_DIR
+set -u
+bin=$1; src=$2; out=$3/train_lora
+rm -rf "$out"; mkdir -p "$out"
+head -c 60000 "$src/data/kjv/train.txt" > "$out/train.txt"
+head -c 20000 "$src/data/kjv/eval.txt" > "$out/eval.txt"
+common="--model preset:micro --data $out/train.txt --seq 64 --batch 2 --lr 1e-2 --warmup 1 --schedule constant --eval-every 0 --lora 4 --lora-targets q,v,down"
+"$bin" train $common --steps 4 --save-every 2 --keep 0 --out "$out/a" > "$out/a.log" 2>&1 || { cat "$out/a.log"; exit 1; }
+ck=$out/a/checkpoint-4
+for f in adapter_config.json adapter_model.safetensors optimizer.safetensors trainer_state.json; do
+  [ -s "$ck/$f" ] || { echo "the checkpoint has no $f"; ls "$ck"; exit 1; }
+done
+[ ! -e "$ck/model.safetensors" ] || { echo "an adapter checkpoint must not hold the base weights"; exit 1; }
+grep -q '"peft_type": "LORA"' "$ck/adapter_config.json" || { cat "$ck/adapter_config.json"; exit 1; }
+grep -q '"r": 4' "$ck/adapter_config.json" || { cat "$ck/adapter_config.json"; exit 1; }
+# Resume: 2 steps, then 2 more, equals 4 steps bitwise (a constant schedule: --steps may change on resume).
+"$bin" train $common --steps 2 --out "$out/b" > "$out/b.log" 2>&1 || { cat "$out/b.log"; exit 1; }
+"$bin" train $common --steps 4 --resume "$out/b" > "$out/b2.log" 2>&1 || { cat "$out/b2.log"; exit 1; }
+cmp "$ck/adapter_model.safetensors" "$out/b/checkpoint-4/adapter_model.safetensors" ||
+  { echo "2 + resume + 2 steps differ from 4 steps"; exit 1; }
+cmp "$out/a/checkpoint-2/adapter_model.safetensors" "$ck/adapter_model.safetensors" > /dev/null &&
+  { echo "the adapter did not change between steps 2 and 4"; exit 1; }
+# --resume with another rank is refused.
+if "$bin" train $common --lora 8 --steps 6 --resume "$out/b" > "$out/c.log" 2>&1; then echo "resume with another rank ran"; exit 1; fi
+grep -q -- "--lora was 4" "$out/c.log" || { cat "$out/c.log"; exit 1; }
+# eval with the adapter differs from the base; merge gives the same loss as the adapter.
+base=$("$bin" eval --model preset:micro --data "$out/eval.txt" --seq 64 --json) || exit 1
+with=$("$bin" eval --model preset:micro --adapter "$ck" --data "$out/eval.txt" --seq 64 --json) || exit 1
+[ "$base" != "$with" ] || { echo "the adapter changed nothing"; exit 1; }
+"$bin" merge --model preset:micro --adapter "$ck" --out "$out/merged" > "$out/merge.log" 2>&1 || { cat "$out/merge.log"; exit 1; }
+merged=$("$bin" eval --model "$out/merged" --data "$out/eval.txt" --seq 64 --json) || exit 1
+loss() { echo "$1" | sed 's/.*"loss": *\([0-9.e+-]*\).*/\1/'; }
+awk -v a="$(loss "$with")" -v b="$(loss "$merged")" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(d < 1e-5 * a) }' ||
+  { echo "merged loss $(loss "$merged") differs from the adapter's $(loss "$with")"; exit 1; }
+"$bin" generate --model preset:micro --adapter "$ck" --prompt "And God said" --max-new 8 > "$out/gen.log" 2>&1 ||
+  { cat "$out/gen.log"; exit 1; }
+# Errors.
+expect_error() {  # expect_error PATTERN ARGS...
+  pat=$1; shift
+  if "$bin" "$@" > "$out/err.log" 2>&1; then echo "succeeded: $*"; exit 1; fi
+  grep -q -- "$pat" "$out/err.log" || { echo "expected '$pat' from: $*"; cat "$out/err.log"; exit 1; }
+}
+expect_error "unknown projection 'qq'" train $common --lora-targets qq --steps 1 --out "$out/e1"
+expect_error "r may be at most" train $common --lora 100000 --steps 1 --out "$out/e2"
+expect_error "holds no adapter_config.json" eval --model preset:micro --adapter "$out" --data "$out/eval.txt" --seq 64
+expect_error "differ from this run" train $common --lora 8 --adapter "$ck" --steps 1 --out "$out/e3"
+expect_error "is not part of a rank-4 LoRA\|has shape" eval --model preset:tiny --adapter "$ck" --data "$out/eval.txt" --seq 64
+echo "train --lora: ok"

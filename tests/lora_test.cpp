@@ -1,0 +1,238 @@
+// LoRA adapters on a frozen base: finite-difference gradients of every adapter tensor in float64 (ref
+// backend), equality with the merged weights W + s B A, an untrained adapter changing nothing, frozen
+// means frozen (no base gradients or optimizer bytes, base bytes unchanged by training), bitwise equality
+// across SavePolicies and K/V offload modes, and the settings' errors.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "optim/adamw.h"
+#include "util/chunked_run.h"
+#include "util/fd_check.h"
+
+namespace oomless {
+namespace {
+
+using test::variants;
+
+LoraSettings lora(int64_t r, const char* targets, double alpha, bool rslora = false) {
+  LoraSettings s;
+  s.r = r, s.alpha = alpha, s.rslora = rslora;
+  s.targets = parse_lora_targets(targets);
+  return s;
+}
+
+// Non-trivial norms and biases, as the base of a fine-tune has.
+void perturb(ParamSet& p, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(-0.3, 0.3);
+  for (size_t i = 0; i < p.specs().size(); ++i) {
+    const std::string& n = p.specs()[i].name;
+    const Tensor& t = p.tensors()[i];
+    if (n.find("norm") == std::string::npos && n.find(".bias") == std::string::npos) continue;
+    std::vector<double> v(static_cast<size_t>(t.numel()));
+    convert(v.data(), DType::f64, t.data, t.dtype, t.numel());
+    for (double& x : v) x += u(rng);
+    convert(t.data, t.dtype, v.data(), DType::f64, t.numel());
+  }
+}
+
+struct Seq {
+  std::vector<int32_t> ids, tg;
+  Tensor id_t() { return Tensor::of(ids.data(), {static_cast<int64_t>(ids.size())}); }
+  Tensor tg_t() { return Tensor::of(tg.data(), {static_cast<int64_t>(tg.size())}); }
+};
+Seq seq(int64_t T, int64_t V, uint64_t seed) {
+  Seq s;
+  s.ids = test::tokens(T, V, seed);
+  s.tg = test::targets_of(s.ids);
+  return s;
+}
+
+TEST(Lora, AdapterGradientsMatchFiniteDifferences) {
+  const LoraSettings settings[] = {lora(3, "all-linear", 6.0), lora(2, "q,v,down", 3.0, true)};
+  for (const test::Variant& var : variants()) {
+    for (const LoraSettings& ls : settings) {
+      SCOPED_TRACE(std::string(var.name) + " r=" + std::to_string(ls.r));
+      Ledger ledger;
+      Arena arena(Tier::Host, size_t{1} << 30, ledger);
+      auto ops = make_ops("ref");
+      ParamSet params(var.cfg, DType::f64, arena, Category::weights);
+      init_random(params, 7, 0.3);
+      perturb(params, 8);
+      auto ad = test::random_adapters(var.cfg, ls, DType::f64, arena, 21);
+      Model m(var.cfg, *ops, params, arena, {ComputeDType::f32, SavePolicy::all, ad.get()});
+      const int64_t T = 9;
+      m.reserve(T, true);
+      Seq s = seq(T, var.cfg.V, 3);
+      CeResult r = m.forward(s.id_t(), s.tg_t(), true);
+      const double scale = 1.0 / static_cast<double>(r.count);
+      m.backward(scale);
+      auto loss = [&]() { return m.forward(s.id_t(), s.tg_t(), false).loss_sum * scale; };
+      EXPECT_GT(test::check_sampled_gradients(ad->tensors(), m.adapter_grads().tensors(), loss, 3, 11), 20);
+    }
+  }
+}
+
+// y = x W^T + s (x A^T) B^T is the base model with W + s B A, in float64 to rounding.
+TEST(Lora, EqualsTheBaseWithMergedWeights) {
+  for (const test::Variant& var : variants()) {
+    SCOPED_TRACE(var.name);
+    Ledger ledger;
+    Arena arena(Tier::Host, size_t{1} << 30, ledger);
+    auto ops = make_ops("ref");
+    const LoraSettings ls = lora(3, "all-linear", 5.0);
+    ParamSet params(var.cfg, DType::f64, arena, Category::weights);
+    init_random(params, 7, 0.3);
+    perturb(params, 8);
+    auto ad = test::random_adapters(var.cfg, ls, DType::f64, arena, 21);
+    ParamSet merged(var.cfg, DType::f64, arena, Category::weights);
+    std::memcpy(merged.data(), params.data(), params.bytes());
+    const double sc = ls.scale();
+    for (int64_t l = 0; l < var.cfg.L; ++l)
+      for (Proj p : ls.targets) {
+        const Tensor* w = merged.find("model.layers." + std::to_string(l) + "." + proj_module(p) + ".weight");
+        ASSERT_NE(w, nullptr);
+        const LoraTensors& t = ad->layer(l)[p];
+        const int64_t N = w->dims[0], K = w->dims[1];
+        for (int64_t n = 0; n < N; ++n)
+          for (int64_t k = 0; k < K; ++k) {
+            double d = 0;
+            for (int64_t j = 0; j < ls.r; ++j)
+              d += static_cast<double*>(t.b.data)[n * ls.r + j] * static_cast<double*>(t.a.data)[j * K + k];
+            static_cast<double*>(w->data)[n * K + k] += sc * d;
+          }
+      }
+    const int64_t T = 11, V = var.cfg.V;
+    Seq s = seq(T, V, 4);
+    Model a(var.cfg, *ops, params, arena, {ComputeDType::f32, SavePolicy::all, ad.get()});
+    Model b(var.cfg, *ops, merged, arena);
+    a.reserve(T, false);
+    b.reserve(T, false);
+    const double la = a.forward(s.id_t(), s.tg_t(), false).loss_sum, lb = b.forward(s.id_t(), s.tg_t(), false).loss_sum;
+    EXPECT_NEAR(la, lb, 1e-11 * std::abs(lb));
+    std::vector<double> ga(static_cast<size_t>(T * V)), gb(ga.size());
+    a.logits(Tensor::of(ga.data(), {T, V}));
+    b.logits(Tensor::of(gb.data(), {T, V}));
+    for (size_t i = 0; i < ga.size(); ++i) ASSERT_NEAR(ga[i], gb[i], 1e-11) << i;
+    EXPECT_GT(std::abs(la - [&] {
+                Model c(var.cfg, *ops, params, arena);
+                c.reserve(T, false);
+                return c.forward(s.id_t(), s.tg_t(), false).loss_sum;
+              }()),
+              1e-6)
+        << "the adapter must change the loss for this test to mean anything";
+  }
+}
+
+// B = 0 (PEFT's init): the adapted model computes exactly the base model, fp32 and bf16.
+TEST(Lora, AnUntrainedAdapterChangesNothing) {
+  for (ComputeDType dt : {ComputeDType::f32, ComputeDType::bf16}) {
+    const test::Variant var = variants()[0];
+    CpuMemory mem(size_t{1} << 32);
+    auto ops = make_ops("cpu", &mem.device);
+    ParamSet params(var.cfg, DType::f32, mem.device, Category::weights);
+    init_random(params, 5, 0.3);
+    AdapterSet ad(var.cfg, lora(4, "all-linear", 8.0), DType::f32, mem.device, Category::adapter);
+    init_lora(ad, 1);
+    const int64_t T = 21;
+    Seq s = seq(T, var.cfg.V, 6);
+    Model a(var.cfg, *ops, params, mem.device, {dt, SavePolicy::all, &ad});
+    Model b(var.cfg, *ops, params, mem.device, {dt, SavePolicy::all});
+    a.reserve(T, false);
+    b.reserve(T, false);
+    const double la = a.forward(s.id_t(), s.tg_t(), false).loss_sum, lb = b.forward(s.id_t(), s.tg_t(), false).loss_sum;
+    EXPECT_EQ(std::memcmp(&la, &lb, sizeof la), 0) << (dt == ComputeDType::bf16 ? "bf16" : "fp32");
+  }
+}
+
+TEST(Lora, FrozenBaseHasNoGradientsAndTrainingLeavesItsBytes) {
+  const test::Variant var = variants()[2];  // biases: their gradients must not exist either
+  CpuMemory mem(size_t{1} << 32);
+  auto ops = make_ops("cpu", &mem.device);
+  ParamSet params(var.cfg, DType::f32, mem.device, Category::weights);
+  init_random(params, 5, 0.3);
+  perturb(params, 6);
+  const std::vector<char> before(static_cast<const char*>(params.data()),
+                                 static_cast<const char*>(params.data()) + params.bytes());
+  AdapterSet ad(var.cfg, lora(4, "all-linear", 8.0), DType::f32, mem.device, Category::adapter);
+  init_lora(ad, 1);
+  Model m(var.cfg, *ops, params, mem.device, {ComputeDType::f32, SavePolicy::all, &ad});
+  const TrainableSet tr = m.trainable();
+  AdamW opt(tr, mem.host, {1e-2, 0.9, 0.95, 1e-8, 0.1});
+  EXPECT_THROW(m.grads(), Error);
+  // Gradients and optimizer state are the adapter's size, not the model's.
+  EXPECT_EQ(mem.ledger.current(Tier::Device, Category::grads), ad.tensors().bytes());
+  EXPECT_EQ(mem.ledger.current(Tier::Host, Category::optimizer), 2 * ad.tensors().bytes());
+  const int64_t T = 17;
+  m.reserve(T, true);
+  Seq s = seq(T, var.cfg.V, 6);
+  double first = 0, last = 0;
+  for (int64_t step = 1; step <= 8; ++step) {
+    m.zero_grads();
+    const CeResult r = m.forward(s.id_t(), s.tg_t(), true);
+    m.backward(1.0 / static_cast<double>(r.count));
+    opt.step(*ops, tr, 1e-2, step);
+    (step == 1 ? first : last) = r.loss_sum / static_cast<double>(r.count);
+  }
+  EXPECT_LT(last, first) << "the adapter trains";
+  EXPECT_EQ(std::memcmp(before.data(), params.data(), before.size()), 0) << "the base changed";
+  EXPECT_EQ(mem.ledger.current(Tier::Device, Category::grads), ad.tensors().bytes());
+}
+
+// Adapter gradients are bitwise the same for every SavePolicy (fp32 and bf16) and every K/V offload mode.
+TEST(Lora, BitwiseAcrossSavePoliciesAndOffloadModes) {
+  const std::vector<int32_t> ids = test::tokens(64, 37, 9);
+  for (const test::Variant& var : variants()) {
+    for (ComputeDType dt : {ComputeDType::f32, ComputeDType::bf16}) {
+      SCOPED_TRACE(std::string(var.name) + (dt == ComputeDType::bf16 ? " bf16" : " fp32"));
+      test::RunSetup s{var.cfg};
+      s.dtype = dt, s.lora_r = 3;
+      const test::Result all = test::run(s, ids, 0, 0, KvOffload::none);
+      ASSERT_FALSE(all.names.empty());
+      EXPECT_NE(all.names[0].find("lora_A"), std::string::npos);
+      for (SavePolicy p : {SavePolicy::selective, SavePolicy::none}) {
+        s.policy = p;
+        EXPECT_TRUE(test::same_bits(all, test::run(s, ids, 0, 0, KvOffload::none))) << save_policy_name(p);
+      }
+      s.policy = SavePolicy::none;
+      const test::Result dev = test::run(s, ids, 16, 8, KvOffload::none);
+      // Chunks change the attention's summation order: within fp32 rounding of the full sequence.
+      if (dt == ComputeDType::f32)
+        for (size_t i = 0; i < all.grads.size(); ++i) EXPECT_LT(test::rel_l2(dev.grads[i], all.grads[i]), 1e-5) << i;
+      for (KvOffload k : {KvOffload::host, KvOffload::disk})
+        EXPECT_TRUE(test::same_bits(dev, test::run(s, ids, 16, 8, k))) << kv_offload_name(k);
+    }
+  }
+}
+
+TEST(Lora, BadSettingsAreClearErrors) {
+  const ModelConfig cfg = test::small_config();
+  auto message = [&](LoraSettings s) {
+    try {
+      validate_lora(s, cfg);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(message(lora(0, "q", 1.0)).find("positive rank"), std::string::npos);
+  EXPECT_EQ(message(lora(13, "q", 1.0)), "");  // q_proj is 24 x 16
+  EXPECT_NE(message(lora(17, "q", 1.0)).find("self_attn.q_proj (24 x 16): r may be at most 16"), std::string::npos);
+  EXPECT_NE(message(lora(13, "k", 1.0)).find("self_attn.k_proj (12 x 16): r may be at most 12"), std::string::npos);
+  EXPECT_EQ(message(lora(12, "k,v", 1.0)), "");
+  EXPECT_NE(message(lora(2, "q", -1.0)).find("--lora-alpha"), std::string::npos);
+  try {
+    parse_lora_targets("q,attn");
+    FAIL() << "unknown target accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown projection 'attn'"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("gate, up, down"), std::string::npos);
+  }
+  EXPECT_EQ(parse_lora_targets("v_proj,q").size(), 2u);
+  EXPECT_EQ(parse_lora_targets("all-linear").size(), 7u);
+}
+
+}  // namespace
+}  // namespace oomless
