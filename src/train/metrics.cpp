@@ -85,8 +85,17 @@ void MetricsWriter::write_step(int64_t step, double loss, double lr, double grad
   o.set("grad_norm", num(grad_norm));
   o.set("tokens_per_s", num(tokens_per_s));
   o.set("skipped", json::Value::boolean(skipped));
+  if (!params_.is_null()) o.set("params", params_);
   o.set("memory", memory_json(ledger));
   append(json::dump(o));
+}
+
+void MetricsWriter::set_params(int64_t trainable, int64_t trainable_bytes, int64_t frozen, int64_t frozen_bytes) {
+  params_ = json::Value::object();
+  params_.set("trainable", json::Value::integer(trainable));
+  params_.set("trainable_bytes", json::Value::integer(trainable_bytes));
+  params_.set("frozen", json::Value::integer(frozen));
+  params_.set("frozen_bytes", json::Value::integer(frozen_bytes));
 }
 
 void MetricsWriter::write_eval(int64_t step, double loss, double ppl) {

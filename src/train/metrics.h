@@ -1,5 +1,6 @@
 // Training metrics as JSON lines in OUT/metrics.jsonl, one object per line:
 //   {"type":"train","step":N,"loss":x,"lr":x,"grad_norm":x,"tokens_per_s":x,"skipped":false,
+//    "params":{"trainable":N,"trainable_bytes":B,"frozen":N,"frozen_bytes":B},
 //    "memory":{"device":{"weights":{"current":B,"peak":B},...,"total":{...}},...}}
 //   {"type":"eval","step":N,"loss":x,"ppl":x}
 // memory lists, per tier, the ledger categories that have held bytes (peak > 0) and the tier's total;
@@ -14,6 +15,7 @@
 #include <cstdio>
 #include <string>
 
+#include "io/json.h"
 #include "memory/arena.h"
 
 namespace oomless {
@@ -32,6 +34,8 @@ class MetricsWriter {
   void write_step(int64_t step, double loss, double lr, double grad_norm, double tokens_per_s, bool skipped,
                   const Ledger& ledger);
   void write_eval(int64_t step, double loss, double ppl);
+  // Written with every train line as "params": what trains and what is frozen, counts and bytes.
+  void set_params(int64_t trainable, int64_t trainable_bytes, int64_t frozen, int64_t frozen_bytes);
 
   // Rewrites `path` keeping only the complete lines whose "step" is <= step, in order. The rewrite is
   // atomic (PATH.tmp, fsync, rename), so a crash during it leaves the old file or the new one. A missing
@@ -43,6 +47,7 @@ class MetricsWriter {
   void append(const std::string& line);
   std::string path_;
   std::FILE* f_ = nullptr;
+  json::Value params_;
 };
 
 }  // namespace oomless

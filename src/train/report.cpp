@@ -135,6 +135,7 @@ std::string render_report(const std::string& metrics_jsonl, const json::Value& c
   Series lr{"learning rate", kColors[2], {}}, tps{"tokens/s", kColors[3], {}};
   std::map<std::string, Series> mem;  // "tier category" -> current bytes (MiB)
   int64_t steps = 0, skipped = 0;
+  json::Value params;  // the last train line's "params"
   std::istringstream in(metrics_jsonl);
   for (std::string line; std::getline(in, line);) {
     json::Value o;
@@ -155,6 +156,7 @@ std::string render_report(const std::string& metrics_jsonl, const json::Value& c
     }
     ++steps;
     if (const json::Value* sk = o.find("skipped"); sk && sk->is_bool() && sk->as_bool()) ++skipped;
+    if (const json::Value* p = o.find("params"); p && p->is_object()) params = *p;
     loss.pts.push_back({s, val("loss")});
     lr.pts.push_back({s, val("lr")});
     tps.pts.push_back({s, val("tokens_per_s")});
@@ -180,7 +182,17 @@ std::string render_report(const std::string& metrics_jsonl, const json::Value& c
     << "<h1>oomless training report</h1>\n<p>" << steps << " steps logged, " << skipped << " skipped (non-finite)";
   if (!loss.pts.empty()) h << "; last training loss " << num(loss.pts.back().second);
   if (!eval.pts.empty()) h << "; last eval loss " << num(eval.pts.back().second) << " at step " << eval.pts.back().first;
-  h << ".</p>\n<div>\n"
+  h << ".</p>\n";
+  auto count = [&](const char* k) {
+    const json::Value* v = params.is_object() ? params.find(k) : nullptr;
+    return v && v->is_number() ? v->as_number() : 0.0;
+  };
+  if (params.is_object())
+    h << "<p>Trainable parameters " << static_cast<long long>(count("trainable")) << " ("
+      << format_bytes(static_cast<size_t>(count("trainable_bytes"))) << "); frozen "
+      << static_cast<long long>(count("frozen")) << " (" << format_bytes(static_cast<size_t>(count("frozen_bytes")))
+      << ").</p>\n";
+  h << "<div>\n"
     << chart("Loss", "cross-entropy (nats)", {loss, eval}) << chart("Learning rate", "lr", {lr})
     << chart("Throughput", "tokens/s", {tps}) << chart("Memory held per category (ledger)", "MiB", mem_series)
     << "</div>\n<h2>Configuration</h2>\n<table>\n";

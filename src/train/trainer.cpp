@@ -38,6 +38,17 @@ namespace {
 volatile std::sig_atomic_t g_stop = 0;
 void on_signal(int) { g_stop = 1; }
 
+// 1234567 -> "1.23M".
+std::string format_count(int64_t n) {
+  char b[32];
+  const double x = static_cast<double>(n);
+  if (n >= 1000000000) std::snprintf(b, sizeof b, "%.2fB", x / 1e9);
+  else if (n >= 1000000) std::snprintf(b, sizeof b, "%.2fM", x / 1e6);
+  else if (n >= 1000) std::snprintf(b, sizeof b, "%.1fK", x / 1e3);
+  else std::snprintf(b, sizeof b, "%lld", static_cast<long long>(n));
+  return b;
+}
+
 std::string binary_id() {
   std::error_code ec;
   const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
@@ -498,6 +509,16 @@ int train_run(const TrainConfig& c, const std::string& out) {
   };
 
   MetricsWriter metrics(out);
+  {
+    const int64_t n_train = trainable_numel(trained), n_all = src.cfg.param_count();
+    const int64_t train_bytes = dtype_bytes(DType::f32, n_train);
+    const int64_t frozen = adapters ? n_all : 0, frozen_bytes = adapters ? static_cast<int64_t>(params.bytes()) : 0;
+    metrics.set_params(n_train, train_bytes, frozen, frozen_bytes);
+    std::fprintf(stderr, "oomless train: %s trainable parameters (%s)%s%s%s\n", format_count(n_train).c_str(),
+                 format_bytes(static_cast<size_t>(train_bytes)).c_str(), adapters ? "; frozen base " : "",
+                 adapters ? format_count(frozen).c_str() : "",
+                 adapters ? (" (" + format_bytes(static_cast<size_t>(frozen_bytes)) + ")").c_str() : "");
+  }
   // Held-out loss: the first (at most 32) windows of --eval-data, read once.
   std::vector<int32_t> eval_stream;
   if (!c.eval_data.empty()) {

@@ -18,6 +18,11 @@ done
 [ ! -e "$ck/model.safetensors" ] || { echo "an adapter checkpoint must not hold the base weights"; exit 1; }
 grep -q '"peft_type": "LORA"' "$ck/adapter_config.json" || { cat "$ck/adapter_config.json"; exit 1; }
 grep -q '"r": 4' "$ck/adapter_config.json" || { cat "$ck/adapter_config.json"; exit 1; }
+# What trains and what is frozen: metrics, progress and report.
+grep -q '"params":{"trainable":[1-9][0-9]*,"trainable_bytes":[0-9]*,"frozen":[1-9]' "$out/a/metrics.jsonl" ||
+  { echo "metrics.jsonl lacks the trainable/frozen counts"; tail -1 "$out/a/metrics.jsonl"; exit 1; }
+grep -q "trainable parameters .*frozen base" "$out/a.log" || { echo "no trainable/frozen line"; exit 1; }
+grep -q "Trainable parameters [0-9]* (.*); frozen [0-9]*" "$out/a/report.html" || { echo "report lacks the counts"; exit 1; }
 # Resume: 2 steps, then 2 more, equals 4 steps bitwise (a constant schedule: --steps may change on resume).
 "$bin" train $common --steps 2 --out "$out/b" > "$out/b.log" 2>&1 || { cat "$out/b.log"; exit 1; }
 "$bin" train $common --steps 4 --resume "$out/b" > "$out/b2.log" 2>&1 || { cat "$out/b2.log"; exit 1; }
