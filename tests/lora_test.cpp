@@ -16,9 +16,9 @@ namespace {
 
 using test::variants;
 
-LoraSettings lora(int64_t r, const char* targets, double alpha, bool rslora = false) {
+LoraSettings lora(int64_t r, const char* targets, double alpha, bool rslora = false, double dropout = 0) {
   LoraSettings s;
-  s.r = r, s.alpha = alpha, s.rslora = rslora;
+  s.r = r, s.alpha = alpha, s.rslora = rslora, s.dropout = dropout;
   s.targets = parse_lora_targets(targets);
   return s;
 }
@@ -51,7 +51,9 @@ Seq seq(int64_t T, int64_t V, uint64_t seed) {
 }
 
 TEST(Lora, AdapterGradientsMatchFiniteDifferences) {
-  const LoraSettings settings[] = {lora(3, "all-linear", 6.0), lora(2, "q,v,down", 3.0, true)};
+  // The dropout case: the mask is fixed by the seed, so the loss is a smooth function of the adapter.
+  const LoraSettings settings[] = {lora(3, "all-linear", 6.0), lora(2, "q,v,down", 3.0, true),
+                                   lora(2, "all-linear", 4.0, false, 0.3)};
   for (const test::Variant& var : variants()) {
     for (const LoraSettings& ls : settings) {
       SCOPED_TRACE(std::string(var.name) + " r=" + std::to_string(ls.r));
@@ -63,13 +65,15 @@ TEST(Lora, AdapterGradientsMatchFiniteDifferences) {
       perturb(params, 8);
       auto ad = test::random_adapters(var.cfg, ls, DType::f64, arena, 21);
       Model m(var.cfg, *ops, params, arena, {ComputeDType::f32, SavePolicy::all, ad.get()});
+      m.set_dropout_seed(5);
       const int64_t T = 9;
       m.reserve(T, true);
       Seq s = seq(T, var.cfg.V, 3);
       CeResult r = m.forward(s.id_t(), s.tg_t(), true);
       const double scale = 1.0 / static_cast<double>(r.count);
       m.backward(scale);
-      auto loss = [&]() { return m.forward(s.id_t(), s.tg_t(), false).loss_sum * scale; };
+      // A training forward (dropout on, the same seed) for every evaluation.
+      auto loss = [&]() { return m.forward(s.id_t(), s.tg_t(), true).loss_sum * scale; };
       EXPECT_GT(test::check_sampled_gradients(ad->tensors(), m.adapter_grads().tensors(), loss, 3, 11), 20);
     }
   }
@@ -205,6 +209,48 @@ TEST(Lora, BitwiseAcrossSavePoliciesAndOffloadModes) {
         EXPECT_TRUE(test::same_bits(dev, test::run(s, ids, 16, 8, k))) << kv_offload_name(k);
     }
   }
+}
+
+// Dropout: on in training passes only, drawn from the seed (same seed, same bits; another seed, another
+// loss), and the same masks under every SavePolicy, offload mode and chunking.
+TEST(Lora, DropoutIsSeededAndOnlyInTraining) {
+  const test::Variant var = variants()[3];
+  Ledger ledger;
+  Arena arena(Tier::Host, size_t{1} << 30, ledger);
+  auto ops = make_ops("cpu");
+  ParamSet params(var.cfg, DType::f32, arena, Category::weights);
+  init_random(params, 7, 0.3);
+  auto with = test::random_adapters(var.cfg, lora(3, "all-linear", 6.0, false, 0.4), DType::f32, arena, 21);
+  auto without = test::random_adapters(var.cfg, lora(3, "all-linear", 6.0), DType::f32, arena, 21);
+  Model a(var.cfg, *ops, params, arena, {ComputeDType::f32, SavePolicy::all, with.get()});
+  Model b(var.cfg, *ops, params, arena, {ComputeDType::f32, SavePolicy::all, without.get()});
+  const int64_t T = 24;
+  Seq s = seq(T, var.cfg.V, 8);
+  a.reserve(T, true);
+  b.reserve(T, true);
+  auto loss = [&](Model& m, bool train, uint64_t seed) {
+    m.set_dropout_seed(seed);
+    return m.forward(s.id_t(), s.tg_t(), train).loss_sum;
+  };
+  const double eval_a = loss(a, false, 1), eval_b = loss(b, false, 1);
+  EXPECT_EQ(std::memcmp(&eval_a, &eval_b, sizeof eval_a), 0) << "evaluation must not drop anything";
+  const double t1 = loss(a, true, 1), t1again = loss(a, true, 1), t2 = loss(a, true, 2), tb = loss(b, true, 1);
+  EXPECT_EQ(std::memcmp(&t1, &t1again, sizeof t1), 0);
+  EXPECT_NE(t1, t2);
+  EXPECT_NE(t1, tb);
+  // Bitwise across SavePolicies and offload modes; chunked within fp32 rounding of the full sequence.
+  const std::vector<int32_t> ids = test::tokens(64, 37, 9);
+  test::RunSetup rs{var.cfg};
+  rs.lora_r = 3, rs.lora_dropout = 0.25;
+  const test::Result all = test::run(rs, ids, 0, 0, KvOffload::none);
+  rs.lora_dropout = 0;
+  EXPECT_FALSE(test::same_bits(all, test::run(rs, ids, 0, 0, KvOffload::none)));
+  rs.lora_dropout = 0.25;
+  rs.policy = SavePolicy::none;
+  EXPECT_TRUE(test::same_bits(all, test::run(rs, ids, 0, 0, KvOffload::none)));
+  const test::Result chunked = test::run(rs, ids, 16, 8, KvOffload::none);
+  for (size_t i = 0; i < all.grads.size(); ++i) EXPECT_LT(test::rel_l2(chunked.grads[i], all.grads[i]), 1e-5) << i;
+  EXPECT_TRUE(test::same_bits(chunked, test::run(rs, ids, 16, 8, KvOffload::disk)));
 }
 
 TEST(Lora, BadSettingsAreClearErrors) {

@@ -301,5 +301,47 @@ TEST(OpsErrors, ReadAsBf16IsRefusedWhereNotSupported) {
   }
 }
 
+// Dropout: the same mask on both backends and any offset split; the kept fraction and the mean of
+// dropout(x) over seeds are 1 - p and x within 5 standard deviations; accumulate adds.
+TEST(Dropout, SameMaskEverywhereAndUnbiased) {
+  auto cpu = make_ops("cpu");
+  auto ref = make_ops("ref");
+  const int64_t n = 4000;
+  const double p = 0.3;
+  std::vector<float> x(n), y(n), y2(n);
+  for (int64_t i = 0; i < n; ++i) x[static_cast<size_t>(i)] = 1.0f + static_cast<float>(i % 7);
+  std::vector<double> xd(x.begin(), x.end()), yd(n);
+  cpu->dropout(Tensor::of(y.data(), {n}), Tensor::of(x.data(), {n}), p, 42, 1000, false);
+  ref->dropout(Tensor::of(yd.data(), {n}), Tensor::of(xd.data(), {n}), p, 42, 1000, false);
+  int64_t kept = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const size_t k = static_cast<size_t>(i);
+    EXPECT_EQ(y[k] != 0, yd[k] != 0) << i;
+    if (y[k] != 0) {
+      ++kept;
+      EXPECT_FLOAT_EQ(y[k], x[k] / 0.7f);
+    }
+  }
+  const double sd = std::sqrt(n * p * (1 - p));
+  EXPECT_NEAR(static_cast<double>(kept), n * (1 - p), 5 * sd);
+  // The second half drawn on its own (offset + 2000) is the same mask.
+  cpu->dropout(Tensor::of(y2.data() + 2000, {n - 2000}), Tensor::of(x.data() + 2000, {n - 2000}), p, 42, 3000, false);
+  EXPECT_EQ(std::memcmp(y.data() + 2000, y2.data() + 2000, (n - 2000) * sizeof(float)), 0);
+  std::vector<float> acc(n, 2.0f);
+  cpu->dropout(Tensor::of(acc.data(), {n}), Tensor::of(x.data(), {n}), p, 42, 1000, true);
+  for (size_t k = 0; k < acc.size(); ++k) EXPECT_EQ(acc[k], 2.0f + y[k]) << k;
+  // Unbiased: the mean over 400 seeds of dropout(1) is 1 (sd of one draw sqrt(p / (1 - p))).
+  std::vector<float> ones(64, 1.0f), out(64);
+  std::vector<double> mean(64, 0.0);
+  const int seeds = 400;
+  for (int si = 0; si < seeds; ++si) {
+    cpu->dropout(Tensor::of(out.data(), {64}), Tensor::of(ones.data(), {64}), p, 1000 + si, 0, false);
+    for (size_t k = 0; k < 64; ++k) mean[k] += out[k] / seeds;
+  }
+  const double se = std::sqrt(p / (1 - p) / seeds);
+  for (size_t k = 0; k < 64; ++k) EXPECT_NEAR(mean[k], 1.0, 5 * se) << k;
+  EXPECT_THROW(cpu->dropout(Tensor::of(y.data(), {n}), Tensor::of(x.data(), {n}), 1.0, 1, 0, false), Error);
+}
+
 }  // namespace
 }  // namespace oomless::test

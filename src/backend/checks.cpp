@@ -168,6 +168,11 @@ void check_cross_entropy_backward(const char* op, const CeDims& d, const Tensor&
   check_shape(op, "dw", dw, {d.V, d.E});
 }
 
+void check_dropout(const char* op, const Tensor& out, const Tensor& in, double p, DType act) {
+  check_elementwise(op, {&out, &in}, act);
+  OOM_CHECK(p >= 0 && p < 1, op, " probability must be in [0, 1), got ", p);
+}
+
 void check_adamw(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWConfig& cfg,
                  DType act) {
   check_elementwise("[adamw]", {&param, &grad, &m, &v}, act);

@@ -24,6 +24,8 @@ struct RopeDims {
 RopeDims check_rope(const char* op, const Tensor& out, const Tensor& in, const Tensor& pos, DType act);
 // Every tensor of `ts` has act dtype and the shape of the first.
 void check_elementwise(const char* op, std::initializer_list<const Tensor*> ts, DType act);
+// out and in of one shape in the act dtype, 0 <= p < 1.
+void check_dropout(const char* op, const Tensor& out, const Tensor& in, double p, DType act);
 
 struct AttentionDims {
   int64_t T, H, Hkv, D;

@@ -73,6 +73,16 @@ struct AdamWConfig {
   int64_t step = 1;           // 1-based, for bias correction
 };
 
+// Whether element j survives a dropout of probability p under `seed`: a counter-based draw (splitmix64
+// of seed and j, 53 bits) compared with p.
+inline bool dropout_keep(uint64_t seed, int64_t j, double p) {
+  uint64_t z = seed + 0x9E3779B97F4A7C15ull * (static_cast<uint64_t>(j) + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return static_cast<double>(z >> 11) * 0x1.0p-53 >= p;
+}
+
 class Ops {
  public:
   virtual ~Ops() = default;
@@ -113,6 +123,10 @@ class Ops {
   virtual void scale(Tensor x, double alpha) = 0;
   // x = value.
   virtual void fill(Tensor x, double value) = 0;
+  // Inverted dropout: out[i] (=, or += when accumulate) in[i] * keep(i) / (1 - p), keep(i) =
+  // dropout_keep(seed, offset + i, p). The mask depends only on (seed, offset + i, p): every backend
+  // and thread count draws the same one, and the backward is the same call on the output gradient.
+  virtual void dropout(Tensor out, Tensor in, double p, uint64_t seed, int64_t offset, bool accumulate) = 0;
   // sum of x^2 in double, combined in a fixed order (deterministic for any thread count).
   virtual double sum_squares(Tensor x) = 0;
   // dst = src converted element-wise (float dtypes; rounding to nearest even).

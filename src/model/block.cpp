@@ -57,7 +57,7 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
     Tensor qlin = cfg_.qk_norm ? mat(a.q_pre, T, H * D) : q2;
     linear_forward(qlin, h1, C.wq, P.bq);
     if (lora_on(layer, Proj::q)) {
-      lora_down(layer, Proj::q, a.u[0], h1);
+      lora_down(layer, Proj::q, a.u[0], a.h1, h1);
       lora_up(layer, Proj::q, qlin, a.u[0], 0);
     }
     if (cfg_.qk_norm)
@@ -67,8 +67,8 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
 
   // Keys and values, one kv head at a time, into (Hkv, P, D); a LoRA's x A^T once for all heads.
   const bool lk = lora_on(layer, Proj::k), lv = lora_on(layer, Proj::v);
-  if (lk) lora_down(layer, Proj::k, a.u[1], h1);
-  if (lv) lora_down(layer, Proj::v, a.u[2], h1);
+  if (lk) lora_down(layer, Proj::k, a.u[1], a.h1, h1);
+  if (lv) lora_down(layer, Proj::v, a.u[2], a.h1, h1);
   for (int64_t h = 0; h < Hkv; ++h) {
     Tensor kh = head(kv.k, h, Pk, t0, T, D);
     Tensor wk = rows(C.wk, h * D, D, E), wv = rows(C.wv, h * D, D, E);
@@ -96,7 +96,7 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
   Tensor o_op = as_operand(mat(a.o, T, H * D), 0);
   linear_forward(proj, o_op, C.wo, P.bo);
   if (lora_on(layer, Proj::o)) {
-    lora_down(layer, Proj::o, a.u[3], o_op);
+    lora_down(layer, Proj::o, a.u[3], mat(a.o, T, H * D), o_op);
     lora_up(layer, Proj::o, proj, a.u[3], 0);
   }
   ops_.add(a.x_mid, a.x_in, proj);
@@ -108,19 +108,19 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
   for (Proj p : {Proj::gate, Proj::up}) {
     if (!lora_on(layer, p)) continue;
     Tensor u = a.u[static_cast<int>(p)];
-    lora_down(layer, p, u, h2);
+    lora_down(layer, p, u, a.h2, h2);
     lora_up(layer, p, p == Proj::gate ? a.gate : a.up, u, 0);
   }
   ops_.swiglu_forward(a.act, a.gate, a.up);
   const bool ld = lora_on(layer, Proj::down);
   if (pass != Pass::full) {
-    if (ld) lora_down(layer, Proj::down, a.u[6], as_operand(a.act, 0));  // the backward needs it
+    if (ld) lora_down(layer, Proj::down, a.u[6], a.act, as_operand(a.act, 0));  // the backward needs it
     return;
   }
   Tensor act_op = as_operand(a.act, 0);
   linear_forward(proj, act_op, C.wd, Tensor());
   if (ld) {
-    lora_down(layer, Proj::down, a.u[6], act_op);
+    lora_down(layer, Proj::down, a.u[6], a.act, act_op);
     lora_up(layer, Proj::down, proj, a.u[6], 0);
   }
   ops_.add(x_out, a.x_mid, proj);
@@ -162,10 +162,10 @@ void Model::block_backward(int64_t layer, Acts& a, Tensor pos, Tensor dx) {
   Tensor dh = view(s.dh, {T, E}), dxn = view(s.dxn, {T, E});
   Tensor dgate = view(s.dgate, {T, F}), dup = view(s.dup, {T, F}), dact = view(s.dact, {T, F});
   // A whole adapted projection's LoRA backward: its output gradient dy_op, input x_op, input gradient dx_in.
-  auto lora = [&](Proj p, Tensor dx_in, Tensor dy_op, Tensor x_op) {
+  auto lora = [&](Proj p, Tensor dx_in, Tensor dy_op, Tensor x, Tensor x_op) {
     if (!lora_on(layer, p)) return;
     lora_backward_rows(layer, p, s.du[0], dy_op, a.u[static_cast<int>(p)], 0, false);
-    lora_backward_input(layer, p, dx_in, s.du[0], x_op);
+    lora_backward_input(layer, p, dx_in, s.du[0], x, x_op);
   };
   if (lora_r_) s.du[0] = view(s.du[0], {T, lora_r_}), s.du[1] = view(s.du[1], {T, lora_r_});
 
@@ -174,17 +174,17 @@ void Model::block_backward(int64_t layer, Acts& a, Tensor pos, Tensor dx) {
   Tensor act_op = as_operand(a.act, 1);
   linear_backward_input(dact, dx_op, C.wd, false);
   linear_backward_weight(G.wd, dx_op, act_op);
-  lora(Proj::down, dact, dx_op, act_op);
+  lora(Proj::down, dact, dx_op, a.act, act_op);
   ops_.swiglu_backward(dgate, dup, dact, a.gate, a.up);
   Tensor h2 = as_operand(a.h2, 1);
   Tensor g_op = as_operand(dgate, 0);
   linear_backward_input(dh, g_op, C.wg, false);
   linear_backward_weight(G.wg, g_op, h2);
-  lora(Proj::gate, dh, g_op, h2);
+  lora(Proj::gate, dh, g_op, a.h2, h2);
   Tensor u_op = as_operand(dup, 0);
   linear_backward_input(dh, u_op, C.wu, true);
   linear_backward_weight(G.wu, u_op, h2);
-  lora(Proj::up, dh, u_op, h2);
+  lora(Proj::up, dh, u_op, a.h2, h2);
   ops_.rmsnorm_backward(dxn, G.post_norm, dh, a.x_mid, P.post_norm, a.rstd2);
   ops_.add(dx, dx, dxn);
 
@@ -194,7 +194,7 @@ void Model::block_backward(int64_t layer, Acts& a, Tensor pos, Tensor dx) {
   Tensor o_op = as_operand(mat(a.o, T, H * D), 1);
   linear_backward_input(mat(d_o, T, H * D), dx_op, C.wo, false);
   linear_backward_weight(G.wo, dx_op, o_op);
-  lora(Proj::o, mat(d_o, T, H * D), dx_op, o_op);
+  lora(Proj::o, mat(d_o, T, H * D), dx_op, mat(a.o, T, H * D), o_op);
   bias_backward(G.bo, dx);
 
   // Attention; dK/dV accumulate, so start from zero.
@@ -232,7 +232,7 @@ void Model::block_backward(int64_t layer, Acts& a, Tensor pos, Tensor dx) {
   Tensor dq_op = as_operand(mat(dq_lin, T, H * D), 0);
   linear_backward_input(dh, dq_op, C.wq, false);
   linear_backward_weight(G.wq, dq_op, h1);
-  lora(Proj::q, dh, dq_op, h1);
+  lora(Proj::q, dh, dq_op, a.h1, h1);
   bias_backward(G.bq, mat(dq_lin, T, H * D));
   const bool lk = lora_on(layer, Proj::k), lv = lora_on(layer, Proj::v);
   for (int64_t h = 0; h < Hkv; ++h) {
@@ -248,8 +248,8 @@ void Model::block_backward(int64_t layer, Acts& a, Tensor pos, Tensor dx) {
     if (lv) lora_backward_rows(layer, Proj::v, s.du[1], v_op, a.u[2], h * D, h > 0);
     bias_backward(span(G.bv, h * D, D), dvh);
   }
-  if (lk) lora_backward_input(layer, Proj::k, dh, s.du[0], h1);
-  if (lv) lora_backward_input(layer, Proj::v, dh, s.du[1], h1);
+  if (lk) lora_backward_input(layer, Proj::k, dh, s.du[0], a.h1, h1);
+  if (lv) lora_backward_input(layer, Proj::v, dh, s.du[1], a.h1, h1);
   ops_.rmsnorm_backward(dxn, G.in_norm, dh, a.x_in, P.in_norm, a.rstd1);
   ops_.add(dx, dx, dxn);
 }

@@ -52,6 +52,7 @@ Model::Model(const ModelConfig& cfg, Ops& ops, ParamSet& params, Arena& arena, M
     OOM_CHECK(!ad.settings().dora, "[model] DoRA is not supported yet; use LoRA (without --dora)");
     lora_r_ = ad.settings().r;
     lora_scale_ = ad.settings().scale();
+    lora_dropout_ = ad.settings().dropout;
     for (int64_t l = 0; l < cfg_.L; ++l) {
       LayerLora r = ad.layer(l);
       for (LoraTensors& t : r.p) t.a = read(t.a), t.b = read(t.b);
@@ -175,12 +176,17 @@ void Model::reserve(int64_t T, bool for_backward, bool chunked) {
     if (cfg_.qk_norm) s->tmp_rows = alloc(act_, {std::max(T * H, Hkv * T) * D}, W, "norm_tmp");
     if (opt_.adapters)
       for (Tensor& t : s->du) t = alloc(act_, {T, lora_r_}, W, "lora_du");
+    if (lora_dropout_ > 0) s->dxdrop = alloc(act_, {T * std::max({E, F, H * D})}, W, "lora_dropout_dx");
   }
+  if (lora_dropout_ > 0) s->xdrop = alloc(act_, {T * std::max({E, F, H * D})}, W, "lora_dropout_x");
   if (opt_.dtype == ComputeDType::bf16) {
     s->op_elems = T * std::max({E, F, H * D});
     s->op_small_elems = T * lora_r_;
-    for (int i = 0; i < 4; ++i)
-      if (i < 2 || opt_.adapters) s->op[i] = alloc(DType::bf16, {i < 2 ? s->op_elems : s->op_small_elems}, W, "bf16 operand");
+    for (int i = 0; i < 5; ++i) {
+      const bool big = i < 2 || i == 4;
+      if (i < 2 || (opt_.adapters && i < 4) || (i == 4 && lora_dropout_ > 0))
+        s->op[i] = alloc(DType::bf16, {big ? s->op_elems : s->op_small_elems}, W, "bf16 operand");
+    }
   }
   s_ = std::move(s);
   cap_T_ = T;
@@ -218,7 +224,8 @@ Model::Acts Model::acts_for_layer(int64_t layer) {
 Tensor Model::as_operand(Tensor x, int slot) {
   OOM_CHECK(x.ndim == 2, "[model] matmul operands are 2-D, got ", x.str());
   if (opt_.dtype != ComputeDType::bf16) return x;
-  OOM_CHECK(x.numel() <= (slot < 2 ? s_->op_elems : s_->op_small_elems), "[model] bf16 operand scratch too small");
+  OOM_CHECK(x.numel() <= (slot < 2 || slot == 4 ? s_->op_elems : s_->op_small_elems),
+            "[model] bf16 operand scratch too small");
   Tensor b(s_->op[slot].data, DType::bf16, {x.dims[0], x.dims[1]});
   ops_.convert(b, x);
   return b;
@@ -248,8 +255,18 @@ bool Model::lora_on(int64_t layer, Proj p) const {
   return !aread_.empty() && aread_[static_cast<size_t>(layer)][p].a.data;
 }
 
-void Model::lora_down(int64_t layer, Proj p, Tensor u, Tensor x_op) {
-  ops_.matmul(u, x_op, aread_[static_cast<size_t>(layer)][p].a, false, true, false);
+uint64_t Model::dropout_seed(int64_t layer, Proj p) const {
+  return dropout_seed_ ^ (0xD1B54A32D192ED03ull * static_cast<uint64_t>(layer * kProjCount + static_cast<int>(p) + 1));
+}
+
+Tensor Model::dropped(int64_t layer, Proj p, Tensor x) {
+  Tensor xd(s_->xdrop.data, act_, {x.dims[0], x.dims[1]});
+  ops_.dropout(xd, x, lora_dropout_, dropout_seed(layer, p), row0_ * x.dims[1], false);
+  return as_operand(xd, 4);
+}
+
+void Model::lora_down(int64_t layer, Proj p, Tensor u, Tensor x, Tensor x_op) {
+  ops_.matmul(u, dropout_on() ? dropped(layer, p, x) : x_op, aread_[static_cast<size_t>(layer)][p].a, false, true, false);
   ops_.scale(u, lora_scale_);
 }
 
@@ -265,11 +282,20 @@ void Model::lora_backward_rows(int64_t layer, Proj p, Tensor du, Tensor dy_op, T
   ops_.matmul(du, dy_op, rows_of(aread_[static_cast<size_t>(layer)][p].b, r0, n), false, false, accumulate);
 }
 
-void Model::lora_backward_input(int64_t layer, Proj p, Tensor dx, Tensor du, Tensor x_op) {
+void Model::lora_backward_input(int64_t layer, Proj p, Tensor dx, Tensor du, Tensor x, Tensor x_op) {
   ops_.scale(du, lora_scale_);
   Tensor du_op = as_operand(du, 3);
-  ops_.matmul(agrads_->layer(layer)[p].a, du_op, x_op, true, false, true);
-  ops_.matmul(dx, du_op, aread_[static_cast<size_t>(layer)][p].a, false, false, true);
+  const Tensor& a = aread_[static_cast<size_t>(layer)][p].a;
+  if (!dropout_on()) {
+    ops_.matmul(agrads_->layer(layer)[p].a, du_op, x_op, true, false, true);
+    ops_.matmul(dx, du_op, a, false, false, true);
+    return;
+  }
+  // dA += du^T dropout(x) (the same mask, drawn again); dx += dropout(du A).
+  ops_.matmul(agrads_->layer(layer)[p].a, du_op, dropped(layer, p, x), true, false, true);
+  Tensor t(s_->dxdrop.data, act_, {dx.dims[0], dx.dims[1]});
+  ops_.matmul(t, du_op, a, false, false, false);
+  ops_.dropout(dx, t, lora_dropout_, dropout_seed(layer, p), row0_ * dx.dims[1], true);
 }
 
 void Model::bias_backward(Tensor db, Tensor dy) {

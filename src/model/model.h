@@ -101,6 +101,9 @@ class Model {
   // Per-token cross-entropy of the last forward (T values; 0 for unsupervised rows), in double.
   std::vector<double> token_losses();
 
+  // The seed of the next training passes' LoRA dropout masks (one per sequence of a step).
+  void set_dropout_seed(uint64_t seed) { dropout_seed_ = seed; }
+
   // Chunk-recurrent forward and backward of one sequence (see the top of this file): parameter gradients
   // += d(grad_scale * loss_sum). Needs reserve(C, true, true). Returns the summed loss and its count.
   CeResult chunked_step(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv, double grad_scale);
@@ -141,10 +144,16 @@ class Model {
   // [r0, r0 + n) of the projection's output; backward: dB rows += dy^T u and du (=|+=) dy B rows, then
   // (once per projection) du *= s, dA += du^T x, dx += du A.
   bool lora_on(int64_t layer, Proj p) const;
-  void lora_down(int64_t layer, Proj p, Tensor u, Tensor x_op);
+  void lora_down(int64_t layer, Proj p, Tensor u, Tensor x, Tensor x_op);
   void lora_up(int64_t layer, Proj p, Tensor y, Tensor u, int64_t r0);
   void lora_backward_rows(int64_t layer, Proj p, Tensor du, Tensor dy_op, Tensor u, int64_t r0, bool accumulate);
-  void lora_backward_input(int64_t layer, Proj p, Tensor dx, Tensor du, Tensor x_op);
+  void lora_backward_input(int64_t layer, Proj p, Tensor dx, Tensor du, Tensor x, Tensor x_op);
+  // LoRA dropout (PEFT's lora_dropout, on the adapter's input x, training only): the mask of projection p
+  // of `layer` is drawn from the step's seed and the element's absolute position in the sequence, so the
+  // recompute, the backward and chunk-recurrent runs see the same one.
+  bool dropout_on() const { return training_ && lora_dropout_ > 0; }
+  uint64_t dropout_seed(int64_t layer, Proj p) const;
+  Tensor dropped(int64_t layer, Proj p, Tensor x);  // dropout(x) as a matmul operand
   void ensure_grads();
   const LayerParams& wc(int64_t layer) const;  // the weights matmuls read (wread_)
   Tensor as_operand(Tensor x, int slot);  // x itself (fp32) or its bf16 copy in scratch slot 0/1 (2/3: (T, r))
@@ -160,7 +169,10 @@ class Model {
   std::vector<LayerLora> aread_;  // the adapter tensors matmuls read (as bf16 in bf16 mode)
   LayerParams no_grads_;          // a frozen layer's gradients: all empty
   int64_t lora_r_ = 0;
-  double lora_scale_ = 0;
+  double lora_scale_ = 0, lora_dropout_ = 0;
+  uint64_t dropout_seed_ = 0;
+  bool training_ = false;  // a training pass (dropout on) rather than evaluation or generation
+  int64_t row0_ = 0;       // the absolute position of the current pass's first token (chunks)
   // The weights matmuls and the LM head read: the master tensors, or in bf16 mode the same tensors read
   // as bf16 (Tensor::as_bf16), rounded while the GEMM packs them, so no copy is kept or refreshed.
   std::vector<LayerParams> wread_;

@@ -39,6 +39,7 @@ CeResult Model::chunk_forward(Tensor ids, Tensor targets, int64_t t0, ChunkKv& k
                               bool for_backward) {
   const int64_t T = ids.dims[0];
   T_ = T;
+  row0_ = t0;
   Scratch& s = *s_;
   std::memcpy(s.ids.data, ids.data, static_cast<size_t>(T) * 4);
   std::memcpy(s.targets.data, targets.data, static_cast<size_t>(T) * 4);
@@ -87,6 +88,7 @@ CeResult Model::chunked_step(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv,
   OOM_CHECK(s_ && cap_chunked_ && cap_backward_ && std::min(C, T) <= cap_T_, "[model] chunked_step with chunks of ",
             std::min(C, T), " tokens needs reserve(", std::min(C, T), ", true, true) first");
   ensure_grads();
+  training_ = true;
   ChunkScope scope(chunk_kv_, kv);
   kv.begin(T, C);
   // Pass 1: every chunk but the last, keys and values only.
@@ -112,6 +114,7 @@ CeResult Model::chunked_eval(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv,
   const int64_t T = ids.dims[0], n = (T + C - 1) / C;
   OOM_CHECK(s_ && cap_chunked_ && std::min(C, T) <= cap_T_, "[model] chunked_eval with chunks of ", std::min(C, T),
             " tokens needs reserve(", std::min(C, T), ", false, true) first");
+  training_ = false;
   ChunkScope scope(chunk_kv_, kv);
   kv.begin(T, C);
   CeResult total;

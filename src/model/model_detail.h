@@ -51,9 +51,10 @@ struct Model::Scratch {
   Tensor dk, dv, dk_pre;                     // (Hkv, T, D)
   Tensor dgate, dup, dact;                   // (T, F)
   Tensor tmp_rows;                           // (max(T*H, Hkv*T) * D) throwaway norm output when recomputing rstd
-  Tensor op[4];                              // bf16 operand copies: 0, 1 max(T*max(E, F, H*D)); 2, 3 (T, r)
+  Tensor op[5];                              // bf16 operand copies: 0, 1, 4 max(T*max(E, F, H*D)); 2, 3 (T, r)
   int64_t op_elems = 0, op_small_elems = 0;
   Tensor du[2];                              // (T, r) LoRA input gradients (k and v need two at once)
+  Tensor xdrop, dxdrop;                      // T*max(E, F, H*D): LoRA dropout's input and input gradient
 };
 
 }  // namespace oomless

@@ -38,6 +38,8 @@ CeResult Model::forward(Tensor ids, Tensor targets, bool for_backward) {
   OOM_CHECK(!for_backward || cap_backward_, "[model] forward for backward needs reserve(T, true)");
   if (for_backward) ensure_grads();
   T_ = T;
+  training_ = for_backward;
+  row0_ = 0;
   Scratch& s = *s_;
   const int32_t* id = ids.as<int32_t>("[model]");
   for (int64_t t = 0; t < T; ++t)
@@ -118,6 +120,7 @@ void Model::decode_forward(Tensor ids, int64_t t0, std::vector<KvSlots>& cache, 
             " needed");
   check_shape("[model] decode", "logits_last", logits_last, {cfg_.V});
   T_ = T;
+  training_ = false;
   Scratch& s = *s_;
   Tensor pos(s.pos.data, DType::i32, {T});
   for (int64_t t = 0; t < T; ++t) pos.as<int32_t>("[model]")[t] = static_cast<int32_t>(t0 + t);

@@ -266,7 +266,6 @@ LoraSettings lora_settings(const TrainConfig& c) {
   s.targets = parse_lora_targets(c.lora_targets);
   s.rslora = c.rslora;
   s.dora = c.dora;
-  OOM_CHECK(s.dropout == 0, "[train] --lora-dropout ", s.dropout, " is not supported yet; use 0");
   OOM_CHECK(!s.dora, "[train] --dora is not supported yet; use LoRA (without --dora)");
   return s;
 }
@@ -564,6 +563,9 @@ int train_run(const TrainConfig& c, const std::string& out) {
     for (int64_t i = 0; i < seqs_per_step && N > 0; ++i) {
       const Tensor id_t(ids[static_cast<size_t>(i)].data(), DType::i32, {c.seq});
       const Tensor tg_t(tg[static_cast<size_t>(i)].data(), DType::i32, {c.seq});
+      // LoRA dropout masks: one seed per (run seed, step, sequence), so a resumed run draws the same ones.
+      model.set_dropout_seed((static_cast<uint64_t>(c.seed) * 0x9E3779B97F4A7C15ull) ^
+                             (static_cast<uint64_t>(step) << 20) ^ static_cast<uint64_t>(i));
       if (kv) {
         loss_sum += model.chunked_step(id_t, tg_t, C, *kv, 1.0 / static_cast<double>(N)).loss_sum;
       } else {

@@ -9,7 +9,7 @@ bin=$1; src=$2; out=$3/train_lora
 rm -rf "$out"; mkdir -p "$out"
 head -c 60000 "$src/data/kjv/train.txt" > "$out/train.txt"
 head -c 20000 "$src/data/kjv/eval.txt" > "$out/eval.txt"
-common="--model preset:micro --data $out/train.txt --seq 64 --batch 2 --lr 1e-2 --warmup 1 --schedule constant --eval-every 0 --lora 4 --lora-targets q,v,down"
+common="--model preset:micro --data $out/train.txt --seq 64 --batch 2 --lr 1e-2 --warmup 1 --schedule constant --eval-every 0 --lora 4 --lora-targets q,v,down --lora-dropout 0.1"
 "$bin" train $common --steps 4 --save-every 2 --keep 0 --out "$out/a" > "$out/a.log" 2>&1 || { cat "$out/a.log"; exit 1; }
 ck=$out/a/checkpoint-4
 for f in adapter_config.json adapter_model.safetensors optimizer.safetensors trainer_state.json; do

@@ -75,6 +75,7 @@ struct RunSetup {
   int64_t sparse_pages = 0, sink_pages = 1;
   PageSummary summary = PageSummary::mean;
   int64_t lora_r = 0;  // > 0: a LoRA of this rank on every projection (random A and B), base frozen
+  double lora_dropout = 0;
 };
 
 // LoRA settings on every projection of a block, alpha = 2r.
@@ -174,8 +175,13 @@ inline Result run(const RunSetup& s, std::vector<int32_t> ids, int64_t C, int64_
   ParamSet params(s.cfg, DType::f32, mem.device, Category::weights);
   init_random(params, 5, 0.3);  // large weights: attention far from uniform, so history matters
   std::unique_ptr<AdapterSet> ad;
-  if (s.lora_r > 0) ad = random_adapters(s.cfg, all_linear_lora(s.lora_r), DType::f32, mem.device, 17);
+  if (s.lora_r > 0) {
+    LoraSettings ls = all_linear_lora(s.lora_r);
+    ls.dropout = s.lora_dropout;
+    ad = random_adapters(s.cfg, ls, DType::f32, mem.device, 17);
+  }
   Model m(s.cfg, *ops, params, mem.device, {s.dtype, s.policy, ad.get()});
+  m.set_dropout_seed(99);
   const int64_t T = static_cast<int64_t>(ids.size());
   std::vector<int32_t> tg = targets_of(ids);
   int64_t N = 0;

@@ -236,6 +236,19 @@ void CpuOps::scale(Tensor x, double alpha) {
   for (int64_t i = 0; i < n; ++i) xs[i] *= a;
 }
 
+void CpuOps::dropout(Tensor out, Tensor in, double p, uint64_t seed, int64_t offset, bool accumulate) {
+  check_dropout("[dropout]", out, in, p, kAct);
+  const float s = static_cast<float>(1.0 / (1.0 - p));
+  const float* x = f32p(in);
+  float* y = f32p(out);
+  const int64_t n = out.numel();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = dropout_keep(seed, offset + i, p) ? x[i] * s : 0.0f;
+    y[i] = accumulate ? y[i] + v : v;
+  }
+}
+
 void CpuOps::fill(Tensor x, double value) {
   check_elementwise("[fill]", {&x}, kAct);
   float v = static_cast<float>(value);

@@ -34,6 +34,7 @@ class CpuOps final : public Ops {
   void axpy(Tensor y, double alpha, Tensor x) override;
   void scale(Tensor x, double alpha) override;
   void fill(Tensor x, double value) override;
+  void dropout(Tensor out, Tensor in, double p, uint64_t seed, int64_t offset, bool accumulate) override;
   double sum_squares(Tensor x) override;
   void convert(Tensor dst, Tensor src) override;
   void attention_forward(Tensor o, Tensor lse, Tensor q, const KvBlocks& kv, Tensor q_pos, double scale) override;

@@ -206,6 +206,14 @@ void RefOps::scale(Tensor x, double alpha) {
   for (int64_t i = 0; i < x.numel(); ++i) f64(x)[i] *= alpha;
 }
 
+void RefOps::dropout(Tensor out, Tensor in, double p, uint64_t seed, int64_t offset, bool accumulate) {
+  check_dropout("[dropout]", out, in, p, kAct);
+  for (int64_t i = 0; i < out.numel(); ++i) {
+    const double v = dropout_keep(seed, offset + i, p) ? f64(in)[i] / (1.0 - p) : 0.0;
+    f64(out)[i] = accumulate ? f64(out)[i] + v : v;
+  }
+}
+
 void RefOps::fill(Tensor x, double value) {
   check_elementwise("[fill]", {&x}, kAct);
   for (int64_t i = 0; i < x.numel(); ++i) f64(x)[i] = value;
