@@ -27,7 +27,8 @@ Tensor Tensor::reshape(std::initializer_list<int64_t> shape) const {
 
 std::string Tensor::str() const {
   std::ostringstream os;
-  os << dtype_name(dtype) << (as_bf16 ? " as bf16[" : "[");
+  if (quant) os << quant->format << (as_bf16 ? " as bf16[" : "[");
+  else os << dtype_name(dtype) << (as_bf16 ? " as bf16[" : "[");
   for (int i = 0; i < ndim; ++i) os << (i ? ", " : "") << dims[i];
   os << "]";
   return os.str();
@@ -51,10 +52,12 @@ void check_shape(const char* op, const char* name, const Tensor& t, std::initial
     Tensor want(nullptr, t.dtype, shape);
     fail(op, " ", name, " has shape ", t.str(), ", expected ", want.str());
   }
-  OOM_CHECK(t.data != nullptr || t.numel() == 0, op, " ", name, " has no data");
+  OOM_CHECK(t.data != nullptr || t.quant || t.numel() == 0, op, " ", name, " has no data");
 }
 
 void check_dtype(const char* op, const char* name, const Tensor& t, std::initializer_list<DType> allowed) {
+  OOM_CHECK(!t.quant, op, " ", name, " is stored quantised (", t.quant ? t.quant->format : "",
+            "), which only a matmul's b operand takes");
   OOM_CHECK(!t.as_bf16, op, " ", name, " is ", t.str(), ", read as bf16, which this op does not take; pass the ",
             dtype_name(t.dtype), " tensor itself");
   for (DType d : allowed)

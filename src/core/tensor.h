@@ -19,6 +19,20 @@ template <> constexpr DType dtype_of<double>() { return DType::f64; }
 template <> constexpr DType dtype_of<int32_t>() { return DType::i32; }
 template <> constexpr DType dtype_of<int8_t>() { return DType::i8; }
 
+// A matrix (rows, cols) held in a block-quantised encoding (NF4, GGUF block types): a format name for
+// messages, and a function that dequantises part of one row to f32. The owner keeps the blocks and
+// scales (data, aux, param are its own); the GEMM calls dequant_row while it packs B panels, so no f32
+// copy of the whole matrix exists.
+struct QuantMatrix {
+  const char* format = "";
+  int64_t rows = 0, cols = 0;
+  // out[0, n) = elements [col, col + n) of row r, as f32 (col + n <= cols).
+  void (*dequant_row)(const QuantMatrix& q, int64_t r, int64_t col, int64_t n, float* out) = nullptr;
+  const void* data = nullptr;
+  const void* aux = nullptr;
+  int64_t param = 0;
+};
+
 struct Tensor {
   void* data = nullptr;
   DType dtype = DType::f32;
@@ -29,6 +43,11 @@ struct Tensor {
   // copy (bf16 compute over fp32 master weights). Only the ops that say so take such a tensor (the B
   // operand of matmul, the head of the fused cross-entropy); check_dtype refuses it everywhere else.
   bool as_bf16 = false;
+  // Block-quantised storage (data unused): an f32 matrix (dims) whose rows are rows qrow0.. of *quant.
+  // Only the B operand of matmul takes one (check_dtype refuses it everywhere else); as_bf16 then rounds
+  // the dequantised values to bf16, as bf16 compute reads any weight.
+  const QuantMatrix* quant = nullptr;
+  int64_t qrow0 = 0;
 
   Tensor() = default;
   Tensor(void* d, DType t, std::initializer_list<int64_t> shape, Tier where = Tier::Host);

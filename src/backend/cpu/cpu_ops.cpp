@@ -44,7 +44,7 @@ void CpuOps::matmul(Tensor c, Tensor a, Tensor b, bool ta, bool tb, bool accumul
   // Copies: clang before 16 cannot capture structured bindings in lambdas / OpenMP regions.
   const int64_t M = M_, N = N_, K = K_;
   gemm_->run(GemmShape{.M = M, .N = N, .K = K, .ta = ta, .tb = tb, .ab = a.dtype, .b_as_bf16 = b.as_bf16,
-                       .accumulate = accumulate},
+                       .accumulate = accumulate, .b_quant = b.quant, .b_qrow0 = b.qrow0},
              a.data, b.data, f32p(c));
 }
 

@@ -42,7 +42,8 @@ void Gemm::run(const GemmShape& shape, const void* a, const void* b, float* c) {
   if (s.ldc == 0) s.ldc = s.N;
   OOM_CHECK(s.M >= 0 && s.N >= 0 && s.K >= 0, "[gemm] negative dimension");
   OOM_CHECK(s.ab == DType::f32 || s.ab == DType::bf16, "[gemm] operands must be f32 or bf16, got ", dtype_name(s.ab));
-  OOM_CHECK(!s.b_as_bf16 || s.ab == DType::bf16, "[gemm] b read as bf16 needs a bf16 a");
+  OOM_CHECK(!s.b_as_bf16 || s.ab == DType::bf16 || s.b_quant, "[gemm] b read as bf16 needs a bf16 a");
+  if (s.b_quant) OOM_CHECK(s.ldb == s.b_quant->cols, "[gemm] a quantised b is read with ldb = its cols");
   if (s.M == 0 || s.N == 0) return;
   if (s.K == 0) {
     if (!s.accumulate)

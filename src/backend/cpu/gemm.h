@@ -11,6 +11,7 @@
 #include <memory>
 
 #include "core/dtype.h"
+#include "core/tensor.h"
 
 namespace oomless {
 
@@ -23,6 +24,10 @@ struct GemmShape {
   DType ab = DType::f32;
   bool b_as_bf16 = false;
   bool accumulate = false;
+  // b block-quantised (b pointer unused): the rows b_qrow0.. of *b_quant, dequantised while packing
+  // (rounded to bf16 when b_as_bf16); a is f32 or bf16 (ab). ldb is the matrix's cols.
+  const QuantMatrix* b_quant = nullptr;
+  int64_t b_qrow0 = 0;
 };
 
 class Gemm {

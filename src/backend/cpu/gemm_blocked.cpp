@@ -78,8 +78,34 @@ __attribute__((target("avx2,fma"))) void widen_rows_avx2(float* dst, const T* sr
   }
 }
 
+// A position in a block-quantised B (the "pointer" the packing loops offset): element `off` of the
+// row-major (rows, ld) matrix starting at row qrow0 of *q.
+struct QuantB {
+  const QuantMatrix* q = nullptr;
+  int64_t qrow0 = 0;
+  int64_t off = 0;
+  bool round = false;  // read as bf16
+  QuantB operator+(int64_t d) const { return {q, qrow0, off + d, round}; }
+};
+
 // One kc x 16 micro-panel of B from b(k, j) = src[k * ld + j] (tb false) or src[j * ld + k] (tb
 // true), columns j < n, zero past n.
+template <class T>
+void pack_b_micro(float* dst, const T* src, int64_t ld, bool tb, int64_t kc, int64_t n, bool avx2);
+
+// A quantised B: the panel's rows (tb: its n columns are n rows of the matrix, kc long; otherwise kc
+// rows, n long) dequantised into a small buffer, then packed as f32, so the packed panel holds exactly
+// the dequantised values (bf16-rounded when read as bf16).
+void pack_b_micro(float* dst, const QuantB& src, int64_t ld, bool tb, int64_t kc, int64_t n, bool avx2) {
+  float tmp[kNr * kKcMax];
+  const int64_t row = src.qrow0 + src.off / ld, col = src.off % ld;
+  const int64_t len = tb ? kc : n, count = tb ? n : kc;
+  for (int64_t i = 0; i < count; ++i) src.q->dequant_row(*src.q, row + i, col, len, tmp + i * len);
+  if (src.round)
+    for (int64_t i = 0; i < count * len; ++i) tmp[i] = round_to_bf16(tmp[i]);
+  pack_b_micro(dst, tmp, len, tb, kc, n, avx2);
+}
+
 template <class T>
 void pack_b_micro(float* dst, const T* src, int64_t ld, bool tb, int64_t kc, int64_t n, bool avx2) {
   if constexpr (std::is_same_v<T, float>) {
@@ -155,8 +181,9 @@ void pack_a_block(float* dst, const T* src, int64_t ld, bool ta, int64_t kc, int
 // cut into ranges (from the shape) spread over the threads, and each thread packs every kc x 16
 // micro-panel of its range into a private buffer just before the micro-kernel uses it, with no barrier
 // at all. The k slices and micro-kernel are those of the blocked loop nest, so the bits are too.
-template <class TA, class TB>
-void run_skinny(const GemmShape& s, const Plan& p, const TA* a, const TB* b, float* c, float* work) {
+// BP: a pointer to B's elements (f32, bf16, f32-as-bf16) or a QuantB position.
+template <class TA, class BP>
+void run_skinny(const GemmShape& s, const Plan& p, const TA* a, BP b, float* c, float* work) {
   const Kernels& kern = kernels();
   const bool avx2 = kern.avx2;
   const int64_t panels = cdiv(s.N, kNr);
@@ -192,8 +219,8 @@ void run_skinny(const GemmShape& s, const Plan& p, const TA* a, const TB* b, flo
   }
 }
 
-template <class TA, class TB>
-void run_blocked(const GemmShape& s, const TA* a, const TB* b, float* c, float* bpack, float* apack) {
+template <class TA, class BP>
+void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, float* apack) {
   const Plan p = make_plan(s);
   if (p.skinny) return run_skinny(s, p, a, b, c, apack);
   const Kernels& kern = kernels();
@@ -216,7 +243,7 @@ void run_blocked(const GemmShape& s, const TA* a, const TB* b, float* c, float* 
 #pragma omp for schedule(static)
         for (int64_t q = 0; q < panels; ++q) {
           const int64_t jq = j0 + q * kNr;
-          const TB* src = s.tb ? b + jq * s.ldb + k0 : b + k0 * s.ldb + jq;
+          const BP src = s.tb ? b + jq * s.ldb + k0 : b + k0 * s.ldb + jq;
           pack_b_micro(bpack + q * kNr * kc, src, s.ldb, s.tb, kc, std::min<int64_t>(kNr, s.N - jq), avx2);
         }
         int64_t packed_bm = -1;  // the row block now in ap (units of one block are consecutive)
@@ -268,7 +295,11 @@ BlockedSizes blocked_sizes(const GemmShape& s) {
 }
 
 void gemm_blocked(const GemmShape& s, const void* a, const void* b, float* c, float* bpack, float* apack) {
-  if (s.b_as_bf16)
+  if (s.b_quant) {
+    const QuantB qb{s.b_quant, s.b_qrow0, 0, s.b_as_bf16};
+    if (s.ab == DType::bf16) run_blocked(s, static_cast<const uint16_t*>(a), qb, c, bpack, apack);
+    else run_blocked(s, static_cast<const float*>(a), qb, c, bpack, apack);
+  } else if (s.b_as_bf16)
     run_blocked(s, static_cast<const uint16_t*>(a), static_cast<const F32AsBf16*>(b), c, bpack, apack);
   else if (s.ab == DType::bf16)
     run_blocked(s, static_cast<const uint16_t*>(a), static_cast<const uint16_t*>(b), c, bpack, apack);

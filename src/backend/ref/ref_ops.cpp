@@ -23,11 +23,24 @@ const int32_t* i32(const Tensor& t) { return static_cast<const int32_t*>(t.data)
 
 void RefOps::matmul(Tensor c, Tensor a, Tensor b, bool ta, bool tb, bool accumulate) {
   auto [M, N, K] = check_matmul(c, a, b, ta, tb, kAct);
+  // A quantised b: its rows dequantised to f32 (bf16-rounded when read as bf16), as the CPU GEMM packs them.
+  std::vector<double> bq;
+  if (b.quant) {
+    const int64_t rows = b.dims[0], cols = b.dims[1];
+    std::vector<float> row(static_cast<size_t>(cols));
+    bq.resize(static_cast<size_t>(rows * cols));
+    for (int64_t r = 0; r < rows; ++r) {
+      b.quant->dequant_row(*b.quant, b.qrow0 + r, 0, cols, row.data());
+      for (int64_t j = 0; j < cols; ++j)
+        bq[static_cast<size_t>(r * cols + j)] = b.as_bf16 ? round_to_bf16(row[static_cast<size_t>(j)]) : row[static_cast<size_t>(j)];
+    }
+  }
+  auto lb = [&](int64_t i) { return b.quant ? bq[static_cast<size_t>(i)] : load(b, i); };
   for (int64_t i = 0; i < M; ++i)
     for (int64_t j = 0; j < N; ++j) {
       double s = 0;
       for (int64_t k = 0; k < K; ++k)
-        s += load(a, ta ? k * M + i : i * K + k) * load(b, tb ? j * K + k : k * N + j);
+        s += load(a, ta ? k * M + i : i * K + k) * lb(tb ? j * K + k : k * N + j);
       f64(c)[i * N + j] = accumulate ? f64(c)[i * N + j] + s : s;
     }
 }

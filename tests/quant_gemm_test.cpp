@@ -1,0 +1,126 @@
+// A block-quantised B operand (Tensor::quant): the CPU GEMM dequantises its rows while packing, so a
+// product with the quantised matrix is bitwise the product with its dequantised f32 copy, for both
+// orientations (x W^T and dy W), row slices (qrow0, as the per-kv-head projections take), shapes that
+// cross the k slices and column panels, f32 and bf16 compute (the dequantised values rounded to bf16
+// as any bf16-read weight), and 1 or 2 threads; the ref backend reads the same values.
+#include <omp.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "backend/ops.h"
+#include "util/harness.h"
+
+namespace oomless::test {
+namespace {
+
+// A test encoding: int8 codes with one f32 scale per row (data: codes, aux: scales).
+void dequant_q8_row(const QuantMatrix& q, int64_t r, int64_t col, int64_t n, float* out) {
+  const int8_t* codes = static_cast<const int8_t*>(q.data) + r * q.cols + col;
+  const float s = static_cast<const float*>(q.aux)[r];
+  for (int64_t i = 0; i < n; ++i) out[i] = s * static_cast<float>(codes[i]);
+}
+
+struct Q8 {
+  std::vector<int8_t> codes;
+  std::vector<float> scales;
+  QuantMatrix q;
+  Q8(int64_t rows, int64_t cols, uint64_t seed) : codes(static_cast<size_t>(rows * cols)), scales(static_cast<size_t>(rows)) {
+    std::mt19937_64 rng(seed);
+    for (auto& c : codes) c = static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
+    for (auto& s : scales) s = 0.001f + 0.01f * static_cast<float>(rng() % 1000) / 1000.0f;
+    q.format = "q8-test";
+    q.rows = rows, q.cols = cols;
+    q.dequant_row = &dequant_q8_row;
+    q.data = codes.data();
+    q.aux = scales.data();
+  }
+  std::vector<float> dense() const {
+    std::vector<float> d(codes.size());
+    for (int64_t r = 0; r < q.rows; ++r) dequant_q8_row(q, r, 0, q.cols, d.data() + r * q.cols);
+    return d;
+  }
+};
+
+std::vector<float> randn(int64_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d;
+  std::vector<float> v(static_cast<size_t>(n));
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+TEST(QuantGemm, BitwiseTheProductWithTheDequantisedMatrix) {
+  auto ops = make_ops("cpu");
+  // (T, N, K) with W (N, K): small, odd, and past a k slice (384) and a column panel.
+  const int64_t shapes[][3] = {{5, 7, 9}, {33, 48, 70}, {13, 130, 400}, {64, 520, 777}};
+  for (const auto& sh : shapes) {
+    const int64_t T = sh[0], N = sh[1], K = sh[2];
+    Q8 w(N + 5, K, static_cast<uint64_t>(N));  // 5 extra rows: the view starts at row 3
+    const int64_t r0 = 3;
+    std::vector<float> dense = w.dense();
+    Tensor wq(nullptr, DType::f32, {N, K});
+    wq.quant = &w.q, wq.qrow0 = r0;
+    Tensor wd(dense.data() + r0 * K, DType::f32, {N, K});
+    for (bool bf16 : {false, true}) {
+      SCOPED_TRACE(std::to_string(T) + "x" + std::to_string(N) + "x" + std::to_string(K) + (bf16 ? " bf16" : " f32"));
+      std::vector<float> x = randn(T * K, 1), dy = randn(T * N, 2);
+      std::vector<uint16_t> xb(x.size()), dyb(dy.size());
+      convert(xb.data(), DType::bf16, x.data(), DType::f32, T * K);
+      convert(dyb.data(), DType::bf16, dy.data(), DType::f32, T * N);
+      Tensor xt = bf16 ? Tensor(xb.data(), DType::bf16, {T, K}) : Tensor(x.data(), DType::f32, {T, K});
+      Tensor dyt = bf16 ? Tensor(dyb.data(), DType::bf16, {T, N}) : Tensor(dy.data(), DType::f32, {T, N});
+      Tensor bq = bf16 ? wq.read_as_bf16() : wq, bd = bf16 ? wd.read_as_bf16() : wd;
+      for (int threads : {1, 2}) {
+        omp_set_num_threads(threads);
+        // y = x W^T
+        std::vector<float> y1(static_cast<size_t>(T * N)), y2(y1.size());
+        ops->matmul(Tensor::of(y1.data(), {T, N}), xt, bq, false, true, false);
+        ops->matmul(Tensor::of(y2.data(), {T, N}), xt, bd, false, true, false);
+        EXPECT_EQ(std::memcmp(y1.data(), y2.data(), y1.size() * 4), 0) << "x W^T, threads " << threads;
+        // dx = dy W
+        std::vector<float> d1(static_cast<size_t>(T * K)), d2(d1.size());
+        ops->matmul(Tensor::of(d1.data(), {T, K}), dyt, bq, false, false, false);
+        ops->matmul(Tensor::of(d2.data(), {T, K}), dyt, bd, false, false, false);
+        EXPECT_EQ(std::memcmp(d1.data(), d2.data(), d1.size() * 4), 0) << "dy W, threads " << threads;
+      }
+    }
+  }
+  omp_set_num_threads(omp_get_num_procs());
+}
+
+TEST(QuantGemm, RefReadsTheSameValues) {
+  auto ref = make_ops("ref");
+  const int64_t T = 4, N = 6, K = 10;
+  Q8 w(N, K, 9);
+  const std::vector<float> dense = w.dense();
+  std::vector<double> x(static_cast<size_t>(T * K)), y(static_cast<size_t>(T * N));
+  for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(static_cast<double>(i));
+  Tensor wq(nullptr, DType::f64, {N, K});
+  wq.quant = &w.q;
+  ref->matmul(Tensor::of(y.data(), {T, N}), Tensor::of(x.data(), {T, K}), wq, false, true, false);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t n = 0; n < N; ++n) {
+      double s = 0;
+      for (int64_t k = 0; k < K; ++k) s += x[static_cast<size_t>(t * K + k)] * dense[static_cast<size_t>(n * K + k)];
+      EXPECT_NEAR(y[static_cast<size_t>(t * N + n)], s, 1e-12 * (1 + std::abs(s)));
+    }
+}
+
+TEST(QuantGemm, OnlyMatmulTakesAQuantisedTensor) {
+  auto ops = make_ops("cpu");
+  Q8 w(4, 8, 1);
+  Tensor wq(nullptr, DType::f32, {4, 8});
+  wq.quant = &w.q;
+  std::vector<float> out(8);
+  EXPECT_THROW(ops->scale(wq, 2.0), Error);
+  std::vector<float> x(16), y(8);
+  Tensor bad = wq;
+  bad.qrow0 = 1;  // rows 1..4 of a 4-row matrix
+  EXPECT_THROW(ops->matmul(Tensor::of(y.data(), {2, 4}), Tensor::of(x.data(), {2, 8}), bad, false, true, false), Error);
+  EXPECT_NE(wq.str().find("q8-test"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace oomless::test
