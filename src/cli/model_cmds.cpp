@@ -16,6 +16,7 @@
 #include "model/load.h"
 #include "model/model.h"
 #include "model/paged_kv.h"
+#include "model/quant_base.h"
 
 namespace oomless::cli {
 
@@ -27,18 +28,22 @@ struct Loaded {
   std::unique_ptr<CpuMemory> mem;  // declared first: destroyed last, after everything holding its buffers
   std::unique_ptr<Ops> ops;
   std::unique_ptr<ParamSet> params;
+  std::unique_ptr<QuantBase> quant;      // a GGUF's projection matrices in their blocks
   std::unique_ptr<AdapterSet> adapters;  // --adapter DIR
   std::unique_ptr<Model> model;
 };
 
-Loaded load(const Args& a, bool need_weights) {
+Loaded load(const Args& a, bool need_weights, bool keep_quantised = false) {
   Loaded l;
   l.src = open_model(a.required("model"), static_cast<uint64_t>(a.integer("seed", 0, 0, INT64_MAX)));
   if (!need_weights) return l;
   l.mem = std::make_unique<CpuMemory>(size_t{1} << 46);
   l.ops = make_ops("cpu", &l.mem->device);
-  l.params = std::make_unique<ParamSet>(l.src.cfg, DType::f32, l.mem->device, Category::weights);
-  l.src.load_weights(*l.params);
+  // eval and generate read a GGUF's projection matrices in their blocks (about the file's size in
+  // memory); convert and merge need them in f32.
+  BaseWeights base = load_base(l.src, l.mem->device, keep_quantised);
+  l.params = std::move(base.params);
+  l.quant = std::move(base.quant);
   l.src.release_weights();
   if (a.has("rope-theta")) l.src.cfg.rope.theta = a.number("rope-theta", 0, 1e-30, 1e30);
   if (a.has("rope-scaling")) apply_rope_scaling(l.src.cfg, a.str("rope-scaling"), "--rope-scaling");
@@ -123,7 +128,8 @@ int eval(const std::vector<std::string>& argv) {
   const std::string data = a.required("data");
   const int64_t T = a.integer("seq", 0, 2, int64_t{1} << 24);
   a.required("seq");
-  Loaded l = load(a, true);
+  // A GGUF stays in its blocks unless the base gradients are asked for (--grads without --adapter).
+  Loaded l = load(a, true, !a.has("grads") || a.has("adapter"));
   std::vector<int32_t> stream = is_ids_file(data) ? read_ids_file(data, l.src.cfg.V)
                                                   : l.src.require_tokenizer().encode(read_text_file(data), true);
   for (int32_t id : stream)
@@ -216,7 +222,7 @@ int generate(const std::vector<std::string>& argv) {
   const double temp = a.number("temperature", 0.0, 0.0, 100.0);
   const double top_p = a.number("top-p", 1.0, 1e-6, 1.0);
   OOM_CHECK(!(a.has("prompt") && a.has("prompt-ids")), "[generate] give --prompt or --prompt-ids, not both");
-  Loaded l = load(a, true);
+  Loaded l = load(a, true, true);
   const ModelConfig& cfg = l.src.cfg;
   std::vector<int32_t> prompt = a.has("prompt-ids") ? parse_id_list(a.str("prompt-ids"), cfg.V, "generate")
                                                     : l.src.require_tokenizer().encode(a.str("prompt"), true);

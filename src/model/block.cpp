@@ -13,6 +13,11 @@ namespace {
 
 // Rows [r0, r0 + n) of a row-major matrix with `cols` columns, as an (n, cols) view (empty stays empty).
 Tensor rows(const Tensor& t, int64_t r0, int64_t n, int64_t cols) {
+  if (t.quant) {
+    Tensor r(nullptr, t.dtype, {n, cols});
+    r.quant = t.quant, r.qrow0 = t.qrow0 + r0, r.as_bf16 = t.as_bf16;
+    return r;
+  }
   if (!t.data) return Tensor();
   char* p = static_cast<char*>(t.data) + dtype_bytes(t.dtype, r0 * cols);
   Tensor r(p, t.dtype, {n, cols});

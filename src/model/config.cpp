@@ -361,32 +361,5 @@ ModelConfig preset_config(std::string_view name) {
 
 std::vector<std::string> preset_names() { return {"micro", "tiny", "smollm2-135m"}; }
 
-std::vector<ParamSpec> param_specs(const ModelConfig& c) {
-  std::vector<ParamSpec> p;
-  p.push_back({"model.embed_tokens.weight", {c.V, c.E}, true});
-  for (int64_t l = 0; l < c.L; ++l) {
-    const std::string pre = "model.layers." + std::to_string(l) + ".";
-    p.push_back({pre + "input_layernorm.weight", {c.E}, false});
-    p.push_back({pre + "self_attn.q_proj.weight", {c.q_dim(), c.E}, true});
-    if (c.qkv_bias) p.push_back({pre + "self_attn.q_proj.bias", {c.q_dim()}, false});
-    p.push_back({pre + "self_attn.k_proj.weight", {c.kv_dim(), c.E}, true});
-    if (c.qkv_bias) p.push_back({pre + "self_attn.k_proj.bias", {c.kv_dim()}, false});
-    p.push_back({pre + "self_attn.v_proj.weight", {c.kv_dim(), c.E}, true});
-    if (c.qkv_bias) p.push_back({pre + "self_attn.v_proj.bias", {c.kv_dim()}, false});
-    p.push_back({pre + "self_attn.o_proj.weight", {c.E, c.q_dim()}, true});
-    if (c.o_bias) p.push_back({pre + "self_attn.o_proj.bias", {c.E}, false});
-    if (c.qk_norm) {
-      p.push_back({pre + "self_attn.q_norm.weight", {c.D}, false});
-      p.push_back({pre + "self_attn.k_norm.weight", {c.D}, false});
-    }
-    p.push_back({pre + "post_attention_layernorm.weight", {c.E}, false});
-    p.push_back({pre + "mlp.gate_proj.weight", {c.F, c.E}, true});
-    p.push_back({pre + "mlp.up_proj.weight", {c.F, c.E}, true});
-    p.push_back({pre + "mlp.down_proj.weight", {c.E, c.F}, true});
-  }
-  p.push_back({"model.norm.weight", {c.E}, false});
-  if (!c.tied) p.push_back({"lm_head.weight", {c.V, c.E}, true});
-  return p;
-}
 
 }  // namespace oomless

@@ -89,6 +89,7 @@ ModelSource open_hf(const std::string& spec, const fs::path& dir) {
     std::vector<float> buf;
     for (size_t i = 0; i < p.specs().size(); ++i) {
       const ParamSpec& s = p.specs()[i];
+      if (!p.tensors()[i].data) continue;  // held elsewhere (a quantised base)
       const StTensor* t = set->find(s.name);
       OOM_CHECK(t, "[model] ", dir.string(), ": the weights have no tensor '", s.name, "' (shape ", shape_str(s.shape),
                 ") that config.json implies; the folder's config and weights do not belong together");
@@ -120,12 +121,14 @@ ModelSource open_gguf(const std::string& spec) {
   if (!m.cfg.eos_id && tc.eos) m.cfg.eos_id = tc.eos;
   if (!m.cfg.bos_id && tc.bos) m.cfg.bos_id = tc.bos;
   auto tensors = std::make_shared<std::vector<GgufHfTensor>>(gguf_hf_tensors(*file));
+  m.gguf_tensors = tensors;
   m.load_weights = [file, tensors, spec](ParamSet& p) {
     std::map<std::string, const GgufHfTensor*, std::less<>> by_name;
     for (const GgufHfTensor& t : *tensors) by_name[t.hf_name] = &t;
     std::vector<float> buf;
     for (size_t i = 0; i < p.specs().size(); ++i) {
       const ParamSpec& s = p.specs()[i];
+      if (!p.tensors()[i].data) continue;  // held elsewhere (a quantised base)
       auto it = by_name.find(s.name);
       OOM_CHECK(it != by_name.end(), "[model] ", spec, ": the GGUF has no tensor for '", s.name,
                 "' that its metadata implies; the file is incomplete");

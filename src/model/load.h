@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 
+#include "io/gguf_model.h"
 #include "io/json.h"
 #include "model/config.h"
 #include "model/params.h"
@@ -24,12 +25,16 @@ struct ModelSource {
   // Fills every parameter (any float dtype), checking names and shapes against the config.
   std::function<void(ParamSet&)> load_weights;
   std::shared_ptr<void> keep_open;   // the mapped files load_weights reads from
+  // A GGUF's tensors (HF names) into its mapping, for a base kept in its blocks (model/quant_base.h);
+  // null for other sources. Valid while keep_open is.
+  std::shared_ptr<const std::vector<GgufHfTensor>> gguf_tensors;
 
   const Tokenizer& require_tokenizer() const;  // error naming the model when it has none
   // Unmaps the weight files once load_weights has run: their pages would otherwise stay in the process's
   // resident set (as much again as the weights) for as long as the source is kept.
   void release_weights() {
     load_weights = nullptr;
+    gguf_tensors.reset();
     keep_open.reset();
   }
 };

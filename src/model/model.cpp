@@ -37,7 +37,7 @@ Model::Model(const ModelConfig& cfg, Ops& ops, ParamSet& params, Arena& arena, M
     OOM_CHECK(act_ == DType::f32, "[model] bf16 compute needs an fp32 backend (cpu), not ", ops.name());
   }
   const bool bf16 = opt_.dtype == ComputeDType::bf16;
-  auto read = [bf16](const Tensor& t) { return bf16 && t.data ? t.read_as_bf16() : t; };
+  auto read = [bf16](const Tensor& t) { return bf16 && (t.data || t.quant) ? t.read_as_bf16() : t; };
   for (const LayerParams& p : params_.layers) {
     LayerParams r = p;
     for (Tensor* w : {&r.wq, &r.wk, &r.wv, &r.wo, &r.wg, &r.wu, &r.wd}) *w = read(*w);
@@ -82,6 +82,10 @@ void Model::ensure_grads() {
 
 TrainableSet Model::trainable() {
   if (opt_.adapters) return trainable_set(opt_.adapters->tensors(), adapter_grads().tensors());
+  for (size_t i = 0; i < params_.specs().size(); ++i)
+    OOM_CHECK(params_.tensors()[i].data, "[model] ", params_.specs()[i].name, " is held quantised (",
+              params_.tensors()[i].quant ? params_.tensors()[i].quant->format : "elsewhere",
+              "): a quantised base can only be frozen; train an adapter on it (--lora r)");
   return trainable_set(params_, grads());
 }
 

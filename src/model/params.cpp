@@ -25,6 +25,55 @@ int64_t numel_of(const std::vector<int64_t>& shape) {
 
 }  // namespace
 
+namespace {
+
+// The parameters of one block, once: name, field, shape, weight decay and when it exists. param_specs
+// and the named accessors come from this table.
+struct LayerField {
+  const char* suffix;
+  Tensor LayerParams::*field;
+  bool decay;
+  std::vector<int64_t> (*shape)(const ModelConfig&);
+  bool (*present)(const ModelConfig&);
+};
+
+using C = const ModelConfig&;
+bool always(C) { return true; }
+bool qkv_bias(C c) { return c.qkv_bias; }
+bool o_bias(C c) { return c.o_bias; }
+bool qk_norm(C c) { return c.qk_norm; }
+const LayerField kLayerFields[] = {
+    {"input_layernorm.weight", &LayerParams::in_norm, false, [](C c) { return std::vector<int64_t>{c.E}; }, always},
+    {"self_attn.q_proj.weight", &LayerParams::wq, true, [](C c) { return std::vector<int64_t>{c.q_dim(), c.E}; }, always},
+    {"self_attn.q_proj.bias", &LayerParams::bq, false, [](C c) { return std::vector<int64_t>{c.q_dim()}; }, qkv_bias},
+    {"self_attn.k_proj.weight", &LayerParams::wk, true, [](C c) { return std::vector<int64_t>{c.kv_dim(), c.E}; }, always},
+    {"self_attn.k_proj.bias", &LayerParams::bk, false, [](C c) { return std::vector<int64_t>{c.kv_dim()}; }, qkv_bias},
+    {"self_attn.v_proj.weight", &LayerParams::wv, true, [](C c) { return std::vector<int64_t>{c.kv_dim(), c.E}; }, always},
+    {"self_attn.v_proj.bias", &LayerParams::bv, false, [](C c) { return std::vector<int64_t>{c.kv_dim()}; }, qkv_bias},
+    {"self_attn.o_proj.weight", &LayerParams::wo, true, [](C c) { return std::vector<int64_t>{c.E, c.q_dim()}; }, always},
+    {"self_attn.o_proj.bias", &LayerParams::bo, false, [](C c) { return std::vector<int64_t>{c.E}; }, o_bias},
+    {"self_attn.q_norm.weight", &LayerParams::q_norm, false, [](C c) { return std::vector<int64_t>{c.D}; }, qk_norm},
+    {"self_attn.k_norm.weight", &LayerParams::k_norm, false, [](C c) { return std::vector<int64_t>{c.D}; }, qk_norm},
+    {"post_attention_layernorm.weight", &LayerParams::post_norm, false, [](C c) { return std::vector<int64_t>{c.E}; },
+     always},
+    {"mlp.gate_proj.weight", &LayerParams::wg, true, [](C c) { return std::vector<int64_t>{c.F, c.E}; }, always},
+    {"mlp.up_proj.weight", &LayerParams::wu, true, [](C c) { return std::vector<int64_t>{c.F, c.E}; }, always},
+    {"mlp.down_proj.weight", &LayerParams::wd, true, [](C c) { return std::vector<int64_t>{c.E, c.F}; }, always},
+};
+std::string layer_prefix(int64_t l) { return "model.layers." + std::to_string(l) + "."; }
+}  // namespace
+
+std::vector<ParamSpec> param_specs(const ModelConfig& c) {
+  std::vector<ParamSpec> p;
+  p.push_back({"model.embed_tokens.weight", {c.V, c.E}, true});
+  for (int64_t l = 0; l < c.L; ++l)
+    for (const LayerField& f : kLayerFields)
+      if (f.present(c)) p.push_back({layer_prefix(l) + f.suffix, f.shape(c), f.decay});
+  p.push_back({"model.norm.weight", {c.E}, false});
+  if (!c.tied) p.push_back({"lm_head.weight", {c.V, c.E}, true});
+  return p;
+}
+
 ParamSet::ParamSet(std::vector<ParamSpec> specs, DType dtype, Arena& arena, Category cat, const char* what)
     : specs_(std::move(specs)), dtype_(dtype) {
   // Each parameter starts on a 64-byte boundary so kernels see aligned rows.
@@ -41,34 +90,55 @@ ParamSet::ParamSet(std::vector<ParamSpec> specs, DType dtype, Arena& arena, Cate
 }
 
 ParamSet::ParamSet(const ModelConfig& cfg, DType dtype, Arena& arena, Category cat)
-    : ParamSet(param_specs(cfg), dtype, arena, cat, "parameters") {
+    : ParamSet(cfg, dtype, arena, cat, [](const ParamSpec&) { return true; }) {}
 
-  // Named accessors, in param_specs() order.
-  size_t i = 0;
-  auto next = [&]() -> Tensor { return tensors_.at(i++); };
-  embed = next();
-  layers.resize(static_cast<size_t>(cfg.L));
-  for (LayerParams& l : layers) {
-    l.in_norm = next();
-    l.wq = next();
-    if (cfg.qkv_bias) l.bq = next();
-    l.wk = next();
-    if (cfg.qkv_bias) l.bk = next();
-    l.wv = next();
-    if (cfg.qkv_bias) l.bv = next();
-    l.wo = next();
-    if (cfg.o_bias) l.bo = next();
-    if (cfg.qk_norm) {
-      l.q_norm = next();
-      l.k_norm = next();
+ParamSet::ParamSet(const ModelConfig& cfg, DType dtype, Arena& arena, Category cat,
+                   const std::function<bool(const ParamSpec&)>& stored)
+    : dtype_(dtype), model_(true), cfg_(cfg) {
+  const std::vector<ParamSpec> all = param_specs(cfg);
+  std::vector<ParamSpec> kept;
+  for (const ParamSpec& s : all)
+    if (stored(s)) kept.push_back(s);
+  ParamSet inner(kept, dtype, arena, cat, "parameters");
+  storage_ = std::move(inner.storage_);
+  specs_ = all;
+  size_t k = 0;
+  for (const ParamSpec& s : all) {
+    if (k < kept.size() && kept[k].name == s.name) {
+      tensors_.push_back(inner.tensors_[k++]);
+    } else {
+      tensors_.push_back(make_view(nullptr, dtype, s.shape));
     }
-    l.post_norm = next();
-    l.wg = next();
-    l.wu = next();
-    l.wd = next();
   }
-  final_norm = next();
-  lm_head = cfg.tied ? embed : next();
+  wire(cfg);
+}
+
+void ParamSet::wire(const ModelConfig& cfg) {
+  auto get = [&](const std::string& name) {
+    const Tensor* t = find(name);
+    OOM_CHECK(t, "[model] internal: no parameter ", name);
+    return *t;
+  };
+  embed = get("model.embed_tokens.weight");
+  layers.assign(static_cast<size_t>(cfg.L), LayerParams{});
+  for (int64_t l = 0; l < cfg.L; ++l)
+    for (const LayerField& f : kLayerFields)
+      if (f.present(cfg)) layers[static_cast<size_t>(l)].*(f.field) = get(layer_prefix(l) + f.suffix);
+  final_norm = get("model.norm.weight");
+  lm_head = cfg.tied ? embed : get("lm_head.weight");
+}
+
+void ParamSet::set_view(std::string_view hf_name, const Tensor& t) {
+  OOM_CHECK(model_, "[model] set_view needs a model's parameter set");
+  for (size_t i = 0; i < specs_.size(); ++i)
+    if (specs_[i].name == hf_name) {
+      OOM_CHECK(t.same_shape(tensors_[i]) && t.dtype == tensors_[i].dtype, "[model] set_view: ", hf_name, " is ",
+                tensors_[i].str(), ", not ", t.str());
+      tensors_[i] = t;
+      wire(cfg_);
+      return;
+    }
+  fail("[model] set_view: no parameter ", hf_name);
 }
 
 const Tensor* ParamSet::find(std::string_view hf_name) const {
@@ -98,6 +168,7 @@ void init_random(ParamSet& p, uint64_t seed, double std) {
   for (size_t i = 0; i < p.specs().size(); ++i) {
     const ParamSpec& s = p.specs()[i];
     const Tensor& t = p.tensors()[i];
+    if (!t.data) continue;  // held elsewhere (a quantised base)
     const bool is_norm = s.name.find("norm.weight") != std::string::npos;
     const bool is_bias = s.name.size() > 5 && s.name.compare(s.name.size() - 5, 5, ".bias") == 0;
     std::vector<double> v(static_cast<size_t>(t.numel()));

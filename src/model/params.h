@@ -2,6 +2,7 @@
 // param_specs() order and named accessors per layer. The same type holds weights (category weights),
 // their gradients (category grads) and bf16 working copies of the matrices.
 #pragma once
+#include <functional>
 #include <string_view>
 #include <vector>
 
@@ -28,9 +29,15 @@ class ParamSet {
   ParamSet() = default;
   // Allocates every parameter of `cfg` in `dtype` from `arena`, zero-filled.
   ParamSet(const ModelConfig& cfg, DType dtype, Arena& arena, Category cat);
+  // Every parameter except those `stored` refuses (views without data, e.g. matrices a quantised base
+  // holds elsewhere: set_view points them at it).
+  ParamSet(const ModelConfig& cfg, DType dtype, Arena& arena, Category cat,
+           const std::function<bool(const ParamSpec&)>& stored);
   // Any named set of tensors (adapters, optimizer state) in one zero-filled buffer; the named model
   // accessors below stay empty.
   ParamSet(std::vector<ParamSpec> specs, DType dtype, Arena& arena, Category cat, const char* what);
+  // Replaces the view of parameter `hf_name` (same shape), and the named accessor that shows it.
+  void set_view(std::string_view hf_name, const Tensor& t);
 
   const std::vector<ParamSpec>& specs() const { return specs_; }
   const std::vector<Tensor>& tensors() const { return tensors_; }
@@ -45,8 +52,11 @@ class ParamSet {
   Tensor lm_head;                 // (V, E); the embedding itself when tied
 
  private:
+  void wire(const ModelConfig& cfg);  // the named accessors, from the layer table by name
   std::vector<ParamSpec> specs_;
   std::vector<Tensor> tensors_;
+  bool model_ = false;  // built from a ModelConfig (has named accessors)
+  ModelConfig cfg_;
   DType dtype_ = DType::f32;
   Buffer storage_;
 };

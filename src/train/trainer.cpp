@@ -21,6 +21,7 @@
 #include "model/adapter_io.h"
 #include "model/load.h"
 #include "model/model.h"
+#include "model/quant_base.h"
 #include "model/paged_kv.h"
 #include "optim/adamw.h"
 #include "optim/clip.h"
@@ -349,8 +350,10 @@ int train_run(const TrainConfig& c, const std::string& out) {
   const size_t budget = c.budget.empty() ? (size_t{1} << 46) : parse_size(c.budget);
   CpuMemory mem(budget);
   auto ops = make_ops("cpu", &mem.device);
-  ParamSet params(src.cfg, DType::f32, mem.device, Category::weights);
-  src.load_weights(params);
+  // An adapter run on a GGUF keeps the base's projection matrices in the file's blocks (frozen: read
+  // by the GEMM as they are); anything else holds every parameter in f32.
+  BaseWeights base = load_base(src, mem.device, c.lora > 0);
+  ParamSet& params = *base.params;
   src.release_weights();
   // --lora: adapters on a frozen base (PEFT's default init, or --adapter's tensors).
   std::unique_ptr<AdapterSet> adapters;

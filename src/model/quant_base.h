@@ -1,0 +1,53 @@
+// A frozen base whose projection matrices stay in a block-quantised encoding: the GGUF file's own
+// blocks (Q4_0 ... Q6_K, Q8_0, F16, ...), each matrix copied once into the weights arena and read by the
+// GEMM through Tensor::quant (dequantised while packing, never materialised as a whole). The rest of
+// the model (embedding, norms, biases, LM head) stays in the ParamSet as f32.
+#pragma once
+#include <deque>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "io/gguf_model.h"
+#include "memory/arena.h"
+#include "model/params.h"
+
+namespace oomless {
+
+// True for the seven projection weights of a block ("model.layers.N.self_attn.q_proj.weight", ...): the
+// matrices a quantised base keeps quantised.
+bool is_projection_weight(const std::string& hf_name);
+
+class QuantBase {
+ public:
+  // Keeps the projection matrices of `tensors` (a GGUF's, HF names) quantised in `arena` and points the
+  // matching views of `params` (built with those tensors not stored) at them.
+  QuantBase(const std::vector<GgufHfTensor>& tensors, ParamSet& params, Arena& arena);
+  size_t bytes() const { return bytes_; }
+  int64_t matrices() const { return static_cast<int64_t>(mats_.size()); }
+
+  // One matrix: its GGUF type, block geometry and the llama.cpp Q/K row interleave to undo.
+  struct Blocks {
+    GgmlType type{};
+    int64_t block = 1, block_bytes = 0, row_bytes = 0;
+    int64_t heads = 0, D = 0;  // 0 heads: rows as stored
+  };
+
+ private:
+  std::deque<QuantMatrix> mats_;  // stable addresses: tensors point at them
+  std::deque<Blocks> info_;
+  std::vector<Buffer> bufs_;
+  size_t bytes_ = 0;
+};
+
+// The base model's weights as a run holds them: every parameter in f32, or, with keep_quantised and a
+// GGUF source, the projection matrices in the file's blocks (QuantBase) and the rest in f32. Fills
+// them from `src` (whose weights the caller may release afterwards).
+struct BaseWeights {
+  std::unique_ptr<ParamSet> params;
+  std::unique_ptr<QuantBase> quant;  // null: nothing kept quantised
+};
+struct ModelSource;
+BaseWeights load_base(ModelSource& src, Arena& arena, bool keep_quantised);
+
+}  // namespace oomless
