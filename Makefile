@@ -6,7 +6,7 @@ ASAN_BUILD ?= build/asan
 CUDA ?= auto
 CTEST_FLAGS ?= --output-on-failure --timeout 120 -j$(JOBS)
 
-.PHONY: all setup build run test test-fast test-asan test-all bench bench-peers bench-long bench-sparse fuzz clean
+.PHONY: all setup build run test test-fast test-asan test-all bench bench-peers bench-long bench-sparse fuzz peft-roundtrip clean
 
 all: build
 
@@ -77,6 +77,12 @@ fuzz:
 	@CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DOOMLESS_FUZZ=ON -DOOMLESS_TESTS=OFF -DOOMLESS_BENCH=OFF -DOOMLESS_CUDA=off > /dev/null
 	@cmake --build $(FUZZ_BUILD) -j$(JOBS)
 	@scripts/fuzz.sh $(FUZZ_BUILD) $(FUZZ_SECONDS)
+
+# Adapters between oomless and PEFT both ways (PEFT loads oomless's, oomless loads PEFT's, merge equals
+# merge_and_unload), on a tiny transformers model; installs torch + transformers + peft into tools/golden/.venv.
+peft-roundtrip: build
+	tools/golden/setup.sh
+	tools/golden/.venv/bin/python tools/golden/peft_roundtrip.py --oomless $(BUILD)/oomless --work $(BUILD)/peft-roundtrip
 
 clean:
 	rm -rf build

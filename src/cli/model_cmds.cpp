@@ -51,7 +51,7 @@ Loaded load(const Args& a, bool need_weights, bool keep_quantised = false) {
   opt.dtype = parse_compute_dtype(a.str("dtype", "fp32"));
   if (a.has("adapter")) {
     const std::string dir = a.str("adapter");
-    l.adapters = std::make_unique<AdapterSet>(l.src.cfg, read_adapter_settings(dir), DType::f32, l.mem->device,
+    l.adapters = std::make_unique<AdapterSet>(l.src.cfg, read_adapter_settings(dir, l.src.cfg), DType::f32, l.mem->device,
                                               Category::adapter);
     load_adapter(dir, l.src.cfg, *l.adapters);
     opt.adapters = l.adapters.get();

@@ -1,10 +1,11 @@
 #include "model/adapter_io.h"
 
 #include <algorithm>
-#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 
+#include "io/peft.h"
 #include "io/safetensors.h"
 
 namespace oomless {
@@ -13,89 +14,84 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::string shape_str(const std::vector<int64_t>& s) {
-  std::string o = "[";
-  for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
-  return o + "]";
+// lora.h's projections and peft.h's modules are the same seven, in the same order.
+static_assert(static_cast<int>(LinearModule::q_proj) == static_cast<int>(Proj::q) &&
+              static_cast<int>(LinearModule::o_proj) == static_cast<int>(Proj::o) &&
+              static_cast<int>(LinearModule::down_proj) == static_cast<int>(Proj::down));
+
+struct Resolved {
+  LoraSettings settings;
+  AdapterLayout layout;
+};
+
+// A folder's adapter_config.json, resolved against the model, as the uniform LoRA oomless trains: the
+// same projections with the same rank and alpha in every layer.
+Resolved resolve_dir(const std::string& dir, const ModelConfig& cfg) {
+  const std::string path = (fs::path(dir) / kAdapterConfig).string();
+  OOM_CHECK(fs::exists(path), "[adapter] ", dir, " holds no ", kAdapterConfig, ": an adapter folder is what PEFT's "
+            "save_pretrained or oomless train --lora writes");
+  const AdapterConfig a = AdapterConfig::from_file(path);
+  for (const std::string& w : a.warnings) std::fprintf(stderr, "oomless: warning: %s: %s\n", path.c_str(), w.c_str());
+  Resolved r;
+  r.layout = resolve_adapter(a, cfg, path);
+  const AdapterLayout& L = r.layout;
+  OOM_CHECK(!L.dora, "[adapter] ", path, ": use_dora = true (DoRA) is not supported yet; supported: LoRA and rsLoRA");
+  OOM_CHECK(!L.train_embed_tokens && !L.train_lm_head, "[adapter] ", path,
+            ": modules_to_save (a trained embed_tokens or lm_head) is not supported yet");
+  LoraSettings& s = r.settings;
+  s.r = L.targets.front().r;
+  s.alpha = L.targets.front().alpha;
+  s.dropout = a.lora_dropout;
+  s.rslora = a.use_rslora;
+  for (const LoraTarget& t : L.targets)
+    if (t.layer == 0) s.targets.push_back(static_cast<Proj>(static_cast<int>(t.module)));
+  const size_t per_layer = s.targets.size();
+  bool uniform = L.targets.size() == per_layer * static_cast<size_t>(cfg.L);
+  for (size_t i = 0; uniform && i < L.targets.size(); ++i) {
+    const LoraTarget& t = L.targets[i];
+    uniform = t.layer == static_cast<int64_t>(i / per_layer) && t.r == s.r && t.alpha == s.alpha &&
+              static_cast<int>(t.module) == static_cast<int>(s.targets[i % per_layer]);
+  }
+  OOM_CHECK(uniform, "[adapter] ", path, ": its projections, ranks or alphas differ between layers (rank_pattern, "
+            "alpha_pattern, layers_to_transform or per-layer target names); supported: the same projections with one "
+            "r and lora_alpha in every layer");
+  return r;
 }
 
 }  // namespace
 
-json::Value adapter_config_json(const LoraSettings& s, const std::string& base_model) {
-  using json::Value;
-  Value o = Value::object();
-  Value targets = Value::array();
-  for (Proj p : s.targets) {
-    const std::string m = proj_module(p);
-    targets.push_back(Value::string(m.substr(m.find('.') + 1)));
-  }
-  o.set("base_model_name_or_path", Value::string(base_model));
-  o.set("bias", Value::string("none"));
-  o.set("fan_in_fan_out", Value::boolean(false));
-  o.set("inference_mode", Value::boolean(true));
-  o.set("init_lora_weights", Value::boolean(true));
-  o.set("lora_alpha", Value::number(s.alpha));
-  o.set("lora_dropout", Value::number(s.dropout));
-  o.set("modules_to_save", Value());
-  o.set("peft_type", Value::string("LORA"));
-  o.set("r", Value::integer(s.r));
-  o.set("target_modules", std::move(targets));
-  o.set("task_type", Value::string("CAUSAL_LM"));
-  o.set("use_dora", Value::boolean(s.dora));
-  o.set("use_rslora", Value::boolean(s.rslora));
-  return o;
+std::string adapter_config_text(const LoraSettings& s, const std::string& base_model) {
+  AdapterConfig a;
+  a.r = s.r;
+  a.lora_alpha = s.alpha;
+  a.lora_dropout = s.dropout;
+  a.use_rslora = s.rslora;
+  a.use_dora = s.dora;
+  a.target_modules.kind = ModuleSelector::Kind::names;
+  for (Proj p : s.targets) a.target_modules.names.push_back(linear_module_name(static_cast<LinearModule>(p)));
+  a.base_model_name_or_path = base_model;
+  return a.to_text();
 }
 
-LoraSettings read_adapter_settings(const std::string& dir) {
-  const std::string path = dir + "/" + kAdapterConfig;
-  OOM_CHECK(fs::exists(path), "[adapter] ", dir, " holds no ", kAdapterConfig, ": an adapter folder is what PEFT's "
-            "save_pretrained or oomless train --lora writes");
-  const json::Value c = json::parse_file(path);
-  OOM_CHECK(c.is_object(), "[adapter] ", path, ": not a JSON object");
-  auto field = [&](const char* k) { return c.find(k); };
-  const json::Value* type = field("peft_type");
-  OOM_CHECK(type && type->is_string() && type->as_string() == "LORA", "[adapter] ", path,
-            ": peft_type must be \"LORA\" (the only adapter type supported)");
-  LoraSettings s;
-  OOM_CHECK(field("r") && field("r")->is_number(), "[adapter] ", path, ": \"r\" (the rank) is missing");
-  s.r = field("r")->as_int("r");
-  s.alpha = field("lora_alpha") ? field("lora_alpha")->as_number("lora_alpha") : 8.0;
-  s.dropout = field("lora_dropout") ? field("lora_dropout")->as_number("lora_dropout") : 0.0;
-  s.rslora = field("use_rslora") && field("use_rslora")->as_bool("use_rslora");
-  s.dora = field("use_dora") && field("use_dora")->as_bool("use_dora");
-  const json::Value* t = field("target_modules");
-  OOM_CHECK(t, "[adapter] ", path, ": target_modules is missing");
-  std::string list;
-  if (t->is_string()) {
-    list = t->as_string();
-  } else {
-    for (const json::Value& x : t->as_array()) list += (list.empty() ? "" : ",") + x.as_string("target_modules");
-  }
-  s.targets = parse_lora_targets(list);
-  return s;
-}
+LoraSettings read_adapter_settings(const std::string& dir, const ModelConfig& cfg) { return resolve_dir(dir, cfg).settings; }
 
 void load_adapter(const std::string& dir, const ModelConfig& cfg, AdapterSet& a) {
-  const LoraSettings want = read_adapter_settings(dir), have = a.settings();
+  const Resolved r = resolve_dir(dir, cfg);
+  const LoraSettings& want = r.settings;
+  const LoraSettings& have = a.settings();
   OOM_CHECK(want.r == have.r && want.targets == have.targets && want.alpha == have.alpha &&
                 want.rslora == have.rslora && want.dora == have.dora,
             "[adapter] ", dir, ": its settings (r ", want.r, ", lora_alpha ", want.alpha, ", ", want.targets.size(),
-            " target projections) differ from this run's (r ", have.r, ", alpha ", have.alpha, ", ",
-            have.targets.size(), ")");
-  const std::string path = dir + "/" + kAdapterWeights;
+            " projections per layer", want.rslora ? ", rsLoRA" : "", ") differ from this run's (r ", have.r,
+            ", lora_alpha ", have.alpha, ", ", have.targets.size(), have.rslora ? ", rsLoRA" : "", ")");
+  const std::string path = (fs::path(dir) / kAdapterWeights).string();
   SafetensorsFile f = SafetensorsFile::open(path);
+  check_adapter_tensors(r.layout, f);  // every tensor present, shapes, float dtypes, nothing else
   const ParamSet& set = a.tensors();
-  for (const StTensor& t : f.tensors())
-    OOM_CHECK(set.find(t.name), "[adapter] ", path, ": tensor '", t.name, "' is not part of a rank-", have.r,
-              " LoRA of this model (", cfg.L, " layers) on the configured targets");
   for (size_t i = 0; i < set.specs().size(); ++i) {
-    const ParamSpec& s = set.specs()[i];
-    const StTensor* t = f.find(s.name);
-    OOM_CHECK(t, "[adapter] ", path, ": tensor '", s.name, "' is missing");
-    OOM_CHECK(t->shape == s.shape, "[adapter] ", path, ": tensor '", s.name, "' has shape ", shape_str(t->shape),
-              ", this model needs ", shape_str(s.shape), " (another base model?)");
-    OOM_CHECK(t->dtype == DType::f32 || t->dtype == DType::bf16 || t->dtype == DType::f16, "[adapter] ", path,
-              ": tensor '", s.name, "' is ", t->dtype_name, "; supported: F32, BF16, F16");
+    const StTensor* t = f.find(set.specs()[i].name);
+    OOM_CHECK(t && t->dtype && t->shape == set.specs()[i].shape, "[adapter] ", path, ": tensor '",
+              set.specs()[i].name, "' is missing or has another shape");
     // Through an aligned copy: another writer's data may be unaligned.
     const Tensor& d = set.tensors()[i];
     std::vector<char> tmp(t->nbytes);

@@ -4,7 +4,6 @@
 #pragma once
 #include <string>
 
-#include "io/json.h"
 #include "model/config.h"
 #include "model/lora.h"
 
@@ -13,11 +12,11 @@ namespace oomless {
 inline constexpr const char* kAdapterConfig = "adapter_config.json";
 inline constexpr const char* kAdapterWeights = "adapter_model.safetensors";
 
-// adapter_config.json as PEFT writes it for these settings; base_model: --model as given.
-json::Value adapter_config_json(const LoraSettings& s, const std::string& base_model);
-// The settings of an adapter folder's adapter_config.json; anything oomless cannot honour is an error
-// naming the file and the field.
-LoraSettings read_adapter_settings(const std::string& dir);
+// adapter_config.json's text as PEFT writes it for these settings (io/peft.h); base_model: --model as given.
+std::string adapter_config_text(const LoraSettings& s, const std::string& base_model);
+// The settings of an adapter folder (ours or PEFT's), resolved against the model with PEFT's matching
+// rules; anything oomless cannot honour is an error naming the file and the field.
+LoraSettings read_adapter_settings(const std::string& dir, const ModelConfig& cfg);
 // Reads DIR/adapter_model.safetensors into `a` (f32, bf16 or f16 tensors converted to a's dtype). DIR's
 // settings must be a's (rank, targets, alpha, rsLoRA); a tensor missing, of another shape, or not part
 // of a's layout is an error naming it.

@@ -487,7 +487,7 @@ int train_run(const TrainConfig& c, const std::string& out) {
     if (adapters) {
       // A PEFT adapter folder: the base is unchanged, so only the adapter is written.
       files.push_back(safetensors_file(kAdapterWeights, param_writes(adapters->tensors(), "")));
-      files.push_back({kAdapterConfig, json::dump(adapter_config_json(adapters->settings(), c.model), 2) + "\n", {}});
+      files.push_back({kAdapterConfig, adapter_config_text(adapters->settings(), c.model), {}});
     } else {
       files.push_back(safetensors_file("model.safetensors", param_writes(params, "")));
       files.push_back({"config.json", json::dump(src.cfg.to_json(), 2) + "\n", {}});
