@@ -53,7 +53,7 @@ Loaded load(const Args& a, bool need_weights, bool keep_quantised = false) {
     const std::string dir = a.str("adapter");
     l.adapters = std::make_unique<AdapterSet>(l.src.cfg, read_adapter_settings(dir, l.src.cfg), DType::f32, l.mem->device,
                                               Category::adapter);
-    load_adapter(dir, l.src.cfg, *l.adapters);
+    load_adapter(dir, l.src.cfg, *l.adapters, *l.params);
     opt.adapters = l.adapters.get();
   }
   l.model = std::make_unique<Model>(l.src.cfg, *l.ops, *l.params, l.mem->device, opt);

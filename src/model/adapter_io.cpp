@@ -36,9 +36,9 @@ Resolved resolve_dir(const std::string& dir, const ModelConfig& cfg) {
   r.layout = resolve_adapter(a, cfg, path);
   const AdapterLayout& L = r.layout;
   OOM_CHECK(!L.dora, "[adapter] ", path, ": use_dora = true (DoRA) is not supported yet; supported: LoRA and rsLoRA");
-  OOM_CHECK(!L.train_embed_tokens && !L.train_lm_head, "[adapter] ", path,
-            ": modules_to_save (a trained embed_tokens or lm_head) is not supported yet");
   LoraSettings& s = r.settings;
+  s.train_embed = L.train_embed_tokens;
+  s.train_head = L.train_lm_head;
   s.r = L.targets.front().r;
   s.alpha = L.targets.front().alpha;
   s.dropout = a.lora_dropout;
@@ -60,7 +60,7 @@ Resolved resolve_dir(const std::string& dir, const ModelConfig& cfg) {
 
 }  // namespace
 
-std::string adapter_config_text(const LoraSettings& s, const std::string& base_model) {
+std::string adapter_config_text(const LoraSettings& s, const std::string& base_model, bool tied) {
   AdapterConfig a;
   a.r = s.r;
   a.lora_alpha = s.alpha;
@@ -70,34 +70,57 @@ std::string adapter_config_text(const LoraSettings& s, const std::string& base_m
   a.target_modules.kind = ModuleSelector::Kind::names;
   for (Proj p : s.targets) a.target_modules.names.push_back(linear_module_name(static_cast<LinearModule>(p)));
   a.base_model_name_or_path = base_model;
+  if (s.train_embed || s.train_head) {
+    a.modules_to_save = std::vector<std::string>();
+    if (s.train_embed) a.modules_to_save->push_back("embed_tokens");
+    if (s.train_head) a.modules_to_save->push_back("lm_head");
+    a.ensure_weight_tying = tied;
+  }
   return a.to_text();
 }
 
 LoraSettings read_adapter_settings(const std::string& dir, const ModelConfig& cfg) { return resolve_dir(dir, cfg).settings; }
 
-void load_adapter(const std::string& dir, const ModelConfig& cfg, AdapterSet& a) {
+std::vector<StWrite> adapter_writes(const AdapterSet& a, const ParamSet& base, const ModelConfig& cfg) {
+  std::vector<StWrite> w;
+  const ParamSet& set = a.tensors();
+  for (size_t i = 0; i < set.specs().size(); ++i)
+    w.push_back({set.specs()[i].name, set.tensors()[i].dtype, set.specs()[i].shape, set.tensors()[i].data});
+  const LoraSettings& s = a.settings();
+  const std::vector<int64_t> ve{cfg.V, cfg.E};
+  const bool embed = s.train_embed || (cfg.tied && s.train_head), head = s.train_head || (cfg.tied && s.train_embed);
+  if (embed) w.push_back({adapter_key(SavedModule::embed_tokens), base.embed.dtype, ve, base.embed.data});
+  if (head) w.push_back({adapter_key(SavedModule::lm_head), base.lm_head.dtype, ve, base.lm_head.data});
+  return w;
+}
+
+void load_adapter(const std::string& dir, const ModelConfig& cfg, AdapterSet& a, ParamSet& base) {
   const Resolved r = resolve_dir(dir, cfg);
   const LoraSettings& want = r.settings;
   const LoraSettings& have = a.settings();
   OOM_CHECK(want.r == have.r && want.targets == have.targets && want.alpha == have.alpha &&
-                want.rslora == have.rslora && want.dora == have.dora,
+                want.rslora == have.rslora && want.dora == have.dora && want.train_embed == have.train_embed &&
+                want.train_head == have.train_head,
             "[adapter] ", dir, ": its settings (r ", want.r, ", lora_alpha ", want.alpha, ", ", want.targets.size(),
             " projections per layer", want.rslora ? ", rsLoRA" : "", ") differ from this run's (r ", have.r,
             ", lora_alpha ", have.alpha, ", ", have.targets.size(), have.rslora ? ", rsLoRA" : "", ")");
   const std::string path = (fs::path(dir) / kAdapterWeights).string();
   SafetensorsFile f = SafetensorsFile::open(path);
   check_adapter_tensors(r.layout, f);  // every tensor present, shapes, float dtypes, nothing else
-  const ParamSet& set = a.tensors();
-  for (size_t i = 0; i < set.specs().size(); ++i) {
-    const StTensor* t = f.find(set.specs()[i].name);
-    OOM_CHECK(t && t->dtype && t->shape == set.specs()[i].shape, "[adapter] ", path, ": tensor '",
-              set.specs()[i].name, "' is missing or has another shape");
+  auto read = [&](const std::string& key, const Tensor& d) {
+    const StTensor* t = f.find(key);
+    OOM_CHECK(t && t->dtype && t->numel() == d.numel() && d.data, "[adapter] ", path, ": tensor '", key,
+              "' is missing or has another shape");
     // Through an aligned copy: another writer's data may be unaligned.
-    const Tensor& d = set.tensors()[i];
     std::vector<char> tmp(t->nbytes);
     std::memcpy(tmp.data(), t->data, t->nbytes);
     convert(d.data, d.dtype, tmp.data(), *t->dtype, d.numel());
-  }
+  };
+  const ParamSet& set = a.tensors();
+  for (size_t i = 0; i < set.specs().size(); ++i) read(set.specs()[i].name, set.tensors()[i]);
+  // modules_to_save: the trained matrices replace the base's (a tied pair is one matrix: its embed key).
+  if (r.layout.train_embed_tokens) read(adapter_key(SavedModule::embed_tokens), base.embed);
+  if (r.layout.train_lm_head && !cfg.tied) read(adapter_key(SavedModule::lm_head), base.lm_head);
 }
 
 }  // namespace oomless

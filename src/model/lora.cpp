@@ -114,6 +114,8 @@ std::vector<ParamSpec> adapter_specs(const ModelConfig& c, const LoraSettings& s
 AdapterSet::AdapterSet(const ModelConfig& cfg, const LoraSettings& s, DType dtype, Arena& arena, Category cat)
     : settings_(s), set_(adapter_specs(cfg, s), dtype, arena, cat, cat == Category::grads ? "adapter grads" : "adapters") {
   validate_lora(s, cfg);
+  // On a tied model the embedding and the head are one matrix: training either trains both.
+  if (cfg.tied && (s.train_embed || s.train_head)) settings_.train_embed = settings_.train_head = true;
   layers_.resize(static_cast<size_t>(cfg.L));
   size_t i = 0;
   for (LayerLora& l : layers_)

@@ -33,6 +33,9 @@ struct LoraSettings {
   std::vector<Proj> targets;
   bool rslora = false;     // s = alpha / sqrt(r)
   bool dora = false;
+  // PEFT's modules_to_save: the embedding / LM head trained in full beside the adapters (on a tied model
+  // either means the one shared matrix).
+  bool train_embed = false, train_head = false;
   double scale() const;
 };
 

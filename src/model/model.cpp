@@ -71,7 +71,19 @@ ParamSet& Model::grads() {
 
 AdapterSet& Model::adapter_grads() {
   OOM_CHECK(opt_.adapters, "[model] adapter gradients need adapters");
-  if (!agrads_) agrads_ = std::make_unique<AdapterSet>(cfg_, opt_.adapters->settings(), act_, arena_, Category::grads);
+  if (!agrads_) {
+    agrads_ = std::make_unique<AdapterSet>(cfg_, opt_.adapters->settings(), act_, arena_, Category::grads);
+    const LoraSettings& s = opt_.adapters->settings();
+    const bool embed = s.train_embed || (cfg_.tied && s.train_head), head = s.train_head && !cfg_.tied;
+    std::vector<ParamSpec> specs;
+    if (embed) specs.push_back({"embed", {cfg_.V, cfg_.E}, true});
+    if (head) specs.push_back({"head", {cfg_.V, cfg_.E}, true});
+    if (!specs.empty()) {
+      sgrads_ = std::make_unique<ParamSet>(specs, act_, arena_, Category::grads, "modules_to_save grads");
+      if (embed) g_embed_ = sgrads_->tensors()[0];
+      g_head_ = head ? sgrads_->tensors()[embed ? 1 : 0] : cfg_.tied ? g_embed_ : Tensor();
+    }
+  }
   return *agrads_;
 }
 
@@ -81,7 +93,13 @@ void Model::ensure_grads() {
 }
 
 TrainableSet Model::trainable() {
-  if (opt_.adapters) return trainable_set(opt_.adapters->tensors(), adapter_grads().tensors());
+  if (opt_.adapters) {
+    TrainableSet t = trainable_set(opt_.adapters->tensors(), adapter_grads().tensors());
+    // modules_to_save, under PEFT's keys (a tied matrix once, as the embedding).
+    if (g_embed_.data) t.push_back({"base_model.model.model.embed_tokens.weight", params_.embed, g_embed_, true});
+    if (g_head_.data && !cfg_.tied) t.push_back({"base_model.model.lm_head.weight", params_.lm_head, g_head_, true});
+    return t;
+  }
   for (size_t i = 0; i < params_.specs().size(); ++i)
     OOM_CHECK(params_.tensors()[i].data, "[model] ", params_.specs()[i].name, " is held quantised (",
               params_.tensors()[i].quant ? params_.tensors()[i].quant->format : "elsewhere",
@@ -92,6 +110,7 @@ TrainableSet Model::trainable() {
 void Model::zero_grads() {
   if (grads_) std::memset(grads_->data(), 0, grads_->bytes());
   if (agrads_) std::memset(agrads_->tensors().data(), 0, agrads_->tensors().bytes());
+  if (sgrads_) std::memset(sgrads_->data(), 0, sgrads_->bytes());
 }
 
 void Model::reserve(int64_t T, bool for_backward, bool chunked) {

@@ -166,6 +166,9 @@ class Model {
   DType act_;
   std::unique_ptr<ParamSet> grads_;
   std::unique_ptr<AdapterSet> agrads_;
+  // Gradients of the modules trained beside adapters (modules_to_save): embed, head (one matrix when tied).
+  std::unique_ptr<ParamSet> sgrads_;
+  Tensor g_embed_, g_head_;
   std::vector<LayerLora> aread_;  // the adapter tensors matmuls read (as bf16 in bf16 mode)
   LayerParams no_grads_;          // a frozen layer's gradients: all empty
   int64_t lora_r_ = 0;

@@ -65,7 +65,7 @@ void Model::backward(double grad_scale) {
   Scratch& s = *s_;
   ensure_grads();
   // Under adapters the embedding, final norm and head are frozen: no weight gradients (empty tensors).
-  const Tensor g_head = grads_ ? grads_->lm_head : Tensor(), g_norm = grads_ ? grads_->final_norm : Tensor();
+  const Tensor g_head = grads_ ? grads_->lm_head : g_head_, g_norm = grads_ ? grads_->final_norm : Tensor();
   const int64_t T = T_, E = cfg_.E;
   Tensor pos(s.pos.data, DType::i32, {T});
   Tensor id_t(s.ids.data, DType::i32, {T}), tg_t(s.targets.data, DType::i32, {T});
@@ -80,6 +80,7 @@ void Model::backward(double grad_scale) {
     block_backward(l, a, pos, dx);
   }
   if (grads_) ops_.embedding_backward(grads_->embed, dx, id_t);
+  else if (g_embed_.data) ops_.embedding_backward(g_embed_, dx, id_t);
 }
 
 void Model::logits(Tensor out) {

@@ -205,6 +205,10 @@ const std::vector<TrainOption>& train_options() {
            &C::lora_targets),
       flag("rslora", true, "rank-stabilised LoRA: s = a / sqrt(r)", &C::rslora),
       flag("dora", true, "DoRA (weight-decomposed LoRA)", &C::dora),
+      text("modules-to-save", true, "L",
+           "with --lora: embed_tokens and/or lm_head (comma-separated) trained in full beside\nthe adapter "
+           "and saved in it, as PEFT's modules_to_save (default: none)",
+           &C::modules_to_save),
       text("adapter", true, "DIR", "start from this adapter folder (oomless's or PEFT's) instead of a new one",
            &C::adapter),
   };
@@ -267,6 +271,17 @@ LoraSettings lora_settings(const TrainConfig& c) {
   s.targets = parse_lora_targets(c.lora_targets);
   s.rslora = c.rslora;
   s.dora = c.dora;
+  for (size_t i = 0; i <= c.modules_to_save.size();) {
+    size_t j = c.modules_to_save.find(',', i);
+    if (j == std::string::npos) j = c.modules_to_save.size();
+    const std::string m = c.modules_to_save.substr(i, j - i);
+    i = j + 1;
+    if (m.empty()) continue;
+    OOM_CHECK(m == "embed_tokens" || m == "lm_head", "[train] --modules-to-save: '", m,
+              "' is not supported; supported: embed_tokens, lm_head");
+    (m == "embed_tokens" ? s.train_embed : s.train_head) = true;
+  }
+  OOM_CHECK(c.lora > 0 || c.modules_to_save.empty(), "[train] --modules-to-save needs --lora r");
   OOM_CHECK(!s.dora, "[train] --dora is not supported yet; use LoRA (without --dora)");
   return s;
 }
@@ -360,7 +375,7 @@ int train_run(const TrainConfig& c, const std::string& out) {
   if (c.lora > 0) {
     adapters = std::make_unique<AdapterSet>(src.cfg, lora_settings(c), DType::f32, mem.device, Category::adapter);
     init_lora(*adapters, static_cast<uint64_t>(c.seed) + 1);
-    if (!c.adapter.empty()) load_adapter(c.adapter, src.cfg, *adapters);
+    if (!c.adapter.empty()) load_adapter(c.adapter, src.cfg, *adapters, params);
   } else {
     OOM_CHECK(c.adapter.empty(), "[train] --adapter ", c.adapter, " needs --lora r (the adapter's rank)");
   }
@@ -468,7 +483,7 @@ int train_run(const TrainConfig& c, const std::string& out) {
       warn("the thread count, CPU instruction set or binary differs from the saved run's: results may differ in the "
            "last bits from an uninterrupted run");
     if (adapters) {
-      read_params(SafetensorsFile::open(ck->path + "/" + kAdapterWeights), adapters->tensors(), "");
+      load_adapter(ck->path, src.cfg, *adapters, params);
     } else {
       read_params(SafetensorsFile::open(ck->path + "/model.safetensors"), params, "");
     }
@@ -486,8 +501,8 @@ int train_run(const TrainConfig& c, const std::string& out) {
     std::vector<CheckpointFile> files;
     if (adapters) {
       // A PEFT adapter folder: the base is unchanged, so only the adapter is written.
-      files.push_back(safetensors_file(kAdapterWeights, param_writes(adapters->tensors(), "")));
-      files.push_back({kAdapterConfig, adapter_config_text(adapters->settings(), c.model), {}});
+      files.push_back(safetensors_file(kAdapterWeights, adapter_writes(*adapters, params, src.cfg)));
+      files.push_back({kAdapterConfig, adapter_config_text(adapters->settings(), c.model, src.cfg.tied), {}});
     } else {
       files.push_back(safetensors_file("model.safetensors", param_writes(params, "")));
       files.push_back({"config.json", json::dump(src.cfg.to_json(), 2) + "\n", {}});

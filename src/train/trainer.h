@@ -58,6 +58,7 @@ struct TrainConfig {
   std::string lora_targets = "all-linear";
   bool rslora = false;
   bool dora = false;
+  std::string modules_to_save;  // with lora: embed_tokens,lm_head trained in full
   std::string adapter;          // an adapter folder (oomless's or PEFT's) to continue
 
   // Keys are the long flag names without "--" (e.g. "grad-accum"); unknown keys are an error.

@@ -55,4 +55,12 @@ expect_error "r may be at most" train $common --lora 100000 --steps 1 --out "$ou
 expect_error "holds no adapter_config.json" eval --model preset:micro --adapter "$out" --data "$out/eval.txt" --seq 64
 expect_error "differ from this run" train $common --lora 8 --adapter "$ck" --steps 1 --out "$out/e3"
 expect_error "is not part of a rank-4 LoRA\|has shape" eval --model preset:tiny --adapter "$ck" --data "$out/eval.txt" --seq 64
+expect_error "supported: embed_tokens, lm_head" train $common --modules-to-save norm --steps 1 --out "$out/e4"
+# modules_to_save: lm_head trained beside the adapter, saved under PEFT's key, read back by eval.
+"$bin" train $common --steps 2 --modules-to-save lm_head --out "$out/m" > "$out/m.log" 2>&1 || { cat "$out/m.log"; exit 1; }
+grep -q "base_model.model.lm_head.weight" "$out/m/checkpoint-2/adapter_model.safetensors" ||
+  { echo "no lm_head in the adapter"; exit 1; }
+grep -q '"lm_head"' "$out/m/checkpoint-2/adapter_config.json" || { echo "modules_to_save not written"; exit 1; }
+"$bin" eval --model preset:micro --adapter "$out/m/checkpoint-2" --data "$out/eval.txt" --seq 64 > "$out/m.eval" 2>&1 ||
+  { cat "$out/m.eval"; exit 1; }
 echo "train --lora: ok"
