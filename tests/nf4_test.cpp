@@ -2,11 +2,17 @@
 // quantisation of float32 and bf16 tensors (odd sizes, a 2-D shape, blocksizes 64/128/256, ties, zero,
 // constant and non-finite blocks), double quantisation with torch.mean's summation order, dequantisation
 // of whole tensors, of any sub-range and of matrix rows; goldens from tools/golden/make_nf4.py in
-// tests/golden/nf4.
+// tests/golden/nf4. Then the transformers-saved 4-bit model in tests/golden/bnb4 (every linear loaded,
+// dequantised rows equal to bitsandbytes', and our quantiser reproducing the file from the original
+// float32 weights), and the quant_state parser's and loader's refusals.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -14,6 +20,7 @@
 #include "core/error.h"
 #include "io/json.h"
 #include "io/safetensors.h"
+#include "quant/bnb4.h"
 #include "quant/nf4.h"
 #include "quant/torch_sum.h"
 #include "train/checkpoint.h"
@@ -195,6 +202,206 @@ TEST(Nf4, TorchMeanOrder) {
     const float m = torch_mean_f32(x.data(), ns[k], ts[k]);
     EXPECT_EQ(f32_bits(m), f32_bits(vs[k])) << "n " << ns[k] << " threads " << ts[k] << ": " << m << " vs " << vs[k];
   }
+}
+
+// ---- the transformers-saved checkpoint ----
+
+std::string bnb4_dir() { return test::source_path("tests/golden/bnb4/llama_gqa_untied"); }
+
+TEST(Bnb4, EveryLinearOfTheSavedModelDequantisesAsBitsandbytes) {
+  const SafetensorsFile f = SafetensorsFile::open(bnb4_dir() + "/model.safetensors");
+  const SafetensorsFile golden = SafetensorsFile::open(bnb4_dir() + "/golden.safetensors");
+  const SafetensorsFile orig =
+      SafetensorsFile::open(test::source_path("tests/golden/models/llama_gqa_untied/model.safetensors"));
+  const std::string suffix = ".weight.quant_state.bitsandbytes__nf4";
+  int linears = 0;
+  for (const StTensor& t : f.tensors()) {
+    if (t.name.size() < suffix.size() || t.name.compare(t.name.size() - suffix.size(), suffix.size(), suffix)) continue;
+    const std::string prefix = t.name.substr(0, t.name.size() - suffix.size());
+    SCOPED_TRACE(prefix);
+    ++linears;
+    ASSERT_TRUE(is_bnb4_weight(f, prefix));
+    const Matrix m = load_bnb4_weight(f, prefix);
+    EXPECT_TRUE(m.double_quant());
+    EXPECT_EQ(m.blocksize, 64);
+    const StTensor* want = golden.find("deq." + prefix + ".weight");
+    ASSERT_TRUE(want);
+    ASSERT_EQ(want->shape, (std::vector<int64_t>{m.rows, m.cols}));
+    std::vector<float> out(static_cast<size_t>(m.numel()));
+    nf4::dequantize_rows(m, 0, m.rows, out.data());
+    EXPECT_EQ(std::memcmp(out.data(), want->data, want->nbytes), 0);
+    for (int64_t r0 = 0; r0 < m.rows; r0 += 3) {  // row ranges that start mid-block
+      const int64_t nr = std::min<int64_t>(2, m.rows - r0);
+      std::vector<float> part(static_cast<size_t>(nr * m.cols));
+      nf4::dequantize_rows(m, r0, nr, part.data());
+      EXPECT_EQ(std::memcmp(part.data(), out.data() + r0 * m.cols, part.size() * 4), 0) << "row " << r0;
+    }
+    // Quantising the original float32 weight reproduces the file's bytes.
+    std::vector<float> w(static_cast<size_t>(m.numel()));
+    read_as_f32(*orig.find(prefix + ".weight"), std::vector<int64_t>{m.rows, m.cols}, w.data());
+    std::vector<float> mem(nf4::storage_bytes(m) / 4 + 1);
+    const Matrix q = nf4::quantize_matrix(w.data(), m.rows, m.cols, 64, true, mem.data(), mem.size() * 4);
+    EXPECT_EQ(std::memcmp(q.packed, m.packed, static_cast<size_t>(nf4::packed_bytes(m.numel()))), 0);
+    EXPECT_EQ(std::memcmp(q.absmax_codes, m.absmax_codes, static_cast<size_t>(m.blocks())), 0);
+    EXPECT_EQ(std::memcmp(q.nested_absmax, m.nested_absmax, 4 * static_cast<size_t>(nf4::num_blocks(m.blocks(), 256))), 0);
+    EXPECT_EQ(f32_bits(q.offset), f32_bits(m.offset));
+  }
+  EXPECT_EQ(linears, 14);
+  EXPECT_FALSE(is_bnb4_weight(f, "lm_head"));  // transformers keeps the head in float32
+  const json::Value cfg = json::parse_file(bnb4_dir() + "/config.json");
+  EXPECT_EQ(cfg.at("quantization_config").at("quant_method").as_string(), "bitsandbytes");
+}
+
+// ---- refusals ----
+
+void expect_error(const std::function<void()>& f, const std::vector<std::string>& parts) {
+  try {
+    f();
+    ADD_FAILURE() << "accepted; wanted an error with \"" << parts.back() << "\"";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    for (const std::string& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "message: " << msg << "\nwanted: " << p;
+  }
+}
+
+const char* kGoodState = R"({"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": [32, 32], )"
+                         R"("nested_blocksize": 256, "nested_dtype": "float32", "nested_offset": 0.5335139632225037})";
+
+TEST(Bnb4, ParsesTheQuantState) {
+  const Bnb4QuantState qs = parse_bnb4_quant_state(kGoodState, "w");
+  EXPECT_EQ(qs.quant_type, "nf4");
+  EXPECT_EQ(qs.blocksize, 64);
+  EXPECT_EQ(qs.shape, (std::vector<int64_t>{32, 32}));
+  EXPECT_TRUE(qs.nested);
+  EXPECT_EQ(qs.nested_blocksize, 256);
+  EXPECT_EQ(qs.nested_offset, 0.5335139632225037f);
+  const Bnb4QuantState plain =
+      parse_bnb4_quant_state(R"({"quant_type": "nf4", "blocksize": 128, "dtype": "bfloat16", "shape": [3, 5]})", "w");
+  EXPECT_FALSE(plain.nested);
+  EXPECT_EQ(plain.numel(), 15);
+}
+
+TEST(Bnb4, RefusesBadQuantStates) {
+  auto refuses = [](const std::string& text, const std::string& what) {
+    expect_error([&] { parse_bnb4_quant_state(text, "f.safetensors: k"); }, {"[bnb4] f.safetensors: k: ", what});
+  };
+  const std::string head = R"({"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": [4, 4])";
+  refuses("{\"quant_type\": ", "not valid JSON");
+  refuses("[1, 2]", "must be a JSON object");
+  refuses(R"({"quant_type": "fp4", "blocksize": 64, "dtype": "float32", "shape": [4, 4]})", "fp4 is not supported, only nf4");
+  refuses(R"({"quant_type": "int4", "blocksize": 64, "dtype": "float32", "shape": [4, 4]})", "unknown quant_type \"int4\"");
+  refuses(R"({"quant_type": "nf4", "blocksize": 48, "dtype": "float32", "shape": [4, 4]})", "blocksize 48 is not one of");
+  refuses(R"({"quant_type": "nf4", "blocksize": "64", "dtype": "float32", "shape": [4, 4]})", "\"blocksize\" must be an integer");
+  refuses(R"({"quant_type": "nf4", "dtype": "float32", "shape": [4, 4]})", "missing key \"blocksize\"");
+  refuses(R"({"quant_type": "nf4", "blocksize": 64, "dtype": "float64", "shape": [4, 4]})", "dtype \"float64\" is not one of");
+  refuses(R"({"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": []})", "non-empty array");
+  refuses(R"({"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": [4, 0]})", "dimensions >= 1");
+  refuses(R"({"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": [1048576, 1048577]})", "fewer than 2^40");
+  refuses(head + R"(, "colour": "red"})", "unknown key \"colour\"");
+  refuses(head + R"(, "nested_blocksize": 256, "nested_dtype": "float32"})", "missing key \"nested_offset\"");
+  refuses(head + R"(, "nested_blocksize": 256, "nested_dtype": "float16", "nested_offset": 0.1})", "nested_dtype \"float16\"");
+  refuses(head + R"(, "nested_blocksize": 100, "nested_dtype": "float32", "nested_offset": 0.1})", "nested_blocksize 100");
+  refuses(head + R"(, "nested_blocksize": 256, "nested_dtype": "float32", "nested_offset": 1e300})", "not a finite float32");
+}
+
+// A .safetensors file written byte by byte, so that any dtype (U8 included) and any header can be used.
+struct RawTensor {
+  std::string name, dtype;
+  std::vector<int64_t> shape;
+  std::vector<uint8_t> bytes;
+};
+std::string write_raw(const std::string& file, const std::vector<RawTensor>& ts) {
+  json::Value h = json::Value::object();
+  std::vector<uint8_t> data;
+  for (const RawTensor& t : ts) {
+    json::Value e = json::Value::object();
+    e.set("dtype", json::Value::string(t.dtype));
+    json::Value s = json::Value::array();
+    for (int64_t d : t.shape) s.push_back(json::Value::integer(d));
+    e.set("shape", s);
+    json::Value off = json::Value::array();
+    off.push_back(json::Value::integer(static_cast<int64_t>(data.size())));
+    data.insert(data.end(), t.bytes.begin(), t.bytes.end());
+    off.push_back(json::Value::integer(static_cast<int64_t>(data.size())));
+    e.set("data_offsets", off);
+    h.set(t.name, e);
+  }
+  std::string header = json::dump(h);
+  while (header.size() % 8) header += ' ';
+  const std::string path = testing::TempDir() + std::to_string(::getpid()) + "_" + file;
+  std::ofstream o(path, std::ios::binary);
+  const uint64_t len = header.size();
+  o.write(reinterpret_cast<const char*>(&len), 8);
+  o.write(header.data(), static_cast<std::streamsize>(header.size()));
+  o.write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(data.size()));
+  return path;
+}
+
+template <class T> std::vector<uint8_t> bytes_of(const T* p, size_t n) {
+  std::vector<uint8_t> b(n * sizeof(T));
+  std::memcpy(b.data(), p, b.size());
+  return b;
+}
+
+// A valid plain (not double-quantised) 4 x 20 weight, blocksize 32: 80 codes, 3 blocks.
+std::vector<RawTensor> plain_weight(const std::string& state) {
+  std::vector<float> absmax = {0.5f, 0.25f, 1.0f};
+  return {{"p.weight", "U8", {40, 1}, std::vector<uint8_t>(40, 0x7F)},
+          {"p.weight.absmax", "F32", {3}, bytes_of(absmax.data(), 3)},
+          {"p.weight.quant_map", "F32", {16}, bytes_of(nf4::kCode, 16)},
+          {"p.weight.quant_state.bitsandbytes__nf4", "U8", {static_cast<int64_t>(state.size())},
+           std::vector<uint8_t>(state.begin(), state.end())}};
+}
+const std::string kPlainState = R"({"quant_type": "nf4", "blocksize": 32, "dtype": "float32", "shape": [4, 20]})";
+
+TEST(Bnb4, LoadsAHandWrittenPlainWeight) {
+  const SafetensorsFile f = SafetensorsFile::open(write_raw("bnb4_plain.safetensors", plain_weight(kPlainState)));
+  const Matrix m = load_bnb4_weight(f, "p");
+  EXPECT_FALSE(m.double_quant());
+  std::vector<float> out(80);
+  nf4::dequantize_rows(m, 0, 4, out.data());
+  for (int i = 0; i < 80; ++i) EXPECT_EQ(out[i], (i % 2 ? nf4::kCode[15] : 0.0f) * (i < 32 ? 0.5f : i < 64 ? 0.25f : 1.0f));
+}
+
+TEST(Bnb4, RefusesInconsistentTensors) {
+  auto refuses = [](std::vector<RawTensor> ts, const std::string& what, const std::string& prefix = "p") {
+    const std::string path = write_raw("bnb4_bad.safetensors", ts);
+    const SafetensorsFile f = SafetensorsFile::open(path);
+    expect_error([&] { load_bnb4_weight(f, prefix); }, {"[bnb4] " + path, what});
+  };
+  refuses(plain_weight(kPlainState), "q_proj is not a bitsandbytes 4-bit weight", "q_proj");
+  auto ts = plain_weight(kPlainState);
+  ts[3].name = "p.weight.quant_state.bitsandbytes__fp4";
+  refuses(ts, "fp4 is not supported, only nf4");
+  refuses(plain_weight("{oops"), "p.weight.quant_state.bitsandbytes__nf4: the quant state is not valid JSON");
+  ts = plain_weight(kPlainState), ts[0].shape = {39, 1}, ts[0].bytes.resize(39);
+  refuses(ts, "p.weight: shape [39, 1], expected [40, 1]");
+  ts = plain_weight(kPlainState), ts[0].dtype = "I8";
+  refuses(ts, "p.weight: dtype I8, expected U8");
+  ts = plain_weight(kPlainState), ts[1].shape = {2}, ts[1].bytes.resize(8);
+  refuses(ts, "p.weight.absmax: shape [2], expected [3] (the block scales)");
+  ts = plain_weight(kPlainState), ts[1].dtype = "U8", ts[1].bytes.resize(3);
+  refuses(ts, "p.weight.absmax: dtype U8, expected F32");
+  ts = plain_weight(kPlainState), ts[2].bytes[5] ^= 1;
+  refuses(ts, "p.weight.quant_map: entry 1 is");
+  ts = plain_weight(kPlainState), ts.erase(ts.begin() + 2);
+  refuses(ts, "p.weight.quant_map is missing");
+  refuses(plain_weight(R"({"quant_type": "nf4", "blocksize": 32, "dtype": "float32", "shape": [80]})"), "is not 2-D");
+  // Double quantisation: the nested tensors must come with the nested keys and the other way round.
+  const std::string nested = R"({"quant_type": "nf4", "blocksize": 32, "dtype": "float32", "shape": [4, 20], )"
+                             R"("nested_blocksize": 256, "nested_dtype": "float32", "nested_offset": 0.5})";
+  ts = plain_weight(nested);
+  refuses(ts, "p.weight.nested_absmax is missing");
+  ts.push_back({"p.weight.nested_absmax", "F32", {1}, std::vector<uint8_t>(4, 0)});
+  ts.push_back({"p.weight.nested_quant_map", "F32", {256}, bytes_of(nf4::kDynamicMap, 256)});
+  refuses(ts, "p.weight.absmax: dtype F32, expected U8 (the 8-bit codes");
+  ts[1] = {"p.weight.absmax", "U8", {3}, {1, 2, 3}};
+  EXPECT_NO_THROW(load_bnb4_weight(SafetensorsFile::open(write_raw("bnb4_dq.safetensors", ts)), "p"));
+  ts[5].bytes[0] ^= 1;
+  refuses(ts, "p.weight.nested_quant_map: entry 0 is");
+  ts = plain_weight(kPlainState);
+  ts.push_back({"p.weight.nested_absmax", "F32", {1}, std::vector<uint8_t>(4, 0)});
+  refuses(ts, "has nested_absmax/nested_quant_map but its quant state has no nested_* keys");
 }
 
 }  // namespace
