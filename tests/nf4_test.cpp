@@ -57,9 +57,12 @@ template <class T> std::string sha(const std::vector<T>& v) { return sha256_hex(
 // The first index where two float vectors differ bitwise, for messages.
 std::string first_diff(const std::vector<float>& a, const std::vector<float>& b) {
   for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
-    if (f32_bits(a[i]) != f32_bits(b[i])) return "index " + std::to_string(i) + ": " + std::to_string(a[i]) +
-                                                  " vs " + std::to_string(b[i]);
+    if (f32_bits(a[i]) != f32_bits(b[i]))
+      return "index " + std::to_string(i) + ": " + std::to_string(a[i]) + " vs " + std::to_string(b[i]);
   return "sizes " + std::to_string(a.size()) + " vs " + std::to_string(b.size());
+}
+void expect_bits(const std::vector<float>& got, const std::vector<float>& want, const char* what) {
+  EXPECT_TRUE(same_bytes(got, want)) << what << ", first difference at " << first_diff(got, want);
 }
 
 TEST(Nf4, TablesAreBitsandbytes) {
@@ -114,15 +117,13 @@ TEST(Nf4, QuantiseAndDequantiseMatchBitsandbytes) {
     EXPECT_TRUE(same_bytes(o.packed, g.get<uint8_t>(name + ".packed"))) << "packed codes";
     if (c.at("double_quant").as_bool()) {
       EXPECT_TRUE(same_bytes(o.codes, g.get<uint8_t>(name + ".absmax_codes"))) << "absmax codes";
-      EXPECT_TRUE(same_bytes(o.nested, g.get<float>(name + ".nested_absmax"))) << first_diff(o.nested, g.get<float>(name + ".nested_absmax"));
+      expect_bits(o.nested, g.get<float>(name + ".nested_absmax"), "nested absmax");
       EXPECT_EQ(f32_bits(o.offset), f32_bits(g.get<float>(name + ".offset")[0])) << o.offset;
-      EXPECT_TRUE(same_bytes(o.scales, g.get<float>(name + ".absmax_deq"))) << first_diff(o.scales, g.get<float>(name + ".absmax_deq"));
+      expect_bits(o.scales, g.get<float>(name + ".absmax_deq"), "dequantised absmax");
     } else {
-      EXPECT_TRUE(same_bytes(o.absmax, g.get<float>(name + ".absmax"))) << first_diff(o.absmax, g.get<float>(name + ".absmax"));
+      expect_bits(o.absmax, g.get<float>(name + ".absmax"), "absmax");
     }
-    if (g.has(name + ".dequant")) {
-      EXPECT_TRUE(same_bytes(o.dequant, g.get<float>(name + ".dequant"))) << first_diff(o.dequant, g.get<float>(name + ".dequant"));
-    }
+    if (g.has(name + ".dequant")) expect_bits(o.dequant, g.get<float>(name + ".dequant"), "dequantised");
     EXPECT_EQ(sha(o.dequant), c.at("dequant_sha256").as_string()) << "dequantised float32";
     if (const json::Value* h = c.find("dequant_bf16_sha256")) {
       // bitsandbytes' own bf16 output is the float32 result rounded to nearest even.
@@ -140,8 +141,9 @@ TEST(Nf4, DequantiseRangeAnyStart) {
     const Ours o = run_case(g, g.info.at("cases").at(name));
     const int64_t n = static_cast<int64_t>(o.dequant.size());
     const int64_t bs = g.info.at("cases").at(name).at("blocksize").as_int();
-    for (int64_t start : {int64_t{0}, int64_t{1}, int64_t{2}, int64_t{31}, int64_t{63}, int64_t{64}, n / 2 + 1, n - 1}) {
-      for (int64_t count : {int64_t{0}, int64_t{1}, int64_t{2}, int64_t{3}, int64_t{64}, int64_t{129}, n}) {
+    const std::vector<int64_t> starts = {0, 1, 2, 31, 63, 64, n / 2 + 1, n - 1}, counts = {0, 1, 2, 3, 64, 129, n};
+    for (int64_t start : starts) {
+      for (int64_t count : counts) {
         if (start >= n) continue;
         count = std::min(count, n - start);
         std::vector<float> out(static_cast<size_t>(count + 2), 12345.0f);  // a guard element each side
@@ -243,7 +245,8 @@ TEST(Bnb4, EveryLinearOfTheSavedModelDequantisesAsBitsandbytes) {
     const Matrix q = nf4::quantize_matrix(w.data(), m.rows, m.cols, 64, true, mem.data(), mem.size() * 4);
     EXPECT_EQ(std::memcmp(q.packed, m.packed, static_cast<size_t>(nf4::packed_bytes(m.numel()))), 0);
     EXPECT_EQ(std::memcmp(q.absmax_codes, m.absmax_codes, static_cast<size_t>(m.blocks())), 0);
-    EXPECT_EQ(std::memcmp(q.nested_absmax, m.nested_absmax, 4 * static_cast<size_t>(nf4::num_blocks(m.blocks(), 256))), 0);
+    const size_t nested_bytes = 4 * static_cast<size_t>(nf4::num_blocks(m.blocks(), 256));
+    EXPECT_EQ(std::memcmp(q.nested_absmax, m.nested_absmax, nested_bytes), 0);
     EXPECT_EQ(f32_bits(q.offset), f32_bits(m.offset));
   }
   EXPECT_EQ(linears, 14);
@@ -260,7 +263,8 @@ void expect_error(const std::function<void()>& f, const std::vector<std::string>
     ADD_FAILURE() << "accepted; wanted an error with \"" << parts.back() << "\"";
   } catch (const Error& e) {
     const std::string msg = e.what();
-    for (const std::string& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "message: " << msg << "\nwanted: " << p;
+    for (const std::string& p : parts)
+      EXPECT_NE(msg.find(p), std::string::npos) << "message: " << msg << "\nwanted: " << p;
   }
 }
 
@@ -281,27 +285,40 @@ TEST(Bnb4, ParsesTheQuantState) {
   EXPECT_EQ(plain.numel(), 15);
 }
 
+// A quant state with the given fields (JSON text, spliced as is).
+std::string state(const std::string& type, const std::string& bs, const std::string& dtype,
+                  const std::string& shape, const std::string& more = "") {
+  return R"({"quant_type": )" + type + R"(, "blocksize": )" + bs + R"(, "dtype": )" + dtype +
+         R"(, "shape": )" + shape + more + "}";
+}
+
 TEST(Bnb4, RefusesBadQuantStates) {
   auto refuses = [](const std::string& text, const std::string& what) {
     expect_error([&] { parse_bnb4_quant_state(text, "f.safetensors: k"); }, {"[bnb4] f.safetensors: k: ", what});
   };
-  const std::string head = R"({"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": [4, 4])";
+  const std::string nf4 = "\"nf4\"", f32 = "\"float32\"", sq = "[4, 4]";
+  auto nested = [&](const std::string& bs, const std::string& dtype, const std::string& offset) {
+    return state(nf4, "64", f32, sq, R"(, "nested_blocksize": )" + bs + R"(, "nested_dtype": )" + dtype +
+                                         R"(, "nested_offset": )" + offset);
+  };
   refuses("{\"quant_type\": ", "not valid JSON");
   refuses("[1, 2]", "must be a JSON object");
-  refuses(R"({"quant_type": "fp4", "blocksize": 64, "dtype": "float32", "shape": [4, 4]})", "fp4 is not supported, only nf4");
-  refuses(R"({"quant_type": "int4", "blocksize": 64, "dtype": "float32", "shape": [4, 4]})", "unknown quant_type \"int4\"");
-  refuses(R"({"quant_type": "nf4", "blocksize": 48, "dtype": "float32", "shape": [4, 4]})", "blocksize 48 is not one of");
-  refuses(R"({"quant_type": "nf4", "blocksize": "64", "dtype": "float32", "shape": [4, 4]})", "\"blocksize\" must be an integer");
+  refuses(state("\"fp4\"", "64", f32, sq), "fp4 is not supported, only nf4");
+  refuses(state("\"int4\"", "64", f32, sq), "unknown quant_type \"int4\"");
+  refuses(state(nf4, "48", f32, sq), "blocksize 48 is not one of");
+  refuses(state(nf4, "\"64\"", f32, sq), "\"blocksize\" must be an integer");
   refuses(R"({"quant_type": "nf4", "dtype": "float32", "shape": [4, 4]})", "missing key \"blocksize\"");
-  refuses(R"({"quant_type": "nf4", "blocksize": 64, "dtype": "float64", "shape": [4, 4]})", "dtype \"float64\" is not one of");
-  refuses(R"({"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": []})", "non-empty array");
-  refuses(R"({"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": [4, 0]})", "dimensions >= 1");
-  refuses(R"({"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": [1048576, 1048577]})", "fewer than 2^40");
-  refuses(head + R"(, "colour": "red"})", "unknown key \"colour\"");
-  refuses(head + R"(, "nested_blocksize": 256, "nested_dtype": "float32"})", "missing key \"nested_offset\"");
-  refuses(head + R"(, "nested_blocksize": 256, "nested_dtype": "float16", "nested_offset": 0.1})", "nested_dtype \"float16\"");
-  refuses(head + R"(, "nested_blocksize": 100, "nested_dtype": "float32", "nested_offset": 0.1})", "nested_blocksize 100");
-  refuses(head + R"(, "nested_blocksize": 256, "nested_dtype": "float32", "nested_offset": 1e300})", "not a finite float32");
+  refuses(state(nf4, "64", "\"float64\"", sq), "dtype \"float64\" is not one of");
+  refuses(state(nf4, "64", f32, "[]"), "non-empty array");
+  refuses(state(nf4, "64", f32, "[4, 0]"), "dimensions >= 1");
+  refuses(state(nf4, "64", f32, "[1048576, 1048577]"), "fewer than 2^40");
+  refuses(state(nf4, "64", f32, sq, R"(, "colour": "red")"), "unknown key \"colour\"");
+  refuses(state(nf4, "64", f32, sq, R"(, "nested_blocksize": 256, "nested_dtype": "float32")"),
+          "missing key \"nested_offset\"");
+  refuses(nested("256", "\"float16\"", "0.1"), "nested_dtype \"float16\"");
+  refuses(nested("100", f32, "0.1"), "nested_blocksize 100");
+  refuses(nested("256", f32, "1e300"), "not a finite float32");
+  EXPECT_NO_THROW(parse_bnb4_quant_state(nested("256", f32, "0.1"), "k"));
 }
 
 // A .safetensors file written byte by byte, so that any dtype (U8 included) and any header can be used.
@@ -360,7 +377,10 @@ TEST(Bnb4, LoadsAHandWrittenPlainWeight) {
   EXPECT_FALSE(m.double_quant());
   std::vector<float> out(80);
   nf4::dequantize_rows(m, 0, 4, out.data());
-  for (int i = 0; i < 80; ++i) EXPECT_EQ(out[i], (i % 2 ? nf4::kCode[15] : 0.0f) * (i < 32 ? 0.5f : i < 64 ? 0.25f : 1.0f));
+  for (int i = 0; i < 80; ++i) {  // codes 7 (0.0) and 15 (1.0) alternate; blocks of 32 scaled 0.5, 0.25, 1
+    const float scale = i < 32 ? 0.5f : i < 64 ? 0.25f : 1.0f;
+    EXPECT_EQ(out[i], (i % 2 ? nf4::kCode[15] : 0.0f) * scale) << i;
+  }
 }
 
 TEST(Bnb4, RefusesInconsistentTensors) {

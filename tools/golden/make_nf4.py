@@ -150,7 +150,8 @@ def make_nf4(rng):
         tag = "x".join(str(s) for s in shape)
         for bs in (64, 128, 256):
             for dq in (False, True):
-                add(f"f32_{tag}_bs{bs}{'_dq' if dq else ''}", x, bs, dq, keep_dequant=(bs == 64 and dq and x.numel() <= 1000),
+                keep = bs == 64 and dq and x.numel() <= 1000
+                add(f"f32_{tag}_bs{bs}{'_dq' if dq else ''}", x, bs, dq, keep_dequant=keep,
                     input_name=f"input.f32_{tag}")
         xb = x.to(torch.bfloat16)
         for bs, dq in ((64, False), (64, True), (128, True)):
