@@ -34,8 +34,9 @@
 // this table an unfused one gives the same codes (searched near every table boundary), so nothing
 // depends on the compiler there.
 //
-// Every routine here is single-threaded, allocates nothing and reads float arrays with memcpy, so
-// scales may sit unaligned in a file mapping.
+// Every routine here is single-threaded and reads float arrays with memcpy, so scales may sit unaligned
+// in a file mapping. Nothing allocates but quantize_matrix with double quantisation (one float a block,
+// for the call).
 #pragma once
 #include <cstddef>
 #include <cstdint>
