@@ -41,7 +41,7 @@ Loaded load(const Args& a, bool need_weights, bool keep_quantised = false) {
   l.ops = make_ops("cpu", &l.mem->device);
   // eval and generate read a GGUF's projection matrices in their blocks (about the file's size in
   // memory); convert and merge need them in f32.
-  BaseWeights base = load_base(l.src, l.mem->device, keep_quantised);
+  BaseWeights base = load_base(l.src, l.mem->device, keep_quantised, a.str("base-dtype", "fp32"));
   l.params = std::move(base.params);
   l.quant = std::move(base.quant);
   l.src.release_weights();
@@ -94,6 +94,8 @@ const char* kEvalHelp =
     "  --model M        (required)\n"
     "  --adapter DIR    a LoRA adapter folder (PEFT's format: adapter_config.json, adapter_model.safetensors)\n"
     "                   applied to the model\n"
+    "  --base-dtype D   fp32 (default), nf4 or nf4-dq: the projections quantised at load, as the QLoRA run that\n"
+    "                   trained the adapter saw them (a GGUF keeps its blocks; a bitsandbytes 4-bit folder is NF4)\n"
     "  --data FILE      text or .ids file (required)\n"
     "  --seq T          window length in tokens (required, >= 2)\n"
     "  --dtype D        fp32 (default) or bf16 projections with fp32 accumulation\n"
@@ -121,7 +123,8 @@ int eval(const std::vector<std::string>& argv) {
          {{"model", true}, {"data", true}, {"seq", true}, {"dtype", true}, {"grads", true}, {"json", false},
           {"threads", true}, {"seed", true}, {"chunk", true}, {"page", true}, {"kv-offload", true},
           {"spill-dir", true}, {"rope-theta", true}, {"rope-scaling", true},
-          {"sparse-pages", true}, {"sink-pages", true}, {"page-summary", true}, {"adapter", true}},
+          {"sparse-pages", true}, {"sink-pages", true}, {"page-summary", true}, {"adapter", true},
+          {"base-dtype", true}},
          "eval", kEvalHelp);
   if (a.help_requested()) return std::fputs(kEvalHelp, stdout), 0;
   apply_threads(a);
@@ -200,6 +203,7 @@ const char* kGenerateHelp =
     "top-p. Generation stops at the model's end-of-sequence token unless --ignore-eos.\n"
     "\n"
     "  --adapter DIR    a LoRA adapter folder (PEFT's format) applied to the model\n"
+    "  --base-dtype D   fp32 (default), nf4 or nf4-dq projections (as eval)\n"
     "  --prompt S       text, encoded with the tokenizer's post-processor (default: empty)\n"
     "  --prompt-ids L   token ids instead of text\n"
     "  --max-new N      new tokens (default 64)\n"
@@ -214,7 +218,7 @@ int generate(const std::vector<std::string>& argv) {
   Args a(argv,
          {{"model", true}, {"prompt", true}, {"prompt-ids", true}, {"max-new", true}, {"dtype", true},
           {"temperature", true}, {"top-p", true}, {"seed", true}, {"ignore-eos", false}, {"json", false},
-          {"threads", true}, {"adapter", true}},
+          {"threads", true}, {"adapter", true}, {"base-dtype", true}},
          "generate", kGenerateHelp);
   if (a.help_requested()) return std::fputs(kGenerateHelp, stdout), 0;
   apply_threads(a);

@@ -10,6 +10,7 @@
 
 #include "data/text.h"
 #include "io/gguf.h"
+#include "quant/bnb4.h"
 #include "io/gguf_model.h"
 #include "io/safetensors.h"
 
@@ -84,6 +85,7 @@ ModelSource open_hf(const std::string& spec, const fs::path& dir) {
     m.tokenizer_config = json::parse_file((dir / "tokenizer_config.json").string());
   auto set = std::make_shared<SafetensorsSet>(SafetensorsSet::open(dir.string()));
   m.keep_open = set;
+  if (is_bnb4_weight(*set, "model.layers.0.self_attn.q_proj")) m.bnb4 = set;
   const ModelConfig cfg = m.cfg;
   m.load_weights = [set, cfg, dir](ParamSet& p) {
     std::vector<float> buf;

@@ -9,6 +9,7 @@
 
 #include "io/gguf_model.h"
 #include "io/json.h"
+#include "io/safetensors.h"
 #include "model/config.h"
 #include "model/params.h"
 #include "tokenizer/tokenizer.h"
@@ -28,6 +29,9 @@ struct ModelSource {
   // A GGUF's tensors (HF names) into its mapping, for a base kept in its blocks (model/quant_base.h);
   // null for other sources. Valid while keep_open is.
   std::shared_ptr<const std::vector<GgufHfTensor>> gguf_tensors;
+  // A Hugging Face folder saved with bitsandbytes 4-bit weights (quantization_config load_in_4bit): its
+  // files, for the NF4 base (model/quant_base.h); null otherwise.
+  std::shared_ptr<const SafetensorsSet> bnb4;
 
   const Tokenizer& require_tokenizer() const;  // error naming the model when it has none
   // Unmaps the weight files once load_weights has run: their pages would otherwise stay in the process's
@@ -35,6 +39,7 @@ struct ModelSource {
   void release_weights() {
     load_weights = nullptr;
     gguf_tensors.reset();
+    bnb4.reset();
     keep_open.reset();
   }
 };

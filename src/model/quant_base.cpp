@@ -4,7 +4,9 @@
 #include <cstring>
 
 #include "io/gguf.h"
+#include "io/safetensors.h"
 #include "model/load.h"
+#include "quant/bnb4.h"
 
 namespace oomless {
 
@@ -28,7 +30,65 @@ void dequant_gguf_row(const QuantMatrix& q, int64_t r, int64_t col, int64_t n, f
   }
 }
 
+// Row r of an NF4 matrix (bitsandbytes' layout, elements row-major, two per byte, first in the high
+// nibble), elements [col, col + n): each block's scale (dequantised from its 8-bit code when double
+// quantised), times the NF4 value of the code, as bitsandbytes' dequantize_4bit computes it.
+void dequant_nf4_row(const QuantMatrix& q, int64_t r, int64_t col, int64_t n, float* out) {
+  const nf4::Matrix& m = *static_cast<const nf4::Matrix*>(q.aux);
+  const int64_t start = r * m.cols + col, end = start + n, bs = m.blocksize;
+  for (int64_t i = start; i < end;) {
+    const int64_t b = i / bs, stop = std::min(end, (b + 1) * bs);
+    float scale;
+    if (m.double_quant()) nf4::dequantize_absmax(m.absmax_codes, m.nested_absmax, m.nested_blocksize, m.offset, b, 1, &scale);
+    else std::memcpy(&scale, m.absmax + b, sizeof scale);
+    for (; i < stop; ++i) {
+      const uint8_t byte = m.packed[i >> 1];
+      out[i - start] = nf4::kCode[(i & 1) ? (byte & 0x0Fu) : (byte >> 4)] * scale;
+    }
+  }
+}
+
 }  // namespace
+
+void QuantBase::add_nf4(const std::string& name, const nf4::Matrix& m, ParamSet& params, Arena& arena) {
+  const size_t n = nf4::storage_bytes(m);
+  bufs_.push_back(arena.alloc(n, Category::weights, "quantised base"));
+  nf4::Matrix& kept = nf4_.emplace_back(nf4::copy_to(m, bufs_.back().data(), n));
+  bytes_ += n;
+  QuantMatrix& q = mats_.emplace_back();
+  q.format = kept.double_quant() ? "nf4-dq" : "nf4";
+  q.rows = kept.rows, q.cols = kept.cols;
+  q.dequant_row = &dequant_nf4_row;
+  q.aux = &kept;
+  Tensor v(nullptr, params.dtype(), {kept.rows, kept.cols});
+  v.quant = &q;
+  params.set_view(name, v);
+}
+
+void QuantBase::add_nf4_from(const ParamSet& f32, ParamSet& params, Arena& arena, bool double_quant) {
+  for (size_t i = 0; i < f32.specs().size(); ++i) {
+    const ParamSpec& s = f32.specs()[i];
+    if (!is_projection_weight(s.name)) continue;
+    const Tensor& w = f32.tensors()[i];
+    const int64_t rows = w.dims[0], cols = w.dims[1];
+    const size_t n = nf4::storage_bytes(rows, cols, 64, double_quant);
+    std::vector<uint8_t> tmp(n);
+    const nf4::Matrix m = nf4::quantize_matrix(static_cast<const float*>(w.data), rows, cols, 64, double_quant,
+                                               tmp.data(), n);
+    add_nf4(s.name, m, params, arena);
+  }
+}
+
+void QuantBase::add_bnb4_from(const SafetensorsSet& files, ParamSet& params, Arena& arena) {
+  for (const ParamSpec& s : params.specs()) {
+    if (!is_projection_weight(s.name)) continue;
+    const std::string prefix = s.name.substr(0, s.name.size() - std::string(".weight").size());
+    const nf4::Matrix m = load_bnb4_weight(files, prefix);
+    OOM_CHECK(m.rows == s.shape[0] && m.cols == s.shape[1], "[model] ", s.name, ": the 4-bit weight is ", m.rows,
+              " x ", m.cols, " but config.json implies ", s.shape[0], " x ", s.shape[1]);
+    add_nf4(s.name, m, params, arena);
+  }
+}
 
 bool is_projection_weight(const std::string& n) {
   if (n.rfind("model.layers.", 0) != 0) return false;
@@ -72,16 +132,46 @@ QuantBase::QuantBase(const std::vector<GgufHfTensor>& tensors, ParamSet& params,
   }
 }
 
-BaseWeights load_base(ModelSource& src, Arena& arena, bool keep_quantised) {
+BaseWeights load_base(ModelSource& src, Arena& arena, bool keep_quantised, const std::string& base_dtype) {
+  OOM_CHECK(base_dtype == "fp32" || base_dtype == "nf4" || base_dtype == "nf4-dq", "[model] base dtype '", base_dtype,
+            "' is not supported; supported: fp32, nf4 (nf4-dq: double-quantised scales)");
+  const bool nf4 = base_dtype != "fp32";
+  OOM_CHECK(!nf4 || !src.gguf_tensors, "[model] ", src.spec, " is a GGUF, already quantised in its own blocks (kept as "
+            "they are for adapter training); --base-dtype nf4 / --qlora takes a Hugging Face folder or a preset");
   BaseWeights b;
-  if (keep_quantised && src.gguf_tensors) {
-    b.params = std::make_unique<ParamSet>(src.cfg, DType::f32, arena, Category::weights,
-                                          [](const ParamSpec& s) { return !is_projection_weight(s.name); });
+  auto without_projections = [&] {
+    return std::make_unique<ParamSet>(src.cfg, DType::f32, arena, Category::weights,
+                                      [](const ParamSpec& s) { return !is_projection_weight(s.name); });
+  };
+  if (src.bnb4) {
+    OOM_CHECK(keep_quantised, "[model] ", src.spec, " holds bitsandbytes 4-bit weights: it can only be a frozen base "
+              "(train an adapter on it with --lora r, or eval / generate it)");
+    b.params = without_projections();
+    b.quant = std::make_unique<QuantBase>();
+    b.quant->add_bnb4_from(*src.bnb4, *b.params, arena);
+    src.load_weights(*b.params);
+  } else if (keep_quantised && src.gguf_tensors) {
+    b.params = without_projections();
     b.quant = std::make_unique<QuantBase>(*src.gguf_tensors, *b.params, arena);
+    src.load_weights(*b.params);
+  } else if (nf4) {
+    OOM_CHECK(keep_quantised, "[model] --base-dtype ", base_dtype, " makes a frozen base: it needs --lora r");
+    // The f32 weights once, quantised matrix by matrix, then dropped (peak: the f32 model; a per-tensor
+    // load would lower it).
+    b.params = without_projections();
+    b.quant = std::make_unique<QuantBase>();
+    {
+      ParamSet full(src.cfg, DType::f32, arena, Category::workspace);
+      src.load_weights(full);
+      b.quant->add_nf4_from(full, *b.params, arena, base_dtype == "nf4-dq");
+      for (size_t i = 0; i < full.specs().size(); ++i)
+        if (b.params->tensors()[i].data)
+          std::memcpy(b.params->tensors()[i].data, full.tensors()[i].data, static_cast<size_t>(full.tensors()[i].nbytes()));
+    }
   } else {
     b.params = std::make_unique<ParamSet>(src.cfg, DType::f32, arena, Category::weights);
+    src.load_weights(*b.params);
   }
-  src.load_weights(*b.params);
   return b;
 }
 

@@ -11,6 +11,7 @@
 #include "io/gguf_model.h"
 #include "memory/arena.h"
 #include "model/params.h"
+#include "quant/nf4.h"
 
 namespace oomless {
 
@@ -18,11 +19,21 @@ namespace oomless {
 // matrices a quantised base keeps quantised.
 bool is_projection_weight(const std::string& hf_name);
 
+class SafetensorsSet;
+
 class QuantBase {
  public:
   // Keeps the projection matrices of `tensors` (a GGUF's, HF names) quantised in `arena` and points the
   // matching views of `params` (built with those tensors not stored) at them.
   QuantBase(const std::vector<GgufHfTensor>& tensors, ParamSet& params, Arena& arena);
+  QuantBase() = default;
+  // NF4 (bitsandbytes' layout, blocksize 64; double-quantised scales as bnb_4bit_use_double_quant) from
+  // the f32 projection matrices of `f32`, bit-exact with bitsandbytes' quantize_4bit.
+  void add_nf4_from(const ParamSet& f32, ParamSet& params, Arena& arena, bool double_quant);
+  // A bitsandbytes 4-bit checkpoint's projection matrices (weight, absmax, quant_map, nested_*,
+  // quant_state), as they are stored.
+  void add_bnb4_from(const SafetensorsSet& files, ParamSet& params, Arena& arena);
+  const char* format() const { return mats_.empty() ? "" : mats_.front().format; }
   size_t bytes() const { return bytes_; }
   int64_t matrices() const { return static_cast<int64_t>(mats_.size()); }
 
@@ -36,6 +47,8 @@ class QuantBase {
  private:
   std::deque<QuantMatrix> mats_;  // stable addresses: tensors point at them
   std::deque<Blocks> info_;
+  std::deque<nf4::Matrix> nf4_;
+  void add_nf4(const std::string& name, const nf4::Matrix& m, ParamSet& params, Arena& arena);
   std::vector<Buffer> bufs_;
   size_t bytes_ = 0;
 };
@@ -43,11 +56,14 @@ class QuantBase {
 // The base model's weights as a run holds them: every parameter in f32, or, with keep_quantised and a
 // GGUF source, the projection matrices in the file's blocks (QuantBase) and the rest in f32. Fills
 // them from `src` (whose weights the caller may release afterwards).
+// base_dtype: "fp32", or "nf4" / "nf4-dq" (double-quantised scales: QLoRA's --qlora) to quantise the
+// projections at load (refused for a GGUF, which keeps its own blocks). A bitsandbytes 4-bit folder is
+// always read as NF4.
 struct BaseWeights {
   std::unique_ptr<ParamSet> params;
   std::unique_ptr<QuantBase> quant;  // null: nothing kept quantised
 };
 struct ModelSource;
-BaseWeights load_base(ModelSource& src, Arena& arena, bool keep_quantised);
+BaseWeights load_base(ModelSource& src, Arena& arena, bool keep_quantised, const std::string& base_dtype = "fp32");
 
 }  // namespace oomless

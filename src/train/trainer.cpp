@@ -205,6 +205,12 @@ const std::vector<TrainOption>& train_options() {
            &C::lora_targets),
       flag("rslora", true, "rank-stabilised LoRA: s = a / sqrt(r)", &C::rslora),
       flag("dora", true, "DoRA (weight-decomposed LoRA)", &C::dora),
+      text("base-dtype", true, "D",
+           "with --lora: storage of the frozen projection matrices: fp32, nf4 (bitsandbytes'\nNF4, blocksize 64) or "
+           "nf4-dq (its scales double-quantised) (default fp32; a GGUF\nkeeps its own blocks, a bitsandbytes 4-bit "
+           "folder is NF4)",
+           &C::base_dtype),
+      flag("qlora", true, "QLoRA: --base-dtype nf4-dq (bnb_4bit_quant_type nf4, double quantisation)", &C::qlora),
       text("modules-to-save", true, "L",
            "with --lora: embed_tokens and/or lm_head (comma-separated) trained in full beside\nthe adapter "
            "and saved in it, as PEFT's modules_to_save (default: none)",
@@ -367,7 +373,11 @@ int train_run(const TrainConfig& c, const std::string& out) {
   auto ops = make_ops("cpu", &mem.device);
   // An adapter run on a GGUF keeps the base's projection matrices in the file's blocks (frozen: read
   // by the GEMM as they are); anything else holds every parameter in f32.
-  BaseWeights base = load_base(src, mem.device, c.lora > 0);
+  OOM_CHECK(c.lora > 0 || (!c.qlora && c.base_dtype == "fp32"), "[train] --qlora and --base-dtype ",
+            c.qlora ? "nf4-dq" : c.base_dtype, " make a frozen quantised base: they need --lora r");
+  OOM_CHECK(!c.qlora || c.base_dtype == "fp32" || c.base_dtype == "nf4-dq", "[train] --qlora is --base-dtype nf4-dq; "
+            "drop one of --qlora and --base-dtype ", c.base_dtype);
+  BaseWeights base = load_base(src, mem.device, c.lora > 0, c.qlora ? "nf4-dq" : c.base_dtype);
   ParamSet& params = *base.params;
   src.release_weights();
   // --lora: adapters on a frozen base (PEFT's default init, or --adapter's tensors).

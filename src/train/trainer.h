@@ -59,6 +59,8 @@ struct TrainConfig {
   bool rslora = false;
   bool dora = false;
   std::string modules_to_save;  // with lora: embed_tokens,lm_head trained in full
+  std::string base_dtype = "fp32";  // with lora: fp32, nf4 or nf4-dq storage of the frozen projections
+  bool qlora = false;           // --base-dtype nf4-dq (QLoRA: NF4 with double-quantised scales)
   std::string adapter;          // an adapter folder (oomless's or PEFT's) to continue
 
   // Keys are the long flag names without "--" (e.g. "grad-accum"); unknown keys are an error.

@@ -1,0 +1,132 @@
+// QLoRA's base: projection matrices in NF4 (bitsandbytes' layout, quantised bit-exactly by quant/nf4) read by
+// the GEMM while it packs. A LoRA on an NF4 base computes bitwise what the same LoRA computes on the f32
+// base holding the dequantised matrices (fp32 and bf16, full sequence and chunks), a bitsandbytes 4-bit
+// folder saved by transformers evaluates to transformers' logits and loss, and the misuses are errors.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "io/safetensors.h"
+#include "model/load.h"
+#include "model/quant_base.h"
+#include "util/chunked_run.h"
+#include "util/harness.h"
+
+namespace oomless {
+namespace {
+
+// The f32 parameters with every projection replaced by its NF4 round trip.
+void dequantised_copy(const ParamSet& params, const QuantBase&, ParamSet& out) {
+  for (size_t i = 0; i < params.specs().size(); ++i) {
+    const Tensor& t = params.tensors()[i];
+    const Tensor& d = out.tensors()[i];
+    if (t.quant) {
+      for (int64_t r = 0; r < t.dims[0]; ++r)
+        t.quant->dequant_row(*t.quant, r, 0, t.dims[1], static_cast<float*>(d.data) + r * t.dims[1]);
+    } else {
+      std::memcpy(d.data, t.data, static_cast<size_t>(t.nbytes()));
+    }
+  }
+}
+
+TEST(Qlora, Nf4BaseIsBitwiseTheDequantisedBase) {
+  for (const test::Variant& var : test::variants()) {
+    for (bool dq : {false, true}) {
+      for (ComputeDType dt : {ComputeDType::f32, ComputeDType::bf16}) {
+        SCOPED_TRACE(std::string(var.name) + (dq ? " nf4-dq" : " nf4") + (dt == ComputeDType::bf16 ? " bf16" : " fp32"));
+        CpuMemory mem(size_t{1} << 32);
+        auto ops = make_ops("cpu", &mem.device);
+        ParamSet full(var.cfg, DType::f32, mem.device, Category::weights);
+        init_random(full, 5, 0.3);
+        ParamSet qp(var.cfg, DType::f32, mem.device, Category::weights,
+                    [](const ParamSpec& s) { return !is_projection_weight(s.name); });
+        for (size_t i = 0; i < full.specs().size(); ++i)
+          if (qp.tensors()[i].data) std::memcpy(qp.tensors()[i].data, full.tensors()[i].data, full.tensors()[i].nbytes());
+        QuantBase qb;
+        qb.add_nf4_from(full, qp, mem.device, dq);
+        EXPECT_EQ(qb.matrices(), 7 * var.cfg.L);
+        ParamSet dp(var.cfg, DType::f32, mem.device, Category::weights);
+        dequantised_copy(qp, qb, dp);
+        auto ad = test::random_adapters(var.cfg, test::all_linear_lora(3), DType::f32, mem.device, 17);
+        const std::vector<int32_t> ids = test::tokens(48, var.cfg.V, 3), tg = test::targets_of(ids);
+        std::vector<std::vector<float>> grads[2];
+        double loss[2];
+        ParamSet* sets[2] = {&qp, &dp};
+        for (int k = 0; k < 2; ++k) {
+          Model m(var.cfg, *ops, *sets[k], mem.device, {dt, SavePolicy::all, ad.get()});
+          m.reserve(48, true);
+          auto ids_c = ids, tg_c = tg;
+          const CeResult r = m.forward(Tensor::of(ids_c.data(), {48}), Tensor::of(tg_c.data(), {48}), true);
+          m.backward(1.0 / static_cast<double>(r.count));
+          loss[k] = r.loss_sum;
+          for (const Trainable& t : m.trainable())
+            grads[k].emplace_back(static_cast<const float*>(t.grad.data),
+                                  static_cast<const float*>(t.grad.data) + t.grad.numel());
+        }
+        EXPECT_EQ(std::memcmp(&loss[0], &loss[1], sizeof(double)), 0);
+        for (size_t i = 0; i < grads[0].size(); ++i)
+          EXPECT_EQ(std::memcmp(grads[0][i].data(), grads[1][i].data(), grads[0][i].size() * 4), 0) << i;
+        // The quantised base holds about an eighth of the f32 projections' bytes (plus the scales).
+        size_t proj = 0;
+        for (size_t i = 0; i < full.specs().size(); ++i)
+          if (is_projection_weight(full.specs()[i].name)) proj += static_cast<size_t>(full.tensors()[i].nbytes());
+        EXPECT_LT(qb.bytes() * 6, proj);
+      }
+    }
+  }
+}
+
+// transformers' BitsAndBytesConfig(nf4, double quant) folder: oomless reads it as it is stored and gives
+// transformers' float32 logits and loss (tools/golden/make_nf4.py).
+TEST(Qlora, Bnb4FolderMatchesTransformers) {
+  const std::string dir = test::source_path("tests/golden/bnb4/llama_gqa_untied");
+  ModelSource src = open_model(dir);
+  ASSERT_TRUE(src.bnb4);
+  CpuMemory mem(size_t{1} << 32);
+  auto ops = make_ops("cpu", &mem.device);
+  BaseWeights b = load_base(src, mem.device, true);
+  ASSERT_TRUE(b.quant);
+  EXPECT_STREQ(b.quant->format(), "nf4-dq");
+  SafetensorsFile g = SafetensorsFile::open(dir + "/golden.safetensors");
+  const StTensor* idt = g.find("input_ids");
+  const int64_t T = idt->numel(), V = src.cfg.V;
+  std::vector<int32_t> ids(static_cast<size_t>(T)), tg(static_cast<size_t>(T));
+  std::memcpy(ids.data(), idt->data, static_cast<size_t>(T) * 4);
+  for (int64_t t = 0; t < T; ++t) tg[static_cast<size_t>(t)] = t + 1 < T ? ids[static_cast<size_t>(t + 1)] : -100;
+  Model m(src.cfg, *ops, *b.params, mem.device);
+  m.reserve(T, false);
+  const CeResult r = m.forward(Tensor::of(ids.data(), {T}), Tensor::of(tg.data(), {T}), false);
+  float gold_loss;
+  std::memcpy(&gold_loss, g.find("loss")->data, 4);
+  EXPECT_NEAR(r.loss_sum / static_cast<double>(r.count), gold_loss, 1e-6 * gold_loss);
+  std::vector<float> lg(static_cast<size_t>(T * V)), gold(lg.size());
+  m.logits(Tensor::of(lg.data(), {T, V}));
+  std::memcpy(gold.data(), g.find("logits")->data, gold.size() * 4);
+  double num = 0, den = 0;
+  for (size_t i = 0; i < lg.size(); ++i) num += std::pow(lg[i] - gold[i], 2), den += std::pow(gold[i], 2);
+  EXPECT_LT(std::sqrt(num / den), 1e-5);
+  // Full training of a 4-bit base is refused.
+  EXPECT_THROW(load_base(src, mem.device, false), Error);
+}
+
+TEST(Qlora, MisusesAreClearErrors) {
+  CpuMemory mem(size_t{1} << 30);
+  auto message = [&](const std::string& model, bool keep, const std::string& dtype) {
+    ModelSource src = open_model(model);
+    try {
+      load_base(src, mem.device, keep, dtype);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(message(test::source_path("tests/golden/gguf/small.gguf"), true, "nf4-dq").find("already quantised"),
+            std::string::npos);
+  EXPECT_NE(message("preset:micro", false, "nf4").find("needs --lora"), std::string::npos);
+  EXPECT_NE(message("preset:micro", true, "int3").find("supported: fp32, nf4"), std::string::npos);
+  EXPECT_EQ(message("preset:micro", true, "nf4"), "");
+}
+
+}  // namespace
+}  // namespace oomless
