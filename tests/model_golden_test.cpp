@@ -23,12 +23,16 @@
 #include "model/eval.h"
 #include "model/load.h"
 #include "model/model.h"
+#include "util/golden_compare.h"
 #include "util/harness.h"
 
 namespace oomless {
 namespace {
 
 namespace fs = std::filesystem;
+using test::read_f64;
+using test::rel_err;
+using test::to_f64;
 
 std::vector<std::string> golden_models() {
   std::vector<std::string> names;
@@ -36,26 +40,6 @@ std::vector<std::string> golden_models() {
     if (fs::exists(e.path() / "golden.safetensors")) names.push_back(e.path().filename().string());
   std::sort(names.begin(), names.end());
   return names;
-}
-
-std::vector<double> read_f64(const SafetensorsFile& f, const std::string& name) {
-  const StTensor* t = f.find(name);
-  OOM_CHECK(t && t->dtype == DType::f64, "golden tensor ", name, " missing or not F64");
-  std::vector<double> v(static_cast<size_t>(t->numel()));
-  std::memcpy(v.data(), t->data, v.size() * sizeof(double));
-  return v;
-}
-
-double rel_err(const std::vector<double>& a, const std::vector<double>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) num += (a[i] - b[i]) * (a[i] - b[i]), den += b[i] * b[i];
-  return std::sqrt(num) / std::sqrt(den);
-}
-
-std::vector<double> to_f64(const Tensor& t) {
-  std::vector<double> v(static_cast<size_t>(t.numel()));
-  convert(v.data(), DType::f64, t.data, t.dtype, t.numel());
-  return v;
 }
 
 enum class Mode { fp32, bf16, f64 };

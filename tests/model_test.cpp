@@ -9,6 +9,7 @@
 
 #include "memory/arena.h"
 #include "util/fd_check.h"
+#include "util/golden_compare.h"
 #include "model/model.h"
 
 namespace oomless {
@@ -43,20 +44,7 @@ std::vector<Variant> variants() {
   return v;
 }
 
-// Non-trivial norms and biases so their gradients are exercised.
-void perturb(ParamSet& p, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> u(-0.3, 0.3);
-  for (size_t i = 0; i < p.specs().size(); ++i) {
-    const std::string& n = p.specs()[i].name;
-    const Tensor& t = p.tensors()[i];
-    if (n.find("norm") == std::string::npos && n.find(".bias") == std::string::npos) continue;
-    std::vector<double> v(static_cast<size_t>(t.numel()));
-    convert(v.data(), DType::f64, t.data, t.dtype, t.numel());
-    for (double& x : v) x += u(rng);
-    convert(t.data, t.dtype, v.data(), DType::f64, t.numel());
-  }
-}
+using test::perturb;
 
 struct Inputs {
   std::vector<int32_t> ids, targets;
