@@ -87,6 +87,11 @@ ModelSource open_hf(const std::string& spec, const fs::path& dir) {
   m.keep_open = set;
   if (is_bnb4_weight(*set, "model.layers.0.self_attn.q_proj")) m.bnb4 = set;
   const ModelConfig cfg = m.cfg;
+  m.read_f32 = [set, dir](const ParamSpec& s, float* out) {
+    const StTensor* t = set->find(s.name);
+    OOM_CHECK(t, "[model] ", dir.string(), ": the weights have no tensor '", s.name, "'");
+    read_as_f32(*t, s.shape, out);
+  };
   m.load_weights = [set, cfg, dir](ParamSet& p) {
     std::vector<float> buf;
     for (size_t i = 0; i < p.specs().size(); ++i) {

@@ -25,6 +25,9 @@ struct ModelSource {
   json::Value tokenizer_config;      // tokenizer_config.json (or its GGUF equivalent); null if none
   // Fills every parameter (any float dtype), checking names and shapes against the config.
   std::function<void(ParamSet&)> load_weights;
+  // One parameter as f32 (out: its numel floats), for loaders that convert tensor by tensor (an NF4 base
+  // quantised at load); empty for presets, whose random init is drawn over the whole set in order.
+  std::function<void(const ParamSpec&, float*)> read_f32;
   std::shared_ptr<void> keep_open;   // the mapped files load_weights reads from
   // A GGUF's tensors (HF names) into its mapping, for a base kept in its blocks (model/quant_base.h);
   // null for other sources. Valid while keep_open is.
@@ -38,6 +41,7 @@ struct ModelSource {
   // resident set (as much again as the weights) for as long as the source is kept.
   void release_weights() {
     load_weights = nullptr;
+    read_f32 = nullptr;
     gguf_tensors.reset();
     bnb4.reset();
     keep_open.reset();

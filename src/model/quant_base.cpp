@@ -65,17 +65,19 @@ void QuantBase::add_nf4(const std::string& name, const nf4::Matrix& m, ParamSet&
   params.set_view(name, v);
 }
 
+void QuantBase::add_nf4_matrix(const std::string& name, const float* w, int64_t rows, int64_t cols, ParamSet& params,
+                               Arena& arena, bool double_quant) {
+  const size_t n = nf4::storage_bytes(rows, cols, 64, double_quant);
+  std::vector<uint8_t> tmp(n);
+  add_nf4(name, nf4::quantize_matrix(w, rows, cols, 64, double_quant, tmp.data(), n), params, arena);
+}
+
 void QuantBase::add_nf4_from(const ParamSet& f32, ParamSet& params, Arena& arena, bool double_quant) {
   for (size_t i = 0; i < f32.specs().size(); ++i) {
     const ParamSpec& s = f32.specs()[i];
     if (!is_projection_weight(s.name)) continue;
     const Tensor& w = f32.tensors()[i];
-    const int64_t rows = w.dims[0], cols = w.dims[1];
-    const size_t n = nf4::storage_bytes(rows, cols, 64, double_quant);
-    std::vector<uint8_t> tmp(n);
-    const nf4::Matrix m = nf4::quantize_matrix(static_cast<const float*>(w.data), rows, cols, 64, double_quant,
-                                               tmp.data(), n);
-    add_nf4(s.name, m, params, arena);
+    add_nf4_matrix(s.name, static_cast<const float*>(w.data), w.dims[0], w.dims[1], params, arena, double_quant);
   }
 }
 
@@ -154,10 +156,22 @@ BaseWeights load_base(ModelSource& src, Arena& arena, bool keep_quantised, const
     b.params = without_projections();
     b.quant = std::make_unique<QuantBase>(*src.gguf_tensors, *b.params, arena);
     src.load_weights(*b.params);
+  } else if (nf4 && src.read_f32) {
+    OOM_CHECK(keep_quantised, "[model] --base-dtype ", base_dtype, " makes a frozen base: it needs --lora r");
+    // Matrix by matrix: one projection in f32 at a time beside the NF4 ones.
+    b.params = without_projections();
+    b.quant = std::make_unique<QuantBase>();
+    src.load_weights(*b.params);
+    std::vector<float> w;
+    for (const ParamSpec& s : b.params->specs()) {
+      if (!is_projection_weight(s.name)) continue;
+      w.resize(static_cast<size_t>(s.shape[0] * s.shape[1]));
+      src.read_f32(s, w.data());
+      b.quant->add_nf4_matrix(s.name, w.data(), s.shape[0], s.shape[1], *b.params, arena, base_dtype == "nf4-dq");
+    }
   } else if (nf4) {
     OOM_CHECK(keep_quantised, "[model] --base-dtype ", base_dtype, " makes a frozen base: it needs --lora r");
-    // The f32 weights once, quantised matrix by matrix, then dropped (peak: the f32 model; a per-tensor
-    // load would lower it).
+    // A preset: its random init is drawn over the whole set, so in f32 once, then quantised and dropped.
     b.params = without_projections();
     b.quant = std::make_unique<QuantBase>();
     {

@@ -30,6 +30,9 @@ class QuantBase {
   // NF4 (bitsandbytes' layout, blocksize 64; double-quantised scales as bnb_4bit_use_double_quant) from
   // the f32 projection matrices of `f32`, bit-exact with bitsandbytes' quantize_4bit.
   void add_nf4_from(const ParamSet& f32, ParamSet& params, Arena& arena, bool double_quant);
+  // One matrix w (rows, cols) f32 as NF4, the view `name` of params pointed at it.
+  void add_nf4_matrix(const std::string& name, const float* w, int64_t rows, int64_t cols, ParamSet& params,
+                      Arena& arena, bool double_quant);
   // A bitsandbytes 4-bit checkpoint's projection matrices (weight, absmax, quant_map, nested_*,
   // quant_state), as they are stored.
   void add_bnb4_from(const SafetensorsSet& files, ParamSet& params, Arena& arena);

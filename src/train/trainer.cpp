@@ -539,7 +539,8 @@ int train_run(const TrainConfig& c, const std::string& out) {
   {
     const int64_t n_train = trainable_numel(trained), n_all = src.cfg.param_count();
     const int64_t train_bytes = dtype_bytes(DType::f32, n_train);
-    const int64_t frozen = adapters ? n_all : 0, frozen_bytes = adapters ? static_cast<int64_t>(params.bytes()) : 0;
+    const int64_t frozen = adapters ? n_all : 0;
+    const int64_t frozen_bytes = adapters ? static_cast<int64_t>(params.bytes() + (base.quant ? base.quant->bytes() : 0)) : 0;
     metrics.set_params(n_train, train_bytes, frozen, frozen_bytes);
     std::fprintf(stderr, "oomless train: %s trainable parameters (%s)%s%s%s\n", format_count(n_train).c_str(),
                  format_bytes(static_cast<size_t>(train_bytes)).c_str(), adapters ? "; frozen base " : "",
