@@ -79,7 +79,9 @@ CheckpointFile safetensors_file(const std::string& name, std::vector<StWrite> te
 
 void TrainConfig::apply_json(const json::Value& o, const std::string& source) {
   OOM_CHECK(o.is_object(), "[train] ", source, ": a config file is a JSON object of flag names and values");
-  for (const auto& [k, v] : o.as_object()) {
+  for (const auto& kv : o.as_object()) {
+    const auto& k = kv.first;  // named, not a structured binding: clang 14 cannot capture those in lambdas
+    const auto& v = kv.second;
     auto num = [&]() { return v.as_number(k); };
     auto integer = [&]() { return v.as_int(k); };
     auto str = [&]() { return v.as_string(k); };
