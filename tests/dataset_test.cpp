@@ -339,6 +339,18 @@ TEST_F(DatasetTest, BadInputsAreErrorsNamingTheFileAndLine) {
   expect_error([&] { d.restore(json::parse("{\"epoch\": 0}")); }, {"malformed data cursor"});
 }
 
+// A constructor that rejects a file while indexing it still closes it (found by fuzz/chat_fuzz.cpp: every
+// rejected dataset used to leave its file descriptor open).
+TEST_F(DatasetTest, RejectedDataLeavesNoFileOpen) {
+  const Tokenizer& tok = smollm2();
+  const std::string p = write("bad.jsonl", "{\"text\": \"ok\"}\n[1]\n");
+  auto open_fds = [] { return std::distance(fs::directory_iterator("/proc/self/fd"), fs::directory_iterator()); };
+  auto rejected = [&] { Dataset d({{p}, 4, 0, 0}, &tok, json::Value()); };
+  const auto before = open_fds();
+  for (int i = 0; i < 3; ++i) EXPECT_THROW(rejected(), Error);
+  EXPECT_EQ(open_fds(), before);
+}
+
 TEST(DatasetOrder, DeterministicPermutationPerSeedAndEpoch) {
   const std::vector<uint32_t> a = Dataset::order(1000, 42, 0);
   EXPECT_EQ(a, Dataset::order(1000, 42, 0));
