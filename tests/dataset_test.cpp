@@ -351,6 +351,16 @@ TEST_F(DatasetTest, RejectedDataLeavesNoFileOpen) {
   EXPECT_EQ(open_fds(), before);
 }
 
+// An .ids line of separators only holds no document (found by fuzz/chat_fuzz.cpp: "," was indexed as an
+// empty document, and reading it failed with "changed since it was indexed").
+TEST_F(DatasetTest, IdsLinesOfSeparatorsOnlyAreBlank) {
+  const std::string p = write("s.ids", "1 2\n,\n , \t,\r\n3\n");
+  Dataset d({{p}, 2, 0, 5}, nullptr, json::Value());
+  EXPECT_EQ(d.documents(), 2);
+  const std::vector<Seq> seqs = take(d, 2, 6);  // past the first epoch
+  EXPECT_GE(seqs.back().epoch, 1);
+}
+
 TEST(DatasetOrder, DeterministicPermutationPerSeedAndEpoch) {
   const std::vector<uint32_t> a = Dataset::order(1000, 42, 0);
   EXPECT_EQ(a, Dataset::order(1000, 42, 0));

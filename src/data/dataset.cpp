@@ -218,7 +218,7 @@ void Dataset::index_lines(uint32_t fi) {
     if (f.kind == FileKind::ids) {
       std::string why;
       OOM_CHECK(parse_ids_line(line, opt_.vocab, nullptr, &why), "[data] ", where, ": ", why);
-      is_doc = !blank(line);
+      is_doc = line.find_first_not_of(" \t\r,") != std::string::npos;  // a line of separators only holds no id
     } else if (!blank(line)) {
       const char k = parse_jsonl_line(line, where, &text, &msgs);
       if (k == 'c') {
