@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every libFuzzer target in BUILD (default build/fuzz) for SECONDS each (default 60) from its
 # committed seeds in fuzz/corpus/NAME; inputs it discovers go to BUILD/corpus/NAME. Prints the
-# executions and fails when any target crashes (the reproducer is left in BUILD/crash-*).
+# executions and fails when any target crashes, reports undefined behaviour, or spends more than 25 s on
+# one input (the reproducer is left in BUILD/crash-* or BUILD/timeout-*).
 set -uo pipefail
 build=${1:-build/fuzz}
 seconds=${2:-60}
@@ -16,7 +17,7 @@ for src in fuzz/*_fuzz.cpp; do
     status=1
     continue
   fi
-  "$build/$name" -max_total_time="$seconds" -rss_limit_mb=4096 -print_final_stats=1 \
+  "$build/$name" -max_total_time="$seconds" -timeout=25 -rss_limit_mb=4096 -print_final_stats=1 \
     -artifact_prefix="$build/" "$build/corpus/$corpus" "fuzz/corpus/$corpus" > "$log" 2>&1
   rc=$?
   execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$')
@@ -25,7 +26,7 @@ for src in fuzz/*_fuzz.cpp; do
   found=$(find "$build/corpus/$corpus" -type f | wc -l)
   if [ $rc -ne 0 ]; then
     echo "$name: CRASH after ${execs:-?} executions (see $log)"
-    grep -E -B3 "==[0-9]+==ERROR" "$log" | head -6  # with what the target printed before it
+    grep -E -B3 "==[0-9]+== ?ERROR" "$log" | head -6  # with what the target printed before it
     grep -E "SUMMARY|Test unit written" "$log" | head -2
     status=1
   else
