@@ -15,7 +15,7 @@ setup:
 	@scripts/setup.sh
 
 $(BUILD)/CMakeCache.txt: | setup
-	@mkdir -p build && cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DOOMLESS_CUDA=$(CUDA) > $(BUILD).configure.log 2>&1 || (mkdir -p build; cat $(BUILD).configure.log; exit 1)
+	@mkdir -p $(BUILD) && cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DOOMLESS_CUDA=$(CUDA) > $(BUILD).configure.log 2>&1 || (mkdir -p build; cat $(BUILD).configure.log; exit 1)
 
 build: setup $(BUILD)/CMakeCache.txt
 	@cmake --build $(BUILD) -j$(JOBS)
@@ -80,7 +80,7 @@ fuzz: fuzz-build
 
 fuzz-build:
 	@scripts/setup.sh fuzz
-	@mkdir -p build && CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DOOMLESS_FUZZ=ON \
+	@mkdir -p $(FUZZ_BUILD) && CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DOOMLESS_FUZZ=ON \
 	  -DOOMLESS_TESTS=OFF -DOOMLESS_BENCH=OFF -DOOMLESS_CUDA=off > $(FUZZ_BUILD).configure.log 2>&1 \
 	  || (cat $(FUZZ_BUILD).configure.log; exit 1)
 	@cmake --build $(FUZZ_BUILD) -j$(JOBS)
