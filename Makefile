@@ -6,7 +6,8 @@ ASAN_BUILD ?= build/asan
 CUDA ?= auto
 CTEST_FLAGS ?= --output-on-failure --timeout 120 -j$(JOBS)
 
-.PHONY: all setup build run test test-fast test-asan test-all bench bench-peers bench-long bench-sparse fuzz peft-roundtrip clean
+.PHONY: all setup build run test test-fast test-asan test-fuzz test-smoke test-all bench bench-peers bench-long \
+	bench-sparse fuzz fuzz-build peft-roundtrip clean
 
 all: build
 
@@ -14,7 +15,7 @@ setup:
 	@scripts/setup.sh
 
 $(BUILD)/CMakeCache.txt: | setup
-	@mkdir -p build && cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DOOMLESS_CUDA=$(CUDA) > $(BUILD).configure.log 2>&1 || (mkdir -p build; cat $(BUILD).configure.log; exit 1)
+	@mkdir -p $(BUILD) && cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DOOMLESS_CUDA=$(CUDA) > $(BUILD).configure.log 2>&1 || (mkdir -p build; cat $(BUILD).configure.log; exit 1)
 
 build: setup $(BUILD)/CMakeCache.txt
 	@cmake --build $(BUILD) -j$(JOBS)
@@ -23,8 +24,9 @@ build: setup $(BUILD)/CMakeCache.txt
 run: build
 	$(BUILD)/oomless train
 
-# Fast tests (ctest -LE "gpu|slow") of the Release build, then the same under ASan + UBSan.
-test: test-fast test-asan
+# What CI runs (.ci/run): fast tests (ctest -LE "gpu|slow") of the Release build, the same under ASan + UBSan,
+# every fuzz target for a short time from its seeds (clang build), and every benchmark at a smoke size.
+test: test-fast test-asan test-fuzz test-smoke
 
 test-fast: build
 	cd $(BUILD) && ctest $(CTEST_FLAGS) -LE "gpu|slow"
@@ -68,15 +70,43 @@ bench-sparse: build
 	$(BUILD)/bench_sparse retrieval --ids $(BUILD)/retrieval-T4096 \
 	  --json bench/long_context/results/sparse-retrieval-$$(date +%F).json
 
-# Each libFuzzer target in fuzz/ for FUZZ_SECONDS (default 60) from its seed corpus; new inputs it
-# finds go to build/fuzz/corpus/NAME (the committed seeds stay as they are). Needs clang (installed).
+# Each libFuzzer target in fuzz/ (every fuzz/*_fuzz.cpp) for FUZZ_SECONDS (default 60) from its seed corpus;
+# new inputs it finds go to build/fuzz/corpus/NAME (the committed seeds stay as they are). Needs clang
+# (installed). docs/FUZZING.md has the figures of longer runs.
 FUZZ_SECONDS ?= 60
 FUZZ_BUILD ?= build/fuzz
-fuzz:
-	@scripts/setup.sh fuzz
-	@CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DOOMLESS_FUZZ=ON -DOOMLESS_TESTS=OFF -DOOMLESS_BENCH=OFF -DOOMLESS_CUDA=off > /dev/null
-	@cmake --build $(FUZZ_BUILD) -j$(JOBS)
+fuzz: fuzz-build
 	@scripts/fuzz.sh $(FUZZ_BUILD) $(FUZZ_SECONDS)
+
+fuzz-build:
+	@scripts/setup.sh fuzz
+	@mkdir -p $(FUZZ_BUILD) && CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DOOMLESS_FUZZ=ON \
+	  -DOOMLESS_TESTS=OFF -DOOMLESS_BENCH=OFF -DOOMLESS_CUDA=off > $(FUZZ_BUILD).configure.log 2>&1 \
+	  || (cat $(FUZZ_BUILD).configure.log; exit 1)
+	@cmake --build $(FUZZ_BUILD) -j$(JOBS)
+
+# CI's fuzz step: the same build, each target for TEST_FUZZ_SECONDS (20) from its committed seeds, so that a
+# broken clang build or a crash on a seed fails `make test`.
+TEST_FUZZ_SECONDS ?= 20
+test-fuzz: fuzz-build
+	@scripts/fuzz.sh $(FUZZ_BUILD) $(TEST_FUZZ_SECONDS)
+
+# Every benchmark at the smallest size that runs all of its code paths, so that none of them rots unseen:
+# no figures are kept (about a minute). bench_sparse speed's --time-box 0 extrapolates its second dense step.
+# bench/peers and bench/long_context run their oomless side only (--smoke: no PyTorch). Waiting OpenMP
+# threads sleep, as under ctest: spinning ones made a 0.6 s step take 20 s on a busy 2-core machine.
+SMOKE ?= $(BUILD)/smoke
+test-smoke: export OMP_WAIT_POLICY = passive
+test-smoke: build
+	@mkdir -p $(SMOKE)
+	$(BUILD)/bench_kernels --quick --reps 1
+	$(BUILD)/bench_model --quick --reps 1
+	$(BUILD)/bench_sparse speed --T 256,512 --chunk 128 --page 32 --k 2 --time-box 0 --json $(SMOKE)/sparse-speed.json
+	$(BUILD)/bench_sparse retrieval --T 512 --chunk 128 --page 32 --k 2 --pairs 4 --queries 8 --steps 2 --eval 2 \
+	  --warm-T 128,256 --warm-steps 2,1 --warm-batch 2,1 --warm-pairs 2 --warm-queries 4 --ids $(SMOKE)/retrieval \
+	  --json $(SMOKE)/sparse-retrieval.json
+	python3 bench/peers/run.py --smoke --oomless $(BUILD)/oomless --work $(SMOKE)/peers
+	python3 bench/long_context/run.py --smoke --oomless $(BUILD)/oomless --work $(SMOKE)/long
 
 # Adapters between oomless and PEFT both ways (PEFT loads oomless's, oomless loads PEFT's, merge equals
 # merge_and_unload), on a tiny transformers model; installs torch + transformers + peft into tools/golden/.venv.

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every libFuzzer target in BUILD (default build/fuzz) for SECONDS each (default 60) from its
 # committed seeds in fuzz/corpus/NAME; inputs it discovers go to BUILD/corpus/NAME. Prints the
-# executions and fails when any target crashes (the reproducer is left in BUILD/crash-*).
+# executions and fails when any target crashes, reports undefined behaviour, or spends more than 25 s on
+# one input (the reproducer is left in BUILD/crash-* or BUILD/timeout-*).
 set -uo pipefail
 build=${1:-build/fuzz}
 seconds=${2:-60}
@@ -11,16 +12,25 @@ for src in fuzz/*_fuzz.cpp; do
   corpus=${name%_fuzz}
   mkdir -p "$build/corpus/$corpus"
   log="$build/$name.log"
-  "$build/$name" -max_total_time="$seconds" -rss_limit_mb=4096 -print_final_stats=1 \
+  if [ ! -x "$build/$name" ]; then
+    echo "$name: not built ($build/$name is missing; is $src in the fuzz build?)"
+    status=1
+    continue
+  fi
+  "$build/$name" -max_total_time="$seconds" -timeout=25 -rss_limit_mb=4096 -print_final_stats=1 \
     -artifact_prefix="$build/" "$build/corpus/$corpus" "fuzz/corpus/$corpus" > "$log" 2>&1
   rc=$?
   execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$')
+  # The last status line: coverage (edges), features and the corpus the run ended with.
+  last=$(grep -o 'cov: [0-9]* ft: [0-9]* corp: [0-9]*' "$log" | tail -1)
+  found=$(find "$build/corpus/$corpus" -type f | wc -l)
   if [ $rc -ne 0 ]; then
     echo "$name: CRASH after ${execs:-?} executions (see $log)"
-    grep -E "ERROR|SUMMARY" "$log" | head -5
+    grep -E -B3 "==[0-9]+== ?ERROR" "$log" | head -6  # with what the target printed before it
+    grep -E "SUMMARY|Test unit written" "$log" | head -2
     status=1
   else
-    echo "$name: ${execs:-?} executions in ${seconds} s, no crash"
+    echo "$name: ${execs:-?} executions in ${seconds} s, no crash; ${last:-?} inputs; $found in $build/corpus/$corpus"
   fi
 done
 exit $status

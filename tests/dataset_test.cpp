@@ -339,6 +339,28 @@ TEST_F(DatasetTest, BadInputsAreErrorsNamingTheFileAndLine) {
   expect_error([&] { d.restore(json::parse("{\"epoch\": 0}")); }, {"malformed data cursor"});
 }
 
+// A constructor that rejects a file while indexing it still closes it (found by fuzz/chat_fuzz.cpp: every
+// rejected dataset used to leave its file descriptor open).
+TEST_F(DatasetTest, RejectedDataLeavesNoFileOpen) {
+  const Tokenizer& tok = smollm2();
+  const std::string p = write("bad.jsonl", "{\"text\": \"ok\"}\n[1]\n");
+  auto open_fds = [] { return std::distance(fs::directory_iterator("/proc/self/fd"), fs::directory_iterator()); };
+  auto rejected = [&] { Dataset d({{p}, 4, 0, 0}, &tok, json::Value()); };
+  const auto before = open_fds();
+  for (int i = 0; i < 3; ++i) EXPECT_THROW(rejected(), Error);
+  EXPECT_EQ(open_fds(), before);
+}
+
+// An .ids line of separators only holds no document (found by fuzz/chat_fuzz.cpp: "," was indexed as an
+// empty document, and reading it failed with "changed since it was indexed").
+TEST_F(DatasetTest, IdsLinesOfSeparatorsOnlyAreBlank) {
+  const std::string p = write("s.ids", "1 2\n,\n , \t,\r\n3\n");
+  Dataset d({{p}, 2, 0, 5}, nullptr, json::Value());
+  EXPECT_EQ(d.documents(), 2);
+  const std::vector<Seq> seqs = take(d, 2, 6);  // past the first epoch
+  EXPECT_GE(seqs.back().epoch, 1);
+}
+
 TEST(DatasetOrder, DeterministicPermutationPerSeedAndEpoch) {
   const std::vector<uint32_t> a = Dataset::order(1000, 42, 0);
   EXPECT_EQ(a, Dataset::order(1000, 42, 0));

@@ -193,6 +193,19 @@ TEST(GgufModel, TokenizerConfig) {
   EXPECT_EQ(s.unk, 0);
 }
 
+// An empty Q projection whose shape names 2^60 rows reads at once (found by fuzz/gguf_fuzz.cpp: the
+// un-permutation walked every row, copying nothing).
+TEST(GgufModel, EmptyPermutedTensorReadsAtOnce) {
+  GgufTensor src;
+  src.ne = {0, int64_t{1} << 60};
+  GgufHfTensor t;
+  t.hf_name = "model.layers.0.self_attn.q_proj.weight";
+  t.shape = {int64_t{1} << 60, 0};
+  t.src = &src;
+  t.unpermute_heads = 4;
+  gguf_read_f32(t, nullptr);
+}
+
 TEST(GgufModel, UnknownArchitectureIsNamed) {
   GgufFile f = GgufFile::open(golden("blocks.gguf"));  // architecture "oomless-golden"
   try {

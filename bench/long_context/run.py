@@ -47,6 +47,9 @@ usage: bench/long_context/run.py [--oomless build/release/oomless] [--work build
 Writes bench/long_context/results/DATE.json and docs/long_context_memory.svg (peak memory against T, drawn
 here, no plotting library) and prints a markdown table, the floors and the budget comparison.
 Needs tools/golden/.venv for the PyTorch side (bench/peers/setup.sh creates it).
+--smoke (`make test-smoke`): the oomless side only (no PyTorch, no venv), preset:micro at T = 256 and 512 with
+chunk 128, page 32, every mode; results and plot go to WORK/smoke.json and WORK/smoke.svg, and any run that is
+not measured fails the invocation. It checks the harness and the commands it drives, not figures.
 """
 import argparse
 import datetime
@@ -341,7 +344,14 @@ def parse_args():
     ap.add_argument("--add-to", default=None, metavar="RESULTS.json",
                     help="an earlier results file: its rows are kept except those this run measures again (same "
                          "model, mode and T); the summary, table and plot are made from both")
+    ap.add_argument("--smoke", action="store_true",
+                    help="oomless only, preset:micro at T 256-512, chunk 128; results in WORK (see the top of the file)")
     a = ap.parse_args()
+    if a.smoke:
+        a.models, a.t_min, a.disk_t_min, a.full_t_min, a.t_max, a.chunk, a.page = "micro", 256, 256, 256, 512, 128, 32
+        a.torch, a.time_box, a.deadline = False, "120", 600
+        a.json = a.json or os.path.join(a.work, "smoke.json")
+        a.svg = os.path.join(a.work, "smoke.svg")
     a.budget = parse_size(a.budget)
     a.time_box = dict(kv.split("=") if "=" in kv else ("", kv) for kv in a.time_box.split(","))
     a.modes = [m for m in a.modes.split(",") if m]
@@ -832,6 +842,10 @@ def main():
     table(rows)
     print_floors(summary, a.budget)
     print(f"\nresults: {a.json}; plot: {a.svg}; {bench.elapsed():.0f} s in all")
+    if a.smoke:
+        bad = [f"{r['mode']} T={r['T']}: {r['status']}" for r in rows if r["status"] != "measured"]
+        if bad:
+            sys.exit("run.py --smoke: not every run was measured: " + "; ".join(bad))
 
 
 if __name__ == "__main__":

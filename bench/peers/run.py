@@ -16,9 +16,12 @@ the activation memory; PyTorch keeps its activations in every row.
 
 usage: bench/peers/run.py [--oomless build/release/oomless] [--work build/peers] [--pairs 5] ...
 Needs tools/golden/.venv (bench/peers/setup.sh creates it).
+--smoke (`make test-smoke`): the oomless side only, on preset:micro at 64 tokens, 2 steps per dtype, one pair;
+nothing is imported from the venv, so it checks the harness and the oomless commands it drives, not figures.
 """
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -91,7 +94,11 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--json", default=None, help="results file (default WORK/results.json)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="oomless only (no PyTorch, no venv): preset:micro, --seq 64, 2 steps, 1 pair, no curve")
     a = ap.parse_args()
+    if a.smoke:
+        a.models, a.pairs, a.steps, a.curve_steps, a.seq, a.warmup = "micro", 1, "micro=2", 0, 64, 1
     os.makedirs(a.work, exist_ok=True)
     steps = dict(kv.split("=") for kv in a.steps.split(","))
     policies = dict(kv.split("=") for kv in a.save_policy.split(",") if kv)
@@ -101,7 +108,8 @@ def main():
 
     probe = json.loads(sh([a.oomless, "probe", "--json", "--threads", str(a.threads)]).stdout)
     peak = probe["gemm_f32_gflops"] * 1e9
-    versions = sh([a.python, "-c", "import torch, transformers; print(torch.__version__, transformers.__version__)"]).stdout.split()
+    versions = (["not run (--smoke)", "-"] if a.smoke else
+                sh([a.python, "-c", "import torch, transformers; print(torch.__version__, transformers.__version__)"]).stdout.split())
     print(f"machine: {probe['cpu']} ({probe['isa']}), {a.threads} threads; fp32 GEMM {peak / 1e9:.1f} GFLOP/s; "
           f"torch {versions[0]}, transformers {versions[1]}", flush=True)
 
@@ -154,6 +162,15 @@ def main():
             pairs = []
             for p in range(a.pairs):
                 rec = {}
+                if a.smoke:
+                    rss, wall, rows = run_oomless(f"{model}.{dtype}.oomless.{p}", init, ids, dtype, n, policy_of(model, dtype))
+                    if len(rows) != n or not all(math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 for r in rows):
+                        sys.exit(f"run.py: {model} {dtype}: expected {n} steps with a finite loss, got {rows}")
+                    print(f"{model} {dtype} (smoke): {n} steps, tok/s {tps(rows):.0f}, peak RSS {rss / 2**20:.0f} MiB, "
+                          f"last loss {rows[-1]['loss']:.5f}", flush=True)
+                    results["runs"].append({"model": model, "dtype": dtype, "pair": p, "system": "oomless", "rss": rss,
+                                            "wall": wall, "tps": tps(rows), "losses": [r["loss"] for r in rows]})
+                    continue
                 for who in (["oomless", "torch"] if p % 2 == 0 else ["torch", "oomless"]):
                     tag = f"{model}.{dtype}.{who}.{p}"
                     if who == "oomless":
@@ -167,6 +184,8 @@ def main():
                       f"peak RSS {o['rss'] / 2**20:.0f} vs {t['rss'] / 2**20:.0f} MiB ({o['rss'] / t['rss']:.2f}x); "
                       f"last loss {o['losses'][-1]:.5f} vs {t['losses'][-1]:.5f}", flush=True)
                 pairs.append(rec)
+            if a.smoke:
+                continue
             med = lambda f: statistics.median(f(r) for r in pairs)
             s = {"model": model, "dtype": dtype, "save_policy": policy_of(model, dtype), "steps": n, "pairs": len(pairs),
                  "oomless_tps": med(lambda r: r["oomless"]["tps"]), "torch_tps": med(lambda r: r["torch"]["tps"]),
@@ -195,6 +214,9 @@ def main():
     path = a.json or os.path.join(a.work, "results.json")
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
+    if a.smoke:
+        print(f"\nresults: {path}")
+        return
     print("\n| model | dtype | oomless --save-policy | oomless tok/s | PyTorch tok/s | ratio | oomless peak RSS | PyTorch peak RSS | ratio | MFU oomless / PyTorch |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for s in results["summary"]:

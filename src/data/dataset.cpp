@@ -167,17 +167,14 @@ Dataset::Dataset(const DatasetOptions& opt, const Tokenizer* tok, const json::Va
   OOM_CHECK(docs_.size() < std::numeric_limits<uint32_t>::max(), "[data] more than 2^32 documents");
 }
 
-Dataset::~Dataset() {
-  if (fp_) std::fclose(fp_);
-}
+Dataset::~Dataset() = default;
 
 FILE* Dataset::open(uint32_t fi) {
-  if (fp_ && fp_file_ == fi) return fp_;
-  if (fp_) std::fclose(fp_);
-  fp_ = std::fopen(files_[fi].path.c_str(), "rb");
+  if (fp_ && fp_file_ == fi) return fp_.get();
+  fp_.reset(std::fopen(files_[fi].path.c_str(), "rb"));
   OOM_CHECK(fp_, "[data] cannot open ", files_[fi].path, ": ", std::strerror(errno));
   fp_file_ = fi;
-  return fp_;
+  return fp_.get();
 }
 
 void Dataset::index_file(uint32_t fi) {
@@ -221,7 +218,7 @@ void Dataset::index_lines(uint32_t fi) {
     if (f.kind == FileKind::ids) {
       std::string why;
       OOM_CHECK(parse_ids_line(line, opt_.vocab, nullptr, &why), "[data] ", where, ": ", why);
-      is_doc = !blank(line);
+      is_doc = line.find_first_not_of(" \t\r,") != std::string::npos;  // a line of separators only holds no id
     } else if (!blank(line)) {
       const char k = parse_jsonl_line(line, where, &text, &msgs);
       if (k == 'c') {

@@ -124,7 +124,11 @@ class Dataset {
   std::vector<int32_t> buf_;   // tokens of the current document or piece (+ EOS after the last piece)
   std::vector<uint8_t> sup_;   // 1 where the token is a supervised target
 
-  FILE* fp_ = nullptr;  // the last file read, kept open
+  struct Fclose {
+    void operator()(FILE* f) const { std::fclose(f); }
+  };
+  // The last file read, kept open; owned, so that a constructor that throws while indexing closes it too.
+  std::unique_ptr<FILE, Fclose> fp_;
   uint32_t fp_file_ = 0;
 };
 

@@ -205,6 +205,9 @@ std::vector<GgufHfTensor> gguf_hf_tensors(const GgufFile& f) {
 void gguf_read_f32(const GgufHfTensor& t, float* out) {
   OOM_CHECK(t.src, "[gguf] gguf_read_f32: no source tensor for ", t.hf_name);
   const int64_t n = t.src->numel();
+  // An empty tensor (a zero dimension) has nothing to read, however many rows its shape names: the loop
+  // below would walk all of them, 2^60 in a crafted file.
+  if (n == 0) return;
   if (t.unpermute_heads == 0) {
     dequantize(t.src->type, t.src->data, n, out);
     return;
