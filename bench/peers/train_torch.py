@@ -6,7 +6,8 @@ What it does per optimizer step, as `oomless train` does: lr from the same warmu
 every sequence contributes sum(CE over supervised targets) / N, N = the step's supervised targets over all
 micro-batches; global-norm clipping; AdamW (decoupled weight decay on matrices and embeddings, none on norms
 and biases), torch.optim.AdamW(fused=True). attn_implementation="sdpa"; --dtype bf16 runs the forward
-under torch.autocast("cpu", torch.bfloat16) with fp32 master weights.
+under torch.autocast("cpu", torch.bfloat16) with fp32 master weights. --lora R trains a PEFT LoRA of rank R
+on all-linear instead (the base frozen; AdamW over the adapter, decay on its matrices as on oomless's).
 """
 import argparse
 import json
@@ -44,6 +45,8 @@ def main():
     ap.add_argument("--eps", type=float, default=1e-8)
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lora", type=int, default=0, help="PEFT LoRA of this rank on all-linear (0: full training)")
+    ap.add_argument("--lora-alpha", type=float, default=0, help="default 2 x rank, as oomless")
     a = ap.parse_args()
 
     import torch
@@ -53,6 +56,10 @@ def main():
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32, attn_implementation="sdpa")
+    if a.lora > 0:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=a.lora, lora_alpha=a.lora_alpha or 2 * a.lora, lora_dropout=0.0,
+                                                 target_modules="all-linear", task_type="CAUSAL_LM"))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
