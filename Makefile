@@ -75,15 +75,17 @@ bench-sparse: build
 # (installed). docs/FUZZING.md has the figures of longer runs.
 FUZZ_SECONDS ?= 60
 FUZZ_BUILD ?= build/fuzz
+FUZZ_TARGETS = $(patsubst fuzz/%.cpp,%,$(wildcard fuzz/*_fuzz.cpp))
 fuzz: fuzz-build
 	@scripts/fuzz.sh $(FUZZ_BUILD) $(FUZZ_SECONDS)
 
+# Configured every time, so that CMake's glob sees new fuzz/*_fuzz.cpp; only the fuzz targets are built.
 fuzz-build:
 	@scripts/setup.sh fuzz
 	@mkdir -p $(FUZZ_BUILD) && CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DOOMLESS_FUZZ=ON \
 	  -DOOMLESS_TESTS=OFF -DOOMLESS_BENCH=OFF -DOOMLESS_CUDA=off > $(FUZZ_BUILD).configure.log 2>&1 \
 	  || (cat $(FUZZ_BUILD).configure.log; exit 1)
-	@cmake --build $(FUZZ_BUILD) -j$(JOBS)
+	@cmake --build $(FUZZ_BUILD) -j$(JOBS) --target $(FUZZ_TARGETS)
 
 # CI's fuzz step: the same build, each target for TEST_FUZZ_SECONDS (20) from its committed seeds, so that a
 # broken clang build or a crash on a seed fails `make test`.
