@@ -204,7 +204,7 @@ const std::vector<TrainOption>& train_options() {
            "(default all-linear)",
            &C::lora_targets),
       flag("rslora", true, "rank-stabilised LoRA: s = a / sqrt(r)", &C::rslora),
-      flag("dora", true, "DoRA (weight-decomposed LoRA)", &C::dora),
+      flag("dora", true, "DoRA (weight-decomposed LoRA): not implemented yet, refused with an error", &C::dora),
       text("base-dtype", true, "D",
            "with --lora: storage of the frozen projection matrices: fp32, nf4 (bitsandbytes'\nNF4, blocksize 64) or "
            "nf4-dq (its scales double-quantised) (default fp32; a GGUF\nkeeps its own blocks, a bitsandbytes 4-bit "
