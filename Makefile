@@ -32,7 +32,7 @@ test-fast: build
 	cd $(BUILD) && ctest $(CTEST_FLAGS) -LE "gpu|slow"
 
 test-asan: setup
-	@cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DOOMLESS_SANITIZE=ON -DOOMLESS_CUDA=off -DOOMLESS_BENCH=OFF > /dev/null
+	@cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DOOMLESS_SANITIZE=ON -DOOMLESS_CUDA=off -DOOMLESS_BENCH=OFF -DOOMLESS_SLOW_TESTS=OFF > /dev/null
 	@cmake --build $(ASAN_BUILD) -j$(JOBS)
 	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1 ctest $(CTEST_FLAGS) -LE "gpu|slow"
 
