@@ -5,8 +5,10 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <random>
 
 #include "backend/ref/ref_ops.h"
+#include "core/cpu_info.h"
 #include "util/harness.h"
 
 namespace oomless::test {
@@ -345,3 +347,102 @@ TEST(Dropout, SameMaskEverywhereAndUnbiased) {
 
 }  // namespace
 }  // namespace oomless::test
+
+namespace oomless {
+namespace {
+
+// DoRA's ops on the CPU against the float64 reference (relative L2 within fp32 rounding), the same bits for
+// 1 and 2 threads, a block-quantised w read as the GEMM reads it, and dz aliasing dy.
+TEST(DoraOps, MatchReferenceAndThreadCounts) {
+  auto cpu = make_ops("cpu");
+  auto ref = make_ops("ref");
+  std::mt19937_64 rng(77);
+  std::normal_distribution<double> nd(0.0, 1.0);
+  const int64_t T = 37, N = 70, K = 45, r = 5;
+  auto rnd = [&](int64_t n, double mean = 0) {
+    std::vector<float> v(static_cast<size_t>(n));
+    for (float& x : v) x = static_cast<float>(mean + nd(rng));
+    return v;
+  };
+  auto f64 = [](const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); };
+  auto rel = [](const std::vector<float>& a, const std::vector<double>& b) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < b.size(); ++i) num += (a[i] - b[i]) * (a[i] - b[i]), den += b[i] * b[i];
+    return std::sqrt(num / den);
+  };
+  std::vector<float> w = rnd(N * K), b = rnd(N * r), p = rnd(r * N), q = rnd(N * r), m = rnd(N, 3.0);
+  std::vector<float> y = rnd(T * N), dy = rnd(T * N), bias = rnd(N), dm0 = rnd(N);
+  std::vector<double> wd = f64(w), bd = f64(b), pd = f64(p), qd = f64(q), md = f64(m), biasd = f64(bias);
+  // Row norms of w, then n and g from them (scaled down so that n^2 stays positive).
+  const double s = 0.05;
+  std::vector<float> wn(N), n(N), g(N);
+  std::vector<double> wnd(N), ndd(N), gd(N);
+  cpu->row_norms(Tensor::of(wn.data(), {N}), Tensor::of(w.data(), {N, K}));
+  ref->row_norms(Tensor::of(wnd.data(), {N}), Tensor::of(wd.data(), {N, K}));
+  EXPECT_LT(rel(wn, wnd), 1e-7);
+  cpu->dora_scale(Tensor::of(g.data(), {N}), Tensor::of(n.data(), {N}), Tensor::of(m.data(), {N}),
+                  Tensor::of(wn.data(), {N}), Tensor::of(b.data(), {N, r}), Tensor::of(p.data(), {r, N}),
+                  Tensor::of(q.data(), {N, r}), s);
+  ref->dora_scale(Tensor::of(gd.data(), {N}), Tensor::of(ndd.data(), {N}), Tensor::of(md.data(), {N}),
+                  Tensor::of(wnd.data(), {N}), Tensor::of(bd.data(), {N, r}), Tensor::of(pd.data(), {r, N}),
+                  Tensor::of(qd.data(), {N, r}), s);
+  EXPECT_LT(rel(n, ndd), 1e-6);
+  EXPECT_LT(rel(g, gd), 1e-6);
+  double cross = 0, self = 0;  // n_5 by hand
+  for (int64_t i = 0; i < r; ++i) cross += bd[5 * r + i] * pd[i * N + 5], self += bd[5 * r + i] * qd[5 * r + i];
+  EXPECT_NEAR(ndd[5], std::sqrt(wnd[5] * wnd[5] + 2 * s * cross + s * s * self), 1e-12);
+  // Forward: y = g y + bias, z = y before.
+  std::vector<float> yc = y, z(T * N);
+  std::vector<double> ydd = f64(y), zd(T * N);
+  cpu->dora_forward(Tensor::of(yc.data(), {T, N}), Tensor::of(z.data(), {T, N}), Tensor::of(g.data(), {N}),
+                    Tensor::of(bias.data(), {N}));
+  ref->dora_forward(Tensor::of(ydd.data(), {T, N}), Tensor::of(zd.data(), {T, N}), Tensor::of(gd.data(), {N}),
+                    Tensor::of(biasd.data(), {N}));
+  EXPECT_EQ(std::memcmp(z.data(), y.data(), y.size() * 4), 0);
+  EXPECT_LT(rel(yc, ydd), 1e-6);
+  // Backward, dz aliasing dy, for 1 and 2 threads.
+  std::vector<float> out[2], dmo[2];
+  const int threads = get_threads();
+  for (int th : {1, 2}) {
+    set_threads(th);
+    out[th - 1] = dy, dmo[th - 1] = dm0;
+    cpu->dora_backward(Tensor::of(out[th - 1].data(), {T, N}), Tensor::of(dmo[th - 1].data(), {N}),
+                       Tensor::of(out[th - 1].data(), {T, N}), Tensor::of(z.data(), {T, N}), Tensor::of(g.data(), {N}),
+                       Tensor::of(n.data(), {N}));
+  }
+  set_threads(threads);
+  EXPECT_EQ(std::memcmp(out[0].data(), out[1].data(), out[0].size() * 4), 0);
+  EXPECT_EQ(std::memcmp(dmo[0].data(), dmo[1].data(), dmo[0].size() * 4), 0);
+  std::vector<double> dzd(T * N), dmd = f64(dm0), dyd = f64(dy), zdd = f64(z), gdd = f64(g), nd2 = f64(n);
+  ref->dora_backward(Tensor::of(dzd.data(), {T, N}), Tensor::of(dmd.data(), {N}), Tensor::of(dyd.data(), {T, N}),
+                     Tensor::of(zdd.data(), {T, N}), Tensor::of(gdd.data(), {N}), Tensor::of(nd2.data(), {N}));
+  EXPECT_LT(rel(out[0], dzd), 1e-6);
+  EXPECT_LT(rel(dmo[0], dmd), 1e-6);
+  // scale_rows.
+  std::vector<float> ws = w;
+  std::vector<double> wsd = wd;
+  cpu->scale_rows(Tensor::of(ws.data(), {N, K}), Tensor::of(g.data(), {N}));
+  ref->scale_rows(Tensor::of(wsd.data(), {N, K}), Tensor::of(gdd.data(), {N}));
+  EXPECT_LT(rel(ws, wsd), 1e-7);
+  // A quantised w (here a toy format: rows of w halved): the norms of what dequant_row gives.
+  QuantMatrix qm;
+  qm.format = "toy";
+  qm.rows = N, qm.cols = K, qm.data = w.data();
+  qm.dequant_row = [](const QuantMatrix& qq, int64_t row, int64_t col, int64_t cnt, float* o) {
+    for (int64_t j = 0; j < cnt; ++j) o[j] = 0.5f * static_cast<const float*>(qq.data)[row * qq.cols + col + j];
+  };
+  Tensor wq(nullptr, DType::f32, {N - 3, K});
+  wq.quant = &qm, wq.qrow0 = 3;
+  std::vector<float> wnq(N - 3);
+  cpu->row_norms(Tensor::of(wnq.data(), {N - 3}), wq);
+  for (int64_t j = 0; j < N - 3; ++j) EXPECT_FLOAT_EQ(wnq[static_cast<size_t>(j)], 0.5f * wn[static_cast<size_t>(j + 3)]);
+  // Shapes and dtypes are checked.
+  EXPECT_THROW(cpu->row_norms(Tensor::of(wn.data(), {N - 1}), Tensor::of(w.data(), {N, K})), Error);
+  EXPECT_THROW(cpu->dora_forward(Tensor::of(yc.data(), {T, N}), Tensor(), Tensor::of(g.data(), {N - 1}), Tensor()), Error);
+  EXPECT_THROW(cpu->dora_scale(Tensor::of(g.data(), {N}), Tensor::of(g.data(), {N}), Tensor::of(m.data(), {N}),
+                               Tensor::of(wn.data(), {N}), Tensor(), Tensor(), Tensor(), 0.0),
+               Error);
+}
+
+}  // namespace
+}  // namespace oomless

@@ -1,6 +1,7 @@
 #include "backend/checks.h"
 
 #include <cmath>
+#include <utility>
 
 namespace oomless {
 
@@ -177,6 +178,81 @@ void check_cross_entropy_backward(const char* op, const CeDims& d, const Tensor&
 void check_dropout(const char* op, const Tensor& out, const Tensor& in, double p, DType act) {
   check_elementwise(op, {&out, &in}, act);
   OOM_CHECK(p >= 0 && p < 1, op, " probability must be in [0, 1), got ", p);
+}
+
+RowsCols check_row_norms(const char* op, const Tensor& out, const Tensor& w, DType act) {
+  OOM_CHECK(w.ndim == 2, op, " w must be (N, K), got ", w.str());
+  if (w.quant)
+    OOM_CHECK(w.dtype == act && w.quant->dequant_row && w.qrow0 >= 0 && w.qrow0 + w.dims[0] <= w.quant->rows &&
+                  w.dims[1] == w.quant->cols,
+              op, " w ", w.str(), " does not fit its quantised matrix (", w.quant->rows, " x ", w.quant->cols, ")");
+  else
+    check_dtype(op, "w", w, {act});
+  check_dtype(op, "out", out, {act});
+  check_shape(op, "out", out, {w.dims[0]});
+  return {w.dims[0], w.dims[1]};
+}
+
+RowsCols check_dora_scale(const char* op, const Tensor& g, const Tensor& n, const Tensor& m, const Tensor& wn,
+                          const Tensor& b, const Tensor& p, const Tensor& q, DType act) {
+  OOM_CHECK(wn.ndim == 1, op, " wn must be (N), got ", wn.str());
+  const int64_t N = wn.dims[0];
+  for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"g", &g}, {"n", &n}, {"m", &m}, {"wn", &wn}}) {
+    check_dtype(op, name, *t, {act});
+    check_shape(op, name, *t, {N});
+  }
+  OOM_CHECK(g.data != n.data && g.data != m.data, op, " g may not share memory with n or m");
+  if (!b.data) return {N, 0};
+  OOM_CHECK(b.ndim == 2, op, " b must be (N, r), got ", b.str());
+  const int64_t r = b.dims[1];
+  check_dtype(op, "b", b, {act});
+  check_dtype(op, "p", p, {act});
+  check_dtype(op, "q", q, {act});
+  check_shape(op, "b", b, {N, r});
+  check_shape(op, "p", p, {r, N});
+  check_shape(op, "q", q, {N, r});
+  return {N, r};
+}
+
+RowsCols check_dora_forward(const char* op, const Tensor& y, const Tensor& z, const Tensor& g, const Tensor& bias,
+                            DType act) {
+  OOM_CHECK(y.ndim == 2, op, " y must be (T, N), got ", y.str());
+  const int64_t T = y.dims[0], N = y.dims[1];
+  check_dtype(op, "y", y, {act});
+  check_dtype(op, "g", g, {act});
+  check_shape(op, "g", g, {N});
+  if (z.data) {
+    check_dtype(op, "z", z, {act});
+    check_shape(op, "z", z, {T, N});
+  }
+  if (bias.data) {
+    check_dtype(op, "bias", bias, {act});
+    check_shape(op, "bias", bias, {N});
+  }
+  return {T, N};
+}
+
+RowsCols check_dora_backward(const char* op, const Tensor& dz, const Tensor& dm, const Tensor& dy, const Tensor& z,
+                             const Tensor& g, const Tensor& n, DType act) {
+  OOM_CHECK(dy.ndim == 2, op, " dy must be (T, N), got ", dy.str());
+  const int64_t T = dy.dims[0], N = dy.dims[1];
+  for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"dz", &dz}, {"dy", &dy}, {"z", &z}}) {
+    check_dtype(op, name, *t, {act});
+    check_shape(op, name, *t, {T, N});
+  }
+  for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"dm", &dm}, {"g", &g}, {"n", &n}}) {
+    check_dtype(op, name, *t, {act});
+    check_shape(op, name, *t, {N});
+  }
+  return {T, N};
+}
+
+RowsCols check_scale_rows(const char* op, const Tensor& x, const Tensor& g, DType act) {
+  OOM_CHECK(x.ndim == 2, op, " x must be (N, K), got ", x.str());
+  check_dtype(op, "x", x, {act});
+  check_dtype(op, "g", g, {act});
+  check_shape(op, "g", g, {x.dims[0]});
+  return {x.dims[0], x.dims[1]};
 }
 
 void check_adamw(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWConfig& cfg,

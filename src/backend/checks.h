@@ -27,6 +27,16 @@ void check_elementwise(const char* op, std::initializer_list<const Tensor*> ts, 
 // out and in of one shape in the act dtype, 0 <= p < 1.
 void check_dropout(const char* op, const Tensor& out, const Tensor& in, double p, DType act);
 
+// DoRA's ops (ops.h): the (rows, cols) they work over.
+RowsCols check_row_norms(const char* op, const Tensor& out, const Tensor& w, DType act);
+RowsCols check_dora_scale(const char* op, const Tensor& g, const Tensor& n, const Tensor& m, const Tensor& wn,
+                          const Tensor& b, const Tensor& p, const Tensor& q, DType act);
+RowsCols check_dora_forward(const char* op, const Tensor& y, const Tensor& z, const Tensor& g, const Tensor& bias,
+                            DType act);
+RowsCols check_dora_backward(const char* op, const Tensor& dz, const Tensor& dm, const Tensor& dy, const Tensor& z,
+                             const Tensor& g, const Tensor& n, DType act);
+RowsCols check_scale_rows(const char* op, const Tensor& x, const Tensor& g, DType act);
+
 struct AttentionDims {
   int64_t T, H, Hkv, D;
 };

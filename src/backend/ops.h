@@ -132,6 +132,20 @@ class Ops {
   // dst = src converted element-wise (float dtypes; rounding to nearest even).
   virtual void convert(Tensor dst, Tensor src) = 0;
 
+  // DoRA (weight-decomposed LoRA, model/lora.h), whose weight norm is a constant of the step.
+  // out (N) = ||w[j, :]||_2 of w (N, K): act dtype or block-quantised (as matmul's b), summed in double.
+  virtual void row_norms(Tensor out, Tensor w) = 0;
+  // n (N) = ||W_j + s (B A)_j|| = sqrt(wn_j^2 + 2 s sum_i b[j,i] p[i,j] + s^2 sum_i b[j,i] q[j,i]) from
+  // wn = row_norms(W), b = B (N, r), p = A W^T (r, N), q = B (A A^T) (N, r); with b empty n = wn. g (N) = m / n.
+  virtual void dora_scale(Tensor g, Tensor n, Tensor m, Tensor wn, Tensor b, Tensor p, Tensor q, double s) = 0;
+  // y (T, N) = g * y + bias, per column (bias may be empty); z, when given (T, N), receives y before:
+  // the unscaled W x + s B A x that the backward needs.
+  virtual void dora_forward(Tensor y, Tensor z, Tensor g, Tensor bias) = 0;
+  // dm (N) += sum over t of dy[t, j] z[t, j] / n_j (in a fixed order), then dz (T, N) = g * dy; dz may be dy.
+  virtual void dora_backward(Tensor dz, Tensor dm, Tensor dy, Tensor z, Tensor g, Tensor n) = 0;
+  // x[j, :] *= g_j for x (N, K), g (N).
+  virtual void scale_rows(Tensor x, Tensor g) = 0;
+
   // Causal attention over a block table. q (T, H, D) at absolute positions q_pos (T); a query at
   // position p sees the keys with position <= p. H is a multiple of Hkv (GQA: query head h reads kv
   // head h / (H / Hkv)). o (T, H, D); lse (H, T) = log-sum-exp of the scaled scores (natural log), -inf

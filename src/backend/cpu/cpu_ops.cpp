@@ -6,6 +6,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -247,6 +248,90 @@ void CpuOps::dropout(Tensor out, Tensor in, double p, uint64_t seed, int64_t off
     const float v = dropout_keep(seed, offset + i, p) ? x[i] * s : 0.0f;
     y[i] = accumulate ? y[i] + v : v;
   }
+}
+
+void CpuOps::row_norms(Tensor out, Tensor w) {
+  auto [N_, K_] = check_row_norms("[row_norms]", out, w, kAct);
+  const int64_t N = N_, K = K_;
+  const QuantMatrix* q = w.quant;
+  const int64_t q0 = w.qrow0;
+  const float* x = f32p(w);
+  float* o = f32p(out);
+#pragma omp parallel
+  {
+    std::vector<float> row(q ? static_cast<size_t>(K) : 0);
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < N; ++j) {
+      const float* r = x ? x + j * K : nullptr;
+      if (q) q->dequant_row(*q, q0 + j, 0, K, row.data()), r = row.data();
+      double s = 0;
+      for (int64_t k = 0; k < K; ++k) s += static_cast<double>(r[k]) * r[k];
+      o[j] = static_cast<float>(std::sqrt(s));
+    }
+  }
+}
+
+void CpuOps::dora_scale(Tensor g, Tensor n, Tensor m, Tensor wn, Tensor b, Tensor p, Tensor q, double s) {
+  auto [N_, r_] = check_dora_scale("[dora_scale]", g, n, m, wn, b, p, q, kAct);
+  const int64_t N = N_, r = r_;
+  const float *bs = f32p(b), *ps = f32p(p), *qs = f32p(q), *ms = f32p(m), *ws = f32p(wn);
+  float *gs = f32p(g), *ns = f32p(n);
+#pragma omp parallel for schedule(static)
+  for (int64_t j = 0; j < N; ++j) {
+    double sq = static_cast<double>(ws[j]) * ws[j], cross = 0, self = 0;
+    for (int64_t i = 0; i < r; ++i) {
+      cross += static_cast<double>(bs[j * r + i]) * ps[i * N + j];
+      self += static_cast<double>(bs[j * r + i]) * qs[j * r + i];
+    }
+    const double nj = std::sqrt(std::max(0.0, sq + 2 * s * cross + s * s * self));
+    ns[j] = static_cast<float>(nj);
+    gs[j] = static_cast<float>(ms[j] / nj);
+  }
+}
+
+void CpuOps::dora_forward(Tensor y, Tensor z, Tensor g, Tensor bias) {
+  auto [T_, N_] = check_dora_forward("[dora_forward]", y, z, g, bias, kAct);
+  const int64_t T = T_, N = N_;
+  float* ys = f32p(y);
+  float* zs = f32p(z);
+  const float *gs = f32p(g), *bs = f32p(bias);
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < N; ++j) {
+      const float v = ys[t * N + j];
+      if (zs) zs[t * N + j] = v;
+      ys[t * N + j] = bs ? gs[j] * v + bs[j] : gs[j] * v;
+    }
+}
+
+void CpuOps::dora_backward(Tensor dz, Tensor dm, Tensor dy, Tensor z, Tensor g, Tensor n) {
+  auto [T_, N_] = check_dora_backward("[dora_backward]", dz, dm, dy, z, g, n, kAct);
+  const int64_t T = T_, N = N_;
+  const float *dys = f32p(dy), *zs = f32p(z), *gs = f32p(g), *ns = f32p(n);
+  float *dzs = f32p(dz), *dms = f32p(dm);
+  // dm: column blocks in parallel, each column summed over rows in order; then the scaling.
+  const int64_t blocks = (N + kColBlock - 1) / kColBlock;
+#pragma omp parallel for schedule(static)
+  for (int64_t bk = 0; bk < blocks; ++bk) {
+    const int64_t j0 = bk * kColBlock, j1 = std::min(N, j0 + kColBlock);
+    double acc[kColBlock] = {};
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = j0; j < j1; ++j) acc[j - j0] += static_cast<double>(dys[t * N + j]) * zs[t * N + j];
+    for (int64_t j = j0; j < j1; ++j) dms[j] += static_cast<float>(acc[j - j0] / ns[j]);
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < N; ++j) dzs[t * N + j] = gs[j] * dys[t * N + j];
+}
+
+void CpuOps::scale_rows(Tensor x, Tensor g) {
+  auto [N_, K_] = check_scale_rows("[scale_rows]", x, g, kAct);
+  const int64_t N = N_, K = K_;
+  float* xs = f32p(x);
+  const float* gs = f32p(g);
+#pragma omp parallel for schedule(static)
+  for (int64_t j = 0; j < N; ++j)
+    for (int64_t k = 0; k < K; ++k) xs[j * K + k] *= gs[j];
 }
 
 void CpuOps::fill(Tensor x, double value) {

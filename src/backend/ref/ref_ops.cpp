@@ -219,6 +219,58 @@ void RefOps::scale(Tensor x, double alpha) {
   for (int64_t i = 0; i < x.numel(); ++i) f64(x)[i] *= alpha;
 }
 
+void RefOps::row_norms(Tensor out, Tensor w) {
+  auto [N, K] = check_row_norms("[row_norms]", out, w, kAct);
+  std::vector<float> row(static_cast<size_t>(K));
+  for (int64_t j = 0; j < N; ++j) {
+    if (w.quant) w.quant->dequant_row(*w.quant, w.qrow0 + j, 0, K, row.data());
+    double s = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      const double v = w.quant ? row[static_cast<size_t>(k)] : f64(w)[j * K + k];
+      s += v * v;
+    }
+    f64(out)[j] = std::sqrt(s);
+  }
+}
+
+void RefOps::dora_scale(Tensor g, Tensor n, Tensor m, Tensor wn, Tensor b, Tensor p, Tensor q, double s) {
+  auto [N, r] = check_dora_scale("[dora_scale]", g, n, m, wn, b, p, q, kAct);
+  for (int64_t j = 0; j < N; ++j) {
+    double sq = f64(wn)[j] * f64(wn)[j];
+    for (int64_t i = 0; i < r; ++i)
+      sq += 2 * s * f64(b)[j * r + i] * f64(p)[i * N + j] + s * s * f64(b)[j * r + i] * f64(q)[j * r + i];
+    f64(n)[j] = std::sqrt(std::max(0.0, sq));
+    f64(g)[j] = f64(m)[j] / f64(n)[j];
+  }
+}
+
+void RefOps::dora_forward(Tensor y, Tensor z, Tensor g, Tensor bias) {
+  auto [T, N] = check_dora_forward("[dora_forward]", y, z, g, bias, kAct);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < N; ++j) {
+      const double v = f64(y)[t * N + j];
+      if (z.data) f64(z)[t * N + j] = v;
+      f64(y)[t * N + j] = f64(g)[j] * v + (bias.data ? f64(bias)[j] : 0.0);
+    }
+}
+
+void RefOps::dora_backward(Tensor dz, Tensor dm, Tensor dy, Tensor z, Tensor g, Tensor n) {
+  auto [T, N] = check_dora_backward("[dora_backward]", dz, dm, dy, z, g, n, kAct);
+  for (int64_t j = 0; j < N; ++j) {
+    double s = 0;
+    for (int64_t t = 0; t < T; ++t) s += f64(dy)[t * N + j] * f64(z)[t * N + j];
+    f64(dm)[j] += s / f64(n)[j];
+  }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < N; ++j) f64(dz)[t * N + j] = f64(g)[j] * f64(dy)[t * N + j];
+}
+
+void RefOps::scale_rows(Tensor x, Tensor g) {
+  auto [N, K] = check_scale_rows("[scale_rows]", x, g, kAct);
+  for (int64_t j = 0; j < N; ++j)
+    for (int64_t k = 0; k < K; ++k) f64(x)[j * K + k] *= f64(g)[j];
+}
+
 void RefOps::dropout(Tensor out, Tensor in, double p, uint64_t seed, int64_t offset, bool accumulate) {
   check_dropout("[dropout]", out, in, p, kAct);
   for (int64_t i = 0; i < out.numel(); ++i) {

@@ -28,6 +28,11 @@ class RefOps final : public Ops {
   void scale(Tensor x, double alpha) override;
   void fill(Tensor x, double value) override;
   void dropout(Tensor out, Tensor in, double p, uint64_t seed, int64_t offset, bool accumulate) override;
+  void row_norms(Tensor out, Tensor w) override;
+  void dora_scale(Tensor g, Tensor n, Tensor m, Tensor wn, Tensor b, Tensor p, Tensor q, double s) override;
+  void dora_forward(Tensor y, Tensor z, Tensor g, Tensor bias) override;
+  void dora_backward(Tensor dz, Tensor dm, Tensor dy, Tensor z, Tensor g, Tensor n) override;
+  void scale_rows(Tensor x, Tensor g) override;
   double sum_squares(Tensor x) override;
   void convert(Tensor dst, Tensor src) override;
   void attention_forward(Tensor o, Tensor lse, Tensor q, const KvBlocks& kv, Tensor q_pos, double scale) override;
