@@ -17,9 +17,10 @@ namespace {
 
 using test::variants;
 
-LoraSettings lora(int64_t r, const char* targets, double alpha, bool rslora = false, double dropout = 0) {
+LoraSettings lora(int64_t r, const char* targets, double alpha, bool rslora = false, double dropout = 0,
+                  bool dora = false) {
   LoraSettings s;
-  s.r = r, s.alpha = alpha, s.rslora = rslora, s.dropout = dropout;
+  s.r = r, s.alpha = alpha, s.rslora = rslora, s.dropout = dropout, s.dora = dora;
   s.targets = parse_lora_targets(targets);
   return s;
 }
@@ -40,8 +41,10 @@ Seq seq(int64_t T, int64_t V, uint64_t seed) {
 
 TEST(Lora, AdapterGradientsMatchFiniteDifferences) {
   // The dropout case: the mask is fixed by the seed, so the loss is a smooth function of the adapter.
+  // DoRA: the magnitudes' gradients too, the norm held constant (as PEFT detaches it) in the loss as well.
   const LoraSettings settings[] = {lora(3, "all-linear", 6.0), lora(2, "q,v,down", 3.0, true),
-                                   lora(2, "all-linear", 4.0, false, 0.3)};
+                                   lora(2, "all-linear", 4.0, false, 0.3), lora(3, "all-linear", 6.0, false, 0, true),
+                                   lora(2, "k,o,up", 3.0, true, 0, true)};
   for (const test::Variant& var : variants()) {
     for (const LoraSettings& ls : settings) {
       SCOPED_TRACE(std::string(var.name) + " r=" + std::to_string(ls.r));
@@ -60,7 +63,8 @@ TEST(Lora, AdapterGradientsMatchFiniteDifferences) {
       CeResult r = m.forward(s.id_t(), s.tg_t(), true);
       const double scale = 1.0 / static_cast<double>(r.count);
       m.backward(scale);
-      // A training forward (dropout on, the same seed) for every evaluation.
+      // A training forward (dropout on, the same seed) for every evaluation; DoRA's norm held constant.
+      m.hold_dora_norms(true);
       auto loss = [&]() { return m.forward(s.id_t(), s.tg_t(), true).loss_sum * scale; };
       EXPECT_GT(test::check_sampled_gradients(ad->tensors(), m.adapter_grads().tensors(), loss, 3, 11), 20);
     }
@@ -118,16 +122,20 @@ TEST(Lora, EqualsTheBaseWithMergedWeights) {
   }
 }
 
-// B = 0 (PEFT's init): the adapted model computes exactly the base model, fp32 and bf16.
+// B = 0 (PEFT's init): the adapted model computes exactly the base model, fp32 and bf16; with DoRA too
+// (m = ||W||, so g = 1), on a model with biases.
 TEST(Lora, AnUntrainedAdapterChangesNothing) {
-  for (ComputeDType dt : {ComputeDType::f32, ComputeDType::bf16}) {
-    const test::Variant var = variants()[0];
+  for (int k = 0; k < 4; ++k) {
+    const ComputeDType dt = k % 2 ? ComputeDType::bf16 : ComputeDType::f32;
+    const bool dora = k >= 2;
+    const test::Variant var = variants()[dora ? 2 : 0];
     CpuMemory mem(size_t{1} << 32);
     auto ops = make_ops("cpu", &mem.device);
     ParamSet params(var.cfg, DType::f32, mem.device, Category::weights);
     init_random(params, 5, 0.3);
-    AdapterSet ad(var.cfg, lora(4, "all-linear", 8.0), DType::f32, mem.device, Category::adapter);
+    AdapterSet ad(var.cfg, lora(4, "all-linear", 8.0, false, 0, dora), DType::f32, mem.device, Category::adapter);
     init_lora(ad, 1);
+    init_dora(*ops, ad, params);
     const int64_t T = 21;
     Seq s = seq(T, var.cfg.V, 6);
     Model a(var.cfg, *ops, params, mem.device, {dt, SavePolicy::all, &ad});
@@ -135,11 +143,13 @@ TEST(Lora, AnUntrainedAdapterChangesNothing) {
     a.reserve(T, false);
     b.reserve(T, false);
     const double la = a.forward(s.id_t(), s.tg_t(), false).loss_sum, lb = b.forward(s.id_t(), s.tg_t(), false).loss_sum;
-    EXPECT_EQ(std::memcmp(&la, &lb, sizeof la), 0) << (dt == ComputeDType::bf16 ? "bf16" : "fp32");
+    EXPECT_EQ(std::memcmp(&la, &lb, sizeof la), 0) << (dt == ComputeDType::bf16 ? "bf16" : "fp32") << (dora ? " dora" : "");
   }
 }
 
 TEST(Lora, FrozenBaseHasNoGradientsAndTrainingLeavesItsBytes) {
+  for (bool dora : {false, true}) {
+  SCOPED_TRACE(dora ? "dora" : "lora");
   const test::Variant var = variants()[2];  // biases: their gradients must not exist either
   CpuMemory mem(size_t{1} << 32);
   auto ops = make_ops("cpu", &mem.device);
@@ -148,8 +158,9 @@ TEST(Lora, FrozenBaseHasNoGradientsAndTrainingLeavesItsBytes) {
   perturb(params, 6);
   const std::vector<char> before(static_cast<const char*>(params.data()),
                                  static_cast<const char*>(params.data()) + params.bytes());
-  AdapterSet ad(var.cfg, lora(4, "all-linear", 8.0), DType::f32, mem.device, Category::adapter);
+  AdapterSet ad(var.cfg, lora(4, "all-linear", 8.0, false, 0, dora), DType::f32, mem.device, Category::adapter);
   init_lora(ad, 1);
+  init_dora(*ops, ad, params);
   Model m(var.cfg, *ops, params, mem.device, {ComputeDType::f32, SavePolicy::all, &ad});
   const TrainableSet tr = m.trainable();
   AdamW opt(tr, mem.host, {1e-2, 0.9, 0.95, 1e-8, 0.1});
@@ -171,16 +182,20 @@ TEST(Lora, FrozenBaseHasNoGradientsAndTrainingLeavesItsBytes) {
   EXPECT_LT(last, first) << "the adapter trains";
   EXPECT_EQ(std::memcmp(before.data(), params.data(), before.size()), 0) << "the base changed";
   EXPECT_EQ(mem.ledger.current(Tier::Device, Category::grads), ad.tensors().bytes());
+  }
 }
 
-// Adapter gradients are bitwise the same for every SavePolicy (fp32 and bf16) and every K/V offload mode.
+// Adapter gradients are bitwise the same for every SavePolicy (fp32 and bf16) and every K/V offload mode,
+// LoRA and DoRA.
 TEST(Lora, BitwiseAcrossSavePoliciesAndOffloadModes) {
   const std::vector<int32_t> ids = test::tokens(64, 37, 9);
   for (const test::Variant& var : variants()) {
-    for (ComputeDType dt : {ComputeDType::f32, ComputeDType::bf16}) {
-      SCOPED_TRACE(std::string(var.name) + (dt == ComputeDType::bf16 ? " bf16" : " fp32"));
+    for (int k = 0; k < 4; ++k) {
+      const ComputeDType dt = k % 2 ? ComputeDType::bf16 : ComputeDType::f32;
+      const bool dora = k >= 2;
+      SCOPED_TRACE(std::string(var.name) + (dt == ComputeDType::bf16 ? " bf16" : " fp32") + (dora ? " dora" : ""));
       test::RunSetup s{var.cfg};
-      s.dtype = dt, s.lora_r = 3;
+      s.dtype = dt, s.lora_r = 3, s.dora = dora;
       const test::Result all = test::run(s, ids, 0, 0, KvOffload::none);
       ASSERT_FALSE(all.names.empty());
       EXPECT_NE(all.names[0].find("lora_A"), std::string::npos);
@@ -239,6 +254,53 @@ TEST(Lora, DropoutIsSeededAndOnlyInTraining) {
   const test::Result chunked = test::run(rs, ids, 16, 8, KvOffload::none);
   for (size_t i = 0; i < all.grads.size(); ++i) EXPECT_LT(test::rel_l2(chunked.grads[i], all.grads[i]), 1e-5) << i;
   EXPECT_TRUE(test::same_bits(chunked, test::run(rs, ids, 16, 8, KvOffload::disk)));
+}
+
+// DoRA merged (merge_lora: W_j <- m_j (W + s B A)_j / ||(W + s B A)_j||) is the base model with those
+// weights, in float64 to rounding; and DoRA cannot train with dropout (an error, not a wrong gradient).
+TEST(Lora, DoraEqualsTheBaseWithMergedWeights) {
+  for (const test::Variant& var : variants()) {
+    SCOPED_TRACE(var.name);
+    Ledger ledger;
+    Arena arena(Tier::Host, size_t{1} << 30, ledger);
+    auto ops = make_ops("ref");
+    ParamSet params(var.cfg, DType::f64, arena, Category::weights);
+    init_random(params, 7, 0.3);
+    perturb(params, 8);
+    auto ad = test::random_adapters(var.cfg, lora(3, "all-linear", 5.0, false, 0, true), DType::f64, arena, 21);
+    ParamSet merged(var.cfg, DType::f64, arena, Category::weights);
+    std::memcpy(merged.data(), params.data(), params.bytes());
+    merge_lora(*ops, merged, *ad, arena);
+    const int64_t T = 11, V = var.cfg.V;
+    Seq s = seq(T, V, 4);
+    Model a(var.cfg, *ops, params, arena, {ComputeDType::f32, SavePolicy::all, ad.get()});
+    Model b(var.cfg, *ops, merged, arena);
+    a.reserve(T, false);
+    b.reserve(T, false);
+    const double la = a.forward(s.id_t(), s.tg_t(), false).loss_sum, lb = b.forward(s.id_t(), s.tg_t(), false).loss_sum;
+    EXPECT_NEAR(la, lb, 1e-11 * std::abs(lb));
+    std::vector<double> ga(static_cast<size_t>(T * V)), gb(ga.size());
+    a.logits(Tensor::of(ga.data(), {T, V}));
+    b.logits(Tensor::of(gb.data(), {T, V}));
+    for (size_t i = 0; i < ga.size(); ++i) ASSERT_NEAR(ga[i], gb[i], 1e-11) << i;
+  }
+  const test::Variant var = variants()[0];
+  Ledger ledger;
+  Arena arena(Tier::Host, size_t{1} << 30, ledger);
+  auto ops = make_ops("cpu");
+  ParamSet params(var.cfg, DType::f32, arena, Category::weights);
+  init_random(params, 7, 0.3);
+  auto ad = test::random_adapters(var.cfg, lora(3, "all-linear", 5.0, false, 0.1, true), DType::f32, arena, 21);
+  Model m(var.cfg, *ops, params, arena, {ComputeDType::f32, SavePolicy::all, ad.get()});
+  m.reserve(8, true);
+  Seq s = seq(8, var.cfg.V, 4);
+  EXPECT_NO_THROW(m.forward(s.id_t(), s.tg_t(), false)) << "evaluation takes a DoRA adapter with dropout";
+  try {
+    m.forward(s.id_t(), s.tg_t(), true);
+    FAIL() << "DoRA training with dropout accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--lora-dropout 0"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Lora, BadSettingsAreClearErrors) {

@@ -32,9 +32,11 @@ void dequantised_copy(const ParamSet& params, const QuantBase&, ParamSet& out) {
 
 TEST(Qlora, Nf4BaseIsBitwiseTheDequantisedBase) {
   for (const test::Variant& var : test::variants()) {
-    for (bool dq : {false, true}) {
+    for (int mode = 0; mode < 3; ++mode) {  // nf4, nf4-dq, nf4-dq with DoRA (its norms read the NF4 base)
+      const bool dq = mode > 0, dora = mode == 2;
       for (ComputeDType dt : {ComputeDType::f32, ComputeDType::bf16}) {
-        SCOPED_TRACE(std::string(var.name) + (dq ? " nf4-dq" : " nf4") + (dt == ComputeDType::bf16 ? " bf16" : " fp32"));
+        SCOPED_TRACE(std::string(var.name) + (dq ? " nf4-dq" : " nf4") + (dora ? " dora" : "") +
+                     (dt == ComputeDType::bf16 ? " bf16" : " fp32"));
         CpuMemory mem(size_t{1} << 32);
         auto ops = make_ops("cpu", &mem.device);
         ParamSet full(var.cfg, DType::f32, mem.device, Category::weights);
@@ -48,7 +50,9 @@ TEST(Qlora, Nf4BaseIsBitwiseTheDequantisedBase) {
         EXPECT_EQ(qb.matrices(), 7 * var.cfg.L);
         ParamSet dp(var.cfg, DType::f32, mem.device, Category::weights);
         dequantised_copy(qp, qb, dp);
-        auto ad = test::random_adapters(var.cfg, test::all_linear_lora(3), DType::f32, mem.device, 17);
+        LoraSettings ls = test::all_linear_lora(3);
+        ls.dora = dora;
+        auto ad = test::random_adapters(var.cfg, ls, DType::f32, mem.device, 17);
         const std::vector<int32_t> ids = test::tokens(48, var.cfg.V, 3), tg = test::targets_of(ids);
         std::vector<std::vector<float>> grads[2];
         double loss[2];

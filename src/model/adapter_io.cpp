@@ -35,7 +35,6 @@ Resolved resolve_dir(const std::string& dir, const ModelConfig& cfg) {
   Resolved r;
   r.layout = resolve_adapter(a, cfg, path);
   const AdapterLayout& L = r.layout;
-  OOM_CHECK(!L.dora, "[adapter] ", path, ": use_dora = true (DoRA) is not supported yet; supported: LoRA and rsLoRA");
   LoraSettings& s = r.settings;
   s.train_embed = L.train_embed_tokens;
   s.train_head = L.train_lm_head;
@@ -43,6 +42,7 @@ Resolved resolve_dir(const std::string& dir, const ModelConfig& cfg) {
   s.alpha = L.targets.front().alpha;
   s.dropout = a.lora_dropout;
   s.rslora = a.use_rslora;
+  s.dora = L.dora;
   for (const LoraTarget& t : L.targets)
     if (t.layer == 0) s.targets.push_back(static_cast<Proj>(static_cast<int>(t.module)));
   const size_t per_layer = s.targets.size();
@@ -102,8 +102,9 @@ void load_adapter(const std::string& dir, const ModelConfig& cfg, AdapterSet& a,
                 want.rslora == have.rslora && want.dora == have.dora && want.train_embed == have.train_embed &&
                 want.train_head == have.train_head,
             "[adapter] ", dir, ": its settings (r ", want.r, ", lora_alpha ", want.alpha, ", ", want.targets.size(),
-            " projections per layer", want.rslora ? ", rsLoRA" : "", ") differ from this run's (r ", have.r,
-            ", lora_alpha ", have.alpha, ", ", have.targets.size(), have.rslora ? ", rsLoRA" : "", ")");
+            " projections per layer", want.rslora ? ", rsLoRA" : "", want.dora ? ", DoRA" : "", ") differ from this run's (r ",
+            have.r, ", lora_alpha ", have.alpha, ", ", have.targets.size(), have.rslora ? ", rsLoRA" : "",
+            have.dora ? ", DoRA" : "", ")");
   const std::string path = (fs::path(dir) / kAdapterWeights).string();
   SafetensorsFile f = SafetensorsFile::open(path);
   check_adapter_tensors(r.layout, f);  // every tensor present, shapes, float dtypes, nothing else

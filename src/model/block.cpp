@@ -40,6 +40,11 @@ Tensor head(const Tensor& kv, int64_t h, int64_t P, int64_t t0, int64_t T, int64
 
 Tensor mat(const Tensor& t, int64_t r, int64_t c) { return Tensor(t.data, t.dtype, {r, c}); }
 
+// Head h of DoRA's (Hkv, T, D) unscaled k or v, or empty.
+Tensor z_head(const Tensor& z, int64_t h, int64_t T, int64_t D) {
+  return z.data ? head(z, h, T, 0, T, D) : Tensor();
+}
+
 }  // namespace
 
 const LayerParams& Model::wc(int64_t layer) const {
@@ -60,11 +65,13 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
   Tensor q2 = mat(a.q, T, H * D);
   if (pass != Pass::kv_only) {
     Tensor qlin = cfg_.qk_norm ? mat(a.q_pre, T, H * D) : q2;
-    linear_forward(qlin, h1, C.wq, P.bq);
+    const bool dq = dora_on(layer, Proj::q);  // DoRA adds the bias after its scale
+    linear_forward(qlin, h1, C.wq, dq ? Tensor() : P.bq);
     if (lora_on(layer, Proj::q)) {
       lora_down(layer, Proj::q, a.u[0], a.h1, h1);
       lora_up(layer, Proj::q, qlin, a.u[0], 0);
     }
+    if (dq) dora_forward(layer, Proj::q, qlin, a.z[0], P.bq, 0);
     if (cfg_.qk_norm)
       ops_.rmsnorm_forward(mat(a.q, T * H, D), a.q_rstd, mat(a.q_pre, T * H, D), P.q_norm, eps);
     ops_.rope_forward(a.q, a.q, pos, cfg_.rope);
@@ -72,20 +79,23 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
 
   // Keys and values, one kv head at a time, into (Hkv, P, D); a LoRA's x A^T once for all heads.
   const bool lk = lora_on(layer, Proj::k), lv = lora_on(layer, Proj::v);
+  const bool dk = dora_on(layer, Proj::k), dv = dora_on(layer, Proj::v);
   if (lk) lora_down(layer, Proj::k, a.u[1], a.h1, h1);
   if (lv) lora_down(layer, Proj::v, a.u[2], a.h1, h1);
   for (int64_t h = 0; h < Hkv; ++h) {
     Tensor kh = head(kv.k, h, Pk, t0, T, D);
     Tensor wk = rows(C.wk, h * D, D, E), wv = rows(C.wv, h * D, D, E);
     Tensor klin = cfg_.qk_norm ? head(a.k_pre, h, T, 0, T, D) : kh;
-    linear_forward(klin, h1, wk, span(P.bk, h * D, D));
+    linear_forward(klin, h1, wk, dk ? Tensor() : span(P.bk, h * D, D));
     if (lk) lora_up(layer, Proj::k, klin, a.u[1], h * D);
+    if (dk) dora_forward(layer, Proj::k, klin, z_head(a.z[1], h, T, D), span(P.bk, h * D, D), h * D);
     if (cfg_.qk_norm) ops_.rmsnorm_forward(kh, span(a.k_rstd, h * T, T), klin, P.k_norm, eps);
     Tensor kh3(kh.data, kh.dtype, {T, int64_t{1}, D});
     ops_.rope_forward(kh3, kh3, pos, cfg_.rope);
     Tensor vh = head(kv.v, h, Pk, t0, T, D);
-    linear_forward(vh, h1, wv, span(P.bv, h * D, D));
+    linear_forward(vh, h1, wv, dv ? Tensor() : span(P.bv, h * D, D));
     if (lv) lora_up(layer, Proj::v, vh, a.u[2], h * D);
+    if (dv) dora_forward(layer, Proj::v, vh, z_head(a.z[2], h, T, D), span(P.bv, h * D, D), h * D);
   }
 
   if (pass == Pass::kv_only) return;
@@ -99,11 +109,13 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
 
   Tensor proj = mat(s_->proj, T, E);
   Tensor o_op = as_operand(mat(a.o, T, H * D), 0);
-  linear_forward(proj, o_op, C.wo, P.bo);
+  const bool d_o = dora_on(layer, Proj::o);
+  linear_forward(proj, o_op, C.wo, d_o ? Tensor() : P.bo);
   if (lora_on(layer, Proj::o)) {
     lora_down(layer, Proj::o, a.u[3], mat(a.o, T, H * D), o_op);
     lora_up(layer, Proj::o, proj, a.u[3], 0);
   }
+  if (d_o) dora_forward(layer, Proj::o, proj, a.z[3], P.bo, 0);
   ops_.add(a.x_mid, a.x_in, proj);
 
   ops_.rmsnorm_forward(a.h2, a.rstd2, a.x_mid, P.post_norm, eps);
@@ -115,19 +127,23 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
     Tensor u = a.u[static_cast<int>(p)];
     lora_down(layer, p, u, a.h2, h2);
     lora_up(layer, p, p == Proj::gate ? a.gate : a.up, u, 0);
+    if (dora_on(layer, p)) dora_forward(layer, p, p == Proj::gate ? a.gate : a.up, a.z[static_cast<int>(p)], Tensor(), 0);
   }
   ops_.swiglu_forward(a.act, a.gate, a.up);
-  const bool ld = lora_on(layer, Proj::down);
-  if (pass != Pass::full) {
+  const bool ld = lora_on(layer, Proj::down), dd = dora_on(layer, Proj::down);
+  if (pass != Pass::full && !dd) {
     if (ld) lora_down(layer, Proj::down, a.u[6], a.act, as_operand(a.act, 0));  // the backward needs it
     return;
   }
+  // (A recompute with DoRA on down_proj runs it too: the backward needs its unscaled output.)
   Tensor act_op = as_operand(a.act, 0);
   linear_forward(proj, act_op, C.wd, Tensor());
   if (ld) {
     lora_down(layer, Proj::down, a.u[6], a.act, act_op);
     lora_up(layer, Proj::down, proj, a.u[6], 0);
   }
+  if (dd) dora_forward(layer, Proj::down, proj, a.z[6], Tensor(), 0);
+  if (pass != Pass::full) return;
   ops_.add(x_out, a.x_mid, proj);
 }
 
@@ -174,18 +190,28 @@ void Model::block_backward(int64_t layer, Acts& a, Tensor pos, Tensor dx) {
   };
   if (lora_r_) s.du[0] = view(s.du[0], {T, lora_r_}), s.du[1] = view(s.du[1], {T, lora_r_});
 
+  // DoRA on o_proj / down_proj: their dy is the residual's gradient, so g * dy goes to a scratch.
+  Tensor dz = s.dz.data ? view(s.dz, {T, E}) : Tensor();
+  auto residual_dy = [&](Proj p, int z) {
+    if (!dora_on(layer, p)) return as_operand(dx, 0);
+    dora_backward(layer, p, dz, dx, a.z[z], 0);
+    return as_operand(dz, 0);
+  };
+
   // MLP: x_out = x_mid + down(silu(gate(h2)) * up(h2)).
-  Tensor dx_op = as_operand(dx, 0);
+  Tensor dx_op = residual_dy(Proj::down, 6);
   Tensor act_op = as_operand(a.act, 1);
   linear_backward_input(dact, dx_op, C.wd, false);
   linear_backward_weight(G.wd, dx_op, act_op);
   lora(Proj::down, dact, dx_op, a.act, act_op);
   ops_.swiglu_backward(dgate, dup, dact, a.gate, a.up);
   Tensor h2 = as_operand(a.h2, 1);
+  if (dora_on(layer, Proj::gate)) dora_backward(layer, Proj::gate, dgate, dgate, a.z[4], 0);
   Tensor g_op = as_operand(dgate, 0);
   linear_backward_input(dh, g_op, C.wg, false);
   linear_backward_weight(G.wg, g_op, h2);
   lora(Proj::gate, dh, g_op, a.h2, h2);
+  if (dora_on(layer, Proj::up)) dora_backward(layer, Proj::up, dup, dup, a.z[5], 0);
   Tensor u_op = as_operand(dup, 0);
   linear_backward_input(dh, u_op, C.wu, true);
   linear_backward_weight(G.wu, u_op, h2);
@@ -195,7 +221,7 @@ void Model::block_backward(int64_t layer, Acts& a, Tensor pos, Tensor dx) {
 
   // Attention output projection: x_mid = x_in + o_proj(o).
   Tensor d_o = view(s.d_o, {T, H, D});
-  dx_op = as_operand(dx, 0);
+  dx_op = residual_dy(Proj::o, 3);
   Tensor o_op = as_operand(mat(a.o, T, H * D), 1);
   linear_backward_input(mat(d_o, T, H * D), dx_op, C.wo, false);
   linear_backward_weight(G.wo, dx_op, o_op);
@@ -233,25 +259,30 @@ void Model::block_backward(int64_t layer, Acts& a, Tensor pos, Tensor dx) {
   }
 
   // Projections: dh1 = dq . Wq + sum over kv heads of (dk_h . Wk_h + dv_h . Wv_h).
+  // Bias gradients from dy itself, before DoRA scales it in place.
   Tensor h1 = as_operand(a.h1, 1);
+  bias_backward(G.bq, mat(dq_lin, T, H * D));
+  if (dora_on(layer, Proj::q)) dora_backward(layer, Proj::q, mat(dq_lin, T, H * D), mat(dq_lin, T, H * D), a.z[0], 0);
   Tensor dq_op = as_operand(mat(dq_lin, T, H * D), 0);
   linear_backward_input(dh, dq_op, C.wq, false);
   linear_backward_weight(G.wq, dq_op, h1);
   lora(Proj::q, dh, dq_op, a.h1, h1);
-  bias_backward(G.bq, mat(dq_lin, T, H * D));
   const bool lk = lora_on(layer, Proj::k), lv = lora_on(layer, Proj::v);
+  const bool dk_on = dora_on(layer, Proj::k), dv_on = dora_on(layer, Proj::v);
   for (int64_t h = 0; h < Hkv; ++h) {
     Tensor dkh = head(dk_lin, h, T, 0, T, D), dvh = head(dv, h, T, 0, T, D);
+    bias_backward(span(G.bk, h * D, D), dkh);
+    if (dk_on) dora_backward(layer, Proj::k, dkh, dkh, z_head(a.z[1], h, T, D), h * D);
     Tensor k_op = as_operand(dkh, 0);
     linear_backward_input(dh, k_op, rows(C.wk, h * D, D, E), true);
     linear_backward_weight(rows(G.wk, h * D, D, E), k_op, h1);
     if (lk) lora_backward_rows(layer, Proj::k, s.du[0], k_op, a.u[1], h * D, h > 0);
-    bias_backward(span(G.bk, h * D, D), dkh);
+    bias_backward(span(G.bv, h * D, D), dvh);
+    if (dv_on) dora_backward(layer, Proj::v, dvh, dvh, z_head(a.z[2], h, T, D), h * D);
     Tensor v_op = as_operand(dvh, 0);
     linear_backward_input(dh, v_op, rows(C.wv, h * D, D, E), true);
     linear_backward_weight(rows(G.wv, h * D, D, E), v_op, h1);
     if (lv) lora_backward_rows(layer, Proj::v, s.du[1], v_op, a.u[2], h * D, h > 0);
-    bias_backward(span(G.bv, h * D, D), dvh);
   }
   if (lk) lora_backward_input(layer, Proj::k, dh, s.du[0], a.h1, h1);
   if (lv) lora_backward_input(layer, Proj::v, dh, s.du[1], a.h1, h1);

@@ -48,6 +48,21 @@ int64_t proj_in(const ModelConfig& c, Proj p) {
   }
 }
 
+Tensor proj_weight(const LayerParams& w, Proj p) {
+  const Tensor* t[kProjCount] = {&w.wq, &w.wk, &w.wv, &w.wo, &w.wg, &w.wu, &w.wd};
+  return *t[static_cast<int>(p)];
+}
+
+Tensor proj_bias(const LayerParams& w, Proj p) {
+  switch (p) {
+    case Proj::q: return w.bq;
+    case Proj::k: return w.bk;
+    case Proj::v: return w.bv;
+    case Proj::o: return w.bo;
+    default: return Tensor();
+  }
+}
+
 double LoraSettings::scale() const {
   const double rr = static_cast<double>(r);
   return rslora ? alpha / std::sqrt(rr) : alpha / rr;
@@ -105,6 +120,8 @@ std::vector<ParamSpec> adapter_specs(const ModelConfig& c, const LoraSettings& s
     for (Proj p : s.targets) {
       specs.push_back({lora_key(l, p, "lora_A.weight"), {s.r, proj_in(c, p)}, true});
       specs.push_back({lora_key(l, p, "lora_B.weight"), {proj_out(c, p), s.r}, true});
+      // A scale per output row, like a norm's weight: no weight decay.
+      if (s.dora) specs.push_back({lora_key(l, p, "lora_magnitude_vector"), {proj_out(c, p)}, false});
     }
   return specs;
 }
@@ -122,6 +139,7 @@ AdapterSet::AdapterSet(const ModelConfig& cfg, const LoraSettings& s, DType dtyp
     for (Proj p : s.targets) {
       l.p[static_cast<int>(p)].a = set_.tensors()[i++];
       l.p[static_cast<int>(p)].b = set_.tensors()[i++];
+      if (s.dora) l.p[static_cast<int>(p)].m = set_.tensors()[i++];
     }
 }
 
@@ -133,7 +151,7 @@ void merge_lora(Ops& ops, ParamSet& params, const AdapterSet& a, Arena& arena) {
     for (Proj p : s.targets) {
       const std::string name = "model.layers." + std::to_string(l) + "." + proj_module(p) + ".weight";
       const Tensor* w = params.find(name);
-      OOM_CHECK(w, "[lora] merge: the base has no ", name);
+      OOM_CHECK(w && w->data, "[lora] merge: the base has no ", name, w ? " held unquantised" : "");
       const LoraTensors& t = a.layer(l)[p];
       // W (N, K) += (s B) (N, r) . A (r, K)
       Buffer buf = arena.alloc(static_cast<size_t>(t.b.nbytes()), Category::workspace, "merge");
@@ -141,6 +159,15 @@ void merge_lora(Ops& ops, ParamSet& params, const AdapterSet& a, Arena& arena) {
       ops.convert(bs, t.b);
       ops.scale(bs, s.scale());
       ops.matmul(*w, bs, t.a, false, false, true);
+      if (!s.dora) continue;
+      // DoRA: W_j *= m_j / ||W_j||, the norm of the merged row (PEFT's dora_factor).
+      const int64_t N = w->dims[0];
+      Buffer nb = arena.alloc(static_cast<size_t>(2 * dtype_bytes(w->dtype, N)), Category::workspace, "merge");
+      Tensor n(nb.data(), w->dtype, {N});
+      Tensor g(static_cast<char*>(nb.data()) + dtype_bytes(w->dtype, N), w->dtype, {N});
+      ops.row_norms(n, *w);
+      ops.dora_scale(g, n, t.m, n, Tensor(), Tensor(), Tensor(), 0.0);
+      ops.scale_rows(*w, g);
     }
 }
 
@@ -157,6 +184,13 @@ void init_lora(AdapterSet& a, uint64_t seed) {
     }
     convert(t.data, t.dtype, v.data(), DType::f64, t.numel());
   }
+}
+
+void init_dora(Ops& ops, AdapterSet& a, const ParamSet& base) {
+  if (!a.settings().dora) return;
+  for (int64_t l = 0; l < a.layers(); ++l)
+    for (Proj p : a.settings().targets)
+      ops.row_norms(a.layer(l)[p].m, proj_weight(base.layers[static_cast<size_t>(l)], p));
 }
 
 }  // namespace oomless

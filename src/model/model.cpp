@@ -49,15 +49,39 @@ Model::Model(const ModelConfig& cfg, Ops& ops, ParamSet& params, Arena& arena, M
     OOM_CHECK(ad.layers() == cfg_.L && ad.tensors().dtype() == act_, "[model] the adapters (", ad.layers(),
               " layers of ", dtype_name(ad.tensors().dtype()), ") do not fit this model (", cfg_.L, " layers, ",
               dtype_name(act_), ")");
-    OOM_CHECK(!ad.settings().dora, "[model] DoRA is not supported yet; use LoRA (without --dora)");
     lora_r_ = ad.settings().r;
     lora_scale_ = ad.settings().scale();
     lora_dropout_ = ad.settings().dropout;
+    dora_ = ad.settings().dora;
     for (int64_t l = 0; l < cfg_.L; ++l) {
       LayerLora r = ad.layer(l);
       for (LoraTensors& t : r.p) t.a = read(t.a), t.b = read(t.b);
       aread_.push_back(r);
     }
+  }
+  if (dora_) {
+    // The base's row norms once (it is frozen), room for each step's n and g, and the norm's scratch.
+    auto buf = [&](int64_t n, Category cat, const char* what) {
+      dora_bufs_.push_back(arena_.alloc(static_cast<size_t>(dtype_bytes(act_, n)), cat, what));
+      return dora_bufs_.back().data();
+    };
+    const int64_t r = lora_r_;
+    int64_t max_n = 0;
+    for (Proj p : opt_.adapters->settings().targets) max_n = std::max(max_n, proj_out(cfg_, p));
+    dora_p_ = Tensor(buf(r * max_n, Category::workspace, "dora A W^T"), act_, {r, max_n});
+    dora_aa_ = Tensor(buf(r * r, Category::workspace, "dora A A^T"), act_, {r, r});
+    dora_q_ = Tensor(buf(max_n * r, Category::workspace, "dora B A A^T"), act_, {max_n, r});
+    dora_rows_.resize(static_cast<size_t>(cfg_.L));
+    for (int64_t l = 0; l < cfg_.L; ++l)
+      for (Proj p : opt_.adapters->settings().targets) {
+        const int64_t N = proj_out(cfg_, p);
+        char* d = static_cast<char*>(buf(3 * N, Category::adapter, "dora norms"));
+        DoraRows& x = dora_rows_[static_cast<size_t>(l)][static_cast<size_t>(p)];
+        x.wn = Tensor(d, act_, {N});
+        x.n = Tensor(d + dtype_bytes(act_, N), act_, {N});
+        x.g = Tensor(d + dtype_bytes(act_, 2 * N), act_, {N});
+        ops_.row_norms(x.wn, proj_weight(params_.layers[static_cast<size_t>(l)], p));
+      }
   }
 }
 
@@ -88,6 +112,8 @@ AdapterSet& Model::adapter_grads() {
 }
 
 void Model::ensure_grads() {
+  OOM_CHECK(!(dora_ && lora_dropout_ > 0), "[model] DoRA training with lora_dropout ", lora_dropout_,
+            " is not supported yet; train DoRA with --lora-dropout 0 (eval and generate take such an adapter as it is)");
   if (opt_.adapters) adapter_grads();
   else grads();
 }
@@ -160,6 +186,13 @@ void Model::reserve(int64_t T, bool for_backward, bool chunked) {
     a.act = maybe(all, {T, F}, "act");
     for (int p = 0; p < kProjCount; ++p)
       if (lora_on(0, static_cast<Proj>(p))) a.u[p] = alloc(act_, {T, lora_r_}, cat, "lora_u");
+    // DoRA's unscaled projection outputs: what the magnitude's gradient needs (training only).
+    for (int p = 0; p < kProjCount && for_backward; ++p) {
+      const Proj x = static_cast<Proj>(p);
+      if (!dora_on(0, x)) continue;
+      a.z[p] = x == Proj::k || x == Proj::v ? alloc(act_, {Hkv, T, D}, cat, "dora_z")
+                                            : alloc(act_, {T, proj_out(cfg_, x)}, cat, "dora_z");
+    }
     return a;
   };
   s->work = act_set(W, true);
@@ -200,6 +233,7 @@ void Model::reserve(int64_t T, bool for_backward, bool chunked) {
     if (opt_.adapters)
       for (Tensor& t : s->du) t = alloc(act_, {T, lora_r_}, W, "lora_du");
     if (lora_dropout_ > 0) s->dxdrop = alloc(act_, {T * std::max({E, F, H * D})}, W, "lora_dropout_dx");
+    if (dora_on(0, Proj::o) || dora_on(0, Proj::down)) s->dz = alloc(act_, {T, E}, W, "dora_dz");
   }
   if (lora_dropout_ > 0) s->xdrop = alloc(act_, {T * std::max({E, F, H * D})}, W, "lora_dropout_x");
   if (opt_.dtype == ComputeDType::bf16) {
@@ -228,7 +262,7 @@ Model::Acts Model::acts_for_layer(int64_t layer) {
     pick(a.k_pre, sv.k_pre), pick(a.k_rstd, sv.k_rstd), pick(a.q, sv.q), pick(a.k, sv.k), pick(a.v, sv.v);
     pick(a.o, sv.o), pick(a.lse, sv.lse), pick(a.x_mid, sv.x_mid), pick(a.h2, sv.h2), pick(a.rstd2, sv.rstd2);
     pick(a.gate, sv.gate), pick(a.up, sv.up), pick(a.act, sv.act);
-    for (int p = 0; p < kProjCount; ++p) pick(a.u[p], sv.u[p]);
+    for (int p = 0; p < kProjCount; ++p) pick(a.u[p], sv.u[p]), pick(a.z[p], sv.z[p]);
   }
   a.x_in = s_->layer_in[static_cast<size_t>(layer) % s_->layer_in.size()];
   // Views for the current length T (buffers are sized for the reserved capacity).
@@ -241,6 +275,11 @@ Model::Acts Model::acts_for_layer(int64_t layer) {
   re(a.v, {Hkv, T, D}), re(a.o, {T, H, D}), re(a.lse, {H, T}), re(a.x_mid, {T, E}), re(a.h2, {T, E});
   re(a.rstd2, {T}), re(a.gate, {T, F}), re(a.up, {T, F}), re(a.act, {T, F});
   for (Tensor& u : a.u) re(u, {T, lora_r_});
+  for (int p = 0; p < kProjCount; ++p) {
+    const Proj x = static_cast<Proj>(p);
+    if (x == Proj::k || x == Proj::v) re(a.z[p], {Hkv, T, D});
+    else re(a.z[p], {T, proj_out(cfg_, x)});
+  }
   return a;
 }
 
@@ -319,6 +358,41 @@ void Model::lora_backward_input(int64_t layer, Proj p, Tensor dx, Tensor du, Ten
   Tensor t(s_->dxdrop.data, act_, {dx.dims[0], dx.dims[1]});
   ops_.matmul(t, du_op, a, false, false, false);
   ops_.dropout(dx, t, lora_dropout_, dropout_seed(layer, p), row0_ * dx.dims[1], true);
+}
+
+void Model::refresh_dora() {
+  if (!dora_) return;
+  const AdapterSet& ad = *opt_.adapters;
+  const int64_t r = lora_r_;
+  for (int64_t l = 0; l < cfg_.L; ++l)
+    for (Proj p : ad.settings().targets) {
+      // From the master tensors (fp32 even under bf16 compute; a quantised base as the GEMM reads it).
+      const LoraTensors& t = ad.layer(l)[p];
+      const DoraRows& d = dora_rows_[static_cast<size_t>(l)][static_cast<size_t>(p)];
+      if (hold_dora_) {  // the held n, the current m
+        ops_.dora_scale(d.g, d.n, t.m, d.n, Tensor(), Tensor(), Tensor(), 0.0);
+        continue;
+      }
+      const int64_t N = proj_out(cfg_, p);
+      Tensor pt(dora_p_.data, act_, {r, N}), q(dora_q_.data, act_, {N, r});
+      ops_.matmul(pt, t.a, proj_weight(params_.layers[static_cast<size_t>(l)], p), false, true, false);
+      ops_.matmul(dora_aa_, t.a, t.a, false, true, false);
+      ops_.matmul(q, t.b, dora_aa_, false, false, false);
+      ops_.dora_scale(d.g, d.n, t.m, d.wn, t.b, pt, q, lora_scale_);
+    }
+}
+
+void Model::dora_forward(int64_t layer, Proj p, Tensor y, Tensor z, Tensor b, int64_t r0) {
+  const DoraRows& d = dora_rows_[static_cast<size_t>(layer)][static_cast<size_t>(p)];
+  const int64_t n = y.dims[1];
+  ops_.dora_forward(y, z, Tensor(static_cast<char*>(d.g.data) + dtype_bytes(act_, r0), act_, {n}), b);
+}
+
+void Model::dora_backward(int64_t layer, Proj p, Tensor dz, Tensor dy, Tensor z, int64_t r0) {
+  const DoraRows& d = dora_rows_[static_cast<size_t>(layer)][static_cast<size_t>(p)];
+  const int64_t n = dy.dims[1];
+  auto part = [&](const Tensor& v) { return Tensor(static_cast<char*>(v.data) + dtype_bytes(act_, r0), act_, {n}); };
+  ops_.dora_backward(dz, part(agrads_->layer(layer)[p].m), dy, z, part(d.g), part(d.n));
 }
 
 void Model::bias_backward(Tensor db, Tensor dy) {

@@ -27,6 +27,7 @@
 // Each layer keeps attention O and LSE for the chunk whatever the SavePolicy, so recomputing a block never
 // sweeps the history again. With C >= T this is the full-sequence computation, bit for bit.
 #pragma once
+#include <array>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -101,6 +102,10 @@ class Model {
   // Per-token cross-entropy of the last forward (T values; 0 for unsupervised rows), in double.
   std::vector<double> token_losses();
 
+  // DoRA: keep the norms n of the last sequence instead of taking them again from the adapter at the next
+  // (g = m / n still follows m): for finite differences of the gradient, which holds n constant as PEFT does.
+  void hold_dora_norms(bool hold) { hold_dora_ = hold; }
+
   // The seed of the next training passes' LoRA dropout masks (one per sequence of a step).
   void set_dropout_seed(uint64_t seed) { dropout_seed_ = seed; }
 
@@ -148,6 +153,14 @@ class Model {
   void lora_up(int64_t layer, Proj p, Tensor y, Tensor u, int64_t r0);
   void lora_backward_rows(int64_t layer, Proj p, Tensor du, Tensor dy_op, Tensor u, int64_t r0, bool accumulate);
   void lora_backward_input(int64_t layer, Proj p, Tensor dx, Tensor du, Tensor x, Tensor x_op);
+  // DoRA on projection p of `layer` (model/lora.h): y = g * (x W^T + s u B^T) + b. dora_forward applies the
+  // scale and bias to the unscaled sum in y (keeping it in z); dora_backward turns dy into dz = g * dy and
+  // accumulates the magnitude's gradient. refresh_dora takes every projection's norm n and g = m / n
+  // from the current adapter (once per sequence: the adapter changes only between steps).
+  bool dora_on(int64_t layer, Proj p) const { return dora_ && lora_on(layer, p); }
+  void dora_forward(int64_t layer, Proj p, Tensor y, Tensor z, Tensor b, int64_t r0);
+  void dora_backward(int64_t layer, Proj p, Tensor dz, Tensor dy, Tensor z, int64_t r0);
+  void refresh_dora();
   // LoRA dropout (PEFT's lora_dropout, on the adapter's input x, training only): the mask of projection p
   // of `layer` is drawn from the step's seed and the element's absolute position in the sequence, so the
   // recompute, the backward and chunk-recurrent runs see the same one.
@@ -173,6 +186,15 @@ class Model {
   LayerParams no_grads_;          // a frozen layer's gradients: all empty
   int64_t lora_r_ = 0;
   double lora_scale_ = 0, lora_dropout_ = 0;
+  // DoRA: per layer and projection the base's row norms ||W_j|| (fixed), and the step's n and g = m / n;
+  // scratch for A W^T (r, N), A A^T (r, r) and B A A^T (N, r).
+  struct DoraRows {
+    Tensor wn, n, g;
+  };
+  bool dora_ = false, hold_dora_ = false;
+  std::vector<Buffer> dora_bufs_;
+  std::vector<std::array<DoraRows, kProjCount>> dora_rows_;
+  Tensor dora_p_, dora_aa_, dora_q_;
   uint64_t dropout_seed_ = 0;
   bool training_ = false;  // a training pass (dropout on) rather than evaluation or generation
   int64_t row0_ = 0;       // the absolute position of the current pass's first token (chunks)

@@ -89,6 +89,7 @@ CeResult Model::chunked_step(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv,
             std::min(C, T), " tokens needs reserve(", std::min(C, T), ", true, true) first");
   ensure_grads();
   training_ = true;
+  refresh_dora();
   ChunkScope scope(chunk_kv_, kv);
   kv.begin(T, C);
   // Pass 1: every chunk but the last, keys and values only.
@@ -115,6 +116,7 @@ CeResult Model::chunked_eval(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv,
   OOM_CHECK(s_ && cap_chunked_ && std::min(C, T) <= cap_T_, "[model] chunked_eval with chunks of ", std::min(C, T),
             " tokens needs reserve(", std::min(C, T), ", false, true) first");
   training_ = false;
+  refresh_dora();
   ChunkScope scope(chunk_kv_, kv);
   kv.begin(T, C);
   CeResult total;

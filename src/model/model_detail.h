@@ -36,6 +36,7 @@ struct Model::Acts {
   Tensor h2, rstd2;       // (T, E), (T) post-attention norm
   Tensor gate, up, act;   // (T, F)
   Tensor u[kProjCount];   // (T, r) LoRA s * x A^T per adapted projection, or empty
+  Tensor z[kProjCount];   // DoRA: the projection's x W^T + s u B^T before its scale, (T, N) ((Hkv, T, D) for k, v)
 };
 
 // Memory reserved for sequences of up to cap_T tokens.
@@ -60,6 +61,7 @@ struct Model::Scratch {
   int64_t op_elems = 0, op_small_elems = 0;
   Tensor du[2];                              // (T, r) LoRA input gradients (k and v need two at once)
   Tensor xdrop, dxdrop;                      // T*max(E, F, H*D): LoRA dropout's input and input gradient
+  Tensor dz;                                 // (T, E) DoRA: g * dy of o_proj / down_proj (dy is the residual's)
 };
 
 }  // namespace oomless

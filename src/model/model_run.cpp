@@ -40,6 +40,7 @@ CeResult Model::forward(Tensor ids, Tensor targets, bool for_backward) {
   T_ = T;
   training_ = for_backward;
   row0_ = 0;
+  refresh_dora();
   Scratch& s = *s_;
   const int32_t* id = ids.as<int32_t>("[model]");
   for (int64_t t = 0; t < T; ++t)
@@ -122,6 +123,7 @@ void Model::decode_forward(Tensor ids, int64_t t0, std::vector<KvSlots>& cache, 
   check_shape("[model] decode", "logits_last", logits_last, {cfg_.V});
   T_ = T;
   training_ = false;
+  if (t0 == 0) refresh_dora();  // a new sequence
   Scratch& s = *s_;
   Tensor pos(s.pos.data, DType::i32, {T});
   for (int64_t t = 0; t < T; ++t) pos.as<int32_t>("[model]")[t] = static_cast<int32_t>(t0 + t);

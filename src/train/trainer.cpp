@@ -204,7 +204,10 @@ const std::vector<TrainOption>& train_options() {
            "(default all-linear)",
            &C::lora_targets),
       flag("rslora", true, "rank-stabilised LoRA: s = a / sqrt(r)", &C::rslora),
-      flag("dora", true, "DoRA (weight-decomposed LoRA): not implemented yet, refused with an error", &C::dora),
+      flag("dora", true,
+           "DoRA (weight-decomposed LoRA): a trained magnitude per output row of each adapted\nprojection, "
+           "y = m / ||W + s B A|| (W x + s B A x), the norm held constant as PEFT does\n(needs --lora-dropout 0)",
+           &C::dora),
       text("base-dtype", true, "D",
            "with --lora: storage of the frozen projection matrices: fp32, nf4 (bitsandbytes'\nNF4, blocksize 64) or "
            "nf4-dq (its scales double-quantised) (default fp32; a GGUF\nkeeps its own blocks, a bitsandbytes 4-bit "
@@ -288,7 +291,8 @@ LoraSettings lora_settings(const TrainConfig& c) {
     (m == "embed_tokens" ? s.train_embed : s.train_head) = true;
   }
   OOM_CHECK(c.lora > 0 || c.modules_to_save.empty(), "[train] --modules-to-save needs --lora r");
-  OOM_CHECK(!s.dora, "[train] --dora is not supported yet; use LoRA (without --dora)");
+  OOM_CHECK(!s.dora || s.dropout == 0, "[train] --dora with --lora-dropout ", s.dropout,
+            " is not supported yet; train DoRA with --lora-dropout 0");
   return s;
 }
 }
@@ -385,9 +389,11 @@ int train_run(const TrainConfig& c, const std::string& out) {
   if (c.lora > 0) {
     adapters = std::make_unique<AdapterSet>(src.cfg, lora_settings(c), DType::f32, mem.device, Category::adapter);
     init_lora(*adapters, static_cast<uint64_t>(c.seed) + 1);
+    init_dora(*ops, *adapters, params);
     if (!c.adapter.empty()) load_adapter(c.adapter, src.cfg, *adapters, params);
   } else {
     OOM_CHECK(c.adapter.empty(), "[train] --adapter ", c.adapter, " needs --lora r (the adapter's rank)");
+    OOM_CHECK(!c.dora, "[train] --dora needs --lora r (DoRA is a kind of LoRA adapter)");
   }
   ModelOptions mo{parse_compute_dtype(c.dtype), parse_save_policy(c.save_policy), adapters.get()};
   Model model(src.cfg, *ops, params, mem.device, mo);

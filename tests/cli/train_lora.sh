@@ -2,7 +2,8 @@
 # `oomless train --lora` end to end on preset:micro: checkpoints are PEFT adapter folders (no model
 # weights), 2 steps + resume + 2 steps give the adapter bytes of 4 uninterrupted steps, `eval --adapter`
 # and `generate --adapter` run the adapted model, `merge` folds it into a Hugging Face folder whose eval
-# loss is the adapted model's, and bad settings are clear errors.
+# loss is the adapted model's, and bad settings are clear errors. The same for DoRA (--dora): magnitudes
+# saved under PEFT's keys, resume bit-exact, merge equal to the adapter.
 # usage: train_lora.sh OOMLESS_BINARY SOURCE_DIR WORK_DIR
 set -u
 bin=$1; src=$2; out=$3/train_lora
@@ -63,4 +64,24 @@ grep -q "base_model.model.lm_head.weight" "$out/m/checkpoint-2/adapter_model.saf
 grep -q '"lm_head"' "$out/m/checkpoint-2/adapter_config.json" || { echo "modules_to_save not written"; exit 1; }
 "$bin" eval --model preset:micro --adapter "$out/m/checkpoint-2" --data "$out/eval.txt" --seq 64 > "$out/m.eval" 2>&1 ||
   { cat "$out/m.eval"; exit 1; }
+# DoRA: magnitude vectors in the adapter, use_dora in its config, resume bit-exact, merge = the adapter.
+dora="--model preset:micro --data $out/train.txt --seq 64 --batch 2 --lr 1e-2 --warmup 1 --schedule constant --eval-every 0 --lora 4 --dora"
+"$bin" train $dora --steps 4 --save-every 2 --keep 0 --out "$out/d" > "$out/d.log" 2>&1 || { cat "$out/d.log"; exit 1; }
+dk=$out/d/checkpoint-4
+grep -q '"use_dora": true' "$dk/adapter_config.json" || { cat "$dk/adapter_config.json"; exit 1; }
+grep -q "base_model.model.model.layers.0.mlp.down_proj.lora_magnitude_vector\"" "$dk/adapter_model.safetensors" ||
+  { echo "no DoRA magnitude under PEFT's key"; exit 1; }
+"$bin" train $dora --steps 2 --out "$out/d2" > "$out/d2.log" 2>&1 || { cat "$out/d2.log"; exit 1; }
+"$bin" train $dora --steps 4 --resume "$out/d2" > "$out/d3.log" 2>&1 || { cat "$out/d3.log"; exit 1; }
+cmp "$dk/adapter_model.safetensors" "$out/d2/checkpoint-4/adapter_model.safetensors" ||
+  { echo "DoRA: 2 + resume + 2 steps differ from 4 steps"; exit 1; }
+dwith=$("$bin" eval --model preset:micro --adapter "$dk" --data "$out/eval.txt" --seq 64 --json) || exit 1
+[ "$base" != "$dwith" ] || { echo "the DoRA adapter changed nothing"; exit 1; }
+"$bin" merge --model preset:micro --adapter "$dk" --out "$out/dmerged" > "$out/dmerge.log" 2>&1 || { cat "$out/dmerge.log"; exit 1; }
+dmerged=$("$bin" eval --model "$out/dmerged" --data "$out/eval.txt" --seq 64 --json) || exit 1
+awk -v a="$(loss "$dwith")" -v b="$(loss "$dmerged")" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(d < 1e-5 * a) }' ||
+  { echo "DoRA merged loss $(loss "$dmerged") differs from the adapter's $(loss "$dwith")"; exit 1; }
+expect_error "train DoRA with --lora-dropout 0" train $dora --lora-dropout 0.1 --steps 1 --out "$out/e5"
+expect_error "differ from this run" train $common --adapter "$dk" --lora-dropout 0 --steps 1 --out "$out/e6"
+expect_error "--dora needs --lora r" train --model preset:micro --data "$out/train.txt" --dora --steps 1 --out "$out/e7"
 echo "train --lora: ok"

@@ -76,6 +76,7 @@ struct RunSetup {
   PageSummary summary = PageSummary::mean;
   int64_t lora_r = 0;  // > 0: a LoRA of this rank on every projection (random A and B), base frozen
   double lora_dropout = 0;
+  bool dora = false;    // the LoRA is a DoRA
 };
 
 // LoRA settings on every projection of a block, alpha = 2r.
@@ -95,10 +96,12 @@ inline std::unique_ptr<AdapterSet> random_adapters(const ModelConfig& cfg, const
   std::mt19937_64 rng(seed + 1);
   std::uniform_real_distribution<double> u(-0.3, 0.3);
   for (size_t i = 0; i < a->tensors().specs().size(); ++i) {
-    if (a->tensors().specs()[i].name.find("lora_B") == std::string::npos) continue;
+    const std::string& name = a->tensors().specs()[i].name;
+    const bool b = name.find("lora_B") != std::string::npos, m = name.find("lora_magnitude") != std::string::npos;
+    if (!b && !m) continue;
     const Tensor& t = a->tensors().tensors()[i];
     std::vector<double> v(static_cast<size_t>(t.numel()));
-    for (double& x : v) x = u(rng);
+    for (double& x : v) x = m ? 1.0 + 2 * u(rng) : u(rng);  // DoRA magnitudes: positive, around 1
     convert(t.data, t.dtype, v.data(), DType::f64, t.numel());
   }
   return a;
@@ -178,6 +181,7 @@ inline Result run(const RunSetup& s, std::vector<int32_t> ids, int64_t C, int64_
   if (s.lora_r > 0) {
     LoraSettings ls = all_linear_lora(s.lora_r);
     ls.dropout = s.lora_dropout;
+    ls.dora = s.dora;
     ad = random_adapters(s.cfg, ls, DType::f32, mem.device, 17);
   }
   Model m(s.cfg, *ops, params, mem.device, {s.dtype, s.policy, ad.get()});

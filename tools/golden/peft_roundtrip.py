@@ -1,6 +1,6 @@
 """Adapters between oomless and PEFT, both ways, on a tiny transformers model (tests/golden/models/NAME).
 
-1. oomless trains a LoRA (a few steps, --lora-dropout and rsLoRA off/on per run); PeftModel.from_pretrained
+1. oomless trains a LoRA (a few steps: plain, rsLoRA with --lora-dropout, DoRA); PeftModel.from_pretrained
    loads the checkpoint folder and its loss on the same windows equals `oomless eval --adapter`'s.
 2. `oomless merge` writes a folder that transformers loads; its loss equals PEFT's merge_and_unload().
 3. An adapter PEFT trained and saved (tests/golden/peft/NAME_lora) gives PEFT's loss in `oomless eval --adapter`.
@@ -68,7 +68,7 @@ def main():
         if rel > 1e-5:
             bad.append(what)
 
-    for tag, extra in [("lora", []), ("rslora+dropout", ["--rslora", "--lora-dropout", "0.1"])]:
+    for tag, extra in [("lora", []), ("rslora+dropout", ["--rslora", "--lora-dropout", "0.1"]), ("dora", ["--dora"])]:
         out = os.path.join(work, "run-" + tag)
         subprocess.run([a.oomless, "train", "--model", base, "--data", data, "--seq", str(T), "--batch", "2",
                         "--steps", "6", "--lr", "5e-2", "--warmup", "1", "--eval-every", "0", "--lora", "4",
