@@ -1,10 +1,13 @@
 """LoRA fine-tuning side by side: `oomless train --lora R` and PEFT + transformers (bench/peers/train_torch.py
 --lora R) on SmolLM2-135M-Instruct (its Q4_1 GGUF dequantised to an f32 Hugging Face folder by `oomless
 convert`, so both train the same base), the same token stream (oomless's --dump-tokens), all-linear, alpha
-2R, AdamW, at --seq T. Per dtype, --pairs runs of each system in alternating order: tokens/s (median over the
-steps after the first) and peak RSS (/usr/bin/time -v); ratios are medians over the pairs.
+2R, AdamW, at --seq T. Per configuration (--configs: lora or qlora, fp32 or bf16 compute; qlora is
+`oomless train --qlora` against bitsandbytes 4-bit nf4 with double quantisation + PEFT), --pairs runs of
+each system in alternating order: tokens/s (median over the steps after the first) and peak RSS
+(/usr/bin/time -v); ratios are medians over the pairs.
 
 usage: tools/golden/.venv/bin/python bench/peers/lora.py [--gguf PATH] [--seq 1024] [--pairs 3]
+       [--configs lora:fp32,lora:bf16,qlora:fp32,qlora:bf16]
 """
 import argparse
 import json
@@ -24,7 +27,8 @@ def main():
     ap.add_argument("--python", default=os.path.join(ROOT, "tools/golden/.venv/bin/python"))
     ap.add_argument("--work", default=os.path.join(ROOT, "build/peers-lora"))
     ap.add_argument("--gguf", default=None, help="SmolLM2-135M-Instruct Q4_1 GGUF (default: scripts/fetch_smollm2.sh)")
-    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--configs", default="lora:fp32,lora:bf16,qlora:fp32,qlora:bf16",
+                    help="comma-separated METHOD:DTYPE, METHOD lora or qlora, DTYPE fp32 or bf16")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--pairs", type=int, default=3)
@@ -52,12 +56,15 @@ def main():
     def tps(rows):
         return statistics.median(r["tokens_per_s"] for r in rows[1:]) if len(rows) > 1 else rows[0]["tokens_per_s"]
 
-    for dtype in a.dtypes.split(","):
+    for conf in a.configs.split(","):
+        method, dtype = conf.split(":")
+        assert method in ("lora", "qlora") and dtype in ("fp32", "bf16"), conf
+        quant = ["--qlora"] if method == "qlora" else []
         pairs = []
         for p in range(a.pairs):
             rec = {}
             for who in (["oomless", "peft"] if p % 2 == 0 else ["peft", "oomless"]):
-                out = os.path.join(a.work, "runs", f"{dtype}.{who}.{p}")
+                out = os.path.join(a.work, "runs", f"{method}-{dtype}.{who}.{p}")
                 subprocess.run(["rm", "-rf", out])
                 os.makedirs(os.path.dirname(out), exist_ok=True)
                 dump = os.path.join(a.work, f"dump-{a.steps}.jsonl")
@@ -65,24 +72,24 @@ def main():
                     rss, wall = timed([a.oomless, "train", "--model", init, "--data", ids, "--steps", str(a.steps),
                                        "--dtype", dtype, "--threads", str(a.threads), "--eval-every", "0",
                                        "--save-every", "0", "--out", out, "--lora", str(a.rank),
-                                       "--dump-tokens", dump + ".part"] + common, out + ".log", env)
+                                       "--dump-tokens", dump + ".part"] + quant + common, out + ".log", env)
                     os.replace(dump + ".part", dump)
                     rows = steps_of(os.path.join(out, "metrics.jsonl"))
                 else:
                     rss, wall = timed([a.python, os.path.join(HERE, "train_torch.py"), "--model", init, "--tokens",
                                        dump, "--metrics", out + ".jsonl", "--steps", str(a.steps), "--dtype", dtype,
                                        "--threads", str(a.threads), "--lr", "1e-4", "--warmup", "1", "--lora",
-                                       str(a.rank)], out + ".log", env)
+                                       str(a.rank)] + quant, out + ".log", env)
                     rows = steps_of(out + ".jsonl")
                 rec[who] = {"rss": rss, "wall": wall, "tps": tps(rows), "losses": [r["loss"] for r in rows]}
-                results["runs"].append({"dtype": dtype, "pair": p, "system": who, **rec[who]})
+                results["runs"].append({"config": conf, "pair": p, "system": who, **rec[who]})
             o, t = rec["oomless"], rec["peft"]
-            print(f"{dtype} pair {p}: tok/s {o['tps']:.0f} vs {t['tps']:.0f} ({o['tps'] / t['tps']:.2f}x); peak RSS "
+            print(f"{conf} pair {p}: tok/s {o['tps']:.0f} vs {t['tps']:.0f} ({o['tps'] / t['tps']:.2f}x); peak RSS "
                   f"{o['rss'] / 2**20:.0f} vs {t['rss'] / 2**20:.0f} MiB ({o['rss'] / t['rss']:.2f}x); losses "
                   f"{o['losses'][0]:.4f}->{o['losses'][-1]:.4f} vs {t['losses'][0]:.4f}->{t['losses'][-1]:.4f}", flush=True)
             pairs.append(rec)
         med = lambda f: statistics.median(f(r) for r in pairs)
-        results["summary"].append({"dtype": dtype, "oomless_tps": med(lambda r: r["oomless"]["tps"]),
+        results["summary"].append({"config": conf, "oomless_tps": med(lambda r: r["oomless"]["tps"]),
                                    "peft_tps": med(lambda r: r["peft"]["tps"]),
                                    "tps_ratio": med(lambda r: r["oomless"]["tps"] / r["peft"]["tps"]),
                                    "oomless_rss": med(lambda r: r["oomless"]["rss"]), "peft_rss": med(lambda r: r["peft"]["rss"]),
@@ -90,9 +97,9 @@ def main():
     path = a.json or os.path.join(a.work, "results.json")
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
-    print(f"\n| dtype | oomless tok/s | PEFT tok/s | ratio | oomless peak RSS | PEFT peak RSS | ratio |\n|---|---|---|---|---|---|---|")
+    print(f"\n| method:dtype | oomless tok/s | PEFT tok/s | ratio | oomless peak RSS | PEFT peak RSS | ratio |\n|---|---|---|---|---|---|---|")
     for s in results["summary"]:
-        print(f"| {s['dtype']} | {s['oomless_tps']:.0f} | {s['peft_tps']:.0f} | {s['tps_ratio']:.2f}x | "
+        print(f"| {s['config']} | {s['oomless_tps']:.0f} | {s['peft_tps']:.0f} | {s['tps_ratio']:.2f}x | "
               f"{s['oomless_rss'] / 2**20:.0f} MiB | {s['peft_rss'] / 2**20:.0f} MiB | {s['rss_ratio']:.2f}x |")
     print(f"results: {path}")
 

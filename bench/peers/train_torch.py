@@ -7,7 +7,10 @@ every sequence contributes sum(CE over supervised targets) / N, N = the step's s
 micro-batches; global-norm clipping; AdamW (decoupled weight decay on matrices and embeddings, none on norms
 and biases), torch.optim.AdamW(fused=True). attn_implementation="sdpa"; --dtype bf16 runs the forward
 under torch.autocast("cpu", torch.bfloat16) with fp32 master weights. --lora R trains a PEFT LoRA of rank R
-on all-linear instead (the base frozen; AdamW over the adapter, decay on its matrices as on oomless's).
+on all-linear instead (the base frozen; AdamW over the adapter, decay on its matrices as on oomless's);
+--qlora loads the base through bitsandbytes 4-bit (nf4, double quantisation, compute dtype fp32 or bf16 as
+--dtype) and PEFT's prepare_model_for_kbit_training (without gradient checkpointing: oomless keeps every
+activation too), the QLoRA recipe.
 """
 import argparse
 import json
@@ -47,6 +50,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lora", type=int, default=0, help="PEFT LoRA of this rank on all-linear (0: full training)")
     ap.add_argument("--lora-alpha", type=float, default=0, help="default 2 x rank, as oomless")
+    ap.add_argument("--qlora", action="store_true", help="the base in bitsandbytes NF4 (double quantised)")
     a = ap.parse_args()
 
     import torch
@@ -55,7 +59,16 @@ def main():
 
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32, attn_implementation="sdpa")
+    if a.qlora:
+        from peft import prepare_model_for_kbit_training
+        from transformers import BitsAndBytesConfig
+        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.bfloat16 if a.dtype == "bf16" else torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32, attn_implementation="sdpa",
+                                                     quantization_config=q, device_map="cpu")
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32, attn_implementation="sdpa")
     if a.lora > 0:
         from peft import LoraConfig, get_peft_model
         model = get_peft_model(model, LoraConfig(r=a.lora, lora_alpha=a.lora_alpha or 2 * a.lora, lora_dropout=0.0,
