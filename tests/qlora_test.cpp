@@ -32,22 +32,34 @@ void dequantised_copy(const ParamSet& params, const QuantBase&, ParamSet& out) {
 
 TEST(Qlora, Nf4BaseIsBitwiseTheDequantisedBase) {
   for (const test::Variant& var : test::variants()) {
-    for (int mode = 0; mode < 3; ++mode) {  // nf4, nf4-dq, nf4-dq with DoRA (its norms read the NF4 base)
+    // nf4, nf4-dq, nf4-dq with DoRA (its norms read the NF4 base), and the frozen embedding and head held in
+    // bf16 or nf4-dq too (read by the embedding gather and the fused cross-entropy).
+    for (int mode = 0; mode < 5; ++mode) {
       const bool dq = mode > 0, dora = mode == 2;
+      const char* tables = mode == 3 ? "bf16" : mode == 4 ? "nf4" : "";
       for (ComputeDType dt : {ComputeDType::f32, ComputeDType::bf16}) {
-        SCOPED_TRACE(std::string(var.name) + (dq ? " nf4-dq" : " nf4") + (dora ? " dora" : "") +
+        SCOPED_TRACE(std::string(var.name) + (dq ? " nf4-dq" : " nf4") + (dora ? " dora" : "") + " " + tables +
                      (dt == ComputeDType::bf16 ? " bf16" : " fp32"));
         CpuMemory mem(size_t{1} << 32);
         auto ops = make_ops("cpu", &mem.device);
         ParamSet full(var.cfg, DType::f32, mem.device, Category::weights);
         init_random(full, 5, 0.3);
-        ParamSet qp(var.cfg, DType::f32, mem.device, Category::weights,
-                    [](const ParamSpec& s) { return !is_projection_weight(s.name); });
+        const bool tq = *tables != 0;
+        ParamSet qp(var.cfg, DType::f32, mem.device, Category::weights, [tq](const ParamSpec& s) {
+          return !is_projection_weight(s.name) && !(tq && is_embedding_or_head(s.name));
+        });
         for (size_t i = 0; i < full.specs().size(); ++i)
           if (qp.tensors()[i].data) std::memcpy(qp.tensors()[i].data, full.tensors()[i].data, full.tensors()[i].nbytes());
         QuantBase qb;
         qb.add_nf4_from(full, qp, mem.device, dq);
-        EXPECT_EQ(qb.matrices(), 7 * var.cfg.L);
+        for (size_t i = 0; tq && i < full.specs().size(); ++i) {
+          const Tensor& t = full.tensors()[i];
+          if (!is_embedding_or_head(full.specs()[i].name)) continue;
+          if (mode == 3) qb.add_bf16_matrix(full.specs()[i].name, static_cast<const float*>(t.data), t.dims[0], t.dims[1], qp, mem.device);
+          else qb.add_nf4_matrix(full.specs()[i].name, static_cast<const float*>(t.data), t.dims[0], t.dims[1], qp, mem.device, true);
+        }
+        EXPECT_EQ(qb.matrices(), 7 * var.cfg.L + (tq ? (var.cfg.tied ? 1 : 2) : 0));
+        ASSERT_EQ(qp.embed.quant != nullptr, tq);
         ParamSet dp(var.cfg, DType::f32, mem.device, Category::weights);
         dequantised_copy(qp, qb, dp);
         LoraSettings ls = test::all_linear_lora(3);
@@ -56,6 +68,7 @@ TEST(Qlora, Nf4BaseIsBitwiseTheDequantisedBase) {
         const std::vector<int32_t> ids = test::tokens(48, var.cfg.V, 3), tg = test::targets_of(ids);
         std::vector<std::vector<float>> grads[2];
         double loss[2];
+        std::vector<float> logits[2];
         ParamSet* sets[2] = {&qp, &dp};
         for (int k = 0; k < 2; ++k) {
           Model m(var.cfg, *ops, *sets[k], mem.device, {dt, SavePolicy::all, ad.get()});
@@ -64,18 +77,22 @@ TEST(Qlora, Nf4BaseIsBitwiseTheDequantisedBase) {
           const CeResult r = m.forward(Tensor::of(ids_c.data(), {48}), Tensor::of(tg_c.data(), {48}), true);
           m.backward(1.0 / static_cast<double>(r.count));
           loss[k] = r.loss_sum;
+          logits[k].resize(static_cast<size_t>(48 * var.cfg.V));  // the head through a GEMM (generation's path)
+          m.logits(Tensor::of(logits[k].data(), {48, var.cfg.V}));
           for (const Trainable& t : m.trainable())
             grads[k].emplace_back(static_cast<const float*>(t.grad.data),
                                   static_cast<const float*>(t.grad.data) + t.grad.numel());
         }
         EXPECT_EQ(std::memcmp(&loss[0], &loss[1], sizeof(double)), 0);
+        EXPECT_EQ(std::memcmp(logits[0].data(), logits[1].data(), logits[0].size() * 4), 0);
         for (size_t i = 0; i < grads[0].size(); ++i)
           EXPECT_EQ(std::memcmp(grads[0][i].data(), grads[1][i].data(), grads[0][i].size() * 4), 0) << i;
         // The quantised base holds about an eighth of the f32 projections' bytes (plus the scales).
         size_t proj = 0;
         for (size_t i = 0; i < full.specs().size(); ++i)
-          if (is_projection_weight(full.specs()[i].name)) proj += static_cast<size_t>(full.tensors()[i].nbytes());
-        EXPECT_LT(qb.bytes() * 6, proj);
+          if (is_projection_weight(full.specs()[i].name) || (tq && is_embedding_or_head(full.specs()[i].name)))
+            proj += static_cast<size_t>(full.tensors()[i].nbytes());
+        EXPECT_LT(qb.bytes() * (mode == 3 ? 1 : 6), proj);
       }
     }
   }

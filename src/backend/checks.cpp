@@ -36,7 +36,9 @@ RowsCols check_embedding(const char* op, const Tensor& rows_out, const Tensor& i
   OOM_CHECK(ids.ndim == 1, op, " ids must be 1-D (T), got ", ids.str());
   check_dtype(op, "ids", ids, {DType::i32});
   OOM_CHECK(table.ndim == 2, op, " table must be (V, E), got ", table.str());
-  if (table_may_be_bf16)
+  if (table_may_be_bf16 && table.quant)  // a frozen table kept block-quantised: rows dequantised as read
+    check_quant_rows(op, "table", table, act);
+  else if (table_may_be_bf16)
     check_dtype(op, "table", table, {act, DType::bf16});
   else
     check_dtype(op, "table", table, {act});
@@ -150,7 +152,9 @@ CeDims check_cross_entropy(const char* op, const Tensor& lse, const Tensor& h, c
   check_dtype(op, "h", h, {act});
   OOM_CHECK(h.ndim == 2, op, " h must be (T, E), got ", h.str());
   OOM_CHECK(w.ndim == 2, op, " w must be (V, E), got ", w.str());
-  if (w.as_bf16)
+  if (w.quant)
+    check_quant_rows(op, "w", w, act);
+  else if (w.as_bf16)
     OOM_CHECK(w.dtype == act, op, " w ", w.str(), " is read as bf16, which needs it in ", dtype_name(act));
   else
     check_dtype(op, "w", w, {act, DType::bf16});
@@ -165,6 +169,13 @@ CeDims check_cross_entropy(const char* op, const Tensor& lse, const Tensor& h, c
     OOM_CHECK(tg[t] == ignore_index || (tg[t] >= 0 && tg[t] < V), op, " target ", tg[t], " of row ", t,
               " is outside the vocabulary [0, ", V, ") and is not the ignore index ", ignore_index);
   return {T, E, V};
+}
+
+void check_quant_rows(const char* op, const char* name, const Tensor& t, DType act) {
+  OOM_CHECK(t.quant && t.ndim == 2 && t.dtype == act && t.quant->dequant_row && t.qrow0 >= 0 &&
+                t.qrow0 + t.dims[0] <= t.quant->rows && t.dims[1] == t.quant->cols,
+            op, " ", name, " ", t.str(), " does not fit its quantised matrix (", t.quant ? t.quant->rows : 0, " x ",
+            t.quant ? t.quant->cols : 0, ")");
 }
 
 void check_cross_entropy_backward(const char* op, const CeDims& d, const Tensor& dh, const Tensor& dw, DType act) {
@@ -183,9 +194,7 @@ void check_dropout(const char* op, const Tensor& out, const Tensor& in, double p
 RowsCols check_row_norms(const char* op, const Tensor& out, const Tensor& w, DType act) {
   OOM_CHECK(w.ndim == 2, op, " w must be (N, K), got ", w.str());
   if (w.quant)
-    OOM_CHECK(w.dtype == act && w.quant->dequant_row && w.qrow0 >= 0 && w.qrow0 + w.dims[0] <= w.quant->rows &&
-                  w.dims[1] == w.quant->cols,
-              op, " w ", w.str(), " does not fit its quantised matrix (", w.quant->rows, " x ", w.quant->cols, ")");
+    check_quant_rows(op, "w", w, act);
   else
     check_dtype(op, "w", w, {act});
   check_dtype(op, "out", out, {act});

@@ -27,6 +27,8 @@ void check_elementwise(const char* op, std::initializer_list<const Tensor*> ts, 
 // out and in of one shape in the act dtype, 0 <= p < 1.
 void check_dropout(const char* op, const Tensor& out, const Tensor& in, double p, DType act);
 
+// t is a block-quantised (rows, cols) view of its QuantMatrix (Tensor::quant) in the act dtype.
+void check_quant_rows(const char* op, const char* name, const Tensor& t, DType act);
 // DoRA's ops (ops.h): the (rows, cols) they work over.
 RowsCols check_row_norms(const char* op, const Tensor& out, const Tensor& w, DType act);
 RowsCols check_dora_scale(const char* op, const Tensor& g, const Tensor& n, const Tensor& m, const Tensor& wn,

@@ -41,7 +41,17 @@ Loaded load(const Args& a, bool need_weights, bool keep_quantised = false) {
   l.ops = make_ops("cpu", &l.mem->device);
   // eval and generate read a GGUF's projection matrices in their blocks (about the file's size in
   // memory); convert and merge need them in f32.
-  BaseWeights base = load_base(l.src, l.mem->device, keep_quantised, a.str("base-dtype", "fp32"));
+  // An adapter that trained the embedding or head (modules_to_save) replaces them: they are held in fp32.
+  std::string embed_dtype = a.str("embed-dtype", "auto");
+  if (a.has("adapter")) {
+    const LoraSettings s = read_adapter_settings(a.str("adapter"), l.src.cfg);
+    if (s.train_embed || s.train_head) {
+      OOM_CHECK(embed_dtype == "auto" || embed_dtype == "fp32", "[model] --embed-dtype ", embed_dtype, ": the adapter ",
+                a.str("adapter"), " holds a trained embedding or LM head (modules_to_save), which stay fp32");
+      embed_dtype = "fp32";
+    }
+  }
+  BaseWeights base = load_base(l.src, l.mem->device, keep_quantised, a.str("base-dtype", "fp32"), embed_dtype);
   l.params = std::move(base.params);
   l.quant = std::move(base.quant);
   l.src.release_weights();
@@ -96,6 +106,8 @@ const char* kEvalHelp =
     "                   applied to the model\n"
     "  --base-dtype D   fp32 (default), nf4 or nf4-dq: the projections quantised at load, as the QLoRA run that\n"
     "                   trained the adapter saw them (a GGUF keeps its blocks; a bitsandbytes 4-bit folder is NF4)\n"
+    "  --embed-dtype D  auto (default: a GGUF's own blocks, else fp32), fp32, bf16 or nf4: storage of the\n"
+    "                   embedding and LM head\n"
     "  --data FILE      text or .ids file (required)\n"
     "  --seq T          window length in tokens (required, >= 2)\n"
     "  --dtype D        fp32 (default) or bf16 projections with fp32 accumulation\n"
@@ -124,7 +136,7 @@ int eval(const std::vector<std::string>& argv) {
           {"threads", true}, {"seed", true}, {"chunk", true}, {"page", true}, {"kv-offload", true},
           {"spill-dir", true}, {"rope-theta", true}, {"rope-scaling", true},
           {"sparse-pages", true}, {"sink-pages", true}, {"page-summary", true}, {"adapter", true},
-          {"base-dtype", true}},
+          {"base-dtype", true}, {"embed-dtype", true}},
          "eval", kEvalHelp);
   if (a.help_requested()) return std::fputs(kEvalHelp, stdout), 0;
   apply_threads(a);
@@ -204,6 +216,7 @@ const char* kGenerateHelp =
     "\n"
     "  --adapter DIR    a LoRA adapter folder (PEFT's format) applied to the model\n"
     "  --base-dtype D   fp32 (default), nf4 or nf4-dq projections (as eval)\n"
+    "  --embed-dtype D  auto (default), fp32, bf16 or nf4 embedding and LM head (as eval)\n"
     "  --prompt S       text, encoded with the tokenizer's post-processor (default: empty)\n"
     "  --prompt-ids L   token ids instead of text\n"
     "  --max-new N      new tokens (default 64)\n"
@@ -218,7 +231,7 @@ int generate(const std::vector<std::string>& argv) {
   Args a(argv,
          {{"model", true}, {"prompt", true}, {"prompt-ids", true}, {"max-new", true}, {"dtype", true},
           {"temperature", true}, {"top-p", true}, {"seed", true}, {"ignore-eos", false}, {"json", false},
-          {"threads", true}, {"adapter", true}, {"base-dtype", true}},
+          {"threads", true}, {"adapter", true}, {"base-dtype", true}, {"embed-dtype", true}},
          "generate", kGenerateHelp);
   if (a.help_requested()) return std::fputs(kGenerateHelp, stdout), 0;
   apply_threads(a);

@@ -3,6 +3,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -68,6 +70,72 @@ ModelSource open_preset(const std::string& spec, std::string_view name, uint64_t
   return m;
 }
 
+// A parameter's random initial values from (seed, its name) alone, element by element (a counter-based
+// normal: splitmix64 of the element index, Box-Muller), so one matrix can be drawn without the others
+// and in parallel: norms 1, biases 0, everything else N(0, 0.02^2).
+void init_tensor(const ParamSpec& s, uint64_t seed, float* out) {
+  int64_t n = 1;
+  for (int64_t d : s.shape) n *= d;
+  const bool is_norm = s.name.find("norm.weight") != std::string::npos;
+  const bool is_bias = ends_with(s.name, ".bias");
+  if (is_norm || is_bias) {
+    std::fill(out, out + n, is_norm ? 1.0f : 0.0f);
+    return;
+  }
+  uint64_t key = seed ^ 0x6A09E667F3BCC909ull;
+  for (unsigned char c : s.name) key = (key ^ c) * 0x100000001B3ull;  // FNV-1a of the name
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    uint64_t z = key + 0x9E3779B97F4A7C15ull * (static_cast<uint64_t>(i) + 1);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const double u1 = (static_cast<double>(z >> 32) + 1.0) * 0x1.0p-32;
+    const double u2 = static_cast<double>(z & 0xFFFFFFFFull) * 0x1.0p-32;
+    out[i] = static_cast<float>(0.02 * std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2));
+  }
+}
+
+// config.json alone: the model it describes, randomly initialised tensor by tensor (init_tensor), so a
+// quantised base is drawn straight into its storage one matrix at a time.
+ModelSource open_config_only(const std::string& spec, const fs::path& cfg_path, uint64_t seed) {
+  ModelSource m;
+  m.spec = spec;
+  m.kind = "config";
+  m.cfg = ModelConfig::from_file(cfg_path.string());
+  const fs::path dir = cfg_path.parent_path().empty() ? fs::path(".") : cfg_path.parent_path();
+  if (fs::exists(dir / "tokenizer.json")) {
+    m.tokenizer_json = read_text_file((dir / "tokenizer.json").string());
+    m.tokenizer = Tokenizer::from_json(json::parse(m.tokenizer_json, (dir / "tokenizer.json").string()),
+                                       (dir / "tokenizer.json").string());
+  }
+  if (fs::exists(dir / "tokenizer_config.json"))
+    m.tokenizer_config = json::parse_file((dir / "tokenizer_config.json").string());
+  m.read_f32 = [seed](const ParamSpec& s, float* out) { init_tensor(s, seed, out); };
+  m.load_weights = [seed](ParamSet& p) {
+    std::vector<float> buf;
+    for (size_t i = 0; i < p.specs().size(); ++i) {
+      const Tensor& t = p.tensors()[i];
+      if (!t.data) continue;  // held elsewhere (a quantised base)
+      if (t.dtype == DType::f32) {  // in place: no second copy of a large embedding
+        init_tensor(p.specs()[i], seed, static_cast<float*>(t.data));
+        continue;
+      }
+      buf.resize(static_cast<size_t>(t.numel()));
+      init_tensor(p.specs()[i], seed, buf.data());
+      store(t, buf);
+    }
+  };
+  return m;
+}
+
+bool has_safetensors(const fs::path& dir) {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir.empty() ? fs::path(".") : dir, ec))
+    if (e.path().extension() == ".safetensors") return true;
+  return false;
+}
+
 ModelSource open_hf(const std::string& spec, const fs::path& dir) {
   ModelSource m;
   m.spec = spec;
@@ -75,6 +143,8 @@ ModelSource open_hf(const std::string& spec, const fs::path& dir) {
   const fs::path cfg_path = dir / "config.json";
   OOM_CHECK(fs::exists(cfg_path), "[model] ", dir.string(), " has no config.json; --model takes a Hugging Face model "
             "folder (config.json + *.safetensors), a .gguf file or preset:NAME (", "micro, tiny, smollm2-135m)");
+  OOM_CHECK(has_safetensors(dir), "[model] ", dir.string(), " has a config.json but no *.safetensors weights; for a "
+            "randomly initialised model of that shape give the file itself: --model ", (dir / "config.json").string());
   m.cfg = ModelConfig::from_file(cfg_path.string());
   if (fs::exists(dir / "tokenizer.json")) {
     m.tokenizer_json = read_text_file((dir / "tokenizer.json").string());
@@ -181,7 +251,9 @@ ModelSource open_model(const std::string& spec, uint64_t seed) {
             ".gguf file or preset:NAME (micro, tiny, smollm2-135m)");
   if (fs::is_directory(p, ec)) return open_hf(spec, p);
   if (ends_with(spec, ".gguf")) return open_gguf(spec);
-  if (p.filename() == "config.json") return open_hf(spec, p.parent_path());
+  // config.json beside its weights: that model; alone: its shape, randomly initialised (as presets are).
+  if (p.filename() == "config.json")
+    return has_safetensors(p.parent_path()) ? open_hf(spec, p.parent_path()) : open_config_only(spec, p, seed);
   // A file without the .gguf suffix: the magic decides.
   FILE* f = std::fopen(spec.c_str(), "rb");
   char magic[4] = {};

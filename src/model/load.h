@@ -18,7 +18,7 @@ namespace oomless {
 
 struct ModelSource {
   std::string spec;                  // as given
-  std::string kind;                  // "preset", "hf" or "gguf"
+  std::string kind;                  // "preset", "hf", "gguf" or "config" (a config.json alone: random init)
   ModelConfig cfg;
   std::optional<Tokenizer> tokenizer;
   std::string tokenizer_json;        // its tokenizer.json text, for checkpoints (empty if none)

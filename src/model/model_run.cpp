@@ -1,4 +1,5 @@
 // Whole-model passes: embedding -> blocks -> final norm -> fused LM head + cross-entropy, and back.
+#include <algorithm>
 #include <cstring>
 
 #include "model/model.h"
@@ -104,7 +105,13 @@ std::vector<double> Model::token_losses() {
   for (int64_t t = 0; t < T_; ++t) {
     if (tg[t] < 0) continue;
     convert(h.data(), DType::f64, static_cast<const char*>(s_->hn.data) + dtype_bytes(act_, t * E), act_, E);
-    convert(w.data(), DType::f64, static_cast<const char*>(head.data) + dtype_bytes(head.dtype, tg[t] * E), head.dtype, E);
+    if (head.quant) {  // a frozen head held quantised: its row as the loss dequantised it
+      std::vector<float> row(static_cast<size_t>(E));
+      head.quant->dequant_row(*head.quant, head.qrow0 + tg[t], 0, E, row.data());
+      std::copy(row.begin(), row.end(), w.begin());
+    } else {
+      convert(w.data(), DType::f64, static_cast<const char*>(head.data) + dtype_bytes(head.dtype, tg[t] * E), head.dtype, E);
+    }
     if (head.as_bf16)
       for (double& x : w) x = round_to_bf16(static_cast<float>(x));
     double dot = 0;

@@ -48,7 +48,33 @@ void dequant_nf4_row(const QuantMatrix& q, int64_t r, int64_t col, int64_t n, fl
   }
 }
 
+// Row r of a bf16 matrix, elements [col, col + n), widened.
+void dequant_bf16_row(const QuantMatrix& q, int64_t r, int64_t col, int64_t n, float* out) {
+  const uint16_t* row = static_cast<const uint16_t*>(q.data) + r * q.cols + col;
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(row[i]);
+}
+
+bool is_table(const std::string& n) { return n == "model.embed_tokens.weight" || n == "lm_head.weight"; }
+
 }  // namespace
+
+bool is_embedding_or_head(const std::string& hf_name) { return is_table(hf_name); }
+
+void QuantBase::add_bf16_matrix(const std::string& name, const float* w, int64_t rows, int64_t cols, ParamSet& params,
+                                Arena& arena) {
+  const size_t n = static_cast<size_t>(rows * cols) * 2;
+  bufs_.push_back(arena.alloc(n, Category::weights, "bf16 base"));
+  convert(bufs_.back().data(), DType::bf16, w, DType::f32, rows * cols);
+  bytes_ += n;
+  QuantMatrix& q = mats_.emplace_back();
+  q.format = "bf16";
+  q.rows = rows, q.cols = cols;
+  q.dequant_row = &dequant_bf16_row;
+  q.data = bufs_.back().data();
+  Tensor v(nullptr, params.dtype(), {rows, cols});
+  v.quant = &q;
+  params.set_view(name, v);
+}
 
 void QuantBase::add_nf4(const std::string& name, const nf4::Matrix& m, ParamSet& params, Arena& arena) {
   const size_t n = nf4::storage_bytes(m);
@@ -100,10 +126,11 @@ bool is_projection_weight(const std::string& n) {
   return false;
 }
 
-QuantBase::QuantBase(const std::vector<GgufHfTensor>& tensors, ParamSet& params, Arena& arena) {
+QuantBase::QuantBase(const std::vector<GgufHfTensor>& tensors, ParamSet& params, Arena& arena, bool tables) {
   for (const GgufHfTensor& t : tensors) {
-    if (!is_projection_weight(t.hf_name)) continue;
+    if (!is_projection_weight(t.hf_name) && !(tables && is_table(t.hf_name))) continue;
     const Tensor* view = params.find(t.hf_name);
+    if (!view && is_table(t.hf_name)) continue;  // an output.weight beside a tied config: the embedding serves
     OOM_CHECK(view && !view->data, "[model] ", t.hf_name, " is not a quantised slot of the parameter set");
     const GgmlTypeInfo* ti = ggml_type_info(static_cast<uint32_t>(t.src->type));
     OOM_CHECK(ti && ggml_can_dequantize(t.src->type), "[model] ", t.hf_name, ": GGUF type ",
@@ -134,58 +161,95 @@ QuantBase::QuantBase(const std::vector<GgufHfTensor>& tensors, ParamSet& params,
   }
 }
 
-BaseWeights load_base(ModelSource& src, Arena& arena, bool keep_quantised, const std::string& base_dtype) {
+BaseWeights load_base(ModelSource& src, Arena& arena, bool keep_quantised, const std::string& base_dtype,
+                      const std::string& embed_dtype) {
   OOM_CHECK(base_dtype == "fp32" || base_dtype == "nf4" || base_dtype == "nf4-dq", "[model] base dtype '", base_dtype,
             "' is not supported; supported: fp32, nf4 (nf4-dq: double-quantised scales)");
+  OOM_CHECK(embed_dtype == "auto" || embed_dtype == "fp32" || embed_dtype == "bf16" || embed_dtype == "nf4",
+            "[model] embedding dtype '", embed_dtype, "' is not supported; supported: auto, fp32, bf16, nf4");
   const bool nf4 = base_dtype != "fp32";
   OOM_CHECK(!nf4 || !src.gguf_tensors, "[model] ", src.spec, " is a GGUF, already quantised in its own blocks (kept as "
             "they are for adapter training); --base-dtype nf4 / --qlora takes a Hugging Face folder or a preset");
+  // The frozen embedding and LM head: a GGUF's own blocks (auto), or converted at load (bf16, nf4).
+  const bool gguf_tables = keep_quantised && src.gguf_tensors && embed_dtype == "auto";
+  const bool convert_tables = embed_dtype == "bf16" || embed_dtype == "nf4";
+  OOM_CHECK(!convert_tables || keep_quantised, "[model] --embed-dtype ", embed_dtype, " makes the embedding and LM head "
+            "a frozen base: it needs --lora r (and no --modules-to-save)");
+  OOM_CHECK(!convert_tables || !src.gguf_tensors, "[model] ", src.spec, " is a GGUF: its embedding stays in its own "
+            "blocks (--embed-dtype auto) or in fp32; bf16 and nf4 are for Hugging Face folders and presets");
   BaseWeights b;
-  auto without_projections = [&] {
-    return std::make_unique<ParamSet>(src.cfg, DType::f32, arena, Category::weights,
-                                      [](const ParamSpec& s) { return !is_projection_weight(s.name); });
+  const bool tables_elsewhere = gguf_tables || convert_tables;
+  auto quantised_slots = [&] {
+    return std::make_unique<ParamSet>(src.cfg, DType::f32, arena, Category::weights, [tables_elsewhere](const ParamSpec& s) {
+      return !is_projection_weight(s.name) && !(tables_elsewhere && is_table(s.name));
+    });
+  };
+  // bf16 / nf4 tables from f32 values, one matrix at a time (tied: the one matrix).
+  auto add_table = [&](const std::string& name, const float* w, int64_t rows, int64_t cols) {
+    if (embed_dtype == "bf16") b.quant->add_bf16_matrix(name, w, rows, cols, *b.params, arena);
+    else b.quant->add_nf4_matrix(name, w, rows, cols, *b.params, arena, base_dtype == "nf4-dq");
   };
   if (src.bnb4) {
     OOM_CHECK(keep_quantised, "[model] ", src.spec, " holds bitsandbytes 4-bit weights: it can only be a frozen base "
               "(train an adapter on it with --lora r, or eval / generate it)");
-    b.params = without_projections();
+    b.params = quantised_slots();
     b.quant = std::make_unique<QuantBase>();
     b.quant->add_bnb4_from(*src.bnb4, *b.params, arena);
     src.load_weights(*b.params);
+    std::vector<float> w;
+    for (const ParamSpec& s : b.params->specs()) {
+      if (!convert_tables || !is_table(s.name)) continue;
+      w.resize(static_cast<size_t>(s.shape[0] * s.shape[1]));
+      src.read_f32(s, w.data());
+      add_table(s.name, w.data(), s.shape[0], s.shape[1]);
+    }
   } else if (keep_quantised && src.gguf_tensors) {
-    b.params = without_projections();
-    b.quant = std::make_unique<QuantBase>(*src.gguf_tensors, *b.params, arena);
+    b.params = quantised_slots();
+    b.quant = std::make_unique<QuantBase>(*src.gguf_tensors, *b.params, arena, gguf_tables);
     src.load_weights(*b.params);
-  } else if (nf4 && src.read_f32) {
+  } else if ((nf4 || convert_tables) && src.read_f32) {
     OOM_CHECK(keep_quantised, "[model] --base-dtype ", base_dtype, " makes a frozen base: it needs --lora r");
     // Matrix by matrix: one projection in f32 at a time beside the NF4 ones.
-    b.params = without_projections();
+    b.params = nf4 ? quantised_slots()
+                   : std::make_unique<ParamSet>(src.cfg, DType::f32, arena, Category::weights,
+                                                [](const ParamSpec& s) { return !is_table(s.name); });
     b.quant = std::make_unique<QuantBase>();
     src.load_weights(*b.params);
     std::vector<float> w;
     for (const ParamSpec& s : b.params->specs()) {
-      if (!is_projection_weight(s.name)) continue;
+      const bool proj = nf4 && is_projection_weight(s.name), table = convert_tables && is_table(s.name);
+      if (!proj && !table) continue;
       w.resize(static_cast<size_t>(s.shape[0] * s.shape[1]));
       src.read_f32(s, w.data());
-      b.quant->add_nf4_matrix(s.name, w.data(), s.shape[0], s.shape[1], *b.params, arena, base_dtype == "nf4-dq");
+      if (proj) b.quant->add_nf4_matrix(s.name, w.data(), s.shape[0], s.shape[1], *b.params, arena, base_dtype == "nf4-dq");
+      else add_table(s.name, w.data(), s.shape[0], s.shape[1]);
     }
-  } else if (nf4) {
+  } else if (nf4 || convert_tables) {
     OOM_CHECK(keep_quantised, "[model] --base-dtype ", base_dtype, " makes a frozen base: it needs --lora r");
     // A preset: its random init is drawn over the whole set, so in f32 once, then quantised and dropped.
-    b.params = without_projections();
+    b.params = nf4 ? quantised_slots()
+                   : std::make_unique<ParamSet>(src.cfg, DType::f32, arena, Category::weights,
+                                                [](const ParamSpec& s) { return !is_table(s.name); });
     b.quant = std::make_unique<QuantBase>();
     {
       ParamSet full(src.cfg, DType::f32, arena, Category::workspace);
       src.load_weights(full);
-      b.quant->add_nf4_from(full, *b.params, arena, base_dtype == "nf4-dq");
-      for (size_t i = 0; i < full.specs().size(); ++i)
-        if (b.params->tensors()[i].data)
-          std::memcpy(b.params->tensors()[i].data, full.tensors()[i].data, static_cast<size_t>(full.tensors()[i].nbytes()));
+      if (nf4) b.quant->add_nf4_from(full, *b.params, arena, base_dtype == "nf4-dq");
+      for (size_t i = 0; i < full.specs().size(); ++i) {
+        const Tensor& t = full.tensors()[i];
+        if (convert_tables && is_table(full.specs()[i].name))
+          add_table(full.specs()[i].name, static_cast<const float*>(t.data), t.dims[0], t.dims[1]);
+        else if (b.params->tensors()[i].data)
+          std::memcpy(b.params->tensors()[i].data, t.data, static_cast<size_t>(t.nbytes()));
+      }
     }
   } else {
     b.params = std::make_unique<ParamSet>(src.cfg, DType::f32, arena, Category::weights);
     src.load_weights(*b.params);
   }
+  for (size_t i = 0; i < b.params->specs().size(); ++i)
+    OOM_CHECK(b.params->tensors()[i].data || b.params->tensors()[i].quant, "[model] ", src.spec, ": no weights for ",
+              b.params->specs()[i].name);
   return b;
 }
 

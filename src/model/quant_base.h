@@ -18,14 +18,17 @@ namespace oomless {
 // True for the seven projection weights of a block ("model.layers.N.self_attn.q_proj.weight", ...): the
 // matrices a quantised base keeps quantised.
 bool is_projection_weight(const std::string& hf_name);
+// model.embed_tokens.weight or lm_head.weight.
+bool is_embedding_or_head(const std::string& hf_name);
 
 class SafetensorsSet;
 
 class QuantBase {
  public:
   // Keeps the projection matrices of `tensors` (a GGUF's, HF names) quantised in `arena` and points the
-  // matching views of `params` (built with those tensors not stored) at them.
-  QuantBase(const std::vector<GgufHfTensor>& tensors, ParamSet& params, Arena& arena);
+  // matching views of `params` (built with those tensors not stored) at them; with `tables` the embedding
+  // and LM head too.
+  QuantBase(const std::vector<GgufHfTensor>& tensors, ParamSet& params, Arena& arena, bool tables = false);
   QuantBase() = default;
   // NF4 (bitsandbytes' layout, blocksize 64; double-quantised scales as bnb_4bit_use_double_quant) from
   // the f32 projection matrices of `f32`, bit-exact with bitsandbytes' quantize_4bit.
@@ -33,6 +36,9 @@ class QuantBase {
   // One matrix w (rows, cols) f32 as NF4, the view `name` of params pointed at it.
   void add_nf4_matrix(const std::string& name, const float* w, int64_t rows, int64_t cols, ParamSet& params,
                       Arena& arena, bool double_quant);
+  // One matrix w (rows, cols) f32 stored as bf16 (read through the same QuantMatrix path, format "bf16").
+  void add_bf16_matrix(const std::string& name, const float* w, int64_t rows, int64_t cols, ParamSet& params,
+                       Arena& arena);
   // A bitsandbytes 4-bit checkpoint's projection matrices (weight, absmax, quant_map, nested_*,
   // quant_state), as they are stored.
   void add_bnb4_from(const SafetensorsSet& files, ParamSet& params, Arena& arena);
@@ -62,11 +68,16 @@ class QuantBase {
 // base_dtype: "fp32", or "nf4" / "nf4-dq" (double-quantised scales: QLoRA's --qlora) to quantise the
 // projections at load (refused for a GGUF, which keeps its own blocks). A bitsandbytes 4-bit folder is
 // always read as NF4.
+// embed_dtype: the frozen embedding and LM head (one matrix when tied): "auto" (a GGUF's own blocks when
+// keep_quantised, else fp32), "fp32", or "bf16" / "nf4" (converted at load; nf4 double-quantised with
+// base_dtype nf4-dq), which need keep_quantised. Read as the GEMM reads a quantised matrix: the embedding
+// gathers dequantised rows, the fused cross-entropy dequantises each vocabulary chunk.
 struct BaseWeights {
   std::unique_ptr<ParamSet> params;
   std::unique_ptr<QuantBase> quant;  // null: nothing kept quantised
 };
 struct ModelSource;
-BaseWeights load_base(ModelSource& src, Arena& arena, bool keep_quantised, const std::string& base_dtype = "fp32");
+BaseWeights load_base(ModelSource& src, Arena& arena, bool keep_quantised, const std::string& base_dtype = "fp32",
+                      const std::string& embed_dtype = "auto");
 
 }  // namespace oomless

@@ -214,6 +214,10 @@ const std::vector<TrainOption>& train_options() {
            "folder is NF4)",
            &C::base_dtype),
       flag("qlora", true, "QLoRA: --base-dtype nf4-dq (bnb_4bit_quant_type nf4, double quantisation)", &C::qlora),
+      text("embed-dtype", true, "D",
+           "with --lora: storage of the frozen embedding and LM head: auto (a GGUF's own blocks,\nelse fp32), fp32, "
+           "bf16 (as bitsandbytes keeps them) or nf4 (double-quantised with\n--qlora) (default auto)",
+           &C::embed_dtype),
       text("modules-to-save", true, "L",
            "with --lora: embed_tokens and/or lm_head (comma-separated) trained in full beside\nthe adapter "
            "and saved in it, as PEFT's modules_to_save (default: none)",
@@ -381,7 +385,11 @@ int train_run(const TrainConfig& c, const std::string& out) {
             c.qlora ? "nf4-dq" : c.base_dtype, " make a frozen quantised base: they need --lora r");
   OOM_CHECK(!c.qlora || c.base_dtype == "fp32" || c.base_dtype == "nf4-dq", "[train] --qlora is --base-dtype nf4-dq; "
             "drop one of --qlora and --base-dtype ", c.base_dtype);
-  BaseWeights base = load_base(src, mem.device, c.lora > 0, c.qlora ? "nf4-dq" : c.base_dtype);
+  // Trained embeddings (modules_to_save) are fp32 masters.
+  OOM_CHECK(c.modules_to_save.empty() || c.embed_dtype == "auto" || c.embed_dtype == "fp32", "[train] --embed-dtype ",
+            c.embed_dtype, " stores a frozen embedding and head; --modules-to-save trains them (fp32): drop one");
+  BaseWeights base = load_base(src, mem.device, c.lora > 0, c.qlora ? "nf4-dq" : c.base_dtype,
+                               c.modules_to_save.empty() ? c.embed_dtype : "fp32");
   ParamSet& params = *base.params;
   src.release_weights();
   // --lora: adapters on a frozen base (PEFT's default init, or --adapter's tensors).

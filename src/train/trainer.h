@@ -60,6 +60,7 @@ struct TrainConfig {
   bool dora = false;
   std::string modules_to_save;  // with lora: embed_tokens,lm_head trained in full
   std::string base_dtype = "fp32";  // with lora: fp32, nf4 or nf4-dq storage of the frozen projections
+  std::string embed_dtype = "auto";  // with lora: auto, fp32, bf16 or nf4 storage of the frozen embedding and head
   bool qlora = false;           // --base-dtype nf4-dq (QLoRA: NF4 with double-quantised scales)
   std::string adapter;          // an adapter folder (oomless's or PEFT's) to continue
 

@@ -55,7 +55,12 @@ void CpuOps::embedding_forward(Tensor out, Tensor ids, Tensor table) {
   const int64_t T = T_, E = E_;
   const int32_t* id = i32p(ids);
   float* o = f32p(out);
-  if (table.dtype == DType::bf16) {
+  if (table.quant) {  // each row dequantised as the GEMM reads it
+    const QuantMatrix* q = table.quant;
+    const int64_t q0 = table.qrow0;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; ++t) q->dequant_row(*q, q0 + id[t], 0, E, o + t * E);
+  } else if (table.dtype == DType::bf16) {
     const uint16_t* w = static_cast<const uint16_t*>(table.data);
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < T; ++t)

@@ -122,9 +122,21 @@ double exp_shift_sum(float* x, int64_t n, float shift) {
   return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
 }
 
-// The f32 rows [v0, v0 + nv) of w: a pointer into w when it is f32, else widened (bf16) or rounded
-// (f32 read as bf16) into `dst`.
+// The f32 rows [v0, v0 + nv) of w: a pointer into w when it is f32, else widened (bf16), rounded (f32
+// read as bf16) or dequantised (block-quantised) into `dst`.
 const float* w_chunk(const Tensor& w, int64_t v0, int64_t nv, int64_t E, float* dst) {
+  if (w.quant) {  // block-quantised: each row dequantised (then bf16-rounded when read as bf16)
+    const QuantMatrix* q = w.quant;
+    const int64_t q0 = w.qrow0;
+    const bool r = w.as_bf16;
+#pragma omp parallel for schedule(static)
+    for (int64_t v = 0; v < nv; ++v) {
+      q->dequant_row(*q, q0 + v0 + v, 0, E, dst + v * E);
+      if (r)
+        for (int64_t e = 0; e < E; ++e) dst[v * E + e] = round_to_bf16(dst[v * E + e]);
+    }
+    return dst;
+  }
   if (w.dtype == DType::f32 && !w.as_bf16) return static_cast<const float*>(w.data) + v0 * E;
   if (w.as_bf16) {
     const float* src = static_cast<const float*>(w.data) + v0 * E;
@@ -169,7 +181,7 @@ CeResult CpuOps::linear_cross_entropy_forward(Tensor lse, Tensor h, Tensor w, Te
     return res;
   }
   const Plan pl = plan_for(T, E, V);
-  const bool widen = w.dtype == DType::bf16 || w.as_bf16;
+  const bool widen = w.dtype == DType::bf16 || w.as_bf16 || w.quant;
   const size_t tile_n = padded(pl.Tc * pl.Vc), wc_n = widen ? padded(pl.Vc * E) : 0;
   Buffer buf = scratch(4 * (tile_n + wc_n) + 16 * padded(T), "cross_entropy");
   float* tile = buf.as<float>();                                 // (Tc, Vc)
@@ -232,7 +244,7 @@ void CpuOps::linear_cross_entropy_backward(Tensor dh, Tensor dw, Tensor h, Tenso
     return;
   }
   const Plan pl = plan_for(T, E, V);
-  const bool widen = w.dtype == DType::bf16 || w.as_bf16;
+  const bool widen = w.dtype == DType::bf16 || w.as_bf16 || w.quant;
   const size_t tile_n = padded(pl.Tc * pl.Vc), wc_n = widen ? padded(pl.Vc * E) : 0;
   Buffer buf = scratch(4 * (tile_n + wc_n), "cross_entropy");
   float* tile = buf.as<float>();     // (Tc, Vc) logits, then dlogits in place
