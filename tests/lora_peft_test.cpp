@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 
 #include "io/json.h"
 #include "io/safetensors.h"
@@ -19,6 +20,7 @@
 #include "model/adapter_io.h"
 #include "model/load.h"
 #include "model/model.h"
+#include "model/quant_base.h"
 #include "util/golden_compare.h"
 #include "util/harness.h"
 
@@ -41,6 +43,8 @@ double max_torch_bf16_loss_error() {
   return m;
 }
 
+// base: a model under tests/golden/models, or a path from the repository root (a bitsandbytes 4-bit folder,
+// read as the NF4 base `--lora` trains on: fp32 and bf16 only).
 void check_variant(const std::string& name, const std::string& base, Mode mode) {
   SCOPED_TRACE(name + (mode == Mode::bf16 ? " bf16" : mode == Mode::f64 ? " f64" : " fp32"));
   const std::string dir = test::source_path("tests/golden/peft/" + name);
@@ -54,12 +58,21 @@ void check_variant(const std::string& name, const std::string& base, Mode mode) 
   std::memcpy(ids.data(), idt->data, static_cast<size_t>(T) * 4);
   for (int64_t t = 0; t < T; ++t) targets[static_cast<size_t>(t)] = t + 1 < T ? ids[static_cast<size_t>(t + 1)] : -100;
 
-  ModelSource src = open_model(test::source_path("tests/golden/models/" + base));
+  ModelSource src = open_model(test::source_path(base.find('/') == std::string::npos ? "tests/golden/models/" + base : base));
   Ledger ledger;
   Arena arena(Tier::Host, size_t{1} << 30, ledger);
   auto ops = make_ops(mode == Mode::f64 ? "ref" : "cpu");
-  ParamSet params(src.cfg, ops->act_dtype(), arena, Category::weights);
-  src.load_weights(params);
+  BaseWeights quantised;
+  std::optional<ParamSet> full;
+  if (src.bnb4) {
+    ASSERT_NE(mode, Mode::f64) << "a 4-bit base runs on the cpu backend";
+    quantised = load_base(src, arena, true);
+    ASSERT_TRUE(quantised.quant && quantised.quant->matrices() > 0);
+  } else {
+    full.emplace(src.cfg, ops->act_dtype(), arena, Category::weights);
+    src.load_weights(*full);
+  }
+  ParamSet& params = src.bnb4 ? *quantised.params : *full;
   AdapterSet ad(src.cfg, read_adapter_settings(dir, src.cfg), ops->act_dtype(), arena, Category::adapter);
   load_adapter(dir, src.cfg, ad, params);
   Model m(src.cfg, *ops, params, arena, {mode == Mode::bf16 ? ComputeDType::bf16 : ComputeDType::f32, SavePolicy::all, &ad});
@@ -145,6 +158,14 @@ TEST(LoraPeft, MergeMatchesPeftMergeAndUnload) {
     EXPECT_LT(rel_err(to_f64(*params.find(key)), gold), 1e-13);
     EXPECT_GT(rel_err(before, gold), 1e-4) << "the merge must change the weight for this test to mean anything";
   }
+}
+
+// QLoRA: PEFT's LoRA and DoRA on a bitsandbytes 4-bit (nf4, double-quantised) model saved by transformers,
+// against the float64 adapted model with bitsandbytes' dequantised weights (tools/golden/make_qlora_peft.py);
+// the torch error is PEFT + bitsandbytes's own on CPU in float32.
+TEST(LoraPeft, QloraOnABitsandbytes4bitBaseMatchesPeft) {
+  for (const char* v : {"bnb4_llama_gqa_untied_lora", "bnb4_llama_gqa_untied_dora"})
+    check_variant(v, "tests/golden/bnb4/llama_gqa_untied", Mode::fp32);
 }
 
 TEST(LoraPeft, FoldersWithFeaturesNotYetSupportedSayWhich) {
