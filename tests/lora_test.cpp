@@ -206,8 +206,9 @@ TEST(Lora, BitwiseAcrossSavePoliciesAndOffloadModes) {
       s.policy = SavePolicy::none;
       const test::Result dev = test::run(s, ids, 16, 8, KvOffload::none);
       // Chunks change the attention's summation order: within fp32 rounding of the full sequence.
-      if (dt == ComputeDType::f32)
+      if (dt == ComputeDType::f32) {
         for (size_t i = 0; i < all.grads.size(); ++i) EXPECT_LT(test::rel_l2(dev.grads[i], all.grads[i]), 1e-5) << i;
+      }
       for (KvOffload k : {KvOffload::host, KvOffload::disk})
         EXPECT_TRUE(test::same_bits(dev, test::run(s, ids, 16, 8, k))) << kv_offload_name(k);
     }

@@ -98,6 +98,39 @@ TEST(Qlora, Nf4BaseIsBitwiseTheDequantisedBase) {
   }
 }
 
+// A quantised matrix's rows as the GEMM and the embedding read them (QuantMatrix::dequant_row: 16 at a
+// time with AVX2 where a run starts on a byte) are bitwise nf4::dequantize_rows' (bit-exact with
+// bitsandbytes), for every start and length, odd widths, plain and double-quantised scales.
+TEST(Qlora, Nf4RowReadsEqualTheReferenceDequantisation) {
+  for (bool dq : {false, true}) {
+    ModelConfig cfg = test::small_config();
+    cfg.E = 333;  // odd rows: runs start on either nibble
+    const std::string name = "model.layers.0.self_attn.q_proj.weight";
+    const int64_t rows = cfg.q_dim(), cols = cfg.E;
+    std::vector<float> w(static_cast<size_t>(rows * cols));
+    for (size_t i = 0; i < w.size(); ++i) w[i] = std::sin(0.37f * static_cast<float>(i)) * (1.0f + static_cast<float>(i % 7));
+    CpuMemory mem(size_t{1} << 30);
+    ParamSet slot(cfg, DType::f32, mem.device, Category::weights, [&](const ParamSpec& s) { return s.name != name; });
+    QuantBase qb;
+    std::vector<uint8_t> store(nf4::storage_bytes(rows, cols, 64, dq));
+    const nf4::Matrix m = nf4::quantize_matrix(w.data(), rows, cols, 64, dq, store.data(), store.size());
+    std::vector<float> ref(static_cast<size_t>(rows * cols));
+    nf4::dequantize_rows(m, 0, rows, ref.data());
+    qb.add_nf4_matrix(name, w.data(), rows, cols, slot, mem.device, dq);
+    const Tensor& t = *slot.find(name);
+    ASSERT_TRUE(t.quant);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t col = 0; col < cols; col += 7)
+        for (int64_t n : {int64_t{1}, int64_t{15}, int64_t{16}, int64_t{17}, int64_t{64}, int64_t{100}, cols - col}) {
+          if (col + n > cols) continue;
+          std::vector<float> got(static_cast<size_t>(n));
+          t.quant->dequant_row(*t.quant, r, col, n, got.data());
+          ASSERT_EQ(std::memcmp(got.data(), ref.data() + r * cols + col, static_cast<size_t>(n) * 4), 0)
+              << "row " << r << " col " << col << " n " << n << (dq ? " dq" : "");
+        }
+  }
+}
+
 // transformers' BitsAndBytesConfig(nf4, double quant) folder: oomless reads it as it is stored and gives
 // transformers' float32 logits and loss (tools/golden/make_nf4.py).
 TEST(Qlora, Bnb4FolderMatchesTransformers) {

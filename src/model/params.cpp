@@ -94,7 +94,7 @@ ParamSet::ParamSet(const ModelConfig& cfg, DType dtype, Arena& arena, Category c
 
 ParamSet::ParamSet(const ModelConfig& cfg, DType dtype, Arena& arena, Category cat,
                    const std::function<bool(const ParamSpec&)>& stored)
-    : dtype_(dtype), model_(true), cfg_(cfg) {
+    : model_(true), cfg_(cfg), dtype_(dtype) {
   const std::vector<ParamSpec> all = param_specs(cfg);
   std::vector<ParamSpec> kept;
   for (const ParamSpec& s : all)

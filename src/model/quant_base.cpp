@@ -1,5 +1,7 @@
 #include "model/quant_base.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cstring>
 
@@ -30,17 +32,48 @@ void dequant_gguf_row(const QuantMatrix& q, int64_t r, int64_t col, int64_t n, f
   }
 }
 
+// 16 NF4 elements from 8 bytes (the first of each pair in the high nibble): a 16-entry table lookup as
+// two 8-lane permutes, times the block's scale; the same products as the scalar loop.
+__attribute__((target("avx2,fma"))) void nf4_groups_avx2(const uint8_t* bytes, int64_t groups, float scale, float* out) {
+  const __m256 lo = _mm256_loadu_ps(nf4::kCode), hi = _mm256_loadu_ps(nf4::kCode + 8);
+  const __m256 s = _mm256_set1_ps(scale);
+  const __m128i nib = _mm_set1_epi8(0x0F);
+  const __m256i seven = _mm256_set1_epi32(7);
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * g));
+    const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), nib), _mm_and_si128(b, nib));
+    for (int h = 0; h < 2; ++h) {
+      const __m256i idx = _mm256_cvtepu8_epi32(h ? _mm_srli_si128(codes, 8) : codes);
+      const __m256 v = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, idx), _mm256_permutevar8x32_ps(hi, idx),
+                                        _mm256_castsi256_ps(_mm256_cmpgt_epi32(idx, seven)));
+      _mm256_storeu_ps(out + 16 * g + 8 * h, _mm256_mul_ps(v, s));
+    }
+  }
+}
+
+bool have_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+
 // Row r of an NF4 matrix (bitsandbytes' layout, elements row-major, two per byte, first in the high
 // nibble), elements [col, col + n): each block's scale (dequantised from its 8-bit code when double
-// quantised), times the NF4 value of the code, as bitsandbytes' dequantize_4bit computes it.
+// quantised), times the NF4 value of the code, as bitsandbytes' dequantize_4bit computes it (16 at a time
+// with AVX2 where a run starts on a byte).
 void dequant_nf4_row(const QuantMatrix& q, int64_t r, int64_t col, int64_t n, float* out) {
   const nf4::Matrix& m = *static_cast<const nf4::Matrix*>(q.aux);
   const int64_t start = r * m.cols + col, end = start + n, bs = m.blocksize;
+  const bool avx2 = have_avx2();
   for (int64_t i = start; i < end;) {
     const int64_t b = i / bs, stop = std::min(end, (b + 1) * bs);
     float scale;
     if (m.double_quant()) nf4::dequantize_absmax(m.absmax_codes, m.nested_absmax, m.nested_blocksize, m.offset, b, 1, &scale);
     else std::memcpy(&scale, m.absmax + b, sizeof scale);
+    if (avx2 && (i & 1) == 0 && stop - i >= 16) {
+      const int64_t groups = (stop - i) / 16;
+      nf4_groups_avx2(m.packed + (i >> 1), groups, scale, out + (i - start));
+      i += 16 * groups;
+    }
     for (; i < stop; ++i) {
       const uint8_t byte = m.packed[i >> 1];
       out[i - start] = nf4::kCode[(i & 1) ? (byte & 0x0Fu) : (byte >> 4)] * scale;
