@@ -39,6 +39,24 @@ Seq seq(int64_t T, int64_t V, uint64_t seed) {
   return s;
 }
 
+// The adapted model (params + ad) and the merged one give the same loss and logits on s to float64
+// rounding; returns the adapted model's loss.
+double expect_same_as_merged(const ModelConfig& cfg, Ops& ops, ParamSet& params, AdapterSet& ad, ParamSet& merged,
+                             Arena& arena, Seq& s) {
+  const int64_t T = static_cast<int64_t>(s.ids.size()), V = cfg.V;
+  Model a(cfg, ops, params, arena, {ComputeDType::f32, SavePolicy::all, &ad});
+  Model b(cfg, ops, merged, arena);
+  a.reserve(T, false);
+  b.reserve(T, false);
+  const double la = a.forward(s.id_t(), s.tg_t(), false).loss_sum, lb = b.forward(s.id_t(), s.tg_t(), false).loss_sum;
+  EXPECT_NEAR(la, lb, 1e-11 * std::abs(lb));
+  std::vector<double> ga(static_cast<size_t>(T * V)), gb(ga.size());
+  a.logits(Tensor::of(ga.data(), {T, V}));
+  b.logits(Tensor::of(gb.data(), {T, V}));
+  for (size_t i = 0; i < ga.size(); ++i) EXPECT_NEAR(ga[i], gb[i], 1e-11) << i;
+  return la;
+}
+
 TEST(Lora, AdapterGradientsMatchFiniteDifferences) {
   // The dropout case: the mask is fixed by the seed, so the loss is a smooth function of the adapter.
   // DoRA: the magnitudes' gradients too, the norm held constant (as PEFT detaches it) in the loss as well.
@@ -100,18 +118,9 @@ TEST(Lora, EqualsTheBaseWithMergedWeights) {
             static_cast<double*>(w->data)[n * K + k] += sc * d;
           }
       }
-    const int64_t T = 11, V = var.cfg.V;
-    Seq s = seq(T, V, 4);
-    Model a(var.cfg, *ops, params, arena, {ComputeDType::f32, SavePolicy::all, ad.get()});
-    Model b(var.cfg, *ops, merged, arena);
-    a.reserve(T, false);
-    b.reserve(T, false);
-    const double la = a.forward(s.id_t(), s.tg_t(), false).loss_sum, lb = b.forward(s.id_t(), s.tg_t(), false).loss_sum;
-    EXPECT_NEAR(la, lb, 1e-11 * std::abs(lb));
-    std::vector<double> ga(static_cast<size_t>(T * V)), gb(ga.size());
-    a.logits(Tensor::of(ga.data(), {T, V}));
-    b.logits(Tensor::of(gb.data(), {T, V}));
-    for (size_t i = 0; i < ga.size(); ++i) ASSERT_NEAR(ga[i], gb[i], 1e-11) << i;
+    const int64_t T = 11;
+    Seq s = seq(T, var.cfg.V, 4);
+    const double la = expect_same_as_merged(var.cfg, *ops, params, *ad, merged, arena, s);
     EXPECT_GT(std::abs(la - [&] {
                 Model c(var.cfg, *ops, params, arena);
                 c.reserve(T, false);
@@ -272,18 +281,9 @@ TEST(Lora, DoraEqualsTheBaseWithMergedWeights) {
     ParamSet merged(var.cfg, DType::f64, arena, Category::weights);
     std::memcpy(merged.data(), params.data(), params.bytes());
     merge_lora(*ops, merged, *ad, arena);
-    const int64_t T = 11, V = var.cfg.V;
-    Seq s = seq(T, V, 4);
-    Model a(var.cfg, *ops, params, arena, {ComputeDType::f32, SavePolicy::all, ad.get()});
-    Model b(var.cfg, *ops, merged, arena);
-    a.reserve(T, false);
-    b.reserve(T, false);
-    const double la = a.forward(s.id_t(), s.tg_t(), false).loss_sum, lb = b.forward(s.id_t(), s.tg_t(), false).loss_sum;
-    EXPECT_NEAR(la, lb, 1e-11 * std::abs(lb));
-    std::vector<double> ga(static_cast<size_t>(T * V)), gb(ga.size());
-    a.logits(Tensor::of(ga.data(), {T, V}));
-    b.logits(Tensor::of(gb.data(), {T, V}));
-    for (size_t i = 0; i < ga.size(); ++i) ASSERT_NEAR(ga[i], gb[i], 1e-11) << i;
+    const int64_t T = 11;
+    Seq s = seq(T, var.cfg.V, 4);
+    expect_same_as_merged(var.cfg, *ops, params, *ad, merged, arena, s);
   }
   const test::Variant var = variants()[0];
   Ledger ledger;

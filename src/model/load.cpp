@@ -96,6 +96,17 @@ void init_tensor(const ParamSpec& s, uint64_t seed, float* out) {
   }
 }
 
+// A folder's tokenizer.json and tokenizer_config.json, where present.
+void read_tokenizer_files(ModelSource& m, const fs::path& dir) {
+  if (fs::exists(dir / "tokenizer.json")) {
+    m.tokenizer_json = read_text_file((dir / "tokenizer.json").string());
+    m.tokenizer = Tokenizer::from_json(json::parse(m.tokenizer_json, (dir / "tokenizer.json").string()),
+                                       (dir / "tokenizer.json").string());
+  }
+  if (fs::exists(dir / "tokenizer_config.json"))
+    m.tokenizer_config = json::parse_file((dir / "tokenizer_config.json").string());
+}
+
 // config.json alone: the model it describes, randomly initialised tensor by tensor (init_tensor), so a
 // quantised base is drawn straight into its storage one matrix at a time.
 ModelSource open_config_only(const std::string& spec, const fs::path& cfg_path, uint64_t seed) {
@@ -104,13 +115,7 @@ ModelSource open_config_only(const std::string& spec, const fs::path& cfg_path, 
   m.kind = "config";
   m.cfg = ModelConfig::from_file(cfg_path.string());
   const fs::path dir = cfg_path.parent_path().empty() ? fs::path(".") : cfg_path.parent_path();
-  if (fs::exists(dir / "tokenizer.json")) {
-    m.tokenizer_json = read_text_file((dir / "tokenizer.json").string());
-    m.tokenizer = Tokenizer::from_json(json::parse(m.tokenizer_json, (dir / "tokenizer.json").string()),
-                                       (dir / "tokenizer.json").string());
-  }
-  if (fs::exists(dir / "tokenizer_config.json"))
-    m.tokenizer_config = json::parse_file((dir / "tokenizer_config.json").string());
+  read_tokenizer_files(m, dir);
   m.read_f32 = [seed](const ParamSpec& s, float* out) { init_tensor(s, seed, out); };
   m.load_weights = [seed](ParamSet& p) {
     std::vector<float> buf;
@@ -146,13 +151,7 @@ ModelSource open_hf(const std::string& spec, const fs::path& dir) {
   OOM_CHECK(has_safetensors(dir), "[model] ", dir.string(), " has a config.json but no *.safetensors weights; for a "
             "randomly initialised model of that shape give the file itself: --model ", (dir / "config.json").string());
   m.cfg = ModelConfig::from_file(cfg_path.string());
-  if (fs::exists(dir / "tokenizer.json")) {
-    m.tokenizer_json = read_text_file((dir / "tokenizer.json").string());
-    m.tokenizer = Tokenizer::from_json(json::parse(m.tokenizer_json, (dir / "tokenizer.json").string()),
-                                       (dir / "tokenizer.json").string());
-  }
-  if (fs::exists(dir / "tokenizer_config.json"))
-    m.tokenizer_config = json::parse_file((dir / "tokenizer_config.json").string());
+  read_tokenizer_files(m, dir);
   auto set = std::make_shared<SafetensorsSet>(SafetensorsSet::open(dir.string()));
   m.keep_open = set;
   if (is_bnb4_weight(*set, "model.layers.0.self_attn.q_proj")) m.bnb4 = set;
