@@ -1,0 +1,39 @@
+// libFuzzer target for `oomless train --config FILE` (TrainConfig::apply_json, the same table that reads a
+// run's saved configuration on --resume). The input is the JSON file. Rejection must be an oomless::Error;
+// an accepted configuration must be written by to_json() as one that reads back to the same configuration.
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <string_view>
+
+#include "core/error.h"
+#include "io/json.h"
+#include "train/trainer.h"
+
+using namespace oomless;
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const std::string_view in(reinterpret_cast<const char*>(data), size);
+  TrainConfig c;
+  try {
+    c.apply_json(json::parse(in, "fuzz train config"), "fuzz train config");
+  } catch (const Error&) {
+    return 0;
+  }
+  const std::string text = json::dump(c.to_json());
+  TrainConfig back;
+  try {
+    back.apply_json(json::parse(text, "fuzz to_json"), "fuzz to_json");
+  } catch (const Error& e) {
+    std::fprintf(stderr, "train_config_fuzz: to_json() wrote a configuration apply_json() refuses: %s\n%s\n", e.what(),
+                 text.c_str());
+    std::abort();
+  }
+  if (json::dump(back.to_json()) != text) {
+    std::fprintf(stderr, "train_config_fuzz: a configuration changed on the way through to_json():\n%s\n%s\n",
+                 text.c_str(), json::dump(back.to_json()).c_str());
+    std::abort();
+  }
+  return 0;
+}
