@@ -12,9 +12,7 @@ MatmulDims check_matmul(const Tensor& c, const Tensor& a, const Tensor& b, bool 
   check_dtype(op, "a", a, {act, DType::bf16});
   if (b.quant) {
     // Block-quantised b: dequantised while packing; read as bf16 (rounded) with a bf16 a.
-    OOM_CHECK(b.dtype == act && b.quant->dequant_row && b.qrow0 >= 0 && b.qrow0 + b.dims[0] <= b.quant->rows &&
-                  b.dims[1] == b.quant->cols,
-              op, " b ", b.str(), " does not fit its quantised matrix (", b.quant->rows, " x ", b.quant->cols, ")");
+    check_quant_rows(op, "b", b, act);
     OOM_CHECK(a.dtype == act || b.as_bf16, op, " a bf16 a needs the quantised b ", b.str(), " read as bf16");
   } else if (b.as_bf16) {
     // Mixed: b stays in the backend's float type and is rounded to bf16 as it is read.
