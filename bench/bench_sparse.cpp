@@ -45,9 +45,9 @@
 #include "model/config.h"
 #include "model/model.h"
 #include "model/paged_kv.h"
-#include "optim/adamw.h"
-#include "optim/clip.h"
+#include "model/engine.h"
 #include "plan/probe_timing.h"
+#include "train/trainer.h"
 
 using namespace oomless;
 
@@ -268,46 +268,6 @@ PagedKvOptions store_options(const Flags& f, int64_t C, int64_t P, int64_t k, Pa
   return o;
 }
 
-// `steps` AdamW steps (warmup 50 steps, cosine to 10%), each over `batch` sequences with gradients
-// accumulated; the mean query loss of every step.
-std::vector<double> train_steps(Model& m, Ops& ops, ParamSet& params, AdamW& opt, ChunkKv& kv, const Task& t,
-                                int64_t steps, int64_t batch, double lr, uint64_t seed0, const std::string& name,
-                                const std::vector<Sequence>* data = nullptr) {
-  std::vector<double> losses;
-  const double t0 = now();
-  for (int64_t step = 1; step <= steps; ++step) {
-    m.zero_grads();
-    CeResult total;
-    for (int64_t b = 0; b < batch; ++b) {
-      const uint64_t seed = seed0 + static_cast<uint64_t>(step * batch + b);
-      Sequence s = data ? (*data)[static_cast<size_t>((step - 1) * batch + b)]
-                   : t.copy ? make_copy_sequence(t.T, seed) : make_sequence(t, seed);
-      const CeResult r = m.chunked_step(Tensor(s.ids.data(), DType::i32, {t.T}),
-                                        Tensor(s.targets.data(), DType::i32, {t.T}), t.C, kv,
-                                        1.0 / static_cast<double>((t.copy ? t.T / 3 : t.queries) * batch));
-      total.loss_sum += r.loss_sum;
-      total.count += r.count;
-    }
-    const TrainableSet trained = m.trainable();
-    const double norm = global_grad_norm(ops, trained);
-    if (std::isfinite(norm)) {
-      clip_grads(ops, trained, 1.0, norm);
-      const double warm = std::min(1.0, static_cast<double>(step) / 50.0);
-      const double cosine = 0.5 * (1 + std::cos(M_PI * static_cast<double>(step) / static_cast<double>(steps)));
-      opt.step(ops, trained, lr * warm * (0.1 + 0.9 * cosine), step);
-    }
-    losses.push_back(total.loss_sum / static_cast<double>(total.count));
-    if (step % 100 == 0 || step == steps) {
-      double avg = 0;
-      for (int64_t i = std::max<int64_t>(0, step - 100); i < step; ++i) avg += losses[static_cast<size_t>(i)];
-      std::printf("  %-14s step %5lld: loss (mean of the last 100) %.4f  (%.0f s)\n", name.c_str(),
-                  static_cast<long long>(step), avg / static_cast<double>(std::min<int64_t>(100, step)), now() - t0);
-      std::fflush(stdout);
-    }
-  }
-  return losses;
-}
-
 std::vector<std::vector<float>> snapshot(const ParamSet& p) {
   std::vector<std::vector<float>> s;
   for (const Tensor& t : p.tensors())
@@ -319,29 +279,55 @@ void restore(ParamSet& p, const std::vector<std::vector<float>>& s) {
   for (size_t i = 0; i < s.size(); ++i) std::memcpy(p.tensors()[i].data, s[i].data(), s[i].size() * sizeof(float));
 }
 
-// A model to train or time: preset weights (random init with `seed`, or `start` when given) and its
-// memory, reserved for chunks of C tokens.
-struct Trainee {
-  CpuMemory mem;
-  std::unique_ptr<Ops> ops;
-  ParamSet params;
-  bool initialized;  // params hold their values before the model is built on them
-  Model m;
-  Trainee(const ModelConfig& cfg, uint64_t seed, const std::vector<std::vector<float>>& start, int64_t C,
-          size_t bytes)
-      : mem(bytes),
-        ops(make_ops("cpu", &mem.device)),
-        params(cfg, DType::f32, mem.device, Category::weights),
-        initialized(initialize(params, seed, start)),
-        m(cfg, *ops, params, mem.device, {ComputeDType::f32, SavePolicy::none}) {
-    m.reserve(C, true, true);
+// A run of the shared Trainer on the task: preset:micro from the engine builder (random init with seed
+// 42, then `start` when given), chunk-recurrent steps of t.C tokens, AdamW (no weight decay), clip 1.
+std::unique_ptr<Trainer> make_trainer(const Flags& f, double rope_theta, const Task& t, int64_t k, PageSummary sum,
+                                      int64_t steps, int64_t batch, double lr, const std::vector<std::vector<float>>& start,
+                                      size_t budget) {
+  TrainConfig c;
+  c.model = "preset:micro";
+  c.seed = 42;
+  c.rope_theta = rope_theta;
+  c.seq = t.T, c.chunk = t.C, c.page = t.P;
+  c.sparse_pages = k, c.sink_pages = f.integer("sinks", 1), c.page_summary = page_summary_name(sum);
+  c.batch = batch, c.steps = std::max<int64_t>(1, steps);
+  c.lr = lr, c.min_lr = 0.1 * lr, c.weight_decay = 0, c.beta1 = 0.9, c.beta2 = 0.95, c.eps = 1e-8, c.clip = 1.0;
+  c.save_policy = "none";
+  c.budget = std::to_string(budget);
+  auto tr = std::make_unique<Trainer>(c, "");
+  if (!start.empty()) restore(*tr->engine().params, start);
+  return tr;
+}
+
+// `steps` AdamW steps (warmup 50 steps, cosine to 10%), each over `batch` sequences with gradients
+// accumulated; the mean query loss of every step.
+std::vector<double> train_steps(Trainer& tr, const Task& t, int64_t steps, int64_t batch, double lr, uint64_t seed0,
+                                const std::string& name, const std::vector<Sequence>* data = nullptr) {
+  std::vector<double> losses;
+  const double t0 = now();
+  for (int64_t step = 1; step <= steps; ++step) {
+    StepBatch sb;
+    for (int64_t b = 0; b < batch; ++b) {
+      const uint64_t seed = seed0 + static_cast<uint64_t>(step * batch + b);
+      Sequence s = data ? (*data)[static_cast<size_t>((step - 1) * batch + b)]
+                   : t.copy ? make_copy_sequence(t.T, seed) : make_sequence(t, seed);
+      sb.ids.push_back(std::move(s.ids));
+      sb.targets.push_back(std::move(s.targets));
+    }
+    const double warm = std::min(1.0, static_cast<double>(step) / 50.0);
+    const double cosine = 0.5 * (1 + std::cos(M_PI * static_cast<double>(step) / static_cast<double>(steps)));
+    const StepResult r = tr.step(sb, lr * warm * (0.1 + 0.9 * cosine));
+    losses.push_back(r.loss);
+    if (step % 100 == 0 || step == steps) {
+      double avg = 0;
+      for (int64_t i = std::max<int64_t>(0, step - 100); i < step; ++i) avg += losses[static_cast<size_t>(i)];
+      std::printf("  %-14s step %5lld: loss (mean of the last 100) %.4f  (%.0f s)\n", name.c_str(),
+                  static_cast<long long>(step), avg / static_cast<double>(std::min<int64_t>(100, step)), now() - t0);
+      std::fflush(stdout);
+    }
   }
-  static bool initialize(ParamSet& p, uint64_t seed, const std::vector<std::vector<float>>& start) {
-    init_random(p, seed);
-    if (!start.empty()) restore(p, start);
-    return true;
-  }
-};
+  return losses;
+}
 
 // Parameters as raw f32 in ParamSet order (the warm-up's --warm-file / --init, --save-dense).
 void save_weights(const std::string& path, const std::vector<std::vector<float>>& w) {
@@ -408,12 +394,6 @@ int retrieval(const Flags& f) {
     std::printf("init: %s\n", init_file.c_str());
   }
   if (stage_value(warm_steps, 0) > 0) {
-    const int64_t maxT = *std::max_element(warm_Ts.begin(), warm_Ts.end());
-    Trainee b(cfg, 42, start, maxT, size_t{8} << 30);
-    CpuMemory& mem = b.mem;
-    Ops& ops = *b.ops;
-    ParamSet& params = b.params;
-    Model& m = b.m;
     for (size_t st = 0; st < n_stages; ++st) {
       Task w{stage_value(warm_Ts, st), 0, t.P, f.integer("warm-pairs", 8), f.integer("warm-queries", 48), t.kKeys,
              t.kVals};
@@ -421,11 +401,14 @@ int retrieval(const Flags& f) {
       w.copy = f.get("warm-task", "copy") == "copy";
       w.P = std::min(t.P, w.T / 8);  // one chunk: the page only places the pairs (past two pages)
       const int64_t n_steps = stage_value(warm_steps, st), wb = stage_value(warm_batches, st);
-      AdamW opt(m.trainable(), mem.host, {warm_lr, 0.9, 0.95, 1e-8, 0.0});
-      PagedKvStore kv(cfg, ops, mem.device, mem.host, store_options(f, w.C, w.P, 0, PageSummary::mean), w.T, true);
+      // Each stage continues from the last one's weights.
+      std::unique_ptr<Trainer> tr = make_trainer(f, cfg.rope.theta, w, 0, PageSummary::mean, n_steps, wb, warm_lr,
+                                                 start, size_t{8} << 30);
+      Model& m = *tr->engine().model;
+      PagedKvStore& kv = *tr->kv();
       const double t0 = now();
-      const std::vector<double> losses = train_steps(m, ops, params, opt, kv, w, n_steps, wb, warm_lr,
-                                                     500000000 + 10000000 * st, "warm-up " + std::to_string(st + 1));
+      const std::vector<double> losses = train_steps(*tr, w, n_steps, wb, warm_lr, 500000000 + 10000000 * st,
+                                                     "warm-up " + std::to_string(st + 1));
       std::vector<Sequence> held_out;
       for (int64_t i = 0; i < n_eval; ++i) held_out.push_back(make_sequence(w, 8000000 + static_cast<uint64_t>(i)));
       const Eval e = evaluate(m, kv, w, held_out);
@@ -447,8 +430,8 @@ int retrieval(const Flags& f) {
       stage.set("accuracy", json::Value::number(e.accuracy));
       stage.set("seconds", json::Value::number(now() - t0));
       warm_json.push_back(std::move(stage));
+      start = snapshot(*tr->engine().params);
     }
-    start = snapshot(params);
     if (!warm_file.empty()) save_weights(warm_file, start);  // for later runs (--init F --warm-steps 0)
   }
   // The task's sequences as .ids (written, then read back: the runs train and evaluate on the files).
@@ -462,13 +445,11 @@ int retrieval(const Flags& f) {
   for (const Run& run : runs) {
     const std::string tag = run.k == 0 ? "dense" : page_summary_name(run.sum);
     if (("," + only + ",").find("," + tag + ",") == std::string::npos) continue;
-    Trainee b(cfg, 42, start, t.C, size_t{16} << 30);
-    CpuMemory& mem = b.mem;
-    Ops& ops = *b.ops;
-    ParamSet& params = b.params;
-    Model& m = b.m;
-    AdamW opt(m.trainable(), mem.host, {lr, 0.9, 0.95, 1e-8, 0.0});
-    PagedKvStore kv(cfg, ops, mem.device, mem.host, store_options(f, t.C, t.P, run.k, run.sum), t.T, true);
+    std::unique_ptr<Trainer> trainer = make_trainer(f, cfg.rope.theta, t, run.k, run.sum, steps, batch, lr, start,
+                                                    size_t{16} << 30);
+    Engine& eng = trainer->engine();
+    Model& m = *eng.model;
+    PagedKvStore& kv = *trainer->kv();
     Trained tr;
     tr.name = run.name;
     const Eval before = evaluate(m, kv, t, eval_data);
@@ -476,7 +457,7 @@ int retrieval(const Flags& f) {
                 run.name.c_str(), 100 * before.far_accuracy, 100 * before.accuracy, before.loss);
     std::fflush(stdout);
     const double t0 = now();
-    tr.losses = train_steps(m, ops, params, opt, kv, t, steps, batch, lr, 0, run.name, &train_data);
+    tr.losses = train_steps(*trainer, t, steps, batch, lr, 0, run.name, &train_data);
     tr.seconds = now() - t0;
     tr.eval = evaluate(m, kv, t, eval_data);
     std::printf("%-14s held-out accuracy: first round (far) %.1f%%, all queries %.1f%%; loss %.4f; %.0f s\n",
@@ -496,12 +477,12 @@ int retrieval(const Flags& f) {
     for (int64_t i = steps - tail; i < steps; ++i) last += tr.losses[static_cast<size_t>(i)];
     if (tail > 0) o.set("train_loss_last100", json::Value::number(last / static_cast<double>(tail)));
     o.set("seconds", json::Value::number(tr.seconds));
-    if (run.k == 0 && f.get("save-dense", "") != "") save_weights(f.get("save-dense", ""), snapshot(params));
+    if (run.k == 0 && f.get("save-dense", "") != "") save_weights(f.get("save-dense", ""), snapshot(*eng.params));
     if (run.k == 0) {
       // The dense model read through sparse attention: how well each summary finds the pairs' pages.
       json::Value probe = json::Value::array();
       for (PageSummary sum : {PageSummary::mean, PageSummary::minmax}) {
-        PagedKvStore skv(cfg, ops, mem.device, mem.host, store_options(f, t.C, t.P, k, sum), t.T, false);
+        PagedKvStore skv(cfg, *eng.ops, eng.mem->device, eng.mem->host, store_options(f, t.C, t.P, k, sum), t.T, false);
         const Eval e = evaluate(m, skv, t, eval_data);
         std::printf("  dense model, sparse %s attention: accuracy far %.1f%%, all %.1f%%, loss %.4f; far pair's page "
                     "selected by layer:", page_summary_name(sum), 100 * e.far_accuracy, 100 * e.accuracy, e.loss);
@@ -554,9 +535,15 @@ int retrieval(const Flags& f) {
 // Step time.
 
 double one_step(const ModelConfig& cfg, int64_t T, int64_t C, const PagedKvOptions& o) {
-  Trainee b(cfg, 1, {}, C, size_t{20} << 30);
-  Model& m = b.m;
-  PagedKvStore kv(cfg, *b.ops, b.mem.device, b.mem.host, o, T, true);
+  EngineOptions eo;
+  eo.model = "preset:tiny";
+  eo.seed = 1;
+  eo.budget = size_t{20} << 30;
+  eo.save_policy = SavePolicy::none;
+  Engine e = build_engine(eo);
+  Model& m = *e.model;
+  m.reserve(C, true, true);
+  PagedKvStore kv(cfg, *e.ops, e.mem->device, e.mem->host, o, T, true);
   std::vector<int32_t> ids(static_cast<size_t>(T)), tg(static_cast<size_t>(T));
   std::mt19937_64 rng(2);
   for (auto& x : ids) x = static_cast<int32_t>(rng() % static_cast<uint64_t>(cfg.V));

@@ -2,6 +2,7 @@
 // batch/accumulation, bit-exact resume, and settings a resume may not change.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -214,6 +215,65 @@ TEST(Train, ChunkedBudgetSweepFailsAtSetupOrCompletes) {
     c.kv_offload = mode;
     // Setup needs about 12.5 MiB here: fine steps around it, coarse ones away from it.
     expect_budget_sweep(c, {10.0, 11.0, 12.0, 12.25, 12.5, 12.75, 13.0, 14.0, 16.0});
+  }
+}
+
+// The Trainer as benches and tests drive it: a step on batches the caller supplies is the step the run
+// takes on the same sequences drawn from its data (same loss bits, same weights after), and it needs no
+// --data.
+TEST(Trainer, CallerBatchesStepAsTheDataDrivenRunDoes) {
+  for (int lora : {0, 4}) {
+    SCOPED_TRACE(lora);
+    TrainConfig with = micro(testing::TempDir() + "/oomless_trainer_data");
+    with.lora = lora;
+    TrainConfig without = with;
+    without.data.clear();
+    Trainer a(with, with.out), b(without, "");
+    for (int s = 0; s < 3; ++s) {
+      const StepBatch batch = a.next_batch();
+      const StepResult ra = a.step(batch), rb = b.step(batch);
+      EXPECT_EQ(ra.step, s + 1);
+      EXPECT_EQ(rb.step, s + 1);
+      EXPECT_EQ(ra.loss, rb.loss);
+      EXPECT_EQ(ra.grad_norm, rb.grad_norm);
+      EXPECT_EQ(ra.lr, rb.lr);
+      EXPECT_GT(ra.targets, 0);
+    }
+    const ParamSet& pa = a.engine().adapters ? a.engine().adapters->tensors() : *a.engine().params;
+    const ParamSet& pb = b.engine().adapters ? b.engine().adapters->tensors() : *b.engine().params;
+    ASSERT_EQ(pa.bytes(), pb.bytes());
+    EXPECT_EQ(std::memcmp(pa.data(), pb.data(), pa.bytes()), 0);
+    // With --lora the base is frozen: a trainable set of adapter tensors only.
+    if (lora) EXPECT_LT(a.trainable_params(), a.frozen_params() / 10);
+    else EXPECT_EQ(a.frozen_params(), 0);
+  }
+}
+
+// save() then a Trainer resumed from that folder continues bit for bit (full training and adapters).
+TEST(Trainer, SaveThenResumeContinuesBitExactly) {
+  for (int lora : {0, 4}) {
+    SCOPED_TRACE(lora);
+    const std::string out = testing::TempDir() + "/oomless_trainer_resume";
+    TrainConfig c = micro(out);
+    c.lora = lora;
+    std::vector<double> whole;
+    {
+      Trainer t(c, out);
+      for (int s = 0; s < 4; ++s) whole.push_back(t.step().loss);
+    }
+    fs::remove_all(out);
+    std::vector<double> split;
+    {
+      Trainer t(c, out);
+      for (int s = 0; s < 2; ++s) split.push_back(t.step().loss);
+      t.save();
+    }
+    TrainConfig r = c;
+    r.resume = true;
+    Trainer t(r, out);
+    EXPECT_EQ(t.steps_done(), 2);
+    for (int s = 0; s < 2; ++s) split.push_back(t.step().loss);
+    EXPECT_EQ(whole, split);
   }
 }
 

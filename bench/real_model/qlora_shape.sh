@@ -6,9 +6,11 @@
 # Needs about 6 GiB (Llama-2-7B shape) of RAM; on 2 cores a step takes tens of minutes.
 #
 # usage: bench/real_model/qlora_shape.sh [SHAPE=llama2-7b] [T=2048] [C=512] [OOMLESS=build/release/oomless]
+#   [EMBED=auto]: --embed-dtype of the frozen embedding and head (auto = fp32 here; bf16 as bitsandbytes keeps
+#   them, or nf4: a 128K vocabulary's tables are 4.2 GB in fp32)
 set -eu
 root=$(cd "$(dirname "$0")/../.." && pwd)
-shape=${1:-llama2-7b}; T=${2:-2048}; C=${3:-512}; bin=${4:-$root/build/release/oomless}
+shape=${1:-llama2-7b}; T=${2:-2048}; C=${3:-512}; bin=${4:-$root/build/release/oomless}; embed=${5:-auto}
 cfg=$root/bench/shapes/$shape/config.json
 work=$root/build/qlora-$shape; rm -rf "$work"; mkdir -p "$work"
 V=$(sed -n 's/.*"vocab_size": *\([0-9]*\).*/\1/p' "$cfg")
@@ -17,7 +19,7 @@ V=$(sed -n 's/.*"vocab_size": *\([0-9]*\).*/\1/p' "$cfg")
   tr ' ' '\n' | awk -v V="$V" 'NF { printf "%d\n", $1 % V }' > "$work/data.ids"
 "$bin" probe --quick | head -3
 /usr/bin/time -v "$bin" train --model "$cfg" --data "$work/data.ids" --seq "$T" --batch 1 --steps 1 --lora 16 \
-  --qlora --chunk "$C" --kv-offload disk --spill-dir "$work" --save-policy none --eval-every 0 --save-every 0 \
+  --qlora --embed-dtype "$embed" --chunk "$C" --kv-offload disk --spill-dir "$work" --save-policy none --eval-every 0 --save-every 0 \
   --out "$work/run" > "$work/train.log" 2> "$work/time.log" || { cat "$work/train.log" "$work/time.log"; exit 1; }
 cat "$work/train.log"
 grep -E "Maximum resident|Elapsed" "$work/time.log"

@@ -11,6 +11,7 @@
 #include "io/safetensors.h"
 #include "memory/arena.h"
 #include "model/adapter_io.h"
+#include "model/engine.h"
 #include "model/eval.h"
 #include "model/generate.h"
 #include "model/load.h"
@@ -22,52 +23,28 @@ namespace oomless::cli {
 
 namespace {
 
-// Everything a command needs to run the model on the CPU backend.
-struct Loaded {
-  ModelSource src;
-  std::unique_ptr<CpuMemory> mem;  // declared first: destroyed last, after everything holding its buffers
-  std::unique_ptr<Ops> ops;
-  std::unique_ptr<ParamSet> params;
-  std::unique_ptr<QuantBase> quant;      // a GGUF's projection matrices in their blocks
-  std::unique_ptr<AdapterSet> adapters;  // --adapter DIR
-  std::unique_ptr<Model> model;
-};
+using Loaded = Engine;
 
+// need_weights false: only the source (config, tokenizer) is opened.
 Loaded load(const Args& a, bool need_weights, bool keep_quantised = false) {
-  Loaded l;
-  l.src = open_model(a.required("model"), static_cast<uint64_t>(a.integer("seed", 0, 0, INT64_MAX)));
-  if (!need_weights) return l;
-  l.mem = std::make_unique<CpuMemory>(size_t{1} << 46);
-  l.ops = make_ops("cpu", &l.mem->device);
+  EngineOptions o;
+  o.model = a.required("model");
+  o.seed = static_cast<uint64_t>(a.integer("seed", 0, 0, INT64_MAX));
+  if (!need_weights) {
+    Loaded l;
+    l.src = open_model(o.model, o.seed);
+    return l;
+  }
   // eval and generate read a GGUF's projection matrices in their blocks (about the file's size in
   // memory); convert and merge need them in f32.
-  // An adapter that trained the embedding or head (modules_to_save) replaces them: they are held in fp32.
-  std::string embed_dtype = a.str("embed-dtype", "auto");
-  if (a.has("adapter")) {
-    const LoraSettings s = read_adapter_settings(a.str("adapter"), l.src.cfg);
-    if (s.train_embed || s.train_head) {
-      OOM_CHECK(embed_dtype == "auto" || embed_dtype == "fp32", "[model] --embed-dtype ", embed_dtype, ": the adapter ",
-                a.str("adapter"), " holds a trained embedding or LM head (modules_to_save), which stay fp32");
-      embed_dtype = "fp32";
-    }
-  }
-  BaseWeights base = load_base(l.src, l.mem->device, keep_quantised, a.str("base-dtype", "fp32"), embed_dtype);
-  l.params = std::move(base.params);
-  l.quant = std::move(base.quant);
-  l.src.release_weights();
-  if (a.has("rope-theta")) l.src.cfg.rope.theta = a.number("rope-theta", 0, 1e-30, 1e30);
-  if (a.has("rope-scaling")) apply_rope_scaling(l.src.cfg, a.str("rope-scaling"), "--rope-scaling");
-  ModelOptions opt;
-  opt.dtype = parse_compute_dtype(a.str("dtype", "fp32"));
-  if (a.has("adapter")) {
-    const std::string dir = a.str("adapter");
-    l.adapters = std::make_unique<AdapterSet>(l.src.cfg, read_adapter_settings(dir, l.src.cfg), DType::f32, l.mem->device,
-                                              Category::adapter);
-    load_adapter(dir, l.src.cfg, *l.adapters, *l.params);
-    opt.adapters = l.adapters.get();
-  }
-  l.model = std::make_unique<Model>(l.src.cfg, *l.ops, *l.params, l.mem->device, opt);
-  return l;
+  o.keep_quantised = keep_quantised;
+  o.base_dtype = a.str("base-dtype", "fp32");
+  o.embed_dtype = a.str("embed-dtype", "auto");
+  o.adapter = a.str("adapter", "");
+  if (a.has("rope-theta")) o.rope_theta = a.number("rope-theta", 0, 1e-30, 1e30);
+  o.rope_scaling = a.str("rope-scaling", "");
+  o.dtype = parse_compute_dtype(a.str("dtype", "fp32"));
+  return build_engine(o);
 }
 
 std::vector<int32_t> parse_id_list(const std::string& s, int64_t V, const char* what) {

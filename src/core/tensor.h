@@ -89,4 +89,10 @@ void check_shape(const char* op, const char* name, const Tensor& t, std::initial
 void check_dtype(const char* op, const char* name, const Tensor& t, std::initializer_list<DType> allowed);
 void check_same_shape(const char* op, const char* a_name, const Tensor& a, const char* b_name, const Tensor& b);
 
+// A tensor with its name, as checkpoints and adapter files list them (owners give these lists).
+struct NamedTensor {
+  std::string name;
+  Tensor t;
+};
+
 }  // namespace oomless

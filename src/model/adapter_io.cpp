@@ -81,16 +81,12 @@ std::string adapter_config_text(const LoraSettings& s, const std::string& base_m
 
 LoraSettings read_adapter_settings(const std::string& dir, const ModelConfig& cfg) { return resolve_dir(dir, cfg).settings; }
 
-std::vector<StWrite> adapter_writes(const AdapterSet& a, const ParamSet& base, const ModelConfig& cfg) {
-  std::vector<StWrite> w;
-  const ParamSet& set = a.tensors();
-  for (size_t i = 0; i < set.specs().size(); ++i)
-    w.push_back({set.specs()[i].name, set.tensors()[i].dtype, set.specs()[i].shape, set.tensors()[i].data});
+std::vector<NamedTensor> adapter_tensors(const AdapterSet& a, const ParamSet& base, const ModelConfig& cfg) {
+  std::vector<NamedTensor> w = a.tensors().named();
   const LoraSettings& s = a.settings();
-  const std::vector<int64_t> ve{cfg.V, cfg.E};
   const bool embed = s.train_embed || (cfg.tied && s.train_head), head = s.train_head || (cfg.tied && s.train_embed);
-  if (embed) w.push_back({adapter_key(SavedModule::embed_tokens), base.embed.dtype, ve, base.embed.data});
-  if (head) w.push_back({adapter_key(SavedModule::lm_head), base.lm_head.dtype, ve, base.lm_head.data});
+  if (embed) w.push_back({adapter_key(SavedModule::embed_tokens), base.embed});
+  if (head) w.push_back({adapter_key(SavedModule::lm_head), base.lm_head});
   return w;
 }
 

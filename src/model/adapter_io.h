@@ -20,7 +20,7 @@ std::string adapter_config_text(const LoraSettings& s, const std::string& base_m
 LoraSettings read_adapter_settings(const std::string& dir, const ModelConfig& cfg);
 // The tensors of adapter_model.safetensors: the adapter's, then the modules trained beside it from `base`
 // (on a tied model both keys, the one matrix, as PEFT's ensure_weight_tying writes them).
-std::vector<StWrite> adapter_writes(const AdapterSet& a, const ParamSet& base, const ModelConfig& cfg);
+std::vector<NamedTensor> adapter_tensors(const AdapterSet& a, const ParamSet& base, const ModelConfig& cfg);
 // Reads DIR/adapter_model.safetensors into `a` (f32, bf16 or f16 tensors converted to a's dtype). DIR's
 // settings must be a's (rank, targets, alpha, rsLoRA); a tensor missing, of another shape, or not part
 // of a's layout is an error naming it.

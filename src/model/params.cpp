@@ -187,4 +187,10 @@ void convert_params(ParamSet& dst, const ParamSet& src) {
   }
 }
 
+std::vector<NamedTensor> ParamSet::named(const std::string& prefix) const {
+  std::vector<NamedTensor> v;
+  for (size_t i = 0; i < specs_.size(); ++i) v.push_back({prefix + specs_[i].name, tensors_[i]});
+  return v;
+}
+
 }  // namespace oomless

@@ -45,6 +45,8 @@ class ParamSet {
   DType dtype() const { return dtype_; }
   size_t bytes() const { return storage_.size(); }
   void* data() const { return storage_.data(); }
+  // Every tensor under its name (prefix + Hugging Face name), in specs order, for checkpoints.
+  std::vector<NamedTensor> named(const std::string& prefix = "") const;
 
   Tensor embed;                   // (V, E)
   std::vector<LayerParams> layers;

@@ -11,11 +11,6 @@
 
 namespace oomless {
 
-struct NamedTensor {
-  std::string name;
-  Tensor t;
-};
-
 class Optimizer {
  public:
   virtual ~Optimizer() = default;

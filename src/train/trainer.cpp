@@ -59,43 +59,25 @@ std::string binary_id() {
   return exe.filename().string() + ":" + std::to_string(size) + ":" + std::to_string(time);
 }
 
-std::vector<StWrite> param_writes(const ParamSet& p, const std::string& prefix) {
-  std::vector<StWrite> w;
-  for (size_t i = 0; i < p.specs().size(); ++i)
-    w.push_back({prefix + p.specs()[i].name, p.tensors()[i].dtype, p.specs()[i].shape, p.tensors()[i].data});
-  return w;
-}
-
-void read_params(const SafetensorsFile& f, ParamSet& p, const std::string& prefix) {
-  for (size_t i = 0; i < p.specs().size(); ++i) {
-    const StTensor* t = f.find(prefix + p.specs()[i].name);
-    OOM_CHECK(t && t->dtype == p.tensors()[i].dtype && static_cast<uint64_t>(p.tensors()[i].nbytes()) == t->nbytes,
-              "[train] ", f.path(), ": tensor '", prefix, p.specs()[i].name, "' is missing or has another shape/dtype");
-    std::memcpy(p.tensors()[i].data, t->data, t->nbytes);
-  }
-}
-
-std::vector<StWrite> tensor_writes(const std::vector<NamedTensor>& ts) {
+// A checkpoint file of named tensors (safetensors, names as given, in their dtypes).
+CheckpointFile tensors_file(const std::string& name, const std::vector<NamedTensor>& ts) {
   std::vector<StWrite> w;
   for (const NamedTensor& t : ts)
     w.push_back({t.name, t.t.dtype, std::vector<int64_t>(t.t.dims, t.t.dims + t.t.ndim), t.t.data});
-  return w;
-}
-
-void read_tensors(const SafetensorsFile& f, const std::vector<NamedTensor>& ts) {
-  for (const NamedTensor& t : ts) {
-    const StTensor* s = f.find(t.name);
-    OOM_CHECK(s && s->dtype == t.t.dtype && static_cast<uint64_t>(t.t.nbytes()) == s->nbytes, "[train] ", f.path(),
-              ": tensor '", t.name, "' is missing or has another shape/dtype");
-    std::memcpy(t.t.data, s->data, s->nbytes);
-  }
-}
-
-CheckpointFile safetensors_file(const std::string& name, std::vector<StWrite> tensors) {
-  return {name, "", [tensors = std::move(tensors), name](int fd) {
-            write_safetensors_stream(tensors, {{"format", "pt"}}, [fd](const void* d, size_t n) { checkpoint_write(fd, d, n); },
+  return {name, "", [w = std::move(w), name](int fd) {
+            write_safetensors_stream(w, {{"format", "pt"}}, [fd](const void* d, size_t n) { checkpoint_write(fd, d, n); },
                                      name);
           }};
+}
+
+// Reads every named tensor back in place; each must be in the file with the same dtype and size.
+void read_tensors(const SafetensorsFile& f, const std::vector<NamedTensor>& ts) {
+  for (const NamedTensor& t : ts) {
+    const StTensor* st = f.find(t.name);
+    OOM_CHECK(st && st->dtype == t.t.dtype && static_cast<uint64_t>(t.t.nbytes()) == st->nbytes, "[train] ", f.path(),
+              ": tensor '", t.name, "' is missing or has another shape/dtype");
+    std::memcpy(t.t.data, st->data, st->nbytes);
+  }
 }
 
 }  // namespace
@@ -365,20 +347,23 @@ int run_training(const TrainConfig& c) {
   return train_run(cfg_local, out);
 }
 
+struct Trainer::State {
+  TrainConfig c;
+  std::string out;
+  Engine e;
+  TrainableSet trained;
+  std::unique_ptr<AdamW> opt;
+  std::unique_ptr<PagedKvStore> kv;
+  int64_t C = 0;  // chunk length (0: whole sequences)
+  std::unique_ptr<Dataset> data;
+  ScheduleSettings sched;
+  int64_t total = 0, step = 0, nonfinite_total = 0, nonfinite_run = 0;
+  std::vector<int32_t> eval_stream;
+};
+
 namespace {
 
-int train_run(const TrainConfig& c, const std::string& out) {
-
-  // Model, memory, optimizer: everything is reserved here, before step 1.
-  ModelSource src = open_model(c.model, c.seed);
-  if (c.rope_theta > 0) {
-    OOM_CHECK(std::isfinite(c.rope_theta), "[train] --rope-theta must be a positive number, got ", c.rope_theta);
-    src.cfg.rope.theta = c.rope_theta;  // and so into every checkpoint's config.json
-  }
-  if (!c.rope_scaling.empty()) apply_rope_scaling(src.cfg, c.rope_scaling, "--rope-scaling");
-  const size_t budget = c.budget.empty() ? (size_t{1} << 46) : parse_size(c.budget);
-  CpuMemory mem(budget);
-  auto ops = make_ops("cpu", &mem.device);
+EngineOptions engine_options(const TrainConfig& c) {
   // An adapter run on a GGUF keeps the base's projection matrices in the file's blocks (frozen: read
   // by the GEMM as they are); anything else holds every parameter in f32.
   OOM_CHECK(c.lora > 0 || (!c.qlora && c.base_dtype == "fp32"), "[train] --qlora and --base-dtype ",
@@ -388,28 +373,54 @@ int train_run(const TrainConfig& c, const std::string& out) {
   // Trained embeddings (modules_to_save) are fp32 masters.
   OOM_CHECK(c.modules_to_save.empty() || c.embed_dtype == "auto" || c.embed_dtype == "fp32", "[train] --embed-dtype ",
             c.embed_dtype, " stores a frozen embedding and head; --modules-to-save trains them (fp32): drop one");
-  BaseWeights base = load_base(src, mem.device, c.lora > 0, c.qlora ? "nf4-dq" : c.base_dtype,
-                               c.modules_to_save.empty() ? c.embed_dtype : "fp32");
-  ParamSet& params = *base.params;
-  src.release_weights();
-  // --lora: adapters on a frozen base (PEFT's default init, or --adapter's tensors).
-  std::unique_ptr<AdapterSet> adapters;
-  if (c.lora > 0) {
-    adapters = std::make_unique<AdapterSet>(src.cfg, lora_settings(c), DType::f32, mem.device, Category::adapter);
-    init_lora(*adapters, static_cast<uint64_t>(c.seed) + 1);
-    init_dora(*ops, *adapters, params);
-    if (!c.adapter.empty()) load_adapter(c.adapter, src.cfg, *adapters, params);
-  } else {
+  if (c.lora == 0) {
     OOM_CHECK(c.adapter.empty(), "[train] --adapter ", c.adapter, " needs --lora r (the adapter's rank)");
     OOM_CHECK(!c.dora, "[train] --dora needs --lora r (DoRA is a kind of LoRA adapter)");
   }
-  ModelOptions mo{parse_compute_dtype(c.dtype), parse_save_policy(c.save_policy), adapters.get()};
-  Model model(src.cfg, *ops, params, mem.device, mo);
-  const TrainableSet trained = model.trainable();
-  AdamW opt(trained, mem.host, {c.lr, c.beta1, c.beta2, c.eps, c.weight_decay});
+  OOM_CHECK(c.rope_theta == 0 || (c.rope_theta > 0 && std::isfinite(c.rope_theta)),
+            "[train] --rope-theta must be a positive number, got ", c.rope_theta);
+  EngineOptions o;
+  o.model = c.model;
+  o.seed = static_cast<uint64_t>(c.seed);
+  o.budget = c.budget.empty() ? (size_t{1} << 46) : parse_size(c.budget);
+  o.rope_theta = c.rope_theta;
+  o.rope_scaling = c.rope_scaling;
+  o.keep_quantised = c.lora > 0;
+  o.base_dtype = c.qlora ? "nf4-dq" : c.base_dtype;
+  o.embed_dtype = c.modules_to_save.empty() ? c.embed_dtype : "fp32";
+  // --lora: adapters on a frozen base (PEFT's default init, or --adapter's tensors).
+  if (c.lora > 0) {
+    o.lora = lora_settings(c);
+    o.lora_seed = static_cast<uint64_t>(c.seed) + 1;
+    o.adapter = c.adapter;
+  }
+  o.dtype = parse_compute_dtype(c.dtype);
+  o.save_policy = parse_save_policy(c.save_policy);
+  return o;
+}
+
+// The model's part of a checkpoint: the adapter (PEFT's names; the base is unchanged) or every parameter.
+std::vector<NamedTensor> model_state(Engine& e) {
+  return e.adapters ? adapter_tensors(*e.adapters, *e.params, e.src.cfg) : e.params->named();
+}
+
+}  // namespace
+
+Trainer::Trainer(const TrainConfig& c, const std::string& out) : s_(std::make_unique<State>()) {
+  State& s = *s_;
+  s.c = c;
+  s.out = out;
+  OOM_CHECK(c.seq >= 2, "[train] --seq must be at least 2");
+  OOM_CHECK(c.batch >= 1 && c.grad_accum >= 1, "[train] --batch and --grad-accum must be at least 1");
+  // Model, memory, optimizer: everything is reserved here, before step 1.
+  s.e = build_engine(engine_options(c));
+  Model& model = *s.e.model;
+  const ModelConfig& cfg = s.e.src.cfg;
+  s.trained = model.trainable();
+  s.opt = std::make_unique<AdamW>(s.trained, s.e.mem->host, AdamWSettings{c.lr, c.beta1, c.beta2, c.eps, c.weight_decay});
   // Chunk-recurrent mode: activations for one chunk, K/V of earlier chunks in a paged store.
-  std::unique_ptr<PagedKvStore> kv;
-  const int64_t C = c.chunk > 0 ? std::min(c.chunk, c.seq) : 0;
+  s.C = c.chunk > 0 ? std::min(c.chunk, c.seq) : 0;
+  const int64_t C = s.C;
   OOM_CHECK(c.sparse_pages == 0 || C > 0, "[train] --sparse-pages ", c.sparse_pages, " needs --chunk C: page-sparse "
             "attention selects among the pages of chunk-recurrent training's K/V store");
   try {
@@ -424,7 +435,7 @@ int train_run(const TrainConfig& c, const std::string& out) {
       ko.summary = parse_page_summary(c.page_summary);
       if (ko.offload == KvOffload::disk) fs::create_directories(out);
       model.reserve(C, true, true);
-      kv = std::make_unique<PagedKvStore>(src.cfg, *ops, mem.device, mem.host, ko, c.seq, true);
+      s.kv = std::make_unique<PagedKvStore>(cfg, *s.e.ops, s.e.mem->device, s.e.mem->host, ko, c.seq, true);
     } else {
       model.reserve(c.seq, true);
     }
@@ -433,11 +444,11 @@ int train_run(const TrainConfig& c, const std::string& out) {
     // not in the middle of the run. Chunk-recurrent: two chunks suffice (a chunk with history; every call
     // of a longer sequence has the same shapes or smaller ones, and the store reserved its pages for
     // --seq already), so the dry run does not cost a whole long step.
-    const int64_t dry_T = kv ? std::min<int64_t>(c.seq, 2 * C) : c.seq;
+    const int64_t dry_T = s.kv ? std::min<int64_t>(c.seq, 2 * C) : c.seq;
     std::vector<int32_t> zeros(static_cast<size_t>(dry_T), 0);
     const Tensor z(zeros.data(), DType::i32, {dry_T});
-    if (kv) {
-      model.chunked_step(z, z, C, *kv, 0.0);
+    if (s.kv) {
+      model.chunked_step(z, z, C, *s.kv, 0.0);
     } else {
       model.forward(z, z, true);
       model.backward(0.0);
@@ -448,44 +459,48 @@ int train_run(const TrainConfig& c, const std::string& out) {
          "\nuse a larger --budget, a smaller --seq, --save-policy selective or none, --dtype bf16, or --chunk "
          "with --kv-offload host or disk");
   }
-  OOM_CHECK(src.cfg.eos_id.has_value(), "[train] ", c.model, " names no end-of-sequence token (eos_token_id); packing "
+  OOM_CHECK(cfg.eos_id.has_value(), "[train] ", c.model, " names no end-of-sequence token (eos_token_id); packing "
             "needs one between documents");
-  src.cfg.check_sequence(c.seq);
+  cfg.check_sequence(c.seq);
 
-  std::vector<std::string> paths;
-  for (size_t i = 0; i <= c.data.size();) {
-    size_t j = c.data.find(',', i);
-    if (j == std::string::npos) j = c.data.size();
-    if (j > i) paths.push_back(c.data.substr(i, j - i));
-    i = j + 1;
-  }
-  DatasetOptions dopt;
-  dopt.paths = paths;
-  dopt.T = c.seq;
-  dopt.seed = c.seed;
-  dopt.eos_id = *src.cfg.eos_id;
-  dopt.vocab = src.cfg.V;
-  Dataset data(dopt, src.tokenizer ? &*src.tokenizer : nullptr, src.tokenizer_config);
-
+  const ModelSource& src = s.e.src;
   const int64_t seqs_per_step = c.batch * c.grad_accum;
-  int64_t total = c.steps;
-  if (total == 0) {
-    // --epochs: the schedule needs the run's length up front, so one pass over a second reader counts the
-    // sequences of the first epoch (documents are tokenized as they stream by; nothing is kept).
-    const double ep = c.epochs > 0 ? c.epochs : 1.0;
-    Dataset counter(dopt, src.tokenizer ? &*src.tokenizer : nullptr, src.tokenizer_config);
-    std::vector<int32_t> a(static_cast<size_t>(c.seq)), b(static_cast<size_t>(c.seq));
-    int64_t per_epoch = 0;
-    while (counter.next(a.data(), b.data()) == 0) ++per_epoch;
-    total = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(ep * static_cast<double>(std::max<int64_t>(per_epoch, 1)) /
-                                                                static_cast<double>(seqs_per_step))));
+  if (!c.data.empty()) {
+    std::vector<std::string> paths;
+    for (size_t i = 0; i <= c.data.size();) {
+      size_t j = c.data.find(',', i);
+      if (j == std::string::npos) j = c.data.size();
+      if (j > i) paths.push_back(c.data.substr(i, j - i));
+      i = j + 1;
+    }
+    DatasetOptions dopt;
+    dopt.paths = paths;
+    dopt.T = c.seq;
+    dopt.seed = c.seed;
+    dopt.eos_id = *cfg.eos_id;
+    dopt.vocab = cfg.V;
+    s.data = std::make_unique<Dataset>(dopt, src.tokenizer ? &*src.tokenizer : nullptr, src.tokenizer_config);
+    s.total = c.steps;
+    if (s.total == 0) {
+      // --epochs: the schedule needs the run's length up front, so one pass over a second reader counts the
+      // sequences of the first epoch (documents are tokenized as they stream by; nothing is kept).
+      const double ep = c.epochs > 0 ? c.epochs : 1.0;
+      Dataset counter(dopt, src.tokenizer ? &*src.tokenizer : nullptr, src.tokenizer_config);
+      std::vector<int32_t> a(static_cast<size_t>(c.seq)), b(static_cast<size_t>(c.seq));
+      int64_t per_epoch = 0;
+      while (counter.next(a.data(), b.data()) == 0) ++per_epoch;
+      s.total = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(ep * static_cast<double>(std::max<int64_t>(per_epoch, 1)) /
+                                                                    static_cast<double>(seqs_per_step))));
+    }
+  } else {
+    OOM_CHECK(c.steps > 0, "[train] without --data the steps' sequences come from the caller: give --steps N");
+    s.total = c.steps;
   }
   // A warmup longer than the run (e.g. the default with a short --steps) covers the whole run.
-  ScheduleSettings sched{c.schedule, c.lr, c.min_lr, std::min(c.warmup, total), total};
-  validate(sched);
+  s.sched = ScheduleSettings{c.schedule, c.lr, c.min_lr, std::min(c.warmup, s.total), s.total};
+  validate(s.sched);
 
   // Resume: the newest checkpoint that verifies.
-  int64_t step = 0, nonfinite_total = 0;
   if (c.resume) {
     auto warn = [](const std::string& w) { std::fprintf(stderr, "oomless train: warning: %s\n", w.c_str()); };
     std::optional<FoundCheckpoint> ck = find_latest_checkpoint(out, warn);
@@ -506,151 +521,203 @@ int train_run(const TrainConfig& c, const std::string& out) {
         st.at("binary").as_string() != binary_id())
       warn("the thread count, CPU instruction set or binary differs from the saved run's: results may differ in the "
            "last bits from an uninterrupted run");
-    if (adapters) {
-      load_adapter(ck->path, src.cfg, *adapters, params);
+    if (s.e.adapters) {
+      load_adapter(ck->path, cfg, *s.e.adapters, *s.e.params);
     } else {
-      read_params(SafetensorsFile::open(ck->path + "/model.safetensors"), params, "");
+      read_tensors(SafetensorsFile::open(ck->path + "/model.safetensors"), model_state(s.e));
     }
-    SafetensorsFile of = SafetensorsFile::open(ck->path + "/optimizer.safetensors");
-    read_tensors(of, opt.state());
-    data.restore(st.at("data"));
-    step = st.at("step").as_int();
-    nonfinite_total = st.at("nonfinite_total").as_int();
-    MetricsWriter::truncate_after(MetricsWriter::path_in(out), step);
+    read_tensors(SafetensorsFile::open(ck->path + "/optimizer.safetensors"), s.opt->state());
+    OOM_CHECK(s.data, "[train] --resume needs the run's --data");
+    s.data->restore(st.at("data"));
+    s.step = st.at("step").as_int();
+    s.nonfinite_total = st.at("nonfinite_total").as_int();
+    MetricsWriter::truncate_after(MetricsWriter::path_in(out), s.step);
     std::fprintf(stderr, "oomless train: resumed from %s (step %lld of %lld)\n", ck->path.c_str(),
-                 static_cast<long long>(step), static_cast<long long>(total));
+                 static_cast<long long>(s.step), static_cast<long long>(s.total));
   }
 
-  auto save = [&](int64_t s) {
-    std::vector<CheckpointFile> files;
-    if (adapters) {
-      // A PEFT adapter folder: the base is unchanged, so only the adapter is written.
-      files.push_back(safetensors_file(kAdapterWeights, adapter_writes(*adapters, params, src.cfg)));
-      files.push_back({kAdapterConfig, adapter_config_text(adapters->settings(), c.model, src.cfg.tied), {}});
-    } else {
-      files.push_back(safetensors_file("model.safetensors", param_writes(params, "")));
-      files.push_back({"config.json", json::dump(src.cfg.to_json(), 2) + "\n", {}});
-    }
-    files.push_back(safetensors_file("optimizer.safetensors", tensor_writes(opt.state())));
-    if (src.tokenizer_json.size()) files.push_back({"tokenizer.json", src.tokenizer_json, {}});
-    if (!src.tokenizer_config.is_null()) files.push_back({"tokenizer_config.json", json::dump(src.tokenizer_config, 2) + "\n", {}});
-    json::Value st = json::Value::object();
-    st.set("step", json::Value::integer(s));
-    st.set("total_steps", json::Value::integer(total));
-    st.set("nonfinite_total", json::Value::integer(nonfinite_total));
-    st.set("data", data.state());
-    st.set("config", c.to_json());
-    st.set("threads", json::Value::integer(get_threads()));
-    st.set("isa", json::Value::string(detect_cpu().isa_summary()));
-    st.set("binary", json::Value::string(binary_id()));
-    st.set("lr", json::Value::number(lr_at(sched, std::max<int64_t>(s, 1))));
-    files.push_back({"trainer_state.json", json::dump(st, 2) + "\n", {}});
-    const std::string p = save_checkpoint(out, s, files, {static_cast<int>(c.keep)});
-    std::fprintf(stderr, "oomless train: saved %s\n", p.c_str());
-  };
-
-  MetricsWriter metrics(out);
-  {
-    const int64_t n_train = trainable_numel(trained), n_all = src.cfg.param_count();
-    const int64_t train_bytes = dtype_bytes(DType::f32, n_train);
-    const int64_t frozen = adapters ? n_all : 0;
-    const int64_t frozen_bytes = adapters ? static_cast<int64_t>(params.bytes() + (base.quant ? base.quant->bytes() : 0)) : 0;
-    metrics.set_params(n_train, train_bytes, frozen, frozen_bytes);
-    std::fprintf(stderr, "oomless train: %s trainable parameters (%s)%s%s%s\n", format_count(n_train).c_str(),
-                 format_bytes(static_cast<size_t>(train_bytes)).c_str(), adapters ? "; frozen base " : "",
-                 adapters ? format_count(frozen).c_str() : "",
-                 adapters ? (" (" + format_bytes(static_cast<size_t>(frozen_bytes)) + ")").c_str() : "");
-  }
   // Held-out loss: the first (at most 32) windows of --eval-data, read once.
-  std::vector<int32_t> eval_stream;
   if (!c.eval_data.empty()) {
-    eval_stream = is_ids_file(c.eval_data) ? read_ids_file(c.eval_data, src.cfg.V)
-                                           : src.require_tokenizer().encode(read_text_file(c.eval_data), true);
-    eval_stream.resize(std::min<size_t>(eval_stream.size(), static_cast<size_t>(32 * c.seq)));
-    OOM_CHECK(static_cast<int64_t>(eval_stream.size()) >= c.seq, "[train] --eval-data ", c.eval_data, " holds fewer than --seq ",
-              c.seq, " tokens");
+    s.eval_stream = is_ids_file(c.eval_data) ? read_ids_file(c.eval_data, cfg.V)
+                                             : src.require_tokenizer().encode(read_text_file(c.eval_data), true);
+    s.eval_stream.resize(std::min<size_t>(s.eval_stream.size(), static_cast<size_t>(32 * c.seq)));
+    OOM_CHECK(static_cast<int64_t>(s.eval_stream.size()) >= c.seq, "[train] --eval-data ", c.eval_data,
+              " holds fewer than --seq ", c.seq, " tokens");
   }
+}
+
+Trainer::~Trainer() = default;
+
+const TrainConfig& Trainer::config() const { return s_->c; }
+const std::string& Trainer::out() const { return s_->out; }
+int64_t Trainer::steps_done() const { return s_->step; }
+int64_t Trainer::total_steps() const { return s_->total; }
+int64_t Trainer::nonfinite_in_a_row() const { return s_->nonfinite_run; }
+int64_t Trainer::nonfinite_total() const { return s_->nonfinite_total; }
+Engine& Trainer::engine() { return s_->e; }
+PagedKvStore* Trainer::kv() { return s_->kv.get(); }
+int64_t Trainer::chunk() const { return s_->C; }
+int64_t Trainer::trainable_params() const { return trainable_numel(s_->trained); }
+int64_t Trainer::trainable_bytes() const { return dtype_bytes(DType::f32, trainable_params()); }
+int64_t Trainer::frozen_params() const { return s_->e.adapters ? s_->e.src.cfg.param_count() : 0; }
+int64_t Trainer::frozen_bytes() const { return s_->e.adapters ? static_cast<int64_t>(s_->e.base_bytes()) : 0; }
+
+StepBatch Trainer::next_batch() {
+  State& s = *s_;
+  OOM_CHECK(s.data, "[train] no --data to draw a step's sequences from");
+  const size_t n = static_cast<size_t>(s.c.batch * s.c.grad_accum), T = static_cast<size_t>(s.c.seq);
+  StepBatch b{std::vector<std::vector<int32_t>>(n, std::vector<int32_t>(T)), {}};
+  b.targets = b.ids;
+  for (size_t i = 0; i < n; ++i) s.data->next(b.ids[i].data(), b.targets[i].data());
+  return b;
+}
+
+StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
+  State& s = *s_;
+  const TrainConfig& c = s.c;
+  Model& model = *s.e.model;
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t n = static_cast<int64_t>(b.ids.size());
+  OOM_CHECK(n >= 1 && b.targets.size() == b.ids.size(), "[train] a step needs sequences and as many target rows");
+  StepResult r;
+  r.step = ++s.step;
+  r.lr = lr_given ? *lr_given : lr_at(s.sched, r.step);
+  // N, the step's supervised targets, before any backward.
+  for (int64_t i = 0; i < n; ++i) {
+    OOM_CHECK(static_cast<int64_t>(b.ids[static_cast<size_t>(i)].size()) == c.seq &&
+                  b.targets[static_cast<size_t>(i)].size() == b.ids[static_cast<size_t>(i)].size(),
+              "[train] every sequence of a step holds --seq ", c.seq, " ids and as many targets");
+    for (int32_t t : b.targets[static_cast<size_t>(i)]) r.targets += t >= 0;
+  }
+  const int64_t N = r.targets;
+  try {
+    model.zero_grads();
+    double loss_sum = 0;
+    for (int64_t i = 0; i < n && N > 0; ++i) {
+      const Tensor id_t(const_cast<int32_t*>(b.ids[static_cast<size_t>(i)].data()), DType::i32, {c.seq});
+      const Tensor tg_t(const_cast<int32_t*>(b.targets[static_cast<size_t>(i)].data()), DType::i32, {c.seq});
+      // LoRA dropout masks: one seed per (run seed, step, sequence), so a resumed run draws the same ones.
+      model.set_dropout_seed((static_cast<uint64_t>(c.seed) * 0x9E3779B97F4A7C15ull) ^
+                             (static_cast<uint64_t>(r.step) << 20) ^ static_cast<uint64_t>(i));
+      if (s.kv) {
+        loss_sum += model.chunked_step(id_t, tg_t, s.C, *s.kv, 1.0 / static_cast<double>(N)).loss_sum;
+      } else {
+        CeResult ce = model.forward(id_t, tg_t, true);
+        model.backward(1.0 / static_cast<double>(N));
+        loss_sum += ce.loss_sum;
+      }
+    }
+    r.loss = N > 0 ? loss_sum / static_cast<double>(N) : 0.0;
+    r.grad_norm = global_grad_norm(*s.e.ops, s.trained);
+    r.skipped = !std::isfinite(r.loss) || !std::isfinite(r.grad_norm);
+    if (r.skipped) {
+      ++s.nonfinite_run, ++s.nonfinite_total;
+    } else {
+      s.nonfinite_run = 0;
+      if (c.clip > 0) clip_grads(*s.e.ops, s.trained, c.clip, r.grad_norm);
+      s.opt->step(*s.e.ops, s.trained, r.lr, r.step - s.nonfinite_total);
+    }
+  } catch (const OutOfBudget& e) {
+    // Setup reserves everything a step needs; reaching this is a bug in that reservation.
+    fail("[train] ran out of memory budget at step ", r.step, ", after setup had reserved the run: ", e.what());
+  }
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  r.tokens_per_s = static_cast<double>(n * c.seq) / r.seconds;
+  return r;
+}
+
+std::optional<EvalResult> Trainer::evaluate() {
+  State& s = *s_;
+  if (s.eval_stream.empty()) return std::nullopt;
+  return oomless::evaluate(*s.e.model, s.eval_stream, s.c.seq, false, s.kv.get(), s.C);
+}
+
+std::string Trainer::save() {
+  State& s = *s_;
+  const ModelSource& src = s.e.src;
+  std::vector<CheckpointFile> files;
+  if (s.e.adapters) {
+    // A PEFT adapter folder: the base is unchanged, so only the adapter is written.
+    files.push_back(tensors_file(kAdapterWeights, model_state(s.e)));
+    files.push_back({kAdapterConfig, adapter_config_text(s.e.adapters->settings(), s.c.model, src.cfg.tied), {}});
+  } else {
+    files.push_back(tensors_file("model.safetensors", model_state(s.e)));
+    files.push_back({"config.json", json::dump(src.cfg.to_json(), 2) + "\n", {}});
+  }
+  files.push_back(tensors_file("optimizer.safetensors", s.opt->state()));
+  if (src.tokenizer_json.size()) files.push_back({"tokenizer.json", src.tokenizer_json, {}});
+  if (!src.tokenizer_config.is_null()) files.push_back({"tokenizer_config.json", json::dump(src.tokenizer_config, 2) + "\n", {}});
+  json::Value st = json::Value::object();
+  st.set("step", json::Value::integer(s.step));
+  st.set("total_steps", json::Value::integer(s.total));
+  st.set("nonfinite_total", json::Value::integer(s.nonfinite_total));
+  st.set("data", s.data ? s.data->state() : json::Value());
+  st.set("config", s.c.to_json());
+  st.set("threads", json::Value::integer(get_threads()));
+  st.set("isa", json::Value::string(detect_cpu().isa_summary()));
+  st.set("binary", json::Value::string(binary_id()));
+  st.set("lr", json::Value::number(lr_at(s.sched, std::max<int64_t>(s.step, 1))));
+  files.push_back({"trainer_state.json", json::dump(st, 2) + "\n", {}});
+  return save_checkpoint(s.out, s.step, files, {static_cast<int>(s.c.keep)});
+}
+
+namespace {
+
+int train_run(const TrainConfig& c, const std::string& out) {
+  Trainer tr(c, out);
+  Engine& e = tr.engine();
+  const int64_t total = tr.total_steps();
+  MetricsWriter metrics(out);
+  metrics.set_params(tr.trainable_params(), tr.trainable_bytes(), tr.frozen_params(), tr.frozen_bytes());
+  std::fprintf(stderr, "oomless train: %s trainable parameters (%s)%s%s%s\n", format_count(tr.trainable_params()).c_str(),
+               format_bytes(static_cast<size_t>(tr.trainable_bytes())).c_str(), e.adapters ? "; frozen base " : "",
+               e.adapters ? format_count(tr.frozen_params()).c_str() : "",
+               e.adapters ? (" (" + format_bytes(static_cast<size_t>(tr.frozen_bytes())) + ")").c_str() : "");
   auto run_eval = [&](int64_t s) {
-    if (eval_stream.empty()) return;
-    EvalResult r = evaluate(model, eval_stream, c.seq, false, kv.get(), C);
-    metrics.write_eval(s, r.loss(), std::exp(r.loss()));
+    const std::optional<EvalResult> r = tr.evaluate();
+    if (!r) return;
+    metrics.write_eval(s, r->loss(), std::exp(r->loss()));
     std::fprintf(stderr, "%seval at step %lld: loss %.4f  ppl %.2f\n", isatty(2) ? "\n" : "", static_cast<long long>(s),
-                 r.loss(), std::exp(r.loss()));
+                 r->loss(), std::exp(r->loss()));
   };
+  auto save = [&]() { std::fprintf(stderr, "oomless train: saved %s\n", tr.save().c_str()); };
 
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);
   std::FILE* dump = c.dump_tokens.empty() ? nullptr : std::fopen(c.dump_tokens.c_str(), c.resume ? "ab" : "wb");
   OOM_CHECK(c.dump_tokens.empty() || dump, "[train] cannot write --dump-tokens ", c.dump_tokens, ": ", std::strerror(errno));
   const bool tty = isatty(2);
-  std::vector<std::vector<int32_t>> ids(static_cast<size_t>(seqs_per_step), std::vector<int32_t>(static_cast<size_t>(c.seq)));
-  std::vector<std::vector<int32_t>> tg = ids;
-  int64_t nonfinite_run = 0;
   double last_loss = 0;
   auto t_start = std::chrono::steady_clock::now();
-  const int64_t first = step;
-  while (step < total && !g_stop) {
-    const auto t0 = std::chrono::steady_clock::now();
-    ++step;
-    try {
-    const double lr = lr_at(sched, step);
-    // The step's sequences, and N, its supervised targets, before any backward.
-    int64_t N = 0;
-    for (int64_t i = 0; i < seqs_per_step; ++i) {
-      data.next(ids[static_cast<size_t>(i)].data(), tg[static_cast<size_t>(i)].data());
-      for (int32_t t : tg[static_cast<size_t>(i)]) N += t >= 0;
-    }
-    if (dump) std::fputs((dump_line(step, ids, tg) + "\n").c_str(), dump);
-    model.zero_grads();
-    double loss_sum = 0;
-    for (int64_t i = 0; i < seqs_per_step && N > 0; ++i) {
-      const Tensor id_t(ids[static_cast<size_t>(i)].data(), DType::i32, {c.seq});
-      const Tensor tg_t(tg[static_cast<size_t>(i)].data(), DType::i32, {c.seq});
-      // LoRA dropout masks: one seed per (run seed, step, sequence), so a resumed run draws the same ones.
-      model.set_dropout_seed((static_cast<uint64_t>(c.seed) * 0x9E3779B97F4A7C15ull) ^
-                             (static_cast<uint64_t>(step) << 20) ^ static_cast<uint64_t>(i));
-      if (kv) {
-        loss_sum += model.chunked_step(id_t, tg_t, C, *kv, 1.0 / static_cast<double>(N)).loss_sum;
-      } else {
-        CeResult r = model.forward(id_t, tg_t, true);
-        model.backward(1.0 / static_cast<double>(N));
-        loss_sum += r.loss_sum;
-      }
-    }
-    const double loss = N > 0 ? loss_sum / static_cast<double>(N) : 0.0;
-    const double norm = global_grad_norm(*ops, trained);
-    const bool skip = !std::isfinite(loss) || !std::isfinite(norm);
-    if (skip) {
-      ++nonfinite_run, ++nonfinite_total;
+  const int64_t first = tr.steps_done();
+  while (tr.steps_done() < total && !g_stop) {
+    const StepBatch b = tr.next_batch();
+    if (dump) std::fputs((dump_line(tr.steps_done() + 1, b.ids, b.targets) + "\n").c_str(), dump);
+    const StepResult r = tr.step(b);
+    const int64_t step = r.step;
+    if (r.skipped) {
       std::fprintf(stderr, "oomless train: step %lld skipped: non-finite %s (%lld in a row, %lld in all)\n",
-                   static_cast<long long>(step), std::isfinite(loss) ? "gradients" : "loss",
-                   static_cast<long long>(nonfinite_run), static_cast<long long>(nonfinite_total));
+                   static_cast<long long>(step), std::isfinite(r.loss) ? "gradients" : "loss",
+                   static_cast<long long>(tr.nonfinite_in_a_row()), static_cast<long long>(tr.nonfinite_total()));
     } else {
-      nonfinite_run = 0;
-      if (c.clip > 0) clip_grads(*ops, trained, c.clip, norm);
-      opt.step(*ops, trained, lr, step - nonfinite_total);
-      last_loss = loss;
+      last_loss = r.loss;
     }
-    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    const double tps = static_cast<double>(seqs_per_step * c.seq) / dt;
-    metrics.write_step(step, loss, lr, norm, tps, skip, mem.ledger);
-    OOM_CHECK(nonfinite_run <= c.max_nonfinite, "[train] ", nonfinite_run,
+    metrics.write_step(step, r.loss, r.lr, r.grad_norm, r.tokens_per_s, r.skipped, e.mem->ledger);
+    OOM_CHECK(tr.nonfinite_in_a_row() <= c.max_nonfinite, "[train] ", tr.nonfinite_in_a_row(),
               " steps in a row had a non-finite loss or gradient (more than --max-nonfinite ", c.max_nonfinite,
               "); lower --lr, check the data, or use fp32; the last checkpoint is in ", out);
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
     const double eta = elapsed / static_cast<double>(step - first) * static_cast<double>(total - step);
     std::fprintf(stderr, tty ? "\rstep %lld/%lld  loss %.4f  lr %.2e  %.0f tok/s  ETA %.0fs  Device peak %s   "
                              : "step %lld/%lld  loss %.4f  lr %.2e  %.0f tok/s  ETA %.0fs  Device peak %s\n",
-                 static_cast<long long>(step), static_cast<long long>(total), loss, lr, tps, eta,
-                 format_bytes(mem.ledger.peak_total(Tier::Device)).c_str());
+                 static_cast<long long>(step), static_cast<long long>(total), r.loss, r.lr, r.tokens_per_s, eta,
+                 format_bytes(e.mem->ledger.peak_total(Tier::Device)).c_str());
     if (c.eval_every > 0 && step % c.eval_every == 0 && step < total) run_eval(step);
-    if (c.save_every > 0 && step % c.save_every == 0 && step < total) save(step);
-    } catch (const OutOfBudget& e) {
-      // Setup reserves everything a step needs; reaching this is a bug in that reservation.
-      fail("[train] ran out of memory budget at step ", step, ", after setup had reserved the run: ", e.what());
-    }
+    if (c.save_every > 0 && step % c.save_every == 0 && step < total) save();
   }
+  const int64_t step = tr.steps_done();
   if (tty) std::fprintf(stderr, "\n");
+  PagedKvStore* kv = tr.kv();
   if (kv && kv->options().offload != KvOffload::none) {
     // What moving the history cost: bytes each way and the time compute waited for them.
     const OffloadStats st = kv->stats();
@@ -664,21 +731,21 @@ int train_run(const TrainConfig& c, const std::string& out) {
   }
   if (dump) std::fclose(dump);
   if (!g_stop) run_eval(step);
-  save(step);
+  save();
   const std::string report = write_report(out, c.to_json());
   std::printf("trained %lld steps; last loss %.4f; checkpoint in %s/checkpoint-%lld; metrics in %s; report in %s\n",
               static_cast<long long>(step), last_loss, out.c_str(), static_cast<long long>(step),
               MetricsWriter::path_in(out).c_str(), report.c_str());
-  if (!g_stop && src.tokenizer) {
+  if (!g_stop && e.src.tokenizer) {
     // A sample from the trained weights, greedy, so a person sees what the run learned.
     const std::string prompt = "And God said";
-    std::vector<int32_t> p = src.tokenizer->encode(prompt, true);
+    std::vector<int32_t> p = e.src.tokenizer->encode(prompt, true);
     GenerateOptions gopt;
     gopt.max_new = 40;
-    gopt.stop_id = src.cfg.eos_id;
+    gopt.stop_id = e.src.cfg.eos_id;
     try {
-      const std::vector<int32_t> gen = generate(model, mem.device, p, gopt);
-      std::printf("sample: %s%s\n", prompt.c_str(), src.tokenizer->decode(gen, true).c_str());
+      const std::vector<int32_t> gen = generate(*e.model, e.mem->device, p, gopt);
+      std::printf("sample: %s%s\n", prompt.c_str(), e.src.tokenizer->decode(gen, true).c_str());
     } catch (const OutOfBudget&) {
       std::printf("sample: skipped (its KV cache does not fit in what --budget leaves after training)\n");
     }

@@ -1,16 +1,21 @@
-// The full-sequence trainer: full fine-tuning (or training from a preset's random init) of every
-// parameter with fp32 master weights and AdamW, gradient accumulation, global-norm clipping, warmup +
-// schedule, crash-safe checkpoints that resume bit-exactly, and metrics.
+// The trainer: full training of every parameter (fp32 master weights) or adapters on a frozen base, with
+// AdamW, gradient accumulation, global-norm clipping, warmup + schedule, whole-sequence or chunk-recurrent
+// steps, crash-safe checkpoints that resume bit-exactly, and metrics.
 //
 // Loss normalisation: every sequence of an optimizer step contributes sum(CE over its supervised targets)
 // / N, N = the supervised targets of the whole step (all micro-batches), counted before any backward, so
 // B = 2 x accumulation 1 and B = 1 x accumulation 2 give the same gradients.
 #pragma once
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "io/json.h"
+#include "model/engine.h"
+#include "model/eval.h"
+#include "model/paged_kv.h"
 
 namespace oomless {
 
@@ -87,6 +92,67 @@ struct TrainOption {
 const std::vector<TrainOption>& train_options();
 // The options block of `oomless train --help`, one line (or more) per option in table order.
 std::string train_options_help();
+
+// One optimizer step's sequences: T token ids each and their next-token targets (< 0: not supervised).
+struct StepBatch {
+  std::vector<std::vector<int32_t>> ids, targets;
+};
+
+struct StepResult {
+  int64_t step = 0;        // the step just taken (counting from 1)
+  double loss = 0;         // mean cross-entropy over the step's supervised targets (0 with none)
+  double lr = 0;
+  double grad_norm = 0;    // before clipping
+  bool skipped = false;    // non-finite loss or gradients: no update
+  int64_t targets = 0;     // supervised targets of the step
+  double seconds = 0;
+  double tokens_per_s = 0;
+};
+
+// A training run (setup, step, evaluate, save, resume), shared by `oomless train`, the tests and the
+// benches. Setup builds the engine (model/engine.h), the optimizer over the model's TrainableSet, the
+// K/V store of chunk-recurrent training, and takes one dry forward + backward on zeros so that every
+// workspace is taken from the budget before step 1 (a run that does not fit fails here, naming what to
+// change); then the data (when --data is given) and the schedule. With cfg.resume, the newest checkpoint
+// of `out` that verifies is loaded: weights or adapter, optimizer state, data position and step, and the
+// settings fixed on resume are checked against the saved run.
+class Trainer {
+ public:
+  Trainer(const TrainConfig& cfg, const std::string& out);
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  // The next step's sequences from the data (needs --data).
+  StepBatch next_batch();
+  // One optimizer step on `b` (batch x grad_accum sequences of --seq tokens; the loss of each is
+  // normalised by the step's supervised targets); lr: the schedule's value at this step unless given.
+  StepResult step(const StepBatch& b, std::optional<double> lr = std::nullopt);
+  StepResult step() { return step(next_batch()); }
+  // Held-out loss on the first (at most 32) windows of --eval-data; nullopt without eval data.
+  std::optional<EvalResult> evaluate();
+  // Writes OUT/checkpoint-STEP (keeping the newest --keep); returns its path.
+  std::string save();
+
+  const TrainConfig& config() const;
+  const std::string& out() const;
+  int64_t steps_done() const;
+  int64_t total_steps() const;
+  int64_t nonfinite_in_a_row() const;  // steps skipped in a row, up to the last one
+  int64_t nonfinite_total() const;     // steps skipped in the whole run
+  Engine& engine();
+  PagedKvStore* kv();  // null unless chunk-recurrent
+  int64_t chunk() const;  // chunk length of chunk-recurrent training (0: off)
+  // Trainable and frozen parameters (count, bytes as held).
+  int64_t trainable_params() const;
+  int64_t trainable_bytes() const;
+  int64_t frozen_params() const;
+  int64_t frozen_bytes() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+};
 
 // Runs (or resumes) training; returns the process exit code. Progress goes to stderr, results to stdout.
 int run_training(const TrainConfig& cfg);

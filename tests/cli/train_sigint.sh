@@ -4,7 +4,7 @@
 # usage: train_sigint.sh OOMLESS_BINARY SOURCE_DIR WORK_DIR
 set -u
 bin=$1; src=$2; out=$3/train_sigint
-rm -rf "$out"
+rm -rf "$out" "$out.log" "$out.resume.log"  # a stale log would end the wait below at once
 "$bin" train --model preset:micro --data "$src/data/kjv/eval.txt" --seq 64 --batch 2 --steps 20000 --save-every 0 \
   --eval-every 0 --out "$out" > "$out.log" 2>&1 &
 pid=$!

@@ -1,0 +1,49 @@
+#include "model/engine.h"
+
+#include <cmath>
+
+#include "core/error.h"
+#include "model/adapter_io.h"
+
+namespace oomless {
+
+Engine build_engine(const EngineOptions& o) {
+  Engine e;
+  e.src = open_model(o.model, o.seed);
+  if (o.rope_theta > 0) {
+    OOM_CHECK(std::isfinite(o.rope_theta), "[model] --rope-theta must be a positive number, got ", o.rope_theta);
+    e.src.cfg.rope.theta = o.rope_theta;  // and so into every config.json written from this model
+  }
+  if (!o.rope_scaling.empty()) apply_rope_scaling(e.src.cfg, o.rope_scaling, "--rope-scaling");
+  std::string embed_dtype = o.embed_dtype;
+  std::optional<LoraSettings> saved;  // the settings of an adapter loaded as it is
+  if (!o.lora && !o.adapter.empty()) {
+    saved = read_adapter_settings(o.adapter, e.src.cfg);
+    // An adapter that trained the embedding or head (modules_to_save) replaces them: they are held in fp32.
+    if (saved->train_embed || saved->train_head) {
+      OOM_CHECK(embed_dtype == "auto" || embed_dtype == "fp32", "[model] --embed-dtype ", embed_dtype, ": the adapter ",
+                o.adapter, " holds a trained embedding or LM head (modules_to_save), which stay fp32");
+      embed_dtype = "fp32";
+    }
+  }
+  e.mem = std::make_unique<CpuMemory>(o.budget);
+  e.ops = make_ops("cpu", &e.mem->device);
+  BaseWeights base = load_base(e.src, e.mem->device, o.keep_quantised, o.base_dtype, embed_dtype);
+  e.params = std::move(base.params);
+  e.quant = std::move(base.quant);
+  e.src.release_weights();
+  if (o.lora) {
+    e.adapters = std::make_unique<AdapterSet>(e.src.cfg, *o.lora, DType::f32, e.mem->device, Category::adapter);
+    init_lora(*e.adapters, o.lora_seed);
+    init_dora(*e.ops, *e.adapters, *e.params);
+    if (!o.adapter.empty()) load_adapter(o.adapter, e.src.cfg, *e.adapters, *e.params);
+  } else if (!o.adapter.empty()) {
+    e.adapters = std::make_unique<AdapterSet>(e.src.cfg, *saved, DType::f32, e.mem->device, Category::adapter);
+    load_adapter(o.adapter, e.src.cfg, *e.adapters, *e.params);
+  }
+  e.model = std::make_unique<Model>(e.src.cfg, *e.ops, *e.params, e.mem->device,
+                                    ModelOptions{o.dtype, o.save_policy, e.adapters.get()});
+  return e;
+}
+
+}  // namespace oomless

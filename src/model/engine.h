@@ -1,0 +1,56 @@
+// The engine builder: memory, ops, the base's parameters (in whatever storage they are kept), adapters
+// and the model over them, built the same way for every command (train, eval, generate, merge), the
+// trainer, the tests and the benches.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "backend/ops.h"
+#include "memory/arena.h"
+#include "model/load.h"
+#include "model/lora.h"
+#include "model/model.h"
+#include "model/quant_base.h"
+
+namespace oomless {
+
+struct EngineOptions {
+  std::string model;                 // --model: a Hugging Face folder, a .gguf, a config.json or preset:NAME
+  uint64_t seed = 0;                 // random init of presets and config-only models
+  size_t budget = size_t{1} << 46;   // --budget (bytes) of the Device and Host arenas together
+  double rope_theta = 0;             // > 0: overrides the model's RoPE base
+  std::string rope_scaling;          // non-empty: overrides the model's RoPE scaling (apply_rope_scaling)
+  // Keep a GGUF's projections in its blocks / a bitsandbytes folder in NF4 (frozen-base runs: adapters,
+  // eval, generate); false: every parameter in f32 (full training, convert, merge).
+  bool keep_quantised = false;
+  std::string base_dtype = "fp32";   // fp32, nf4 or nf4-dq: the frozen projections quantised at load
+  std::string embed_dtype = "auto";  // auto, fp32, bf16 or nf4: storage of a frozen embedding and head
+  // New adapters with these settings (PEFT's init from lora_seed, DoRA's magnitudes from the base), then
+  // `adapter`'s tensors when given. Without settings, `adapter` (if any) brings its own from its config.
+  std::optional<LoraSettings> lora;
+  uint64_t lora_seed = 1;
+  std::string adapter;               // an adapter folder (oomless's or PEFT's)
+  ComputeDType dtype = ComputeDType::f32;
+  SavePolicy save_policy = SavePolicy::all;
+};
+
+// Members are declared in destruction order: memory last, after everything holding its buffers.
+struct Engine {
+  ModelSource src;                   // the model's config (with the options' RoPE overrides), tokenizer
+  std::unique_ptr<CpuMemory> mem;
+  std::unique_ptr<Ops> ops;
+  std::unique_ptr<ParamSet> params;  // the base (frozen when adapters are on)
+  std::unique_ptr<QuantBase> quant;  // projections kept quantised (null: none)
+  std::unique_ptr<AdapterSet> adapters;
+  std::unique_ptr<Model> model;
+
+  // Bytes of the base as held: parameters in f32/bf16 plus quantised storage.
+  size_t base_bytes() const { return params->bytes() + (quant ? quant->bytes() : 0); }
+};
+
+// Opens the model and builds everything over it (weights read and released from their files).
+Engine build_engine(const EngineOptions& o);
+
+}  // namespace oomless
