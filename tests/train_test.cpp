@@ -277,5 +277,37 @@ TEST(Trainer, SaveThenResumeContinuesBitExactly) {
   }
 }
 
+// Defaults by situation: a pretrained model fine-tunes (lr 2e-5, 2e-4 with adapters, no weight decay,
+// warmup 3% of the run), a random init trains as before (1e-3, 0.1, 20); min-lr is 0.1 lr; given values stay.
+TEST(Trainer, DefaultsDependOnWhetherTheModelIsPretrained) {
+  struct Case {
+    std::string model, data;
+    int64_t lora;
+    double lr, wd;
+    int64_t warmup;
+  };
+  const std::string hf = test::source_path("tests/golden/models/llama_mha_tied");
+  const std::string ids = test::source_path("tests/data/llama_mha_tied.ids");
+  for (const Case& k : {Case{hf, ids, 0, 2e-5, 0.0, 3}, Case{hf, ids, 4, 2e-4, 0.0, 3},
+                        Case{"preset:micro", test::source_path("data/kjv/eval.txt"), 0, 1e-3, 0.1, 20}}) {
+    SCOPED_TRACE(k.model + " lora " + std::to_string(k.lora));
+    TrainConfig c;
+    c.model = k.model, c.data = k.data, c.lora = k.lora;
+    c.seq = 16, c.batch = 1, c.steps = 100;
+    Trainer t(c, "");
+    EXPECT_EQ(t.config().lr, k.lr);
+    EXPECT_EQ(t.config().min_lr, 0.1 * k.lr);
+    EXPECT_EQ(t.config().weight_decay, k.wd);
+    EXPECT_EQ(t.config().warmup, k.warmup);
+    // Given values are kept.
+    c.lr = 5e-5, c.min_lr = 0, c.weight_decay = 0.01, c.warmup = 7;
+    Trainer g(c, "");
+    EXPECT_EQ(g.config().lr, 5e-5);
+    EXPECT_EQ(g.config().min_lr, 0.0);
+    EXPECT_EQ(g.config().weight_decay, 0.01);
+    EXPECT_EQ(g.config().warmup, 7);
+  }
+}
+
 }  // namespace
 }  // namespace oomless

@@ -437,8 +437,8 @@ class Bench:
         if mode == "full":
             cmd += ["--save-policy", a.full_save_policy]
         else:
-            cmd += ["--chunk", str(a.chunk), "--page", str(a.page), "--kv-offload", mode, "--spill-dir", a.spill_dir,
-                    "--save-policy", a.chunk_save_policy]
+            cmd += ["--chunk", str(a.chunk), "--page", str(a.page), "--kv-offload", mode,
+                    "--save-policy", a.chunk_save_policy] + (["--spill-dir", a.spill_dir] if mode == "disk" else [])
         res = measure(cmd, out + ".log", self.env, self.cgroup, self.hard_timeout(model, mode))
         row = {"error": failed(res)} if failed(res) else parse_oomless(res, out, T)
         subprocess.run(["sh", "-c", 'rm -rf "$0"/checkpoint-*', out])  # the final checkpoint: GBs, not needed

@@ -50,7 +50,9 @@ def main():
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), TOKENIZERS_PARALLELISM="false")
     probe = json.loads(sh([a.oomless, "probe", "--json", "--quick", "--threads", str(a.threads)]).stdout)
     print(f"machine: {probe['cpu']} ({probe['isa']}), {a.threads} threads", flush=True)
-    common = ["--seq", str(a.seq), "--batch", "1", "--lr", "1e-4", "--warmup", "1"]
+    # train_torch.py's min-lr and weight decay, given explicitly (oomless's defaults depend on the model).
+    common = ["--seq", str(a.seq), "--batch", "1", "--lr", "1e-4", "--warmup", "1", "--min-lr", "1e-4",
+              "--weight-decay", "0.1"]
     results = {"probe": probe, "seq": a.seq, "rank": a.rank, "steps": a.steps, "runs": [], "summary": []}
 
     def tps(rows):

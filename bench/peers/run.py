@@ -104,7 +104,9 @@ def main():
     policies = dict(kv.split("=") for kv in a.save_policy.split(",") if kv)
     policy_of = lambda model, dtype: policies.get(f"{model}.{dtype}", policies.get(model, "all"))
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), TOKENIZERS_PARALLELISM="false")
-    common = ["--seq", str(a.seq), "--batch", str(a.batch), "--lr", str(a.lr), "--warmup", str(a.warmup)]
+    # train_torch.py's min-lr and weight decay, given explicitly (oomless's defaults depend on the model).
+    common = ["--seq", str(a.seq), "--batch", str(a.batch), "--lr", str(a.lr), "--warmup", str(a.warmup),
+              "--min-lr", "1e-4", "--weight-decay", "0.1"]
 
     probe = json.loads(sh([a.oomless, "probe", "--json", "--threads", str(a.threads)]).stdout)
     peak = probe["gemm_f32_gflops"] * 1e9

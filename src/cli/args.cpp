@@ -1,12 +1,32 @@
 #include "cli/args.h"
 
+#include <algorithm>
 #include <charconv>
+#include <vector>
 #include <cmath>
 #include <cstdlib>
 
 #include "core/cpu_info.h"
 
 namespace oomless::cli {
+
+namespace {
+// Levenshtein distance (flag names are short).
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+}  // namespace
 
 Args::Args(const std::vector<std::string>& argv, const std::vector<Flag>& flags, const std::string& cmd,
            const std::string& help)
@@ -17,7 +37,8 @@ Args::Args(const std::vector<std::string>& argv, const std::vector<Flag>& flags,
       help_ = true;
       continue;
     }
-    OOM_CHECK(a.rfind("--", 0) == 0, "[", cmd, "] unexpected argument '", a, "'\n\n", help);
+    OOM_CHECK(a.rfind("--", 0) == 0, "[", cmd, "] unexpected argument '", a, "' (options start with --); run `oomless ",
+              cmd, " --help` for the options");
     std::string name = a.substr(2), value;
     bool inline_value = false;
     if (size_t eq = name.find('='); eq != std::string::npos) {
@@ -28,10 +49,21 @@ Args::Args(const std::vector<std::string>& argv, const std::vector<Flag>& flags,
     const Flag* f = nullptr;
     for (const Flag& x : flags)
       if (x.name == name) f = &x;
-    OOM_CHECK(f, "[", cmd, "] unknown option '--", name, "'\n\n", help);
+    if (!f) {
+      // The closest known flag by edit distance, when it is close.
+      std::string best;
+      size_t best_d = 3;
+      for (const Flag& x : flags) {
+        const size_t d = edit_distance(name, x.name);
+        if (d < best_d) best_d = d, best = x.name;
+      }
+      fail("[", cmd, "] unknown option '--", name, "'", best.empty() ? "" : " (did you mean --" + best + "?)",
+           "; run `oomless ", cmd, " --help` for the options");
+    }
     if (f->takes_value) {
       if (!inline_value) {
-        OOM_CHECK(i + 1 < argv.size(), "[", cmd, "] --", name, " needs a value\n\n", help);
+        OOM_CHECK(i + 1 < argv.size(), "[", cmd, "] --", name, " needs a value; run `oomless ", cmd,
+                  " --help` for the options");
         value = argv[++i];
       }
     } else {
@@ -49,7 +81,8 @@ std::string Args::str(const std::string& name, const std::string& dflt) const {
 
 std::string Args::required(const std::string& name) const {
   auto it = values_.find(name);
-  OOM_CHECK(it != values_.end(), "[", cmd_, "] --", name, " is required\n\n", help_text_);
+  OOM_CHECK(it != values_.end(), "[", cmd_, "] --", name, " is required; run `oomless ", cmd_,
+            " --help` for the options");
   return it->second;
 }
 
@@ -78,7 +111,12 @@ double Args::number(const std::string& name, double dflt, double min, double max
 }
 
 void apply_threads(const Args& a) {
-  if (a.has("threads")) set_threads(static_cast<int>(a.integer("threads", 0, 1, 4096)));
+  if (!a.has("threads")) return;
+  const int cpus = detect_cpu().logical_cpus;
+  const int64_t n = a.integer("threads", 0, 1, 4096);
+  OOM_CHECK(cpus <= 0 || n <= cpus, "[threads] --threads ", n, " is more than this machine's ", cpus,
+            " logical CPUs (threads beyond them wait on each other and run many times slower); use at most ", cpus);
+  set_threads(static_cast<int>(n));
 }
 
 }  // namespace oomless::cli

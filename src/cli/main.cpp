@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "cli/commands.h"
+#include "core/cpu_info.h"
 #include "core/error.h"
 
 namespace {
@@ -23,7 +24,7 @@ const char* kUsage =
     "  merge      fold a LoRA adapter into its base model and write a Hugging Face folder\n"
     "  probe      measure this machine: CPU, ISA, GEMM and attention GFLOP/s, memory bandwidth\n"
     "\n"
-    "Run `oomless <command> --help` for a command's options.\n";
+    "Run `oomless <command> --help` for a command's options, `oomless --version` for the build.\n";
 
 }  // namespace
 
@@ -31,6 +32,12 @@ int main(int argc, char** argv) {
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h") || !std::strcmp(argv[1], "help")) {
     std::fputs(kUsage, argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;
+  }
+  if (!std::strcmp(argv[1], "--version") || !std::strcmp(argv[1], "version")) {
+    std::printf("oomless %s (%s build, %s; CUDA backend %s)\nthis CPU: %s, %s\n", OOMLESS_VERSION, OOMLESS_BUILD_TYPE,
+                OOMLESS_COMPILER, OOMLESS_HAS_CUDA ? "compiled in" : "not built", oomless::detect_cpu().model.c_str(),
+                oomless::detect_cpu().isa_summary().c_str());
+    return 0;
   }
   std::string cmd = argv[1];
   std::vector<std::string> args(argv + 2, argv + argc);

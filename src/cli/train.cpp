@@ -20,7 +20,8 @@ std::string train_help() {
          "With no --data: preset:tiny (or --model) on the bundled KJV corpus, 250 steps unless --steps/--epochs.\n"
          "\n" +
          train_options_help() +
-         "  --resume [DIR]       continue from the newest good checkpoint in DIR (default --out)\n"
+         "  --resume [DIR]       continue the run in DIR (default --out) from its newest good checkpoint, with its\n"
+         "                       saved settings (flags given override steps, eval, save and keep settings)\n"
          "  --config FILE.json   settings file\n";
 }
 }  // namespace
@@ -38,6 +39,19 @@ int train(const std::vector<std::string>& argv) {
   Args a(args, flags, "train", help);
   if (a.help_requested()) return std::fputs(help.c_str(), stdout), 0;
   TrainConfig c;
+  // --resume: the run's saved configuration first, so `--resume DIR` alone continues it; a --config file
+  // and flags given then apply on top (a fixed setting that differs is refused by the trainer).
+  if (a.has("resume")) {
+    std::string dir = a.str("resume");
+    if (dir.empty()) dir = a.str("out");
+    if (dir.empty() && a.has("config")) {
+      const json::Value f = json::parse_file(a.str("config"));
+      if (f.find("out") && f.at("out").is_string()) dir = f.at("out").as_string();
+    }
+    OOM_CHECK(!dir.empty(), "[train] --resume needs the run folder: --resume DIR (or --out DIR)");
+    c.apply_json(saved_run_config(dir), dir + "'s saved configuration");
+    c.out = dir;
+  }
   if (a.has("config")) c.apply_json(json::parse_file(a.str("config")), a.str("config"));
   // Flags override the file: apply them through the same key names.
   json::Value o = json::Value::object();
@@ -46,10 +60,19 @@ int train(const std::vector<std::string>& argv) {
     switch (t.kind) {
       case TrainOption::Kind::text: o.set(t.name, json::Value::string(a.str(t.name))); break;
       case TrainOption::Kind::boolean: o.set(t.name, json::Value::boolean(true)); break;
-      case TrainOption::Kind::number: o.set(t.name, json::Value::number(a.number(t.name, 0, 0, 1e30))); break;
+      case TrainOption::Kind::number: {
+        const double v = a.number(t.name, 0, 0, 1e30);
+        // 0 reads as "the default" for these: refuse it instead of running something the user did not ask for.
+        const std::string_view n = t.name;
+        OOM_CHECK(v > 0 || (n != "epochs" && n != "lr"), "[train] --", n, " must be above 0, got ", v,
+                  n == "epochs" ? " (a fraction of an epoch is fine, e.g. 0.5; or give --steps N)" : "");
+        o.set(t.name, json::Value::number(v));
+        break;
+      }
       case TrainOption::Kind::integer: {
         // --steps 0 would read as "not given" (train by epochs): say so instead of running a whole epoch.
-        const int64_t min_whole = std::string_view(t.name) == "steps" ? 1 : 0;
+        const std::string_view n = t.name;
+        const int64_t min_whole = n == "steps" || n == "seq" || n == "batch" || n == "grad-accum" ? 1 : 0;
         o.set(t.name, json::Value::integer(a.integer(t.name, 0, min_whole, INT64_MAX)));
         break;
       }

@@ -36,8 +36,21 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// The first SIGINT/SIGTERM stops the run after the current step (which saves a checkpoint); a second one
+// stops at once, without writing a partial checkpoint (saves are atomic: the last complete one stays).
 volatile std::sig_atomic_t g_stop = 0;
-void on_signal(int) { g_stop = 1; }
+void on_signal(int) {
+  if (g_stop) {
+    const char m[] = "\noomless train: second interrupt: stopping now, without saving (the last complete checkpoint "
+                     "stays)\n";
+    (void)!write(2, m, sizeof m - 1);
+    _exit(130);
+  }
+  g_stop = 1;
+  const char m[] = "\noomless train: interrupt: stopping after this step and saving a checkpoint (interrupt again to "
+                   "stop at once)\n";
+  (void)!write(2, m, sizeof m - 1);
+}
 
 // 1234567 -> "1.23M".
 std::string format_count(int64_t n) {
@@ -125,11 +138,16 @@ const std::vector<TrainOption>& train_options() {
       whole("grad-accum", true, "N", "micro-batches per optimizer step (default 1)", &C::grad_accum),
       whole("steps", false, "n", "total optimizer steps of the run (default: from --epochs)", &C::steps),
       real("epochs", true, "e", "passes over the data when --steps is not given (default 1)", &C::epochs),
-      real("lr", true, "x", "peak learning rate (default 1e-3)", &C::lr),
-      real("min-lr", true, "x", "floor of the schedule (default 1e-4)", &C::min_lr),
-      whole("warmup", true, "n", "linear warmup steps (default 20)", &C::warmup),
+      real("lr", true, "x",
+           "peak learning rate (default: 2e-5 fine-tuning a pretrained model, 2e-4 with --lora,\n1e-3 from a "
+           "random init)",
+           &C::lr),
+      real("min-lr", true, "x", "floor of the schedule, at most --lr (default 0.1 x --lr)", &C::min_lr),
+      whole("warmup", true, "n", "linear warmup steps (default: 3% of the run pretrained, 20 random init)",
+            &C::warmup),
       text("schedule", true, "S", "cosine, linear or constant (default cosine)", &C::schedule),
-      real("weight-decay", true, "w", "decoupled, not on norms and biases (default 0.1)", &C::weight_decay),
+      real("weight-decay", true, "w",
+           "decoupled, not on norms and biases (default: 0 pretrained, 0.1 random init)", &C::weight_decay),
       real("beta1", true, "b", "AdamW beta1 (default 0.9)", &C::beta1),
       real("beta2", true, "b", "AdamW beta2 (default 0.95)", &C::beta2),
       real("eps", true, "e", "AdamW epsilon (default 1e-8)", &C::eps),
@@ -153,7 +171,8 @@ const std::vector<TrainOption>& train_options() {
             "chunk-recurrent training: activations for C tokens at a time, keys and values of\nearlier chunks in "
             "a paged store (default 0: off)",
             &C::chunk),
-      whole("page", true, "P", "tokens per K/V page; divides --chunk (default min(64, C))", &C::page),
+      whole("page", true, "P", "tokens per K/V page; divides --chunk (default: its largest divisor up to 64)",
+            &C::page),
       text("kv-offload", false, "M", "none, host or disk: where earlier chunks' K/V pages live (default none)",
            &C::kv_offload),
       text("spill-dir", false, "DIR", "disk: folder of the spill file, not tmpfs (default --out)", &C::spill_dir),
@@ -283,9 +302,27 @@ LoraSettings lora_settings(const TrainConfig& c) {
 }
 }
 
-int run_training(const TrainConfig& c) {
+void validate_config(const TrainConfig& c) {
   OOM_CHECK(c.seq >= 2, "[train] --seq must be at least 2");
   OOM_CHECK(c.batch >= 1 && c.grad_accum >= 1, "[train] --batch and --grad-accum must be at least 1");
+  OOM_CHECK(c.epochs >= 0 && std::isfinite(c.epochs), "[train] --epochs must be a positive number, got ", c.epochs);
+  // Flags that would do nothing in this mode are errors, not silently ignored.
+  OOM_CHECK(c.kv_offload == "none" || c.chunk > 0, "[train] --kv-offload ", c.kv_offload, " needs --chunk C: only "
+            "chunk-recurrent training keeps earlier chunks' K/V pages that could live elsewhere");
+  OOM_CHECK(c.page == 0 || c.chunk > 0, "[train] --page ", c.page, " needs --chunk C: pages are the K/V store of "
+            "chunk-recurrent training");
+  OOM_CHECK(c.spill_dir.empty() || c.kv_offload == "disk", "[train] --spill-dir ", c.spill_dir,
+            " is the folder of --kv-offload disk's spill file; add --kv-offload disk or drop --spill-dir");
+  {
+    const int cpus = detect_cpu().logical_cpus;
+    OOM_CHECK(c.threads >= 0 && (cpus <= 0 || c.threads <= cpus), "[train] --threads ", c.threads, " is more than this "
+              "machine's ", cpus, " logical CPUs (threads beyond them wait on each other and run many times slower); "
+              "use at most ", cpus, " or leave --threads out");
+  }
+}
+
+int run_training(const TrainConfig& c) {
+  validate_config(c);
   if (c.threads > 0) set_threads(static_cast<int>(c.threads));
   std::string out = c.resume && !c.resume_dir.empty() ? c.resume_dir : c.out;
   if (out.empty()) {
@@ -303,6 +340,7 @@ int run_training(const TrainConfig& c) {
     // Metrics of a run that stopped before its first checkpoint: start them again.
     if (fs::exists(MetricsWriter::path_in(out))) MetricsWriter::truncate_after(MetricsWriter::path_in(out), 0);
   }
+  const bool created = !fs::exists(out);
   fs::create_directories(out);
   // No --data: the bundled corpus, written once into the run folder so the data pipeline (and a resumed
   // run) reads it like any file.
@@ -344,7 +382,19 @@ int run_training(const TrainConfig& c) {
     std::fprintf(stderr, "oomless train: no --data: training %s on the bundled KJV corpus (%s)\n", c.model.c_str(),
                  cfg_local.data.c_str());
   }
-  return train_run(cfg_local, out);
+  try {
+    return train_run(cfg_local, out);
+  } catch (...) {
+    // A new run that failed before its first checkpoint leaves no folder behind when it made the folder
+    // (it holds at most the bundled corpus and a metrics file of no step).
+    if (created) {
+      std::error_code ec;
+      bool saved = false;
+      for (const auto& e : fs::directory_iterator(out, ec)) saved |= e.path().filename().string().rfind("checkpoint-", 0) == 0;
+      if (!saved) fs::remove_all(out, ec);
+    }
+    throw;
+  }
 }
 
 struct Trainer::State {
@@ -406,18 +456,106 @@ std::vector<NamedTensor> model_state(Engine& e) {
 
 }  // namespace
 
-Trainer::Trainer(const TrainConfig& c, const std::string& out) : s_(std::make_unique<State>()) {
+void resolve_defaults(TrainConfig& c, bool pretrained) {
+  if (c.lr <= 0) c.lr = pretrained ? (c.lora > 0 ? 2e-4 : 2e-5) : 1e-3;
+  if (c.weight_decay < 0) c.weight_decay = pretrained ? 0.0 : 0.1;
+  if (c.min_lr < 0) c.min_lr = 0.1 * c.lr;
+}
+
+void resolve_warmup(TrainConfig& c, bool pretrained, int64_t total) {
+  if (c.warmup < 0)
+    c.warmup = pretrained ? std::max<int64_t>(1, static_cast<int64_t>(std::ceil(0.03 * static_cast<double>(total))))
+                          : 20;
+}
+
+json::Value saved_run_config(const std::string& run_dir) {
+  auto warn = [](const std::string& w) { std::fprintf(stderr, "oomless train: warning: %s\n", w.c_str()); };
+  std::optional<FoundCheckpoint> ck = find_latest_checkpoint(run_dir, warn);
+  OOM_CHECK(ck.has_value(), "[train] --resume: no complete checkpoint in ", run_dir,
+            "; give the run folder (--resume DIR or --out DIR), or start without --resume");
+  json::Value st = json::parse_file(ck->path + "/trainer_state.json");
+  OOM_CHECK(st.find("config") && st.at("config").is_object(), "[train] --resume: ", ck->path,
+            "/trainer_state.json holds no \"config\"");
+  return st.at("config");
+}
+
+namespace {
+
+const char* kind_words(const std::string& kind) {
+  if (kind == "hf") return "Hugging Face folder";
+  if (kind == "gguf") return "GGUF";
+  if (kind == "config") return "config.json alone, random init";
+  return "preset, random init";
+}
+
+// The ledger's peak per category over every tier, as "weights 1.2 GiB, grads ..." (categories held only).
+std::string ledger_line(const Ledger& l) {
+  std::string out;
+  for (int ci = 0; ci < kCategoryCount; ++ci) {
+    size_t b = 0;
+    for (int t = 0; t < kTierCount; ++t) b += l.peak(static_cast<Tier>(t), static_cast<Category>(ci));
+    if (b == 0) continue;
+    out += (out.empty() ? "" : ", ") + std::string(category_name(static_cast<Category>(ci))) + " " + format_bytes(b);
+  }
+  return out;
+}
+
+// The largest divisor of C up to 64 (the default K/V page), or 0 when it would be below 8.
+int64_t default_page(int64_t C) {
+  for (int64_t p = std::min<int64_t>(64, C); p >= 8; --p)
+    if (C % p == 0) return p;
+  return 0;
+}
+
+}  // namespace
+
+Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* log) : s_(std::make_unique<State>()) {
   State& s = *s_;
-  s.c = c;
+  s.c = cfg_in;
   s.out = out;
-  OOM_CHECK(c.seq >= 2, "[train] --seq must be at least 2");
-  OOM_CHECK(c.batch >= 1 && c.grad_accum >= 1, "[train] --batch and --grad-accum must be at least 1");
+  TrainConfig& c = s.c;
+  auto say = [log](const char* fmt, auto... args) {
+    if (!log) return;
+    std::fprintf(log, fmt, args...);
+    std::fflush(log);
+  };
+  validate_config(c);
+  // A resumed run keeps the saved values of the settings left at their defaults (which may depend on the
+  // run's length, e.g. the warmup).
+  if (c.resume) {
+    const json::Value saved = saved_run_config(out);
+    auto keep = [&](const char* key, double& v) {
+      if (v < 0 || (v == 0 && std::string_view(key) == "lr"))
+        if (saved.find(key) && saved.at(key).is_number()) v = saved.at(key).as_number();
+    };
+    keep("lr", c.lr);
+    keep("min-lr", c.min_lr);
+    keep("weight-decay", c.weight_decay);
+    if (c.warmup < 0 && saved.find("warmup") && saved.at("warmup").is_number()) c.warmup = saved.at("warmup").as_int();
+  }
   // Model, memory, optimizer: everything is reserved here, before step 1.
+  say("oomless train: opening %s\n", c.model.c_str());
   s.e = build_engine(engine_options(c));
   Model& model = *s.e.model;
   const ModelConfig& cfg = s.e.src.cfg;
+  const bool pretrained = s.e.src.kind == "hf" || s.e.src.kind == "gguf";
+  resolve_defaults(c, pretrained);
+  OOM_CHECK(std::isfinite(c.lr) && std::isfinite(c.min_lr) && c.min_lr <= c.lr, "[train] --min-lr ", c.min_lr,
+            " is above --lr ", c.lr, ": the schedule decays from --lr down to --min-lr (default 0.1 x --lr); lower "
+            "--min-lr or leave it out");
+  say("oomless train: model %s (%s): %lld layers, width %lld, vocabulary %lld, %s parameters\n", c.model.c_str(),
+      kind_words(s.e.src.kind), static_cast<long long>(cfg.L), static_cast<long long>(cfg.E),
+      static_cast<long long>(cfg.V), format_count(cfg.param_count()).c_str());
+  if (c.seq > cfg.max_position && c.rope_scaling.empty())
+    say("oomless train: warning: --seq %lld is past the model's max_position_embeddings (%lld): positions beyond "
+        "it were never trained; --rope-scaling yarn:F (or linear:F) stretches its RoPE to F times its context\n",
+        static_cast<long long>(c.seq), static_cast<long long>(cfg.max_position));
   s.trained = model.trainable();
   s.opt = std::make_unique<AdamW>(s.trained, s.e.mem->host, AdamWSettings{c.lr, c.beta1, c.beta2, c.eps, c.weight_decay});
+  say("oomless train: %s trainable parameters (%s)%s%s%s\n", format_count(trainable_params()).c_str(),
+      format_bytes(static_cast<size_t>(trainable_bytes())).c_str(), s.e.adapters ? "; frozen base " : "",
+      s.e.adapters ? format_count(frozen_params()).c_str() : "",
+      s.e.adapters ? (" (" + format_bytes(static_cast<size_t>(frozen_bytes())) + " as held)").c_str() : "");
   // Chunk-recurrent mode: activations for one chunk, K/V of earlier chunks in a paged store.
   s.C = c.chunk > 0 ? std::min(c.chunk, c.seq) : 0;
   const int64_t C = s.C;
@@ -427,7 +565,9 @@ Trainer::Trainer(const TrainConfig& c, const std::string& out) : s_(std::make_un
     if (C > 0) {
       PagedKvOptions ko;
       ko.C = C;
-      ko.P = c.page > 0 ? c.page : std::min<int64_t>(64, C);
+      ko.P = c.page > 0 ? c.page : default_page(C);
+      OOM_CHECK(ko.P > 0, "[train] --chunk ", C, " has no divisor from 8 to 64 for the K/V page: give --page P (a "
+                "divisor of --chunk) or a --chunk that is a multiple of 64");
       ko.offload = parse_kv_offload(c.kv_offload);
       ko.spill_dir = c.spill_dir.empty() ? out : c.spill_dir;
       ko.sparse_pages = c.sparse_pages;
@@ -445,6 +585,8 @@ Trainer::Trainer(const TrainConfig& c, const std::string& out) : s_(std::make_un
     // of a longer sequence has the same shapes or smaller ones, and the store reserved its pages for
     // --seq already), so the dry run does not cost a whole long step.
     const int64_t dry_T = s.kv ? std::min<int64_t>(c.seq, 2 * C) : c.seq;
+    say("oomless train: setup: one dry forward + backward of %lld tokens to reserve every workspace...\n",
+        static_cast<long long>(dry_T));
     std::vector<int32_t> zeros(static_cast<size_t>(dry_T), 0);
     const Tensor z(zeros.data(), DType::i32, {dry_T});
     if (s.kv) {
@@ -456,8 +598,15 @@ Trainer::Trainer(const TrainConfig& c, const std::string& out) : s_(std::make_un
     model.zero_grads();
   } catch (const OutOfBudget& e) {
     fail("[train] the run does not fit --budget ", c.budget, ": ", e.what(),
-         "\nuse a larger --budget, a smaller --seq, --save-policy selective or none, --dtype bf16, or --chunk "
-         "with --kv-offload host or disk");
+         "\nuse a larger --budget, a smaller --seq, --save-policy selective or none, or --chunk C (with --kv-offload "
+         "host or disk for long sequences)", s.e.adapters ? "" : ", or --lora r (a frozen base: no base gradients or "
+         "optimizer state)");
+  }
+  {
+    const Ledger& l = s.e.mem->ledger;
+    const size_t peak = l.peak_total(Tier::Device) + l.peak_total(Tier::Host);
+    say("oomless train: memory after setup: peak %s%s%s (%s)\n", format_bytes(peak).c_str(),
+        c.budget.empty() ? "" : " of --budget ", c.budget.empty() ? "" : c.budget.c_str(), ledger_line(l).c_str());
   }
   OOM_CHECK(cfg.eos_id.has_value(), "[train] ", c.model, " names no end-of-sequence token (eos_token_id); packing "
             "needs one between documents");
@@ -480,25 +629,72 @@ Trainer::Trainer(const TrainConfig& c, const std::string& out) : s_(std::make_un
     dopt.eos_id = *cfg.eos_id;
     dopt.vocab = cfg.V;
     s.data = std::make_unique<Dataset>(dopt, src.tokenizer ? &*src.tokenizer : nullptr, src.tokenizer_config);
+    // One pass over a second reader counts the first epoch: its sequences (for --epochs and the steps per
+    // epoch) and supervised targets (none: nothing would train). Documents are tokenized as they stream by;
+    // nothing is kept.
+    // A large corpus with --steps given is not counted (a pass tokenizes all of it).
+    uintmax_t bytes = 0;
+    for (const std::string& p : paths) {
+      std::error_code ec;
+      if (fs::is_regular_file(p, ec)) bytes += fs::file_size(p, ec);
+      else if (fs::is_directory(p, ec))
+        for (const auto& f : fs::recursive_directory_iterator(p, ec))
+          if (f.is_regular_file(ec)) bytes += f.file_size(ec);
+    }
+    const bool count = c.steps == 0 || bytes <= (uintmax_t{256} << 20);
+    int64_t per_epoch = 0, supervised = 0;
+    if (count) {
+      say("oomless train: reading the data (%lld document%s, %s)...\n", static_cast<long long>(s.data->documents()),
+          s.data->documents() == 1 ? "" : "s",
+          format_bytes(static_cast<size_t>(bytes)).c_str());
+      Dataset counter(dopt, src.tokenizer ? &*src.tokenizer : nullptr, src.tokenizer_config);
+      std::vector<int32_t> ia(static_cast<size_t>(c.seq)), ib(static_cast<size_t>(c.seq));
+      while (counter.next(ia.data(), ib.data()) == 0) {
+        ++per_epoch;
+        for (int32_t t : ib) supervised += t >= 0;
+      }
+      OOM_CHECK(supervised > 0, "[train] ", c.data, " has no supervised token in an epoch (", per_epoch,
+                " sequences): chat data needs assistant turns, text needs more than one token");
+    }
+    const double steps_per_epoch = static_cast<double>(per_epoch) / static_cast<double>(seqs_per_step);
     s.total = c.steps;
     if (s.total == 0) {
-      // --epochs: the schedule needs the run's length up front, so one pass over a second reader counts the
-      // sequences of the first epoch (documents are tokenized as they stream by; nothing is kept).
       const double ep = c.epochs > 0 ? c.epochs : 1.0;
-      Dataset counter(dopt, src.tokenizer ? &*src.tokenizer : nullptr, src.tokenizer_config);
-      std::vector<int32_t> a(static_cast<size_t>(c.seq)), b(static_cast<size_t>(c.seq));
-      int64_t per_epoch = 0;
-      while (counter.next(a.data(), b.data()) == 0) ++per_epoch;
-      s.total = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(ep * static_cast<double>(std::max<int64_t>(per_epoch, 1)) /
-                                                                    static_cast<double>(seqs_per_step))));
+      s.total = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(ep * std::max(steps_per_epoch, 1.0 / static_cast<double>(seqs_per_step)))));
     }
+    if (!count)
+      say("oomless train: data: %lld documents, %s (not counted with --steps given: a pass would tokenize all of "
+          "it)\n", static_cast<long long>(s.data->documents()), format_bytes(static_cast<size_t>(bytes)).c_str());
+    if (count)
+    say("oomless train: data: %lld document%s; one epoch = %lld sequences of %lld tokens (%lld supervised targets) = "
+        "%.1f steps of %lld x %lld sequences (%lld tokens a step); %lld step%s = %.2f epochs\n",
+        static_cast<long long>(s.data->documents()), s.data->documents() == 1 ? "" : "s",
+        static_cast<long long>(per_epoch), static_cast<long long>(c.seq),
+        static_cast<long long>(supervised), steps_per_epoch, static_cast<long long>(c.batch),
+        static_cast<long long>(c.grad_accum), static_cast<long long>(seqs_per_step * c.seq),
+        static_cast<long long>(s.total), s.total == 1 ? "" : "s", static_cast<double>(s.total) / std::max(steps_per_epoch, 1e-300));
+    if (count && per_epoch < seqs_per_step)
+      say("oomless train: warning: the data holds %lld sequence%s of --seq %lld and a step takes %lld: each step "
+          "repeats the data about %.0f times (lower --batch/--grad-accum or add data)\n",
+          static_cast<long long>(per_epoch), per_epoch == 1 ? "" : "s", static_cast<long long>(c.seq),
+          static_cast<long long>(seqs_per_step), static_cast<double>(seqs_per_step) / static_cast<double>(std::max<int64_t>(per_epoch, 1)));
   } else {
     OOM_CHECK(c.steps > 0, "[train] without --data the steps' sequences come from the caller: give --steps N");
     s.total = c.steps;
   }
-  // A warmup longer than the run (e.g. the default with a short --steps) covers the whole run.
+  const bool warmup_given = c.warmup >= 0;
+  resolve_warmup(c, pretrained, s.total);
+  if (c.warmup >= s.total && s.total > 1)
+    say("oomless train: warning: %s %lld covers the whole run of %lld steps: the learning rate reaches --lr %g "
+        "only at the last step (give a smaller --warmup)\n", warmup_given ? "--warmup" : "the default warmup",
+        static_cast<long long>(c.warmup), static_cast<long long>(s.total), c.lr);
+  // A warmup longer than the run covers the whole run.
   s.sched = ScheduleSettings{c.schedule, c.lr, c.min_lr, std::min(c.warmup, s.total), s.total};
   validate(s.sched);
+  say("oomless train: schedule: lr %g (%s), warmup %lld step%s, %s down to %g; weight decay %g\n", c.lr,
+      cfg_in.lr > 0 ? "given" : c.resume ? "the saved run's" : pretrained ? "fine-tuning default" : "random-init default",
+      static_cast<long long>(std::min(c.warmup, s.total)), std::min(c.warmup, s.total) == 1 ? "" : "s",
+      c.schedule.c_str(), c.min_lr, c.weight_decay);
 
   // Resume: the newest checkpoint that verifies.
   if (c.resume) {
@@ -515,7 +711,8 @@ Trainer::Trainer(const TrainConfig& c, const std::string& out) : s_(std::make_un
       const json::Value& was = saved.find(k) ? saved.at(k) : defaults.at(k);
       OOM_CHECK(json::dump(was) == json::dump(now.at(k)), "[train] --resume: --", k, " was ", json::dump(was),
                 " in the saved run and is ", json::dump(now.at(k)),
-                " now; only steps, save, eval and keep settings may change on resume");
+                " now; only steps, save, eval and keep settings may change on resume (--resume alone continues "
+                "with the saved settings)");
     }
     if (st.at("threads").as_int() != get_threads() || st.at("isa").as_string() != detect_cpu().isa_summary() ||
         st.at("binary").as_string() != binary_id())
@@ -532,8 +729,8 @@ Trainer::Trainer(const TrainConfig& c, const std::string& out) : s_(std::make_un
     s.step = st.at("step").as_int();
     s.nonfinite_total = st.at("nonfinite_total").as_int();
     MetricsWriter::truncate_after(MetricsWriter::path_in(out), s.step);
-    std::fprintf(stderr, "oomless train: resumed from %s (step %lld of %lld)\n", ck->path.c_str(),
-                 static_cast<long long>(s.step), static_cast<long long>(s.total));
+    say("oomless train: resumed from %s (step %lld of %lld)\n", ck->path.c_str(), static_cast<long long>(s.step),
+        static_cast<long long>(s.total));
   }
 
   // Held-out loss: the first (at most 32) windows of --eval-data, read once.
@@ -664,15 +861,11 @@ std::string Trainer::save() {
 namespace {
 
 int train_run(const TrainConfig& c, const std::string& out) {
-  Trainer tr(c, out);
+  Trainer tr(c, out, stderr);
   Engine& e = tr.engine();
   const int64_t total = tr.total_steps();
   MetricsWriter metrics(out);
   metrics.set_params(tr.trainable_params(), tr.trainable_bytes(), tr.frozen_params(), tr.frozen_bytes());
-  std::fprintf(stderr, "oomless train: %s trainable parameters (%s)%s%s%s\n", format_count(tr.trainable_params()).c_str(),
-               format_bytes(static_cast<size_t>(tr.trainable_bytes())).c_str(), e.adapters ? "; frozen base " : "",
-               e.adapters ? format_count(tr.frozen_params()).c_str() : "",
-               e.adapters ? (" (" + format_bytes(static_cast<size_t>(tr.frozen_bytes())) + ")").c_str() : "");
   auto run_eval = [&](int64_t s) {
     const std::optional<EvalResult> r = tr.evaluate();
     if (!r) return;
@@ -708,10 +901,10 @@ int train_run(const TrainConfig& c, const std::string& out) {
               "); lower --lr, check the data, or use fp32; the last checkpoint is in ", out);
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
     const double eta = elapsed / static_cast<double>(step - first) * static_cast<double>(total - step);
-    std::fprintf(stderr, tty ? "\rstep %lld/%lld  loss %.4f  lr %.2e  %.0f tok/s  ETA %.0fs  Device peak %s   "
-                             : "step %lld/%lld  loss %.4f  lr %.2e  %.0f tok/s  ETA %.0fs  Device peak %s\n",
+    std::fprintf(stderr, tty ? "\rstep %lld/%lld  loss %.4f  lr %.2e  %.0f tok/s  ETA %.0fs  memory peak %s   "
+                             : "step %lld/%lld  loss %.4f  lr %.2e  %.0f tok/s  ETA %.0fs  memory peak %s\n",
                  static_cast<long long>(step), static_cast<long long>(total), r.loss, r.lr, r.tokens_per_s, eta,
-                 format_bytes(e.mem->ledger.peak_total(Tier::Device)).c_str());
+                 format_bytes(e.mem->ledger.peak_total(Tier::Device) + e.mem->ledger.peak_total(Tier::Host)).c_str());
     if (c.eval_every > 0 && step % c.eval_every == 0 && step < total) run_eval(step);
     if (c.save_every > 0 && step % c.save_every == 0 && step < total) save();
   }
@@ -732,7 +925,7 @@ int train_run(const TrainConfig& c, const std::string& out) {
   if (dump) std::fclose(dump);
   if (!g_stop) run_eval(step);
   save();
-  const std::string report = write_report(out, c.to_json());
+  const std::string report = write_report(out, tr.config().to_json());
   std::printf("trained %lld steps; last loss %.4f; checkpoint in %s/checkpoint-%lld; metrics in %s; report in %s\n",
               static_cast<long long>(step), last_loss, out.c_str(), static_cast<long long>(step),
               MetricsWriter::path_in(out).c_str(), report.c_str());

@@ -7,6 +7,7 @@
 // B = 2 x accumulation 1 and B = 1 x accumulation 2 give the same gradients.
 #pragma once
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <optional>
 #include <string>
@@ -28,11 +29,15 @@ struct TrainConfig {
   int64_t grad_accum = 1;
   int64_t steps = 0;           // total optimizer steps of the run (0: from epochs)
   double epochs = 0;           // used when steps is 0; 0 and 0: 1 epoch
-  double lr = 1e-3;
-  double min_lr = 1e-4;
-  int64_t warmup = 20;
+  // Defaults by situation (resolve_defaults; 0 or negative here means "the default"): a pretrained model
+  // (Hugging Face folder, GGUF) fine-tunes with lr 2e-5 (2e-4 with --lora), no weight decay and a warmup
+  // of 3% of the run; a random init (preset, config.json alone) trains with lr 1e-3, weight decay 0.1
+  // and 20 warmup steps. min_lr is 0.1 lr either way.
+  double lr = 0;
+  double min_lr = -1;
+  int64_t warmup = -1;
   std::string schedule = "cosine";
-  double weight_decay = 0.1;
+  double weight_decay = -1;
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double clip = 1.0;
   std::string eval_data;       // empty: the bundled eval text when training on the bundled corpus
@@ -73,6 +78,20 @@ struct TrainConfig {
   void apply_json(const json::Value& o, const std::string& source);
   json::Value to_json() const;
 };
+
+// Checks the settings that need no model or data (ranges, flags that do nothing in the given mode),
+// each error naming the flag.
+void validate_config(const TrainConfig& c);
+
+// Fills the settings left at their "default" values for a pretrained model or a random init (above).
+void resolve_defaults(TrainConfig& c, bool pretrained);
+// Warmup once the run's length is known: an unset warmup becomes 3% of total (pretrained) or
+// min(20, total) (random init).
+void resolve_warmup(TrainConfig& c, bool pretrained, int64_t total);
+
+// The configuration saved with the newest complete checkpoint of a run folder (trainer_state.json's
+// "config"), for `--resume` alone; an error naming the folder when there is none.
+json::Value saved_run_config(const std::string& run_dir);
 
 // The option table: every setting of TrainConfig once, with its flag/JSON key, kind, whether a resumed
 // run must keep it, and its --help line. apply_json, to_json, the resume check, the CLI's flags and its
@@ -118,7 +137,8 @@ struct StepResult {
 // settings fixed on resume are checked against the saved run.
 class Trainer {
  public:
-  Trainer(const TrainConfig& cfg, const std::string& out);
+  // log: where setup reports the run (model, parameters, data, memory) and progress; null: quiet.
+  Trainer(const TrainConfig& cfg, const std::string& out, std::FILE* log = nullptr);
   ~Trainer();
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
