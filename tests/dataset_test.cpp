@@ -302,7 +302,7 @@ TEST_F(DatasetTest, BadInputsAreErrorsNamingTheFileAndLine) {
   expect_error(open("c.ids", "-1\n"), {"c.ids:1", "outside"});
   expect_error(open("d.jsonl", "{\"text\": \"ok\"}\n{\"text\": \"unterminated}\n"), {"d.jsonl:2", "not valid JSON"});
   expect_error(open("e.jsonl", "[1, 2]\n"), {"e.jsonl:1", "is not a document"});
-  expect_error(open("f.jsonl", "{\"txt\": \"typo\"}\n"), {"f.jsonl:1", "neither \"text\" nor \"messages\""});
+  expect_error(open("f.jsonl", "{\"txt\": \"typo\"}\n"), {"f.jsonl:1", "neither \"text\", \"messages\" nor \"prompt\"/\"completion\""});
   expect_error(open("g.jsonl", "{\"text\": 3}\n"), {"g.jsonl:1", "\"text\" is a number"});
   expect_error(open("h.jsonl", "{\"messages\": []}\n", chatml), {"h.jsonl:1", "non-empty array"});
   expect_error(open("i.jsonl", "{\"messages\": [{\"role\": \"tool\", \"content\": \"x\"}]}\n", chatml),
@@ -413,6 +413,142 @@ TEST(DatasetDump, OneJsonLinePerStep) {
   EXPECT_EQ(dump_line(3, {{1, 2}, {3, 4}}, {{2, -100}, {4, 5}}),
             "{\"step\":3,\"ids\":[[1,2],[3,4]],\"targets\":[[2,-100],[4,5]]}");
   EXPECT_EQ(dump_line(0, {}, {}), "{\"step\":0,\"ids\":[],\"targets\":[]}");
+}
+
+// TRL's prompt-completion pairs: two strings are encoded apart (the prompt with the tokenizer's BOS) and
+// only the completion and the EOS after it are targets; two lists of messages are a conversation whose
+// prompt messages (an assistant turn among them too) are not targets.
+TEST_F(DatasetTest, PromptCompletionPairsSuperviseOnlyTheCompletion) {
+  const Tokenizer& tok = smollm2();
+  const json::Value chatml = golden("smollm2").at("tokenizer_config");
+  const int32_t eos = 0;
+  {
+    const std::string p = write("pc.jsonl", "{\"prompt\": \"The capital of France is\", \"completion\": \" Paris.\"}\n");
+    const std::vector<int32_t> prompt = tok.encode("The capital of France is", true);
+    const std::vector<int32_t> comp = tok.encode(" Paris.", false);
+    std::vector<int32_t> stream = prompt;
+    stream.insert(stream.end(), comp.begin(), comp.end());
+    stream.push_back(eos);
+    const int64_t T = static_cast<int64_t>(stream.size()) - 1;
+    Dataset d({{p}, T, 0, eos}, &tok, json::Value());
+    const std::vector<Seq> seqs = take(d, T, 1);
+    for (int64_t t = 0; t < T; ++t) {
+      ASSERT_EQ(seqs[0].ids[t], stream[t]);
+      const bool sup = t + 1 >= static_cast<int64_t>(prompt.size());  // the target is a completion token or EOS
+      EXPECT_EQ(seqs[0].targets[t], sup ? stream[t + 1] : -100) << t;
+    }
+  }
+  {
+    // The same conversation as "messages" with its first assistant turn moved into the prompt: that turn's
+    // targets go, the completion's stay.
+    const std::string msgs = "[{\"role\": \"user\", \"content\": \"Hi\"}, {\"role\": \"assistant\", \"content\": \"Hello!\"}, "
+                             "{\"role\": \"user\", \"content\": \"Bye\"}]";
+    const std::string comp = "[{\"role\": \"assistant\", \"content\": \"Goodbye.\"}]";
+    const std::string a = write("m.jsonl", "{\"messages\": " + msgs.substr(0, msgs.size() - 1) + ", " + comp.substr(1) + "}\n");
+    const std::string b = write("pcm.jsonl", "{\"prompt\": " + msgs + ", \"completion\": " + comp + "}\n");
+    const int64_t T = 96;  // past SmolLM2's default system prompt
+    Dataset da({{a}, T, 0, eos}, &tok, chatml), db({{b}, T, 0, eos}, &tok, chatml);
+    const Seq sa = take(da, T, 1)[0], sb = take(db, T, 1)[0];
+    EXPECT_EQ(sa.ids, sb.ids);
+    int only_a = 0, both = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      if (sb.targets[t] >= 0) {
+        EXPECT_EQ(sa.targets[t], sb.targets[t]);
+        ++both;
+      } else if (sa.targets[t] >= 0) {
+        ++only_a;
+      }
+    }
+    EXPECT_GT(only_a, 0);  // "Hello!" and its end of turn
+    EXPECT_GT(both, 0);    // "Goodbye." and its end of turn
+  }
+  expect_error([&] { Dataset d({{write("x.jsonl", "{\"prompt\": \"a\"}\n")}, 4, 0, eos}, &tok, json::Value()); },
+               {"x.jsonl:1", "\"prompt\" without \"completion\""});
+  expect_error([&] { Dataset d({{write("y.jsonl", "{\"prompt\": \"a\", \"completion\": [{\"role\": \"assistant\", \"content\": \"b\"}]}\n")}, 4, 0, eos}, &tok, json::Value()); },
+               {"y.jsonl:1", "both be strings or both be lists of messages"});
+}
+
+// A .json file (an array of conversations, as many datasets are published) is refused, not trained as text.
+TEST_F(DatasetTest, AJsonArrayIsRefusedNotTrainedAsText) {
+  const std::string p = write("chats.json", "[{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}]\n");
+  expect_error([&] { Dataset d({{p}, 4, 0, 0}, &smollm2(), json::Value()); },
+               {"chats.json", "a .json file is not read", "JSON Lines (.jsonl)"});
+}
+
+// Evaluation packing: documents in file order (no shuffle), one pass.
+TEST_F(DatasetTest, DocumentSequencesAreOnePassInFileOrder) {
+  const Tokenizer& tok = smollm2();
+  std::string lines;
+  std::vector<int32_t> stream;
+  for (int i = 0; i < 6; ++i) {
+    const std::string text = "document number " + std::to_string(i) + " of six";
+    lines += "{\"text\": \"" + text + "\"}\n";
+    const std::vector<int32_t> ids = tok.encode(text, true);
+    stream.insert(stream.end(), ids.begin(), ids.end());
+    stream.push_back(0);
+  }
+  const int64_t T = 5;
+  const Sequences s = document_sequences({{write("d.jsonl", lines)}, T, 9, 0}, &tok, json::Value(), 0);
+  ASSERT_EQ(s.ids.size(), (stream.size() - 1 + T - 1) / T);  // every target of the pass, the last sequence wrapping
+  for (size_t w = 0; w < s.ids.size(); ++w)
+    for (int64_t t = 0; t < T && w * T + t + 1 < stream.size(); ++t) {
+      ASSERT_EQ(s.ids[w][t], stream[w * T + t]);
+      ASSERT_EQ(s.targets[w][t], stream[w * T + t + 1]);
+    }
+  EXPECT_EQ(document_sequences({{write("d.jsonl", lines)}, T, 9, 0}, &tok, json::Value(), 2).ids.size(), 2u);
+}
+
+// --truncation: a conversation longer than a sequence is split (counted), dropped, or an error naming it;
+// dropping keeps resume exact.
+TEST_F(DatasetTest, LongConversationsFollowTheTruncationRule) {
+  const Tokenizer& tok = smollm2();
+  const json::Value chatml = golden("smollm2").at("tokenizer_config");
+  std::string lines;
+  for (int i = 0; i < 6; ++i) {
+    const std::string answer = i % 2 ? std::string(400, 'a') : "short " + std::to_string(i);  // odd ones are long
+    lines += "{\"messages\": [{\"role\": \"system\", \"content\": \"s\"}, {\"role\": \"user\", \"content\": \"q\"}, "
+             "{\"role\": \"assistant\", \"content\": \"" + answer + "\"}]}\n";
+  }
+  const std::string p = write("c.jsonl", lines);
+  const int64_t T = 32;
+  auto opts = [&](Truncation t) {
+    DatasetOptions o{{p}, T, 5, 0};
+    o.truncation = t;
+    return o;
+  };
+  {
+    Dataset d(opts(Truncation::split), &tok, chatml);
+    take(d, T, 40);
+    EXPECT_GE(d.long_documents(), 3);
+  }
+  {
+    // Dropped: every sequence is made of the short conversations only, and the run resumes exactly.
+    Dataset d(opts(Truncation::drop), &tok, chatml);
+    const std::vector<Seq> first = take(d, T, 5);
+    const json::Value st = d.state();
+    const std::vector<Seq> more = take(d, T, 5);
+    EXPECT_GE(d.long_documents(), 3);
+    Dataset r(opts(Truncation::drop), &tok, chatml);
+    r.restore(st);
+    EXPECT_EQ(take(r, T, 5), more);
+  }
+  {
+    // In file order, dropping the long ones gives the stream of a file holding only the short ones.
+    std::string shorts;
+    size_t a = 0;
+    for (int i = 0; i < 6; ++i) {
+      const size_t b = lines.find('\n', a) + 1;
+      if (i % 2 == 0) shorts += lines.substr(a, b - a);
+      a = b;
+    }
+    DatasetOptions o = opts(Truncation::drop), q{{write("short.jsonl", shorts)}, T, 5, 0};
+    o.shuffle = q.shuffle = false;
+    Dataset d(o, &tok, chatml), e(q, &tok, chatml);
+    EXPECT_EQ(take(d, T, 6), take(e, T, 6));
+  }
+  expect_error([&] { Dataset d(opts(Truncation::error), &tok, chatml); take(d, T, 40); },
+               {"c.jsonl:", "longer than a sequence (--seq 32 + 1)", "--truncation split"});
+  expect_error([] { parse_truncation("cut"); }, {"--truncation cut is not supported; use split, drop or error"});
 }
 
 }  // namespace

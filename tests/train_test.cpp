@@ -7,7 +7,10 @@
 #include <fstream>
 #include <sstream>
 
+#include "data/chat.h"
+#include "data/dataset.h"
 #include "io/json.h"
+#include "model/load.h"
 #include "model/config.h"
 #include "train/trainer.h"
 #include "util/harness.h"
@@ -307,6 +310,67 @@ TEST(Trainer, DefaultsDependOnWhetherTheModelIsPretrained) {
     EXPECT_EQ(g.config().weight_decay, 0.01);
     EXPECT_EQ(g.config().warmup, 7);
   }
+}
+
+// --eval-data x.jsonl: chats are rendered with the template and scored on the assistant targets only,
+// as training scores them (not as raw JSON text).
+TEST(Trainer, ChatEvalDataIsScoredOnTheAssistantTargets) {
+  const std::string dir = testing::TempDir() + "/oomless_trainer_chat_eval";
+  fs::create_directories(dir);
+  const std::string chat = dir + "/chat.jsonl";
+  std::ofstream(chat) << "{\"messages\": [{\"role\": \"user\", \"content\": \"Who made the light?\"}, "
+                         "{\"role\": \"assistant\", \"content\": \"God said, Let there be light.\"}]}\n"
+                         "{\"messages\": [{\"role\": \"user\", \"content\": \"And then?\"}, "
+                         "{\"role\": \"assistant\", \"content\": \"And there was light.\"}]}\n";
+  TrainConfig c = micro(dir + "/run");
+  c.seq = 32;
+  c.eval_data = chat;
+  Trainer t(c, c.out);
+  const std::optional<EvalResult> r = t.evaluate();
+  ASSERT_TRUE(r.has_value());
+  DatasetOptions o;
+  o.paths = {chat};
+  o.T = 32;
+  o.eos_id = *t.engine().src.cfg.eos_id;
+  o.vocab = t.engine().src.cfg.V;
+  const Sequences s = document_sequences(o, &*t.engine().src.tokenizer, t.engine().src.tokenizer_config, 32);
+  int64_t supervised = 0;
+  double loss_sum = 0;
+  Model& m = *t.engine().model;
+  for (size_t w = 0; w < s.ids.size(); ++w) {
+    for (int32_t x : s.targets[w]) supervised += x >= 0;
+    const CeResult ce = m.forward(Tensor(const_cast<int32_t*>(s.ids[w].data()), DType::i32, {32}),
+                                  Tensor(const_cast<int32_t*>(s.targets[w].data()), DType::i32, {32}), false);
+    loss_sum += ce.loss_sum;
+  }
+  EXPECT_EQ(r->predictions, supervised);
+  EXPECT_LT(r->predictions, r->tokens / 2);  // user turns, headers and system text are not scored
+  EXPECT_GT(r->predictions, 10);
+  EXPECT_EQ(r->loss_sum, loss_sum);
+}
+
+// A model folder saved by current transformers keeps its template in chat_template.jinja; it is the
+// template when tokenizer_config.json holds none.
+TEST(Trainer, ChatTemplateJinjaBesideTheTokenizerConfigIsRead) {
+  const fs::path dir = fs::path(testing::TempDir()) / "oomless_chat_template_jinja";
+  fs::remove_all(dir);
+  fs::copy(test::source_path("tests/golden/models/llama_mha_tied"), dir, fs::copy_options::recursive);
+  fs::copy_file(test::source_path("data/tokenizer/tokenizer.json"), dir / "tokenizer.json");
+  json::Value tc = json::parse_file(test::source_path("data/tokenizer/tokenizer_config.json"));
+  const std::string tmpl = tc.at("chat_template").as_string();
+  json::Value without = json::Value::object();
+  for (const auto& [k, v] : tc.as_object())
+    if (k != "chat_template") without.set(k, v);
+  std::ofstream(dir / "tokenizer_config.json") << json::dump(without);
+  {
+    const ModelSource none = open_model(dir.string());
+    EXPECT_EQ(ChatTemplate::from_config(none.tokenizer_config).kind(), ChatTemplate::Kind::none);
+  }
+  std::ofstream(dir / "chat_template.jinja") << tmpl;
+  const ModelSource m = open_model(dir.string());
+  ASSERT_TRUE(m.tokenizer_config.find("chat_template"));
+  EXPECT_EQ(m.tokenizer_config.at("chat_template").as_string(), tmpl);
+  EXPECT_EQ(ChatTemplate::from_config(m.tokenizer_config).kind(), ChatTemplate::Kind::chatml);
 }
 
 }  // namespace

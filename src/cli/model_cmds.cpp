@@ -6,6 +6,7 @@
 
 #include "cli/args.h"
 #include "cli/commands.h"
+#include "data/dataset.h"
 #include "data/text.h"
 #include "io/json.h"
 #include "io/safetensors.h"
@@ -77,6 +78,9 @@ const char* kEvalHelp =
     "one document per line (blank lines skipped, lines concatenated as they are, nothing added). The stream\n"
     "is cut into non-overlapping windows of T tokens (the last partial window dropped);\n"
     "loss = sum of cross-entropy / number of predictions (T - 1 per window).\n"
+    "A .jsonl file (chats, prompt-completion pairs, text lines) or a folder is read as `train` reads it:\n"
+    "documents in file order, packed into sequences of T tokens with EOS between them, and only the\n"
+    "targets training supervises are scored (assistant turns of a chat, the completion of a pair).\n"
     "\n"
     "  --model M        (required)\n"
     "  --adapter DIR    a LoRA adapter folder (PEFT's format: adapter_config.json, adapter_model.safetensors)\n"
@@ -85,7 +89,7 @@ const char* kEvalHelp =
     "                   trained the adapter saw them (a GGUF keeps its blocks; a bitsandbytes 4-bit folder is NF4)\n"
     "  --embed-dtype D  auto (default: a GGUF's own blocks, else fp32), fp32, bf16 or nf4: storage of the\n"
     "                   embedding and LM head\n"
-    "  --data FILE      text or .ids file (required)\n"
+    "  --data FILE      text, .ids or .jsonl file, or a folder (required)\n"
     "  --seq T          window length in tokens (required, >= 2)\n"
     "  --dtype D        fp32 (default) or bf16 projections with fp32 accumulation\n"
     "  --grads OUT      write the gradient of window 0's mean loss as F32 safetensors under Hugging Face names\n"
@@ -122,12 +126,36 @@ int eval(const std::vector<std::string>& argv) {
   a.required("seq");
   // A GGUF stays in its blocks unless the base gradients are asked for (--grads without --adapter).
   Loaded l = load(a, true, !a.has("grads") || a.has("adapter"));
-  std::vector<int32_t> stream = is_ids_file(data) ? read_ids_file(data, l.src.cfg.V)
-                                                  : l.src.require_tokenizer().encode(read_text_file(data), true);
-  for (int32_t id : stream)
-    OOM_CHECK(id < l.src.cfg.V, "[eval] the tokenizer produced id ", id, " outside the model's vocabulary ",
-              l.src.cfg.V, "; the tokenizer and the model do not belong together");
   const bool grads = a.has("grads");
+  // .jsonl data (chats, prompt-completion pairs) and folders are read as training reads them and only
+  // the targets training supervises are scored; text and .ids are one stream cut into windows.
+  const bool docs = reads_as_documents(data);
+  OOM_CHECK(!docs || !grads, "[eval] --grads takes a text or .ids file (the gradient of its first window), not ", data);
+  std::vector<int32_t> stream;
+  Sequences seqs;
+  if (docs) {
+    OOM_CHECK(l.src.cfg.eos_id.has_value(), "[eval] ", a.str("model"), " names no end-of-sequence token "
+              "(eos_token_id), which goes between documents");
+    DatasetOptions dopt;
+    dopt.paths = {data};
+    dopt.T = T;
+    dopt.eos_id = *l.src.cfg.eos_id;
+    dopt.vocab = l.src.cfg.V;
+    seqs = document_sequences(dopt, l.src.tokenizer ? &*l.src.tokenizer : nullptr, l.src.tokenizer_config, 0);
+    int64_t supervised = 0;
+    for (const auto& tg : seqs.targets)
+      for (int32_t t : tg) supervised += t >= 0;
+    OOM_CHECK(supervised > 0, "[eval] ", data, " has no supervised token (chat data needs assistant turns)");
+  } else {
+    stream = is_ids_file(data) ? read_ids_file(data, l.src.cfg.V)
+                               : l.src.require_tokenizer().encode(read_text_file(data), true);
+    for (int32_t id : stream)
+      OOM_CHECK(id < l.src.cfg.V, "[eval] the tokenizer produced id ", id, " outside the model's vocabulary ",
+                l.src.cfg.V, "; the tokenizer and the model do not belong together");
+  }
+  const int64_t windows = docs ? static_cast<int64_t>(seqs.ids.size()) : static_cast<int64_t>(stream.size()) / T;
+  std::fprintf(stderr, "oomless eval: %lld window%s of %lld tokens%s...\n", static_cast<long long>(windows),
+               windows == 1 ? "" : "s", static_cast<long long>(T), docs ? " (supervised targets only, as training)" : "");
   std::unique_ptr<PagedKvStore> kv;
   const int64_t C = std::min(a.integer("chunk", 0, 0, int64_t{1} << 24), T);
   OOM_CHECK(C > 0 || !a.has("sparse-pages"), "[eval] --sparse-pages needs --chunk C: page-sparse attention selects "
@@ -143,7 +171,8 @@ int eval(const std::vector<std::string>& argv) {
     ko.summary = parse_page_summary(a.str("page-summary", "minmax"));
     kv = std::make_unique<PagedKvStore>(l.src.cfg, *l.ops, l.mem->device, l.mem->host, ko, T, grads);
   }
-  EvalResult r = evaluate(*l.model, stream, T, grads, kv.get(), C);
+  EvalResult r = docs ? evaluate_sequences(*l.model, seqs.ids, seqs.targets, kv.get(), C)
+                      : evaluate(*l.model, stream, T, grads, kv.get(), C);
   if (grads) {
     // With an adapter the base is frozen: the adapter's gradients, under PEFT's names.
     const ParamSet& g = l.adapters ? l.model->adapter_grads().tensors() : l.model->grads();

@@ -129,7 +129,7 @@ void ChatTemplate::render(const std::vector<ChatMessage>& messages, const Tokeni
     const ChatMessage& m = messages[i];
     OOM_CHECK(m.role == "system" || m.role == "user" || m.role == "assistant", "[data] chat role \"", m.role,
               "\" is not supported; use system, user or assistant");
-    const bool sup = m.role == "assistant";
+    const bool sup = m.role == "assistant" && m.train;
     if (kind_ == Kind::chatml) {
       if (i == 0 && m.role != "system" && !default_system_.empty()) {
         segs.push_back({"<|im_start|>", true, false});

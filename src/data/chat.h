@@ -29,6 +29,7 @@ namespace oomless {
 struct ChatMessage {
   std::string role;  // "system", "user" or "assistant"
   std::string content;
+  bool train = true;  // an assistant message that is supervised (false: part of a prompt)
 };
 
 class ChatTemplate {

@@ -78,14 +78,40 @@ bool parse_ids_line(std::string_view line, int64_t vocab, std::vector<int32_t>* 
 
 bool blank(std::string_view s) { return s.find_first_not_of(" \t\r") == std::string_view::npos; }
 
-constexpr const char* kJsonlShape =
-    "each line of a .jsonl file is {\"text\": \"...\"} or {\"messages\": [{\"role\": \"system\"|\"user\"|"
-    "\"assistant\", \"content\": \"...\"}, ...]}";
+std::vector<uint32_t> in_file_order(int64_t n) {
+  std::vector<uint32_t> o(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) o[static_cast<size_t>(i)] = static_cast<uint32_t>(i);
+  return o;
+}
 
-// The line as a document: kind 't' (text in *text), 'c' (conversation in *msgs) or 0 (skipped: empty
-// text). Errors name the location and the problem.
+constexpr const char* kJsonlShape =
+    "each line of a .jsonl file is {\"text\": \"...\"}, {\"messages\": [{\"role\": \"system\"|\"user\"|"
+    "\"assistant\", \"content\": \"...\"}, ...]} or {\"prompt\": ..., \"completion\": ...} (two strings, or two "
+    "lists of messages)";
+
+// A "messages"-shaped list at `key` into *msgs (appended), each message's `train` set to `train`.
+void parse_messages(const json::Value& m, const std::string& where, const char* key, bool train,
+                    std::vector<ChatMessage>* msgs) {
+  OOM_CHECK(m.is_array() && m.size() > 0, "[data] ", where, ": \"", key, "\" must be a non-empty array; ", kJsonlShape);
+  for (size_t i = 0; i < m.size(); ++i) {
+    const json::Value& e = m[i];
+    const json::Value* role = e.is_object() ? e.find("role") : nullptr;
+    const json::Value* content = e.is_object() ? e.find("content") : nullptr;
+    OOM_CHECK(role && role->is_string() && content && content->is_string(), "[data] ", where, ": ", key, " message ",
+              i, " needs string \"role\" and \"content\"; ", kJsonlShape);
+    const std::string& r = role->as_string();
+    OOM_CHECK(r == "system" || r == "user" || r == "assistant", "[data] ", where, ": ", key, " message ", i,
+              " has role \"", r, "\"; the roles are system, user and assistant");
+    msgs->push_back({r, content->as_string(), train});
+  }
+}
+
+// The line as a document: kind 't' (text in *text), 'c' (conversation in *msgs), 'p' (a prompt in *text
+// and its completion in *completion: only the completion is supervised) or 0 (skipped: empty text).
+// {"prompt", "completion"} as lists of messages is a conversation whose prompt messages are not
+// supervised (TRL's conversational prompt-completion). Errors name the location and the problem.
 char parse_jsonl_line(const std::string& line, const std::string& where, std::string* text,
-                      std::vector<ChatMessage>* msgs) {
+                      std::vector<ChatMessage>* msgs, std::string* completion) {
   json::Value v;
   try {
     v = json::parse(line, where);
@@ -96,8 +122,15 @@ char parse_jsonl_line(const std::string& line, const std::string& where, std::st
             kJsonlShape);
   const json::Value* t = v.find("text");
   const json::Value* m = v.find("messages");
-  OOM_CHECK((t != nullptr) != (m != nullptr), "[data] ", where, ": ",
-            t ? "both \"text\" and \"messages\"" : "neither \"text\" nor \"messages\"", "; ", kJsonlShape);
+  const json::Value* p = v.find("prompt");
+  const json::Value* c = v.find("completion");
+  OOM_CHECK((p != nullptr) == (c != nullptr), "[data] ", where, ": \"", p ? "prompt" : "completion", "\" without \"",
+            p ? "completion" : "prompt", "\"; ", kJsonlShape);
+  const int shapes = (t != nullptr) + (m != nullptr) + (p != nullptr);
+  OOM_CHECK(shapes == 1, "[data] ", where, ": ",
+            shapes == 0 ? "neither \"text\", \"messages\" nor \"prompt\"/\"completion\""
+                        : "more than one of \"text\", \"messages\" and \"prompt\"/\"completion\"",
+            "; ", kJsonlShape);
   if (t) {
     OOM_CHECK(t->is_string(), "[data] ", where, ": \"text\" is a ", json::Value::kind_name(t->kind()),
               ", not a string; ", kJsonlShape);
@@ -105,20 +138,21 @@ char parse_jsonl_line(const std::string& line, const std::string& where, std::st
     *text = t->as_string();
     return 't';
   }
-  OOM_CHECK(m->is_array() && m->size() > 0, "[data] ", where, ": \"messages\" must be a non-empty array; ",
-            kJsonlShape);
   msgs->clear();
-  for (size_t i = 0; i < m->size(); ++i) {
-    const json::Value& e = (*m)[i];
-    const json::Value* role = e.is_object() ? e.find("role") : nullptr;
-    const json::Value* content = e.is_object() ? e.find("content") : nullptr;
-    OOM_CHECK(role && role->is_string() && content && content->is_string(), "[data] ", where, ": message ", i,
-              " needs string \"role\" and \"content\"; ", kJsonlShape);
-    const std::string& r = role->as_string();
-    OOM_CHECK(r == "system" || r == "user" || r == "assistant", "[data] ", where, ": message ", i, " has role \"",
-              r, "\"; the roles are system, user and assistant");
-    msgs->push_back({r, content->as_string()});
+  if (m) {
+    parse_messages(*m, where, "messages", true, msgs);
+    return 'c';
   }
+  if (p->is_string() && c->is_string()) {
+    OOM_CHECK(!c->as_string().empty(), "[data] ", where, ": \"completion\" is empty: there is nothing to train on");
+    *text = p->as_string();
+    *completion = c->as_string();
+    return 'p';
+  }
+  OOM_CHECK(p->is_array() && c->is_array(), "[data] ", where, ": \"prompt\" and \"completion\" must both be strings "
+            "or both be lists of messages; ", kJsonlShape);
+  parse_messages(*p, where, "prompt", false, msgs);
+  parse_messages(*c, where, "completion", true, msgs);
   return 'c';
 }
 
@@ -152,6 +186,9 @@ Dataset::Dataset(const DatasetOptions& opt, const Tokenizer* tok, const json::Va
       found.push_back(p);
     }
     for (std::string& s : found) {
+      OOM_CHECK(!ends_with(s, ".json"), "[data] ", s, ": a .json file is not read (as text it would train on its "
+                "JSON syntax); write one document per line as JSON Lines (.jsonl), e.g. python3 -c \"import json,"
+                "sys; [print(json.dumps(x)) for x in json.load(open(sys.argv[1]))]\" ", s, " > data.jsonl");
       const FileKind k = ends_with(s, ".ids") ? FileKind::ids : ends_with(s, ".jsonl") ? FileKind::jsonl : FileKind::text;
       OOM_CHECK(k == FileKind::ids || tok_, "[data] ", s,
                 " needs a tokenizer (only .ids files can be read without one); give a model with tokenizer.json");
@@ -210,7 +247,7 @@ void Dataset::index_lines(uint32_t fi) {
   std::string line;
   uint64_t line_start = 0, pos = 0, lineno = 1;
   bool checked_chat = false;
-  std::string text;
+  std::string text, completion;
   std::vector<ChatMessage> msgs;
   auto finish = [&] {
     const std::string where = f.path + ":" + std::to_string(lineno);
@@ -220,7 +257,7 @@ void Dataset::index_lines(uint32_t fi) {
       OOM_CHECK(parse_ids_line(line, opt_.vocab, nullptr, &why), "[data] ", where, ": ", why);
       is_doc = line.find_first_not_of(" \t\r,") != std::string::npos;  // a line of separators only holds no id
     } else if (!blank(line)) {
-      const char k = parse_jsonl_line(line, where, &text, &msgs);
+      const char k = parse_jsonl_line(line, where, &text, &msgs, &completion);
       if (k == 'c') {
         OOM_CHECK(chat_.kind() != ChatTemplate::Kind::none, "[data] ", where, ": a conversation needs the model's chat template, but ",
                   chat_.unsupported_reason());
@@ -289,7 +326,8 @@ void Dataset::load() {
   const std::string where = f.path + ":" + std::to_string(d.line);
   buf_.clear();
   sup_.clear();
-  bool eos_supervised = true;
+  drop_ = false;
+  bool eos_supervised = true, structured = false;
   if (f.kind == FileKind::text) {
     const uint64_t piece_bytes = static_cast<uint64_t>(opt_.text_piece_bytes);
     OOM_CHECK(piece_ < f.size, "[data] ", f.path, " is shorter than when it was indexed; do not change data during a run");
@@ -336,22 +374,48 @@ void Dataset::load() {
                 " changed since it was indexed; do not change data during a run");
       sup_.assign(buf_.size(), 1);
     } else {
-      std::string text;
+      std::string text, completion;
       std::vector<ChatMessage> msgs;
-      const char k = parse_jsonl_line(line, where, &text, &msgs);
+      const char k = parse_jsonl_line(line, where, &text, &msgs, &completion);
       if (k == 't') {
         buf_ = tok_->encode(text, true);
         sup_.assign(buf_.size(), 1);
+      } else if (k == 'p') {
+        structured = true;
+        // The prompt and the completion encoded apart (the prompt with the tokenizer's BOS); only the
+        // completion and the EOS after it are supervised.
+        buf_ = tok_->encode(text, true);
+        sup_.assign(buf_.size(), 0);
+        const std::vector<int32_t> comp = tok_->encode(completion, false);
+        buf_.insert(buf_.end(), comp.begin(), comp.end());
+        sup_.resize(buf_.size(), 1);
       } else {
         OOM_CHECK(k == 'c', "[data] ", where, " changed since it was indexed; do not change data during a run");
         chat_.render(msgs, *tok_, buf_, sup_);
         eos_supervised = false;  // the end-of-turn token already taught the model to stop
+        structured = true;
       }
     }
     next_piece_ = 0;
   }
   buf_.push_back(opt_.eos_id);
   sup_.push_back(eos_supervised);
+  // A conversation (or prompt-completion pair) longer than a sequence: the --truncation rule. Split, its
+  // later pieces train without the start of their prompt in view.
+  if (structured && static_cast<int64_t>(buf_.size()) > opt_.T + 1) {
+    ++long_docs_;
+    OOM_CHECK(opt_.truncation != Truncation::error, "[data] ", where, ": the conversation is ", buf_.size(),
+              " tokens with its EOS, longer than a sequence (--seq ", opt_.T, " + 1); use a larger --seq, or "
+              "--truncation split (train it in pieces) or drop (skip such conversations)");
+    drop_ = opt_.truncation == Truncation::drop;
+  }
+}
+
+Truncation parse_truncation(std::string_view s) {
+  if (s == "split") return Truncation::split;
+  if (s == "drop") return Truncation::drop;
+  if (s == "error") return Truncation::error;
+  fail("[data] --truncation ", s, " is not supported; use split, drop or error");
 }
 
 std::vector<uint32_t> Dataset::order(int64_t n, uint64_t seed, int64_t epoch) {
@@ -364,6 +428,21 @@ std::vector<uint32_t> Dataset::order(int64_t n, uint64_t seed, int64_t epoch) {
 }
 
 void Dataset::advance() {
+  move_on();
+  load_kept();
+}
+
+void Dataset::load_kept() {
+  for (int64_t dropped = 0;; ++dropped) {
+    load();
+    if (!drop_) return;
+    OOM_CHECK(dropped < documents(), "[data] every conversation is longer than a sequence of ", opt_.T,
+              " tokens, so --truncation drop leaves nothing; use a larger --seq or --truncation split");
+    move_on();
+  }
+}
+
+void Dataset::move_on() {
   const File& f = files_[docs_[order_[pos_]].file];
   if (f.kind == FileKind::text && next_piece_ < f.size) {
     piece_ = next_piece_;
@@ -371,17 +450,17 @@ void Dataset::advance() {
     piece_ = 0;
     if (++pos_ == documents()) {
       pos_ = 0;
-      order_ = order(documents(), opt_.seed, ++epoch_);
+      ++epoch_;
+      order_ = opt_.shuffle ? order(documents(), opt_.seed, epoch_) : in_file_order(documents());
     }
   }
   offset_ = 0;
-  load();
 }
 
 int64_t Dataset::next(int32_t* ids, int32_t* targets) {
   if (!loaded_) {
-    order_ = order(documents(), opt_.seed, epoch_);
-    load();
+    order_ = opt_.shuffle ? order(documents(), opt_.seed, epoch_) : in_file_order(documents());
+    load_kept();
     loaded_ = true;
   }
   auto take = [&](bool* sup) {
@@ -443,8 +522,8 @@ void Dataset::restore(const json::Value& s) {
   piece_ = static_cast<uint64_t>(piece);
   has_carry_ = !carry->is_null();
   carry_ = has_carry_ ? static_cast<int32_t>(carry->as_int()) : 0;
-  order_ = order(documents(), opt_.seed, epoch_);
-  load();
+  order_ = opt_.shuffle ? order(documents(), opt_.seed, epoch_) : in_file_order(documents());
+  load_kept();
   loaded_ = true;
   OOM_CHECK(static_cast<uint64_t>(offset) <= buf_.size(), "[data] data cursor out of range in the resume state");
   offset_ = static_cast<size_t>(offset);
@@ -466,6 +545,24 @@ std::string dump_line(int64_t step, const std::vector<std::vector<int32_t>>& seq
   line.set("ids", rows(seqs));
   line.set("targets", rows(targets));
   return json::dump(line);
+}
+
+bool reads_as_documents(const std::string& path) {
+  std::error_code ec;
+  return ends_with(path, ".jsonl") || ends_with(path, ".json") || fs::is_directory(path, ec);
+}
+
+Sequences document_sequences(DatasetOptions opt, const Tokenizer* tok, const json::Value& tokenizer_config,
+                             int64_t max_sequences) {
+  opt.shuffle = false;
+  Dataset d(opt, tok, tokenizer_config);
+  Sequences s;
+  std::vector<int32_t> ids(static_cast<size_t>(opt.T)), tg(static_cast<size_t>(opt.T));
+  while ((max_sequences <= 0 || static_cast<int64_t>(s.ids.size()) < max_sequences) && d.next(ids.data(), tg.data()) == 0) {
+    s.ids.push_back(ids);
+    s.targets.push_back(tg);
+  }
+  return s;
 }
 
 }  // namespace oomless

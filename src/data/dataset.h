@@ -6,9 +6,13 @@
 //                                  adds one); an empty file is no document
 //   FILE.ids                       one document per line of decimal ids (as data/text.h reads them);
 //                                  blank lines skipped
-//   FILE.jsonl                     one document per line: {"text": "..."} or {"messages": [{"role":
+//   FILE.jsonl                     one document per line: {"text": "..."}, {"messages": [{"role":
 //                                  "system"|"user"|"assistant", "content": "..."}, ...]} rendered with the
-//                                  model's chat template (data/chat.h); blank lines skipped
+//                                  model's chat template (data/chat.h), or TRL's {"prompt": ..., "completion":
+//                                  ...}: two strings (encoded apart, the prompt with BOS; only the
+//                                  completion and the EOS after it supervised) or two lists of messages (a
+//                                  conversation whose prompt messages are not supervised); blank lines skipped
+//   FILE.json                      refused (a JSON array would otherwise train as text): use JSON Lines
 //   FOLDER                         every *.txt, *.ids and *.jsonl inside, recursively, sorted by path
 //
 // Packing: the documents of an epoch, in its order, form one stream with EOS (DatasetOptions::eos_id)
@@ -38,6 +42,7 @@
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "data/chat.h"
@@ -45,6 +50,12 @@
 #include "tokenizer/tokenizer.h"
 
 namespace oomless {
+
+// What happens to a conversation (or prompt-completion pair) longer than a sequence of T + 1 tokens:
+// split across sequences (later pieces train without the start of their prompt in view), dropped, or an
+// error naming it.
+enum class Truncation { split, drop, error };
+Truncation parse_truncation(std::string_view s);  // "split", "drop", "error"
 
 struct DatasetOptions {
   std::vector<std::string> paths;
@@ -54,6 +65,8 @@ struct DatasetOptions {
   int64_t vocab = 0;           // ids must be below this (the model's vocabulary); 0: the tokenizer's size
                                // when there is one, else only non-negative int32 is checked
   int64_t text_piece_bytes = 1 << 20;  // see "Memory" above
+  bool shuffle = true;         // false: every epoch in file order (evaluation)
+  Truncation truncation = Truncation::split;
 };
 
 class Dataset {
@@ -70,6 +83,8 @@ class Dataset {
   int64_t next(int32_t* ids, int32_t* targets);
 
   int64_t documents() const { return static_cast<int64_t>(docs_.size()); }
+  // Conversations longer than a sequence met so far (split, dropped; with error the first one throws).
+  int64_t long_documents() const { return long_docs_; }
   int64_t epoch() const { return epoch_; }
   // The cursor: {"epoch", "doc" (position in the epoch's order), "piece" (byte offset of the text piece
   // being read), "offset" (tokens of it already taken), "carry" (the token the next sequence starts
@@ -101,7 +116,9 @@ class Dataset {
   void validate_jsonl(const std::string& line, const File& f, uint64_t lineno) const;
   void load();  // fills buf_ for (epoch_, pos_, piece_)
   std::string read_range(const File& f, uint64_t offset, uint64_t max_bytes, bool to_eol);
-  void advance();
+  void advance();    // move_on + load_kept
+  void move_on();    // the cursor to the next document (or text piece)
+  void load_kept();  // load, skipping dropped documents
   FILE* open(uint32_t fi);
 
   DatasetOptions opt_;
@@ -120,6 +137,8 @@ class Dataset {
   bool has_carry_ = false;
   int32_t carry_ = 0;
   bool loaded_ = false;
+  bool drop_ = false;       // the loaded document is dropped (--truncation drop)
+  int64_t long_docs_ = 0;
 
   std::vector<int32_t> buf_;   // tokens of the current document or piece (+ EOS after the last piece)
   std::vector<uint8_t> sup_;   // 1 where the token is a supervised target
@@ -136,5 +155,17 @@ class Dataset {
 // sequence of the step's micro-batches in order and its targets (-100 where a position is not supervised).
 std::string dump_line(int64_t step, const std::vector<std::vector<int32_t>>& seqs,
                       const std::vector<std::vector<int32_t>>& targets);
+
+// Sequences with their own targets (-100: not supervised), T tokens each.
+struct Sequences {
+  std::vector<std::vector<int32_t>> ids, targets;
+};
+
+// Evaluation data that training would read as documents (.jsonl: chats, prompt-completion pairs, text
+// lines; or a folder): the documents in file order, packed as training packs them, the sequences of one
+// pass (at most max_sequences; 0: all), so the loss is over exactly the targets training supervises.
+bool reads_as_documents(const std::string& path);  // a .jsonl or .json file, or a folder
+Sequences document_sequences(DatasetOptions opt, const Tokenizer* tok, const json::Value& tokenizer_config,
+                             int64_t max_sequences);
 
 }  // namespace oomless

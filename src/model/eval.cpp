@@ -51,4 +51,37 @@ EvalResult evaluate(Model& model, const std::vector<int32_t>& stream, int64_t T,
   return r;
 }
 
+EvalResult evaluate_sequences(Model& model, const std::vector<std::vector<int32_t>>& ids,
+                              const std::vector<std::vector<int32_t>>& targets, ChunkKv* kv, int64_t C) {
+  OOM_CHECK(!ids.empty() && ids.size() == targets.size(), "[eval] no sequences to evaluate");
+  const int64_t T = static_cast<int64_t>(ids[0].size());
+  OOM_CHECK(T >= 2, "[eval] --seq must be at least 2, got ", T);
+  EvalResult r;
+  r.windows = static_cast<int64_t>(ids.size());
+  r.tokens = r.windows * T;
+  r.buckets = position_buckets(T + 1);  // targets at positions 0 .. T-1
+  const bool chunked = kv && C > 0;
+  model.reserve(chunked ? std::min(C, T) : T, false, chunked);
+  for (size_t w = 0; w < ids.size(); ++w) {
+    OOM_CHECK(static_cast<int64_t>(ids[w].size()) == T && targets[w].size() == ids[w].size(),
+              "[eval] every sequence holds ", T, " ids and as many targets");
+    const Tensor id_t(const_cast<int32_t*>(ids[w].data()), DType::i32, {T});
+    const Tensor tg_t(const_cast<int32_t*>(targets[w].data()), DType::i32, {T});
+    CeResult ce;
+    std::vector<double> per;
+    if (chunked) {
+      ce = model.chunked_eval(id_t, tg_t, C, *kv, &per);
+    } else {
+      ce = model.forward(id_t, tg_t, false);
+      per = model.token_losses();
+    }
+    r.loss_sum += ce.loss_sum;
+    r.predictions += ce.count;
+    for (PositionBucket& b : r.buckets)
+      for (int64_t t = b.start; t < b.end; ++t)
+        if (targets[w][static_cast<size_t>(t)] >= 0) b.loss_sum += per[static_cast<size_t>(t)], ++b.count;
+  }
+  return r;
+}
+
 }  // namespace oomless

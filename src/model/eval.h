@@ -1,6 +1,7 @@
 // Evaluation of a token stream: non-overlapping windows of T tokens (the last partial window dropped),
 // loss = sum of cross-entropy / number of predictions (T - 1 per window), with the loss broken down by
-// position in the window, and optionally the gradient of window 0's mean loss.
+// position in the window, and optionally the gradient of window 0's mean loss; or of sequences with
+// their own targets (chat data).
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -33,5 +34,11 @@ std::vector<PositionBucket> position_buckets(int64_t T);
 // chunked_step for the gradient), for windows longer than the activations one pass can hold.
 EvalResult evaluate(Model& model, const std::vector<int32_t>& stream, int64_t T, bool with_grads,
                     ChunkKv* kv = nullptr, int64_t C = 0);
+
+// Evaluation of given sequences (ids and targets of T tokens each, -100 = not supervised), as training
+// scores them: loss = sum of cross-entropy over the supervised targets / their count; buckets by the
+// target's position in its sequence. Chat data (only assistant turns supervised) is scored this way.
+EvalResult evaluate_sequences(Model& model, const std::vector<std::vector<int32_t>>& ids,
+                              const std::vector<std::vector<int32_t>>& targets, ChunkKv* kv = nullptr, int64_t C = 0);
 
 }  // namespace oomless

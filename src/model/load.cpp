@@ -105,6 +105,14 @@ void read_tokenizer_files(ModelSource& m, const fs::path& dir) {
   }
   if (fs::exists(dir / "tokenizer_config.json"))
     m.tokenizer_config = json::parse_file((dir / "tokenizer_config.json").string());
+  // Current transformers save the template beside tokenizer_config.json, in chat_template.jinja: it is
+  // the template when the config holds none (as transformers reads it), and is then written back into
+  // the tokenizer_config.json of checkpoints.
+  if (fs::exists(dir / "chat_template.jinja")) {
+    if (!m.tokenizer_config.is_object()) m.tokenizer_config = json::Value::object();
+    if (!m.tokenizer_config.find("chat_template"))
+      m.tokenizer_config.set("chat_template", json::Value::string(read_text_file((dir / "chat_template.jinja").string())));
+  }
 }
 
 // config.json alone: the model it describes, randomly initialised tensor by tensor (init_tensor), so a

@@ -126,8 +126,8 @@ const std::vector<TrainOption>& train_options() {
   static const std::vector<TrainOption> table = {
       text("model", true, "M", "HF folder, .gguf or preset:NAME (default preset:tiny)", &C::model),
       text("data", true, "D",
-           "files or folders, comma-separated: text, .ids, .jsonl ({\"text\"} or {\"messages\"})\n(default: the "
-           "bundled corpus)",
+           "files or folders, comma-separated: text, .ids, .jsonl ({\"text\"}, {\"messages\"} or\n{\"prompt\", "
+           "\"completion\"}) (default: the bundled corpus)",
            &C::data),
       text("out", false, "DIR",
            "run folder: checkpoints, metrics.jsonl, report.html; a new run needs a new\nfolder (default "
@@ -153,8 +153,8 @@ const std::vector<TrainOption>& train_options() {
       real("eps", true, "e", "AdamW epsilon (default 1e-8)", &C::eps),
       real("clip", true, "c", "global gradient-norm clip, 0 = off (default 1.0)", &C::clip),
       text("eval-data", false, "F",
-           "held-out text or .ids file: loss of its first 32 windows (default: none, or the\nbundled eval text "
-           "with the bundled corpus)",
+           "held-out text, .ids or .jsonl file: loss of its first 32 windows (.jsonl: chats\nscored on their "
+           "assistant turns, as training) (default: none, or the bundled eval\ntext with the bundled corpus)",
            &C::eval_data),
       whole("eval-every", false, "n", "evaluate every n steps, and at the end (default 100)", &C::eval_every),
       whole("save-every", false, "n", "checkpoint every n steps, and at the end (default 200)", &C::save_every),
@@ -225,6 +225,11 @@ const std::vector<TrainOption>& train_options() {
            &C::modules_to_save),
       text("adapter", true, "DIR", "start from this adapter folder (oomless's or PEFT's) instead of a new one",
            &C::adapter),
+      text("truncation", true, "R",
+           "a conversation or prompt-completion pair longer than --seq: split (across\nsequences; later pieces "
+           "train without the start of their prompt), drop, or error\n(default split; how many are long is "
+           "printed before step 1)",
+           &C::truncation),
   };
   return table;
 }
@@ -303,6 +308,7 @@ LoraSettings lora_settings(const TrainConfig& c) {
 }
 
 void validate_config(const TrainConfig& c) {
+  parse_truncation(c.truncation);
   OOM_CHECK(c.seq >= 2, "[train] --seq must be at least 2");
   OOM_CHECK(c.batch >= 1 && c.grad_accum >= 1, "[train] --batch and --grad-accum must be at least 1");
   OOM_CHECK(c.epochs >= 0 && std::isfinite(c.epochs), "[train] --epochs must be a positive number, got ", c.epochs);
@@ -409,6 +415,7 @@ struct Trainer::State {
   ScheduleSettings sched;
   int64_t total = 0, step = 0, nonfinite_total = 0, nonfinite_run = 0;
   std::vector<int32_t> eval_stream;
+  Sequences eval_seqs;
 };
 
 namespace {
@@ -628,6 +635,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
     dopt.seed = c.seed;
     dopt.eos_id = *cfg.eos_id;
     dopt.vocab = cfg.V;
+    dopt.truncation = parse_truncation(c.truncation);
     s.data = std::make_unique<Dataset>(dopt, src.tokenizer ? &*src.tokenizer : nullptr, src.tokenizer_config);
     // One pass over a second reader counts the first epoch: its sequences (for --epochs and the steps per
     // epoch) and supervised targets (none: nothing would train). Documents are tokenized as they stream by;
@@ -655,6 +663,12 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
       }
       OOM_CHECK(supervised > 0, "[train] ", c.data, " has no supervised token in an epoch (", per_epoch,
                 " sequences): chat data needs assistant turns, text needs more than one token");
+      if (counter.long_documents() > 0)
+        say("oomless train: %lld conversation%s longer than --seq %lld: %s (--truncation split|drop|error)\n",
+            static_cast<long long>(counter.long_documents()), counter.long_documents() == 1 ? " is" : "s are",
+            static_cast<long long>(c.seq),
+            c.truncation == "drop" ? "dropped" : "split across sequences, later pieces training without the start of "
+                                                 "their prompt");
     }
     const double steps_per_epoch = static_cast<double>(per_epoch) / static_cast<double>(seqs_per_step);
     s.total = c.steps;
@@ -733,8 +747,22 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
         static_cast<long long>(s.total));
   }
 
-  // Held-out loss: the first (at most 32) windows of --eval-data, read once.
-  if (!c.eval_data.empty()) {
+  // Held-out loss: the first (at most 32) windows of --eval-data, read once; .jsonl (chats) and folders
+  // are packed as training packs them and scored on the targets training supervises.
+  if (!c.eval_data.empty() && reads_as_documents(c.eval_data)) {
+    DatasetOptions dopt;
+    dopt.paths = {c.eval_data};
+    dopt.T = c.seq;
+    dopt.eos_id = *cfg.eos_id;
+    dopt.vocab = cfg.V;
+    dopt.truncation = parse_truncation(c.truncation);
+    s.eval_seqs = document_sequences(dopt, src.tokenizer ? &*src.tokenizer : nullptr, src.tokenizer_config, 32);
+    int64_t supervised = 0;
+    for (const auto& tg : s.eval_seqs.targets)
+      for (int32_t t : tg) supervised += t >= 0;
+    OOM_CHECK(supervised > 0, "[train] --eval-data ", c.eval_data, " has no supervised token (chat data needs "
+              "assistant turns)");
+  } else if (!c.eval_data.empty()) {
     s.eval_stream = is_ids_file(c.eval_data) ? read_ids_file(c.eval_data, cfg.V)
                                              : src.require_tokenizer().encode(read_text_file(c.eval_data), true);
     s.eval_stream.resize(std::min<size_t>(s.eval_stream.size(), static_cast<size_t>(32 * c.seq)));
@@ -825,6 +853,7 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
 
 std::optional<EvalResult> Trainer::evaluate() {
   State& s = *s_;
+  if (!s.eval_seqs.ids.empty()) return evaluate_sequences(*s.e.model, s.eval_seqs.ids, s.eval_seqs.targets, s.kv.get(), s.C);
   if (s.eval_stream.empty()) return std::nullopt;
   return oomless::evaluate(*s.e.model, s.eval_stream, s.c.seq, false, s.kv.get(), s.C);
 }

@@ -73,6 +73,7 @@ struct TrainConfig {
   std::string embed_dtype = "auto";  // with lora: auto, fp32, bf16 or nf4 storage of the frozen embedding and head
   bool qlora = false;           // --base-dtype nf4-dq (QLoRA: NF4 with double-quantised scales)
   std::string adapter;          // an adapter folder (oomless's or PEFT's) to continue
+  std::string truncation = "split";  // conversations longer than --seq: split, drop or error
 
   // Keys are the long flag names without "--" (e.g. "grad-accum"); unknown keys are an error.
   void apply_json(const json::Value& o, const std::string& source);
