@@ -14,6 +14,8 @@
 //   bits 4-5  the file: 0 and 3 .jsonl; 1 .txt, encoded in pieces of 16 bytes (text_piece_bytes), whose ids
 //             must be those of the whole document (both tokenizers are byte-level: dataset.h's "Memory");
 //             2 .ids.
+//   bits 6-7  --truncation of conversations longer than a sequence: 0 and 3 split, 1 drop, 2 error (then
+//             next() may refuse such a conversation, and drop may find nothing left: those errors only).
 // Rejection must be an oomless::Error from the constructor, and no file may stay open after it. Once a
 // Dataset is built, next() must not fail (the constructor validates every document), every id must be in
 // the vocabulary and every supervised target must be the next token.
@@ -24,6 +26,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -141,11 +144,16 @@ struct Sequence {
   bool operator==(const Sequence&) const = default;
 };
 
-Sequence next_checked(Dataset& ds, int64_t T, int64_t vocab) {
+// The next sequence, checked; nullopt when the truncation rule refused the data (the only error allowed).
+std::optional<Sequence> next_checked(Dataset& ds, int64_t T, int64_t vocab, Truncation tr) {
   Sequence s{std::vector<int32_t>(T), std::vector<int32_t>(T)};
   try {
     ds.next(s.ids.data(), s.targets.data());
   } catch (const Error& e) {
+    const std::string w = e.what();
+    if ((tr == Truncation::error && w.find("longer than a sequence") != std::string::npos) ||
+        (tr == Truncation::drop && w.find("every conversation is longer") != std::string::npos))
+      return std::nullopt;
     bug("next() failed on data the constructor accepted:", e.what());
   }
   for (int64_t t = 0; t < T; ++t) {
@@ -176,7 +184,9 @@ void exercise(const DatasetOptions& opt, const Tokenizer& tok, const json::Value
   }
   // Every document of the first epoch (bounded, so that one input stays fast).
   for (int64_t n = 0; n < 256 && ds->epoch() == 0; ++n) {
-    const Sequence s = next_checked(*ds, opt.T, vocab);
+    const std::optional<Sequence> got = next_checked(*ds, opt.T, vocab, opt.truncation);
+    if (!got) return;
+    const Sequence& s = *got;
     for (int64_t t = 0; whole_text && t < opt.T; ++t)
       if (s.ids[t] != stream[(n * opt.T + t) % stream.size()])
         bug("a text document read in pieces gives other ids than the whole document, at stream position",
@@ -184,14 +194,15 @@ void exercise(const DatasetOptions& opt, const Tokenizer& tok, const json::Value
   }
   if (!resume) return;
   const json::Value state = ds->state();
-  const Sequence expected = next_checked(*ds, opt.T, vocab);
+  const std::optional<Sequence> expected = next_checked(*ds, opt.T, vocab, opt.truncation);
+  if (!expected) return;
   Dataset again(opt, &tok, config);
   try {
     again.restore(json::parse(json::dump(state), "fuzz state"));
   } catch (const Error& e) {
     bug("restore() refused the state of the same data:", e.what());
   }
-  if (!(next_checked(again, opt.T, vocab) == expected)) bug("a restored cursor gives a different sequence");
+  if (!(next_checked(again, opt.T, vocab, opt.truncation) == expected)) bug("a restored cursor gives a different sequence");
 }
 
 // The lowest file descriptor not in use: it grows when a descriptor leaks.
@@ -235,6 +246,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   opt.T = (mode & 4) ? 33 : 8;
   if (kind == 1) opt.text_piece_bytes = 16;
   opt.seed = 1;
+  const int tr = (mode >> 6) & 3;
+  opt.truncation = tr == 1 ? Truncation::drop : tr == 2 ? Truncation::error : Truncation::split;
   opt.eos_id = *tok.token_to_id((mode & 3) == 0 ? "<|endoftext|>" : "<|end_of_text|>");
   const int fd = lowest_free_fd();
   exercise(opt, tok, config, mode & 8, kind == 1 ? &text : nullptr);

@@ -13,6 +13,7 @@
 #include "data/text.h"
 #include "io/json.h"
 #include "model/eval.h"
+#include "data/chat.h"
 #include "model/generate.h"
 #include "model/load.h"
 #include "util/harness.h"
@@ -85,6 +86,36 @@ TEST(SmolLM2, GreedyTokensMatchTransformers) {
                             << " with a top-2 gap of " << gap[i];
     break;
   }
+}
+
+// generate --chat: the GGUF's own template renders transformers' prompt, and greedy decoding stops at the
+// end of the assistant's turn, having produced transformers' tokens up to it.
+TEST(SmolLM2, ChatReplyStopsAtTheEndOfTurnWithTransformersTokens) {
+  SKIP_WITHOUT_MODEL();
+  auto f = open_smollm2();
+  json::Value g = json::parse_file(test::source_path("tests/golden/smollm2/generate.json"));
+  const ChatTemplate ct = ChatTemplate::from_config(f->src.tokenizer_config);
+  ASSERT_EQ(ct.kind(), ChatTemplate::Kind::chatml);
+  std::vector<ChatMessage> msgs;
+  for (const json::Value& m : g.at("messages").as_array()) msgs.push_back({m.at("role").as_string(), m.at("content").as_string()});
+  std::vector<int32_t> prompt, want;
+  std::vector<uint8_t> mask;
+  ct.render(msgs, f->src.require_tokenizer(), prompt, mask, true);
+  std::vector<int32_t> golden_prompt;
+  for (const json::Value& v : g.at("prompt_ids").as_array()) golden_prompt.push_back(static_cast<int32_t>(v.as_int()));
+  EXPECT_EQ(prompt, golden_prompt);
+  const int32_t eot = *f->src.require_tokenizer().token_to_id(ct.end_of_turn());
+  for (const json::Value& v : g.at("tokens").as_array()) {
+    want.push_back(static_cast<int32_t>(v.as_int()));
+    if (want.back() == eot) break;
+  }
+  ASSERT_EQ(want.back(), eot) << "transformers' 32 tokens hold no end of turn";
+  GenerateOptions opt;
+  opt.max_new = 32;
+  opt.stop_ids = {eot};
+  const std::vector<int32_t> got = generate(*f->model, f->mem->device, prompt, opt);
+  std::printf("[ smollm2  ] chat reply: %s\n", f->src.require_tokenizer().decode(got, true).c_str());
+  EXPECT_EQ(got, want);
 }
 
 TEST(SmolLM2, TokenizerFromGgufEncodesTheEvalTextLikeTransformers) {

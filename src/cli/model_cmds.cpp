@@ -1,4 +1,6 @@
 // eval, generate, tokenize and convert: the commands that run a model (or its tokenizer) as it is.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -6,6 +8,7 @@
 
 #include "cli/args.h"
 #include "cli/commands.h"
+#include "data/chat.h"
 #include "data/dataset.h"
 #include "data/text.h"
 #include "io/json.h"
@@ -213,68 +216,103 @@ int eval(const std::vector<std::string>& argv) {
 namespace {
 const char* kGenerateHelp =
     "usage: oomless generate --model M [--adapter DIR] [--prompt S | --prompt-ids \"1 2 3\"] [--max-new N]\n"
-    "                        [--dtype fp32|bf16]\n"
-    "                        [--temperature t] [--top-p p] [--seed s] [--ignore-eos] [--json]\n"
+    "                        [--chat [--system S] [--messages FILE.jsonl]] [--dtype fp32|bf16]\n"
+    "                        [--temperature t] [--top-k k] [--top-p p] [--repetition-penalty r] [--seed s]\n"
+    "                        [--ignore-eos] [--json]\n"
     "\n"
     "Continues a prompt with a KV cache. Temperature 0 (the default) is greedy decoding; otherwise tokens are\n"
-    "sampled from softmax(logits / t) restricted to the smallest set of tokens whose probability reaches\n"
-    "top-p. Generation stops at the model's end-of-sequence token unless --ignore-eos.\n"
+    "sampled from softmax(logits / t) restricted to the top-k tokens, then to the smallest set whose\n"
+    "probability reaches top-p. Generation stops at the model's end-of-sequence token unless --ignore-eos.\n"
+    "With --chat the model's chat template (ChatML or Llama 3) renders the conversation and the assistant's\n"
+    "reply is generated up to its end-of-turn token, which is not printed: --prompt is the user's message;\n"
+    "--messages continues the conversation of a .jsonl file's first line ({\"messages\": [...]}); with neither,\n"
+    "each line read from stdin is the next user turn of one conversation (an empty line or end of input ends it).\n"
     "\n"
     "  --adapter DIR    a LoRA adapter folder (PEFT's format) applied to the model\n"
     "  --base-dtype D   fp32 (default), nf4 or nf4-dq projections (as eval)\n"
     "  --embed-dtype D  auto (default), fp32, bf16 or nf4 embedding and LM head (as eval)\n"
-    "  --prompt S       text, encoded with the tokenizer's post-processor (default: empty)\n"
+    "  --prompt S       text, encoded with the tokenizer's post-processor (default: empty); with --chat the\n"
+    "                   user's message\n"
     "  --prompt-ids L   token ids instead of text\n"
-    "  --max-new N      new tokens (default 64)\n"
+    "  --chat           apply the chat template (see above)\n"
+    "  --system S       with --chat: a system message first\n"
+    "  --messages F     with --chat: continue the conversation in F's first line\n"
+    "  --max-new N      new tokens (default 64; with --chat 256)\n"
     "  --temperature t  (default 0: greedy)\n"
+    "  --top-k k        sample among the k most likely tokens (default 0: all)\n"
     "  --top-p p        nucleus sampling mass (default 1)\n"
+    "  --repetition-penalty r  divide the (positive) logits of tokens already seen by r (default 1: off)\n"
     "  --seed s         sampling seed (default 0)\n"
     "  --json           print {prompt_ids, ids, text} instead of the text\n"
     "  --threads N      CPU threads (default: all)\n";
+
+// The conversation of a .jsonl file's first line, {"messages": [{"role", "content"}, ...]}.
+std::vector<ChatMessage> read_conversation(const std::string& path) {
+  const std::string text = read_text_file(path);
+  const std::string line = text.substr(0, text.find('\n'));
+  const json::Value v = json::parse(line, path + ":1");
+  const json::Value* m = v.is_object() ? v.find("messages") : nullptr;
+  OOM_CHECK(m && m->is_array(), "[generate] ", path, ":1 is not {\"messages\": [...]}");
+  std::vector<ChatMessage> conv;
+  for (size_t i = 0; i < m->size(); ++i) {
+    const json::Value& e = (*m)[i];
+    const json::Value* role = e.is_object() ? e.find("role") : nullptr;
+    const json::Value* content = e.is_object() ? e.find("content") : nullptr;
+    OOM_CHECK(role && role->is_string() && content && content->is_string(), "[generate] ", path, ":1: message ", i,
+              " needs string \"role\" and \"content\"");
+    conv.push_back({role->as_string(), content->as_string()});
+  }
+  return conv;
+}
 }
 
 int generate(const std::vector<std::string>& argv) {
   Args a(argv,
          {{"model", true}, {"prompt", true}, {"prompt-ids", true}, {"max-new", true}, {"dtype", true},
-          {"temperature", true}, {"top-p", true}, {"seed", true}, {"ignore-eos", false}, {"json", false},
-          {"threads", true}, {"adapter", true}, {"base-dtype", true}, {"embed-dtype", true}},
+          {"temperature", true}, {"top-p", true}, {"top-k", true}, {"repetition-penalty", true}, {"seed", true},
+          {"ignore-eos", false}, {"json", false}, {"threads", true}, {"adapter", true}, {"base-dtype", true},
+          {"embed-dtype", true}, {"chat", false}, {"system", true}, {"messages", true}},
          "generate", kGenerateHelp);
   if (a.help_requested()) return std::fputs(kGenerateHelp, stdout), 0;
   apply_threads(a);
-  const int64_t max_new = a.integer("max-new", 64, 0, int64_t{1} << 20);
+  const bool chat = a.has("chat");
+  OOM_CHECK(chat || (!a.has("system") && !a.has("messages")), "[generate] --system and --messages need --chat");
+  OOM_CHECK(!chat || !a.has("prompt-ids"), "[generate] --chat renders text: give --prompt (or --messages), not --prompt-ids");
+  const int64_t max_new = a.integer("max-new", chat ? 256 : 64, 0, int64_t{1} << 20);
   const double temp = a.number("temperature", 0.0, 0.0, 100.0);
   const double top_p = a.number("top-p", 1.0, 1e-6, 1.0);
   OOM_CHECK(!(a.has("prompt") && a.has("prompt-ids")), "[generate] give --prompt or --prompt-ids, not both");
   Loaded l = load(a, true, true);
   const ModelConfig& cfg = l.src.cfg;
-  std::vector<int32_t> prompt = a.has("prompt-ids") ? parse_id_list(a.str("prompt-ids"), cfg.V, "generate")
-                                                    : l.src.require_tokenizer().encode(a.str("prompt"), true);
-  if (prompt.empty()) {
-    OOM_CHECK(cfg.bos_id.has_value(), "[generate] the prompt is empty and the model has no BOS token to start from; "
-              "give --prompt");
-    prompt.push_back(*cfg.bos_id);
-  }
   GenerateOptions opt;
   opt.max_new = max_new;
   opt.temperature = temp;
   opt.top_p = top_p;
+  opt.top_k = a.integer("top-k", 0, 0, INT64_MAX);
+  opt.repetition_penalty = a.number("repetition-penalty", 1.0, 1e-3, 1e3);
   opt.seed = static_cast<uint64_t>(a.integer("seed", 0, 0, INT64_MAX));
   if (!a.has("ignore-eos")) opt.stop_id = cfg.eos_id;
   const bool stream_text = !a.has("json") && l.src.tokenizer.has_value();
-  std::vector<int32_t> sofar;
-  std::string printed;
-  const std::vector<int32_t> out = oomless::generate(*l.model, l.mem->device, prompt, opt, [&](int32_t id) {
-    if (!stream_text) return;
-    // Print the newly completed text (decoding the whole output keeps multi-byte characters whole).
-    sofar.push_back(id);
-    const std::string text = l.src.tokenizer->decode(sofar, false);
-    if (text.size() > printed.size() && text.compare(0, printed.size(), printed) == 0) {
-      std::fputs(text.c_str() + printed.size(), stdout);
-      std::fflush(stdout);
-      printed = text;
-    }
-  });
-  if (a.has("json")) {
+  // One generation from `prompt`, streamed as text (stop tokens are not printed); returns the new ids.
+  auto run = [&](const std::vector<int32_t>& prompt) {
+    std::vector<int32_t> sofar;
+    std::string printed;
+    auto is_stop = [&](int32_t id) {
+      return (opt.stop_id && id == *opt.stop_id) || std::find(opt.stop_ids.begin(), opt.stop_ids.end(), id) != opt.stop_ids.end();
+    };
+    return oomless::generate(*l.model, l.mem->device, prompt, opt, [&](int32_t id) {
+      if (!stream_text || (chat && is_stop(id))) return;
+      // Print the newly completed text (decoding the whole output keeps multi-byte characters whole).
+      sofar.push_back(id);
+      const std::string text = l.src.tokenizer->decode(sofar, false);
+      if (text.size() > printed.size() && text.compare(0, printed.size(), printed) == 0) {
+        std::fputs(text.c_str() + printed.size(), stdout);
+        std::fflush(stdout);
+        printed = text;
+      }
+    });
+  };
+  auto print_json = [&](const std::vector<int32_t>& prompt, const std::vector<int32_t>& out, const std::string& text) {
     auto ids = [](const std::vector<int32_t>& v) {
       json::Value x = json::Value::array();
       for (int32_t i : v) x.push_back(json::Value::integer(i));
@@ -283,8 +321,70 @@ int generate(const std::vector<std::string>& argv) {
     json::Value o = json::Value::object();
     o.set("prompt_ids", ids(prompt));
     o.set("ids", ids(out));
-    if (l.src.tokenizer) o.set("text", json::Value::string(l.src.tokenizer->decode(out, false)));
+    if (l.src.tokenizer) o.set("text", json::Value::string(text));
     std::printf("%s\n", json::dump(o).c_str());
+  };
+
+  if (chat) {
+    const ChatTemplate ct = ChatTemplate::from_config(l.src.tokenizer_config);
+    OOM_CHECK(ct.kind() != ChatTemplate::Kind::none, "[generate] --chat needs the model's chat template: ",
+              ct.unsupported_reason());
+    const Tokenizer& tok = l.src.require_tokenizer();
+    const std::optional<int32_t> eot = tok.token_to_id(ct.end_of_turn());
+    OOM_CHECK(eot.has_value(), "[generate] the tokenizer has no ", ct.end_of_turn(), " token, which its chat template uses");
+    opt.stop_ids = {*eot};
+    std::vector<ChatMessage> conv;
+    if (a.has("messages")) conv = read_conversation(a.str("messages"));
+    if (a.has("system")) {
+      OOM_CHECK(conv.empty() || conv[0].role != "system", "[generate] --system: ", a.str("messages"),
+                " already starts with a system message");
+      conv.insert(conv.begin(), {"system", a.str("system")});
+    }
+    // The next assistant turn of `conv`, printed and appended to it.
+    auto reply = [&]() {
+      std::vector<int32_t> prompt;
+      std::vector<uint8_t> mask;
+      ct.render(conv, tok, prompt, mask, true);
+      std::vector<int32_t> out = run(prompt);
+      std::vector<int32_t> said = out;
+      while (!said.empty() && (said.back() == *eot || (opt.stop_id && said.back() == *opt.stop_id))) said.pop_back();
+      const std::string text = tok.decode(said, false);
+      if (a.has("json")) print_json(prompt, out, text);
+      else std::printf("\n");
+      conv.push_back({"assistant", text});
+    };
+    if (a.has("prompt")) {
+      conv.push_back({"user", a.str("prompt")});
+      reply();
+    } else if (a.has("messages")) {
+      OOM_CHECK(!conv.empty() && conv.back().role != "assistant", "[generate] --messages ", a.str("messages"),
+                ": the conversation ends with an assistant turn; add the user's next message (or --prompt)");
+      reply();
+    } else {
+      for (std::string line; ;) {
+        if (isatty(0)) std::fputs("> ", stderr);
+        char buf[65536];
+        if (!std::fgets(buf, sizeof buf, stdin)) break;
+        line = buf;
+        while (!line.empty() && (line.back() == '\n' || line.back() == '\r')) line.pop_back();
+        if (line.empty()) break;
+        conv.push_back({"user", line});
+        reply();
+      }
+    }
+    return 0;
+  }
+
+  std::vector<int32_t> prompt = a.has("prompt-ids") ? parse_id_list(a.str("prompt-ids"), cfg.V, "generate")
+                                                    : l.src.require_tokenizer().encode(a.str("prompt"), true);
+  if (prompt.empty()) {
+    OOM_CHECK(cfg.bos_id.has_value(), "[generate] the prompt is empty and the model has no BOS token to start from; "
+              "give --prompt");
+    prompt.push_back(*cfg.bos_id);
+  }
+  const std::vector<int32_t> out = run(prompt);
+  if (a.has("json")) {
+    print_json(prompt, out, l.src.tokenizer ? l.src.tokenizer->decode(out, false) : "");
   } else if (!stream_text) {
     for (size_t i = 0; i < out.size(); ++i) std::printf("%s%d", i ? " " : "", out[i]);
     std::printf("\n");

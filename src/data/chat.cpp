@@ -121,8 +121,10 @@ ChatTemplate ChatTemplate::from_config(const json::Value& config) {
   return ct;
 }
 
+const char* ChatTemplate::end_of_turn() const { return kind_ == Kind::llama3 ? "<|eot_id|>" : "<|im_end|>"; }
+
 void ChatTemplate::render(const std::vector<ChatMessage>& messages, const Tokenizer& tok,
-                          std::vector<int32_t>& ids, std::vector<uint8_t>& mask) const {
+                          std::vector<int32_t>& ids, std::vector<uint8_t>& mask, bool add_generation_prompt) const {
   OOM_CHECK(kind_ != Kind::none, "[data] ", reason_);
   std::vector<Segment> segs;
   for (size_t i = 0; i < messages.size(); ++i) {
@@ -150,6 +152,19 @@ void ChatTemplate::render(const std::vector<ChatMessage>& messages, const Tokeni
       segs.push_back({"\n\n", false, false});
       segs.push_back({py_strip(m.content), false, sup});
       segs.push_back({"<|eot_id|>", true, sup});
+    }
+  }
+  // The header of the assistant turn to be generated (add_generation_prompt in the templates).
+  if (add_generation_prompt) {
+    if (kind_ == Kind::chatml) {
+      segs.push_back({"<|im_start|>", true, false});
+      segs.push_back({"assistant\n", false, false});
+    } else {
+      if (messages.empty()) segs.push_back({bos_, true, false});
+      segs.push_back({"<|start_header_id|>", true, false});
+      segs.push_back({"assistant", false, false});
+      segs.push_back({"<|end_header_id|>", true, false});
+      segs.push_back({"\n\n", false, false});
     }
   }
 

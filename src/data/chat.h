@@ -48,8 +48,12 @@ class ChatTemplate {
 
   // Token ids and a mask (1 = supervised target) of the same length. Errors: Kind::none (with the
   // reason), a role other than system/user/assistant, a special token the tokenizer lacks.
+  // add_generation_prompt: then the header of an assistant turn, as a prompt for generation (the
+  // templates' add_generation_prompt).
   void render(const std::vector<ChatMessage>& messages, const Tokenizer& tok, std::vector<int32_t>& ids,
-              std::vector<uint8_t>& mask) const;
+              std::vector<uint8_t>& mask, bool add_generation_prompt = false) const;
+  // The token that ends a turn: <|im_end|> (ChatML) or <|eot_id|> (Llama 3); generation stops at it.
+  const char* end_of_turn() const;
 
  private:
   Kind kind_ = Kind::none;

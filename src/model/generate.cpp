@@ -6,31 +6,40 @@
 
 namespace oomless {
 
-int32_t sample_next(const std::vector<float>& logits, double temperature, double top_p, uint64_t& rng_state) {
-  if (temperature == 0.0)
+int32_t sample_next(std::vector<float> logits, const GenerateOptions& opt, const std::vector<int32_t>& seen,
+                    uint64_t& rng_state) {
+  if (opt.repetition_penalty != 1.0) {
+    std::vector<uint8_t> hit(logits.size(), 0);
+    for (int32_t t : seen)
+      if (t >= 0 && static_cast<size_t>(t) < logits.size()) hit[static_cast<size_t>(t)] = 1;
+    const float p = static_cast<float>(opt.repetition_penalty);
+    for (size_t v = 0; v < logits.size(); ++v)
+      if (hit[v]) logits[v] = logits[v] < 0 ? logits[v] * p : logits[v] / p;
+  }
+  if (opt.temperature == 0.0)
     return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
   const double mx = *std::max_element(logits.begin(), logits.end());
   std::vector<std::pair<double, int32_t>> pr;
   pr.reserve(logits.size());
-  double z = 0;
-  for (size_t v = 0; v < logits.size(); ++v) {
-    const double p = std::exp((logits[v] - mx) / temperature);
-    pr.push_back({p, static_cast<int32_t>(v)});
-    z += p;
-  }
+  for (size_t v = 0; v < logits.size(); ++v)
+    pr.push_back({std::exp((logits[v] - mx) / opt.temperature), static_cast<int32_t>(v)});
   std::sort(pr.begin(), pr.end(), [](const auto& x, const auto& y) {
     return x.first > y.first || (x.first == y.first && x.second < y.second);
   });
-  // The nucleus: the most likely tokens until their mass reaches top_p (at least one).
+  // Top-k first, then the nucleus: the most likely tokens until their mass reaches top_p of what is left
+  // (at least one), as transformers applies its warpers.
+  const size_t k = opt.top_k > 0 ? std::min(pr.size(), static_cast<size_t>(opt.top_k)) : pr.size();
+  double z = 0;
+  for (size_t i = 0; i < k; ++i) z += pr[i].first;
   double mass = 0;
   size_t keep = 0;
-  while (keep < pr.size() && (keep == 0 || mass < top_p * z)) mass += pr[keep++].first;
+  while (keep < k && (keep == 0 || mass < opt.top_p * z)) mass += pr[keep++].first;
   std::mt19937_64 rng(rng_state);
   rng_state = rng();
   const double r = static_cast<double>(rng_state >> 11) * 0x1.0p-53 * mass;
   double acc = 0;
-  for (size_t k = 0; k < keep; ++k)
-    if ((acc += pr[k].first) > r) return pr[k].second;
+  for (size_t i = 0; i < keep; ++i)
+    if ((acc += pr[i].first) > r) return pr[i].second;
   return pr[keep - 1].second;
 }
 
@@ -64,11 +73,15 @@ std::vector<int32_t> generate(Model& model, Arena& arena, const std::vector<int3
   step(prompt.data(), P, 0);
   uint64_t rng = opt.seed;
   std::vector<int32_t> out;
+  std::vector<int32_t> seen = opt.repetition_penalty != 1.0 ? prompt : std::vector<int32_t>();
   for (int64_t i = 0; i < opt.max_new; ++i) {
-    const int32_t next = sample_next(logits, opt.temperature, opt.top_p, rng);
+    const int32_t next = sample_next(logits, opt, seen, rng);
     out.push_back(next);
+    if (opt.repetition_penalty != 1.0) seen.push_back(next);
     if (on_token) on_token(next);
-    if ((opt.stop_id && next == *opt.stop_id) || i + 1 == opt.max_new) break;
+    const bool stop = (opt.stop_id && next == *opt.stop_id) ||
+                      std::find(opt.stop_ids.begin(), opt.stop_ids.end(), next) != opt.stop_ids.end();
+    if (stop || i + 1 == opt.max_new) break;
     step(&out.back(), 1, P + i);
   }
   return out;

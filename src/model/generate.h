@@ -16,15 +16,22 @@ struct GenerateOptions {
   int64_t max_new = 64;
   double temperature = 0.0;
   double top_p = 1.0;
+  int64_t top_k = 0;               // > 0: sample among the k most likely tokens only
+  // > 1: transformers' repetition penalty: the logit of every token already in the prompt or the output
+  // is divided by it when positive, multiplied when negative (before greedy choice or sampling).
+  double repetition_penalty = 1.0;
   uint64_t seed = 0;
   std::optional<int32_t> stop_id;  // stop after emitting it (end of sequence); none: run max_new
+  std::vector<int32_t> stop_ids;   // more tokens that stop it (a chat's end of turn)
 };
 
 // The KV cache (category kv) comes from `arena`. on_token is called after each new token.
 std::vector<int32_t> generate(Model& model, Arena& arena, const std::vector<int32_t>& prompt,
                               const GenerateOptions& opt, const std::function<void(int32_t)>& on_token = {});
 
-// The next token from logits (V) under the options; exposed for tests.
-int32_t sample_next(const std::vector<float>& logits, double temperature, double top_p, uint64_t& rng_state);
+// The next token from logits (V) under the options (seen: the tokens the repetition penalty applies to);
+// exposed for tests. Ties go to the lowest id.
+int32_t sample_next(std::vector<float> logits, const GenerateOptions& opt, const std::vector<int32_t>& seen,
+                    uint64_t& rng_state);
 
 }  // namespace oomless

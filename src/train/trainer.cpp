@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -12,6 +13,7 @@
 #include <map>
 
 #include "core/cpu_info.h"
+#include "data/chat.h"
 #include "data/dataset.h"
 #include "data/text.h"
 #include "io/safetensors.h"
@@ -889,6 +891,60 @@ std::string Trainer::save() {
 
 namespace {
 
+bool ends_with_jsonl(const std::string& p) { return p.size() >= 6 && p.compare(p.size() - 6, 6, ".jsonl") == 0; }
+
+// The messages of a .jsonl file's first conversation up to and including its first user turn (empty when
+// the first line is not a conversation with one).
+std::vector<ChatMessage> first_user_turn(const std::string& path) {
+  std::vector<ChatMessage> conv;
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) return conv;
+  std::string line;
+  for (int ch; (ch = std::fgetc(f)) != EOF && ch != '\n';) line += static_cast<char>(ch);
+  std::fclose(f);
+  try {
+    const json::Value v = json::parse(line, path);
+    const json::Value* m = v.is_object() ? v.find("messages") : nullptr;
+    if (!m) m = v.is_object() ? v.find("prompt") : nullptr;
+    if (!m || !m->is_array()) return {};
+    for (const json::Value& x : m->as_array()) {
+      conv.push_back({x.at("role").as_string(), x.at("content").as_string()});
+      if (conv.back().role == "user") return conv;
+    }
+  } catch (const Error&) {
+  }
+  return {};
+}
+
+// The first n words of a text file (or of a .jsonl's first "text"), for the end-of-run sample's prompt.
+std::string first_words(const std::string& path, int n) {
+  std::string text;
+  if (is_ids_file(path)) return "";
+  try {
+    std::FILE* f = std::fopen(path.c_str(), "rb");
+    if (!f) return "";
+    char buf[4096];
+    const size_t got = std::fread(buf, 1, sizeof buf, f);
+    std::fclose(f);
+    text.assign(buf, got);
+    if (ends_with_jsonl(path)) {
+      const json::Value v = json::parse(text.substr(0, text.find('\n')), path);
+      text = v.is_object() && v.find("text") && v.at("text").is_string() ? v.at("text").as_string() : "";
+    }
+  } catch (const Error&) {
+    return "";
+  }
+  std::string out;
+  int words = 0;
+  for (size_t i = 0; i < text.size() && words < n;) {
+    while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i]))) ++i;
+    const size_t j = i;
+    while (i < text.size() && !std::isspace(static_cast<unsigned char>(text[i]))) ++i;
+    if (i > j) out += (out.empty() ? "" : " ") + text.substr(j, i - j), ++words;
+  }
+  return out;
+}
+
 int train_run(const TrainConfig& c, const std::string& out) {
   Trainer tr(c, out, stderr);
   Engine& e = tr.engine();
@@ -959,17 +1015,36 @@ int train_run(const TrainConfig& c, const std::string& out) {
               static_cast<long long>(step), last_loss, out.c_str(), static_cast<long long>(step),
               MetricsWriter::path_in(out).c_str(), report.c_str());
   if (!g_stop && e.src.tokenizer) {
-    // A sample from the trained weights, greedy, so a person sees what the run learned.
-    const std::string prompt = "And God said";
-    std::vector<int32_t> p = e.src.tokenizer->encode(prompt, true);
+    // A sample from the trained weights, greedy, so a person sees what the run learned: for chat data the
+    // first user turn of the eval (else training) data's first conversation, answered through the chat
+    // template; for text the first words of the eval (else training) data.
+    const Tokenizer& tok = *e.src.tokenizer;
     GenerateOptions gopt;
     gopt.max_new = 40;
     gopt.stop_id = e.src.cfg.eos_id;
+    std::vector<int32_t> p;
+    std::string shown;
+    const std::string from = !c.eval_data.empty() ? c.eval_data : c.data.substr(0, c.data.find(','));
+    std::vector<ChatMessage> conv;
+    if (ends_with_jsonl(from)) conv = first_user_turn(from);
+    const ChatTemplate ct = ChatTemplate::from_config(e.src.tokenizer_config);
+    if (!conv.empty() && ct.kind() != ChatTemplate::Kind::none) {
+      std::vector<uint8_t> mask;
+      ct.render(conv, tok, p, mask, true);
+      if (const std::optional<int32_t> eot = tok.token_to_id(ct.end_of_turn())) gopt.stop_ids = {*eot};
+      gopt.max_new = 64;
+      shown = "(chat) user: " + conv.back().content + "\nassistant: ";
+    } else {
+      shown = c.data == out + "/bundled-data/kjv-train.jsonl" ? "And God said" : first_words(from, 6);
+      p = tok.encode(shown, true);
+    }
     try {
       const std::vector<int32_t> gen = generate(*e.model, e.mem->device, p, gopt);
-      std::printf("sample: %s%s\n", prompt.c_str(), e.src.tokenizer->decode(gen, true).c_str());
+      std::printf("sample: %s%s\n", shown.c_str(), tok.decode(gen, true).c_str());
     } catch (const OutOfBudget&) {
       std::printf("sample: skipped (its KV cache does not fit in what --budget leaves after training)\n");
+    } catch (const Error& err) {
+      std::printf("sample: skipped (%s)\n", err.what());
     }
   }
   return g_stop ? 130 : 0;
