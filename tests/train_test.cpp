@@ -10,6 +10,7 @@
 #include "data/chat.h"
 #include "data/dataset.h"
 #include "io/json.h"
+#include "io/safetensors.h"
 #include "model/load.h"
 #include "model/config.h"
 #include "train/trainer.h"
@@ -371,6 +372,42 @@ TEST(Trainer, ChatTemplateJinjaBesideTheTokenizerConfigIsRead) {
   ASSERT_TRUE(m.tokenizer_config.find("chat_template"));
   EXPECT_EQ(m.tokenizer_config.at("chat_template").as_string(), tmpl);
   EXPECT_EQ(ChatTemplate::from_config(m.tokenizer_config).kind(), ChatTemplate::Kind::chatml);
+}
+
+// --save-dtype bf16 halves the weights in checkpoints (a resume continues from the rounded weights, and
+// says so); --save-optimizer no writes the weights only, and resuming such a checkpoint is refused.
+TEST(Trainer, CheckpointsInBf16OrWithoutOptimizerState) {
+  const std::string out = testing::TempDir() + "/oomless_trainer_save_dtype";
+  TrainConfig c = micro(out);
+  c.steps = 2;
+  c.save_dtype = "bf16";
+  ASSERT_EQ(run_training(c), 0);
+  const SafetensorsFile m = SafetensorsFile::open(out + "/checkpoint-2/model.safetensors");
+  for (const StTensor& t : m.tensors()) EXPECT_EQ(t.dtype, DType::bf16) << t.name;
+  EXPECT_TRUE(fs::exists(out + "/checkpoint-2/generation_config.json"));
+  const json::Value g = json::parse_file(out + "/checkpoint-2/generation_config.json");
+  EXPECT_EQ(g.at("eos_token_id").as_int(), *preset_config("micro").eos_id);
+  TrainConfig r = c;
+  r.resume = true;
+  r.steps = 3;
+  ASSERT_EQ(run_training(r), 0);  // resumed from the bf16 weights
+
+  const std::string out2 = testing::TempDir() + "/oomless_trainer_no_optimizer";
+  TrainConfig w = micro(out2);
+  w.steps = 1;
+  w.save_optimizer = "no";
+  ASSERT_EQ(run_training(w), 0);
+  EXPECT_FALSE(fs::exists(out2 + "/checkpoint-1/optimizer.safetensors"));
+  EXPECT_TRUE(fs::exists(out2 + "/checkpoint-1/model.safetensors"));
+  w.resume = true;
+  w.steps = 2;
+  try {
+    run_training(w);
+    ADD_FAILURE() << "resumed a checkpoint without optimizer state";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("holds no optimizer state (it was saved with --save-optimizer no)"),
+              std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

@@ -105,6 +105,8 @@ void read_tokenizer_files(ModelSource& m, const fs::path& dir) {
   }
   if (fs::exists(dir / "tokenizer_config.json"))
     m.tokenizer_config = json::parse_file((dir / "tokenizer_config.json").string());
+  if (fs::exists(dir / "generation_config.json"))
+    m.generation_config = json::parse_file((dir / "generation_config.json").string());
   // Current transformers save the template beside tokenizer_config.json, in chat_template.jinja: it is
   // the template when the config holds none (as transformers reads it), and is then written back into
   // the tokenizer_config.json of checkpoints.
@@ -283,6 +285,15 @@ void write_text(const fs::path& path, const std::string& text) {
 
 }  // namespace
 
+json::Value generation_config(const ModelSource& src) {
+  if (src.generation_config.is_object()) return src.generation_config;
+  json::Value g = json::Value::object();
+  g.set("_from_model_config", json::Value::boolean(true));
+  if (src.cfg.bos_id) g.set("bos_token_id", json::Value::integer(*src.cfg.bos_id));
+  if (src.cfg.eos_id) g.set("eos_token_id", json::Value::integer(*src.cfg.eos_id));
+  return g;
+}
+
 void save_hf_model(const std::string& dir, const ModelSource& src, const ParamSet& params, DType dtype) {
   OOM_CHECK(dtype == DType::f32 || dtype == DType::bf16, "[model] a Hugging Face folder is written in F32 or BF16, not ",
             dtype_name(dtype));
@@ -301,6 +312,7 @@ void save_hf_model(const std::string& dir, const ModelSource& src, const ParamSe
   }
   write_safetensors((fs::path(dir) / "model.safetensors").string(), w, {{"format", "pt"}});
   write_text(fs::path(dir) / "config.json", json::dump(src.cfg.to_json(), 2) + "\n");
+  write_text(fs::path(dir) / "generation_config.json", json::dump(generation_config(src), 2) + "\n");
   if (!src.tokenizer_json.empty()) write_text(fs::path(dir) / "tokenizer.json", src.tokenizer_json);
   if (!src.tokenizer_config.is_null())
     write_text(fs::path(dir) / "tokenizer_config.json", json::dump(src.tokenizer_config, 2) + "\n");

@@ -23,6 +23,7 @@ struct ModelSource {
   std::optional<Tokenizer> tokenizer;
   std::string tokenizer_json;        // its tokenizer.json text, for checkpoints (empty if none)
   json::Value tokenizer_config;      // tokenizer_config.json (or its GGUF equivalent); null if none
+  json::Value generation_config;     // generation_config.json of a Hugging Face folder; null if none
   // Fills every parameter (any float dtype), checking names and shapes against the config.
   std::function<void(ParamSet&)> load_weights;
   // One parameter as f32 (out: its numel floats), for loaders that convert tensor by tensor (an NF4 base
@@ -59,8 +60,13 @@ json::Value bundled_tokenizer_config();
 std::string_view bundled_train_text();
 std::string_view bundled_eval_text();
 
+// generation_config.json for a folder written from `src`: the source's own (its sampling defaults kept),
+// else what transformers derives from the config (bos/eos token ids).
+json::Value generation_config(const ModelSource& src);
+
 // Writes a model folder transformers loads as it is: config.json + model.safetensors (F32, HF names;
-// tied models store only the embedding) + src's tokenizer.json and tokenizer_config.json when it has them.
+// tied models store only the embedding) + generation_config.json + src's tokenizer.json and
+// tokenizer_config.json when it has them.
 // dir must not exist or be empty; files are written under dir and fsynced.
 void save_hf_model(const std::string& dir, const ModelSource& src, const ParamSet& params, DType dtype = DType::f32);
 

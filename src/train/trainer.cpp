@@ -74,25 +74,47 @@ std::string binary_id() {
   return exe.filename().string() + ":" + std::to_string(size) + ":" + std::to_string(time);
 }
 
-// A checkpoint file of named tensors (safetensors, names as given, in their dtypes).
-CheckpointFile tensors_file(const std::string& name, const std::vector<NamedTensor>& ts) {
-  std::vector<StWrite> w;
-  for (const NamedTensor& t : ts)
-    w.push_back({t.name, t.t.dtype, std::vector<int64_t>(t.t.dims, t.t.dims + t.t.ndim), t.t.data});
-  return {name, "", [w = std::move(w), name](int fd) {
+// A checkpoint file of named tensors (safetensors, names as given, in their dtypes; as_bf16: f32 tensors
+// rounded to bf16, converted when the file is written).
+CheckpointFile tensors_file(const std::string& name, const std::vector<NamedTensor>& ts, bool as_bf16 = false) {
+  std::vector<NamedTensor> keep = ts;
+  return {name, "", [keep = std::move(keep), name, as_bf16](int fd) {
+            std::vector<StWrite> w;
+            std::vector<std::vector<uint16_t>> copies;
+            copies.reserve(keep.size());
+            for (const NamedTensor& t : keep) {
+              const std::vector<int64_t> shape(t.t.dims, t.t.dims + t.t.ndim);
+              if (as_bf16 && t.t.dtype == DType::f32) {
+                copies.emplace_back(static_cast<size_t>(t.t.numel()));
+                convert(copies.back().data(), DType::bf16, t.t.data, DType::f32, t.t.numel());
+                w.push_back({t.name, DType::bf16, shape, copies.back().data()});
+              } else {
+                w.push_back({t.name, t.t.dtype, shape, t.t.data});
+              }
+            }
             write_safetensors_stream(w, {{"format", "pt"}}, [fd](const void* d, size_t n) { checkpoint_write(fd, d, n); },
                                      name);
           }};
 }
 
-// Reads every named tensor back in place; each must be in the file with the same dtype and size.
-void read_tensors(const SafetensorsFile& f, const std::vector<NamedTensor>& ts) {
+// Reads every named tensor back in place; each must be in the file with the same dtype and size, or as
+// bf16 for an f32 tensor (--save-dtype bf16: widened; returns true when any was).
+bool read_tensors(const SafetensorsFile& f, const std::vector<NamedTensor>& ts) {
+  bool widened = false;
   for (const NamedTensor& t : ts) {
     const StTensor* st = f.find(t.name);
-    OOM_CHECK(st && st->dtype == t.t.dtype && static_cast<uint64_t>(t.t.nbytes()) == st->nbytes, "[train] ", f.path(),
-              ": tensor '", t.name, "' is missing or has another shape/dtype");
-    std::memcpy(t.t.data, st->data, st->nbytes);
+    const bool bf16 = st && st->dtype == DType::bf16 && t.t.dtype == DType::f32 &&
+                      st->nbytes == static_cast<uint64_t>(2 * t.t.numel());
+    OOM_CHECK(st && (bf16 || (st->dtype == t.t.dtype && static_cast<uint64_t>(t.t.nbytes()) == st->nbytes)), "[train] ",
+              f.path(), ": tensor '", t.name, "' is missing or has another shape/dtype");
+    if (bf16) {
+      convert(t.t.data, DType::f32, st->data, DType::bf16, t.t.numel());
+      widened = true;
+    } else {
+      std::memcpy(t.t.data, st->data, st->nbytes);
+    }
   }
+  return widened;
 }
 
 }  // namespace
@@ -232,6 +254,14 @@ const std::vector<TrainOption>& train_options() {
            "train without the start of their prompt), drop, or error\n(default split; how many are long is "
            "printed before step 1)",
            &C::truncation),
+      text("save-dtype", false, "D",
+           "fp32 or bf16: the model's (or adapter's) weights in checkpoints (default fp32;\nbf16 halves them, and "
+           "a run resumed from them continues from rounded weights)",
+           &C::save_dtype),
+      text("save-optimizer", false, "yes|no",
+           "no: checkpoints hold the weights only (no optimizer state, about a third of the\nbytes of fp32 "
+           "AdamW; such a checkpoint cannot be resumed) (default yes)",
+           &C::save_optimizer),
   };
   return table;
 }
@@ -311,6 +341,10 @@ LoraSettings lora_settings(const TrainConfig& c) {
 
 void validate_config(const TrainConfig& c) {
   parse_truncation(c.truncation);
+  OOM_CHECK(c.save_dtype == "fp32" || c.save_dtype == "bf16", "[train] --save-dtype ", c.save_dtype,
+            " is not supported; use fp32 or bf16");
+  OOM_CHECK(c.save_optimizer == "yes" || c.save_optimizer == "no", "[train] --save-optimizer ", c.save_optimizer,
+            " is not supported; use yes or no");
   OOM_CHECK(c.seq >= 2, "[train] --seq must be at least 2");
   OOM_CHECK(c.batch >= 1 && c.grad_accum >= 1, "[train] --batch and --grad-accum must be at least 1");
   OOM_CHECK(c.epochs >= 0 && std::isfinite(c.epochs), "[train] --epochs must be a positive number, got ", c.epochs);
@@ -734,11 +768,20 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
         st.at("binary").as_string() != binary_id())
       warn("the thread count, CPU instruction set or binary differs from the saved run's: results may differ in the "
            "last bits from an uninterrupted run");
+    OOM_CHECK(fs::exists(ck->path + "/optimizer.safetensors"), "[train] --resume: ", ck->path, " holds no optimizer "
+              "state (it was saved with --save-optimizer no), so the run cannot continue from it; start a new run "
+              "from its weights with ", s.e.adapters ? "--adapter " : "--model ", ck->path);
+    bool rounded = false;
     if (s.e.adapters) {
+      const SafetensorsFile af = SafetensorsFile::open(ck->path + "/" + kAdapterWeights);
+      for (const StTensor& t : af.tensors()) rounded |= t.dtype == DType::bf16;
       load_adapter(ck->path, cfg, *s.e.adapters, *s.e.params);
     } else {
-      read_tensors(SafetensorsFile::open(ck->path + "/model.safetensors"), model_state(s.e));
+      rounded = read_tensors(SafetensorsFile::open(ck->path + "/model.safetensors"), model_state(s.e));
     }
+    if (rounded)
+      warn("the checkpoint's weights are bf16 (--save-dtype bf16): the run continues from the rounded weights, not "
+           "bit-exactly as an uninterrupted run would");
     read_tensors(SafetensorsFile::open(ck->path + "/optimizer.safetensors"), s.opt->state());
     OOM_CHECK(s.data, "[train] --resume needs the run's --data");
     s.data->restore(st.at("data"));
@@ -864,15 +907,17 @@ std::string Trainer::save() {
   State& s = *s_;
   const ModelSource& src = s.e.src;
   std::vector<CheckpointFile> files;
+  const bool bf16 = s.c.save_dtype == "bf16";
   if (s.e.adapters) {
     // A PEFT adapter folder: the base is unchanged, so only the adapter is written.
-    files.push_back(tensors_file(kAdapterWeights, model_state(s.e)));
+    files.push_back(tensors_file(kAdapterWeights, model_state(s.e), bf16));
     files.push_back({kAdapterConfig, adapter_config_text(s.e.adapters->settings(), s.c.model, src.cfg.tied), {}});
   } else {
-    files.push_back(tensors_file("model.safetensors", model_state(s.e)));
+    files.push_back(tensors_file("model.safetensors", model_state(s.e), bf16));
     files.push_back({"config.json", json::dump(src.cfg.to_json(), 2) + "\n", {}});
+    files.push_back({"generation_config.json", json::dump(generation_config(src), 2) + "\n", {}});
   }
-  files.push_back(tensors_file("optimizer.safetensors", s.opt->state()));
+  if (s.c.save_optimizer == "yes") files.push_back(tensors_file("optimizer.safetensors", s.opt->state()));
   if (src.tokenizer_json.size()) files.push_back({"tokenizer.json", src.tokenizer_json, {}});
   if (!src.tokenizer_config.is_null()) files.push_back({"tokenizer_config.json", json::dump(src.tokenizer_config, 2) + "\n", {}});
   json::Value st = json::Value::object();

@@ -74,6 +74,8 @@ struct TrainConfig {
   bool qlora = false;           // --base-dtype nf4-dq (QLoRA: NF4 with double-quantised scales)
   std::string adapter;          // an adapter folder (oomless's or PEFT's) to continue
   std::string truncation = "split";  // conversations longer than --seq: split, drop or error
+  std::string save_dtype = "fp32";   // model (or adapter) weights in checkpoints: fp32 or bf16
+  std::string save_optimizer = "yes";  // no: weights-only checkpoints (a run cannot resume from them)
 
   // Keys are the long flag names without "--" (e.g. "grad-accum"); unknown keys are an error.
   void apply_json(const json::Value& o, const std::string& source);
