@@ -7,7 +7,7 @@ CUDA ?= auto
 CTEST_FLAGS ?= --output-on-failure --timeout 120 -j$(JOBS)
 
 .PHONY: all setup build run test test-fast test-asan test-fuzz test-smoke test-all bench bench-peers bench-long \
-	bench-sparse fuzz fuzz-build peft-roundtrip clean
+	bench-sparse fuzz fuzz-build peft-roundtrip gguf-roundtrip clean
 
 all: build
 
@@ -115,6 +115,14 @@ test-smoke: build
 peft-roundtrip: build
 	tools/golden/setup.sh
 	tools/golden/.venv/bin/python tools/golden/peft_roundtrip.py --oomless $(BUILD)/oomless --work $(BUILD)/peft-roundtrip
+
+# GGUF files written by `oomless convert --out X.gguf` (f32, f16, bf16, q8_0) read back by gguf-py (llama.cpp's
+# reader, from PyPI): metadata, tensor types and data against gguf-py's own conversions and quantize.
+# GGUF_MODEL=M converts another model (default preset:micro).
+gguf-roundtrip: build
+	tools/golden/setup.sh
+	tools/golden/.venv/bin/python tools/golden/gguf_roundtrip.py --oomless $(BUILD)/oomless --work $(BUILD)/gguf-roundtrip \
+	  --model $(or $(GGUF_MODEL),preset:micro)
 
 clean:
 	rm -rf build

@@ -18,6 +18,7 @@
 #include "model/engine.h"
 #include "model/eval.h"
 #include "model/generate.h"
+#include "model/gguf_export.h"
 #include "model/load.h"
 #include "model/model.h"
 #include "model/paged_kv.h"
@@ -446,25 +447,43 @@ int tokenize(const std::vector<std::string>& argv) {
 namespace {
 
 const char* kConvertHelp =
-    "usage: oomless convert --model M --out DIR [--seed s]\n"
+    "usage: oomless convert --model M --out DIR [--dtype fp32|bf16] [--seed s]\n"
+    "       oomless convert --model M --out FILE.gguf [--type f32|f16|bf16|q8_0] [--seed s]\n"
     "\n"
     "Writes a model as a Hugging Face folder that transformers and `--model DIR` load as they are:\n"
-    "config.json, model.safetensors (F32, Hugging Face names) and, when the model has them, tokenizer.json and\n"
-    "tokenizer_config.json. GGUF weights are dequantised; a preset is written with its random init, so the\n"
-    "folder is a fixed starting point for training runs (and for other systems started from the same weights).\n"
+    "config.json, generation_config.json, model.safetensors (Hugging Face names) and, when the model has them,\n"
+    "tokenizer.json and tokenizer_config.json. GGUF weights are dequantised; a preset is written with its random\n"
+    "init, so the folder is a fixed starting point for training runs (and for other systems started from the\n"
+    "same weights). An --out ending in .gguf writes one GGUF file for llama.cpp instead: its metadata for the\n"
+    "architecture (llama, qwen2, qwen3), the byte-level BPE tokenizer and chat template, and the matrices in\n"
+    "--type (norms and biases in F32).\n"
     "\n"
     "  --model M   HF folder, .gguf or preset:NAME (required)\n"
-    "  --out DIR   a new or empty folder (required)\n"
+    "  --out DIR   a new or empty folder, or FILE.gguf (required)\n"
+    "  --dtype D   folder: fp32 (default) or bf16 weights\n"
+    "  --type T    GGUF: f32, f16 (default), bf16 or q8_0 matrices\n"
     "  --seed s    random init of a preset (default 0)\n";
 
 }  // namespace
 
 int convert(const std::vector<std::string>& argv) {
-  Args a(argv, {{"model", true}, {"out", true}, {"seed", true}}, "convert", kConvertHelp);
+  Args a(argv, {{"model", true}, {"out", true}, {"seed", true}, {"type", true}, {"dtype", true}}, "convert", kConvertHelp);
   if (a.help_requested()) return std::fputs(kConvertHelp, stdout), 0;
   const std::string out = a.required("out");
+  const bool gguf = out.size() > 5 && out.compare(out.size() - 5, 5, ".gguf") == 0;
+  OOM_CHECK(gguf || !a.has("type"), "[convert] --type is for a .gguf --out; a folder takes --dtype fp32|bf16");
+  OOM_CHECK(!gguf || !a.has("dtype"), "[convert] --dtype is for a folder --out; a .gguf takes --type f32|f16|bf16|q8_0");
+  const GgmlType type = parse_gguf_type(a.str("type", "f16"));
+  const std::string dt = a.str("dtype", "fp32");
+  OOM_CHECK(dt == "fp32" || dt == "bf16", "[convert] --dtype ", dt, " is not supported; use fp32 or bf16");
   Loaded l = load(a, true);
-  save_hf_model(out, l.src, *l.params);
+  if (gguf) {
+    for (const std::string& n : save_gguf(out, l.src, *l.params, type)) std::fprintf(stderr, "oomless convert: %s\n", n.c_str());
+    std::printf("wrote %s (GGUF %s, %s, %lld parameters)\n", out.c_str(), a.str("type", "f16").c_str(),
+                arch_name(l.src.cfg.arch), static_cast<long long>(l.src.cfg.param_count()));
+    return 0;
+  }
+  save_hf_model(out, l.src, *l.params, dt == "bf16" ? DType::bf16 : DType::f32);
   std::printf("wrote %s (%s, %lld parameters)\n", out.c_str(), arch_name(l.src.cfg.arch),
               static_cast<long long>(l.src.cfg.param_count()));
   return 0;

@@ -13,6 +13,7 @@
 // crash or a huge allocation.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -131,5 +132,35 @@ class GgufFile {
   std::vector<GgufTensor> tensors_;
   std::map<std::string, size_t, std::less<>> tensor_index_;
 };
+
+// ---------------------------------------------------------------------------------------------------------
+// Writing (oomless convert --out FILE.gguf): version 3, alignment 32, metadata in the given order, then the
+// tensor infos and the data, each tensor's bytes produced when it is written (a model is never held twice).
+
+// Metadata values for the writer.
+GgufValue gguf_u32(uint32_t v);
+GgufValue gguf_i32(int32_t v);
+GgufValue gguf_f32(float v);
+GgufValue gguf_bool(bool v);
+GgufValue gguf_str(std::string v);
+GgufValue gguf_str_array(std::vector<std::string> v);
+GgufValue gguf_i32_array(std::vector<int64_t> v);
+GgufValue gguf_f32_array(std::vector<double> v);
+
+struct GgufWriteTensor {
+  std::string name;
+  std::vector<int64_t> ne;   // ne[0] fastest (the HF shape reversed)
+  GgmlType type = GgmlType::F32;
+  // Writes exactly the tensor's bytes (numel / block size x type size) into out.
+  std::function<void(uint8_t* out)> fill;
+};
+
+// Writes PATH atomically (a temporary file fsynced, then renamed). Errors name the path.
+void write_gguf(const std::string& path, const std::vector<std::pair<std::string, GgufValue>>& metadata,
+                const std::vector<GgufWriteTensor>& tensors);
+
+// n float32 values (a multiple of 32) as Q8_0 blocks, bit-identical to gguf-py's quantize (and ggml's
+// reference): per 32 values d = max|x| / 127 stored as f16, q = round-half-away(x / d) as int8.
+void quantize_q8_0(const float* x, int64_t n, uint8_t* out);
 
 }  // namespace oomless

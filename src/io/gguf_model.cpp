@@ -251,4 +251,21 @@ GgufTokenizerConfig gguf_tokenizer_config(const GgufFile& f) {
   return c;
 }
 
+std::string gguf_tensor_name(const std::string& hf) {
+  if (hf == "model.embed_tokens.weight") return "token_embd.weight";
+  if (hf == "model.norm.weight") return "output_norm.weight";
+  if (hf == "lm_head.weight") return "output.weight";
+  const std::string pre = "model.layers.";
+  if (hf.compare(0, pre.size(), pre) == 0) {
+    const size_t dot = hf.find('.', pre.size());
+    const std::string layer = hf.substr(pre.size(), dot - pre.size());
+    const std::string rest = hf.substr(dot + 1);
+    const size_t last = rest.rfind('.');
+    const std::string base = rest.substr(0, last), suffix = rest.substr(last);
+    for (const LayerName& m : kLayerNames)
+      if (base == m.hf) return "blk." + layer + "." + m.gguf + suffix;
+  }
+  fail("[gguf] tensor ", hf, " has no GGUF name");
+}
+
 }  // namespace oomless

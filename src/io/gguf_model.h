@@ -26,6 +26,8 @@ struct GgufHfTensor {
 // Every model tensor of a supported architecture, in file order. Tensors with no HF counterpart
 // (e.g. rope_freqs.weight, which transformers recomputes) are left out; unknown names throw.
 std::vector<GgufHfTensor> gguf_hf_tensors(const GgufFile& f);
+// The GGUF name of a Hugging Face tensor name (the inverse of the mapping above), for the writer.
+std::string gguf_tensor_name(const std::string& hf_name);
 // Dequantises t into out (numel of t.shape floats, HF layout), undoing the row permutation.
 void gguf_read_f32(const GgufHfTensor& t, float* out);
 

@@ -1,0 +1,224 @@
+// The GGUF writer (io/gguf.h): version 3, the layout the reader documents, and Q8_0 as gguf-py quantises.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "io/gguf.h"
+
+namespace oomless {
+
+namespace fs = std::filesystem;
+
+GgufValue gguf_u32(uint32_t v) {
+  GgufValue x;
+  x.type = GgufValueType::u32;
+  x.i = v;
+  return x;
+}
+GgufValue gguf_i32(int32_t v) {
+  GgufValue x;
+  x.type = GgufValueType::i32;
+  x.i = v;
+  return x;
+}
+GgufValue gguf_f32(float v) {
+  GgufValue x;
+  x.type = GgufValueType::f32;
+  x.f = v;
+  return x;
+}
+GgufValue gguf_bool(bool v) {
+  GgufValue x;
+  x.type = GgufValueType::boolean;
+  x.i = v;
+  return x;
+}
+GgufValue gguf_str(std::string v) {
+  GgufValue x;
+  x.type = GgufValueType::string;
+  x.s = std::move(v);
+  return x;
+}
+GgufValue gguf_str_array(std::vector<std::string> v) {
+  GgufValue x;
+  x.type = GgufValueType::array;
+  x.elem = GgufValueType::string;
+  x.strings = std::move(v);
+  return x;
+}
+GgufValue gguf_i32_array(std::vector<int64_t> v) {
+  GgufValue x;
+  x.type = GgufValueType::array;
+  x.elem = GgufValueType::i32;
+  x.ints = std::move(v);
+  return x;
+}
+GgufValue gguf_f32_array(std::vector<double> v) {
+  GgufValue x;
+  x.type = GgufValueType::array;
+  x.elem = GgufValueType::f32;
+  x.floats = std::move(v);
+  return x;
+}
+
+namespace {
+
+constexpr uint64_t kAlign = 32;
+
+class Out {
+ public:
+  Out(const std::string& path, const std::string& tmp) : path_(path), tmp_(tmp) {
+    fd_ = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    OOM_CHECK(fd_ >= 0, "[gguf] cannot write ", tmp, ": ", std::strerror(errno));
+  }
+  ~Out() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  void bytes(const void* p, size_t n) {
+    const char* c = static_cast<const char*>(p);
+    while (n > 0) {
+      const ssize_t w = ::write(fd_, c, n);
+      if (w < 0 && errno == EINTR) continue;
+      OOM_CHECK(w > 0, "[gguf] writing ", path_, " failed: ", std::strerror(errno),
+                errno == ENOSPC ? " (the disk is full: free space or write elsewhere)" : "");
+      c += w;
+      n -= static_cast<size_t>(w);
+      pos_ += static_cast<uint64_t>(w);
+    }
+  }
+  template <class T> void pod(T v) { bytes(&v, sizeof v); }
+  void str(const std::string& s) {
+    pod<uint64_t>(s.size());
+    bytes(s.data(), s.size());
+  }
+  void pad() {
+    static const char zeros[kAlign] = {};
+    if (pos_ % kAlign) bytes(zeros, kAlign - pos_ % kAlign);
+  }
+  uint64_t pos() const { return pos_; }
+  void finish() {
+    OOM_CHECK(::fsync(fd_) == 0, "[gguf] fsync of ", tmp_, " failed: ", std::strerror(errno));
+    ::close(fd_);
+    fd_ = -1;
+    std::error_code ec;
+    fs::rename(tmp_, path_, ec);
+    OOM_CHECK(!ec, "[gguf] cannot rename ", tmp_, " to ", path_, ": ", ec.message());
+  }
+
+ private:
+  std::string path_, tmp_;
+  int fd_ = -1;
+  uint64_t pos_ = 0;
+};
+
+void scalar(Out& o, GgufValueType t, const GgufValue& v, int64_t i, double f, const std::string& s) {
+  (void)v;
+  switch (t) {
+    case GgufValueType::u8: o.pod<uint8_t>(static_cast<uint8_t>(i)); break;
+    case GgufValueType::i8: o.pod<int8_t>(static_cast<int8_t>(i)); break;
+    case GgufValueType::u16: o.pod<uint16_t>(static_cast<uint16_t>(i)); break;
+    case GgufValueType::i16: o.pod<int16_t>(static_cast<int16_t>(i)); break;
+    case GgufValueType::u32: o.pod<uint32_t>(static_cast<uint32_t>(i)); break;
+    case GgufValueType::i32: o.pod<int32_t>(static_cast<int32_t>(i)); break;
+    case GgufValueType::f32: o.pod<float>(static_cast<float>(f)); break;
+    case GgufValueType::boolean: o.pod<uint8_t>(i ? 1 : 0); break;
+    case GgufValueType::string: o.str(s); break;
+    case GgufValueType::u64: o.pod<uint64_t>(static_cast<uint64_t>(i)); break;
+    case GgufValueType::i64: o.pod<int64_t>(i); break;
+    case GgufValueType::f64: o.pod<double>(f); break;
+    case GgufValueType::array: fail("[gguf] nested arrays are not written");
+  }
+}
+
+void value(Out& o, const GgufValue& v) {
+  o.pod<uint32_t>(static_cast<uint32_t>(v.type));
+  if (v.type != GgufValueType::array) return scalar(o, v.type, v, v.i, v.f, v.s);
+  o.pod<uint32_t>(static_cast<uint32_t>(v.elem));
+  const size_t n = v.elem == GgufValueType::string ? v.strings.size()
+                   : (v.elem == GgufValueType::f32 || v.elem == GgufValueType::f64) ? v.floats.size()
+                                                                                    : v.ints.size();
+  o.pod<uint64_t>(n);
+  for (size_t k = 0; k < n; ++k) {
+    if (v.elem == GgufValueType::string) scalar(o, v.elem, v, 0, 0, v.strings[k]);
+    else if (v.elem == GgufValueType::f32 || v.elem == GgufValueType::f64) scalar(o, v.elem, v, 0, v.floats[k], {});
+    else scalar(o, v.elem, v, v.ints[k], 0, {});
+  }
+}
+
+uint64_t tensor_bytes(const GgufWriteTensor& t) {
+  const GgmlTypeInfo* info = ggml_type_info(static_cast<uint32_t>(t.type));
+  OOM_CHECK(info, "[gguf] tensor ", t.name, ": unknown type");
+  int64_t n = 1;
+  for (int64_t d : t.ne) n *= d;
+  OOM_CHECK(!t.ne.empty() && t.ne[0] % info->block_size == 0, "[gguf] tensor ", t.name, ": ", t.ne.empty() ? 0 : t.ne[0],
+            " columns are not a multiple of ", info->name, "'s block of ", info->block_size);
+  return static_cast<uint64_t>(n / info->block_size * info->type_size);
+}
+
+}  // namespace
+
+void write_gguf(const std::string& path, const std::vector<std::pair<std::string, GgufValue>>& metadata,
+                const std::vector<GgufWriteTensor>& tensors) {
+  const std::string tmp = path + ".tmp";
+  Out o(path, tmp);
+  try {
+    o.bytes("GGUF", 4);
+    o.pod<uint32_t>(3);
+    o.pod<uint64_t>(tensors.size());
+    o.pod<uint64_t>(metadata.size());
+    for (const auto& [k, v] : metadata) {
+      o.str(k);
+      value(o, v);
+    }
+    uint64_t offset = 0;
+    std::vector<uint64_t> sizes;
+    for (const GgufWriteTensor& t : tensors) {
+      o.str(t.name);
+      o.pod<uint32_t>(static_cast<uint32_t>(t.ne.size()));
+      for (int64_t d : t.ne) o.pod<uint64_t>(static_cast<uint64_t>(d));
+      o.pod<uint32_t>(static_cast<uint32_t>(t.type));
+      o.pod<uint64_t>(offset);
+      sizes.push_back(tensor_bytes(t));
+      offset += (sizes.back() + kAlign - 1) / kAlign * kAlign;
+    }
+    o.pad();
+    std::vector<uint8_t> buf;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      buf.assign(static_cast<size_t>(sizes[i]), 0);
+      tensors[i].fill(buf.data());
+      o.bytes(buf.data(), buf.size());
+      o.pad();
+    }
+    o.finish();
+  } catch (...) {
+    std::error_code ec;
+    fs::remove(tmp, ec);
+    throw;
+  }
+}
+
+void quantize_q8_0(const float* x, int64_t n, uint8_t* out) {
+  OOM_CHECK(n % 32 == 0, "[gguf] Q8_0 needs a multiple of 32 values, got ", n);
+  for (int64_t b = 0; b < n / 32; ++b) {
+    const float* v = x + b * 32;
+    float amax = 0.0f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
+    const float d = amax / 127.0f;
+    const float id = d == 0.0f ? 0.0f : 1.0f / d;
+    uint8_t* blk = out + b * 34;
+    const uint16_t h = f32_to_f16(d);
+    std::memcpy(blk, &h, 2);
+    for (int j = 0; j < 32; ++j) {
+      const float q = v[j] * id;
+      blk[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(std::round(q)));  // half away from zero
+    }
+  }
+}
+
+}  // namespace oomless
