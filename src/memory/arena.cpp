@@ -262,7 +262,7 @@ Buffer Arena::alloc(size_t bytes, Category cat, std::string_view what) {
                         format_bytes(bytes) + " for " + category_name(cat) +
                         (what.empty() ? std::string() : " (" + std::string(what) + ")") + "; held on this tier: " +
                         held_s + "; " + (over_own ? "tier" : "shared") + " budget " + format_bytes(limit) + ", in use " +
-                        format_bytes(in_use) + ". Raise --budget or choose a leaner plan (see `oomless estimate`).");
+                        format_bytes(in_use) + ".");
     }
     used_ += bytes;
     if (shared_) shared_->used += bytes;
@@ -279,7 +279,7 @@ Buffer Arena::alloc(size_t bytes, Category cat, std::string_view what) {
     used_ -= bytes;
     if (shared_) shared_->used -= bytes;
     throw OutOfBudget("[arena] the operating system refused " + format_bytes(bytes) + " for " + category_name(cat) +
-                      " on " + tier_name(tier_) + " although the budget allows it: lower --budget to what the machine has");
+                      " on " + tier_name(tier_) + " (more than the machine can give)");
   }
   ledger_.on_alloc(tier_, cat, bytes);
   b.arena_ = this;

@@ -550,6 +550,42 @@ int64_t default_page(int64_t C) {
   return 0;
 }
 
+// Setup ran out of memory: what the run holds and needs, and the changes that cut the most, exact where
+// they are static (from the model's parameter count), never blaming a flag the user did not give.
+[[noreturn]] void out_of_budget(const TrainConfig& c, const std::string& what, const Ledger* ledger) {
+  std::string msg = std::string("[train] the run does not fit ") +
+                    (c.budget.empty() ? "in this machine's memory" : "--budget " + c.budget) + ": " + what;
+  if (ledger) msg += "\nheld when it failed: " + ledger_line(*ledger);
+  ModelConfig cfg;
+  try {
+    cfg = open_model(c.model, static_cast<uint64_t>(c.seed)).cfg;
+  } catch (const Error&) {
+    fail(msg);
+  }
+  const double P = static_cast<double>(cfg.param_count());
+  auto gb = [](double b) { return format_bytes(static_cast<size_t>(b)); };
+  if (c.seq > cfg.max_position)
+    msg += "\n--seq " + std::to_string(c.seq) + " is past the model's max_position_embeddings (" +
+           std::to_string(cfg.max_position) + ")";
+  if (c.lora == 0) {
+    msg += "\nthis run trains every parameter: weights " + gb(4 * P) + ", gradients " + gb(4 * P) +
+           ", AdamW state " + gb(8 * P) + " (16 bytes a parameter) before activations";
+    msg += "\nchanges that fit more: --lora 16 (the base frozen: no base gradients or optimizer state, saves about " +
+           gb(12 * P) + "), --lora 16 --qlora (also the frozen projections in NF4, about 0.5 byte a parameter)";
+  } else if (!c.qlora && c.base_dtype == "fp32") {
+    msg += "\nchanges that fit more: --qlora (the frozen projections in NF4, about " + gb(3.4 * P) + " less)";
+  } else {
+    msg += "\nchanges that fit more:";
+  }
+  if (c.chunk == 0)
+    msg += ", --chunk 512 (activations for 512 tokens at a time instead of --seq " + std::to_string(c.seq) +
+           "; with --kv-offload host or disk for long sequences)";
+  if (c.save_policy != "none") msg += ", --save-policy none (keep each layer's input only, recompute in backward)";
+  if (c.batch > 1) msg += ", --batch 1 --grad-accum " + std::to_string(c.batch * c.grad_accum) + " (the same step)";
+  if (!c.budget.empty()) msg += ", or a larger --budget";
+  fail(msg);
+}
+
 }  // namespace
 
 Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* log) : s_(std::make_unique<State>()) {
@@ -578,10 +614,13 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
   }
   // Model, memory, optimizer: everything is reserved here, before step 1.
   say("oomless train: opening %s\n", c.model.c_str());
+  bool pretrained = false;
+  try {  // every OutOfBudget of setup becomes one error with the run's memory and what to change
   s.e = build_engine(engine_options(c));
   Model& model = *s.e.model;
   const ModelConfig& cfg = s.e.src.cfg;
-  const bool pretrained = s.e.src.kind == "hf" || s.e.src.kind == "gguf";
+  pretrained = s.e.src.kind == "hf" || s.e.src.kind == "gguf";
+
   resolve_defaults(c, pretrained);
   OOM_CHECK(std::isfinite(c.lr) && std::isfinite(c.min_lr) && c.min_lr <= c.lr, "[train] --min-lr ", c.min_lr,
             " is above --lr ", c.lr, ": the schedule decays from --lr down to --min-lr (default 0.1 x --lr); lower "
@@ -604,7 +643,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
   const int64_t C = s.C;
   OOM_CHECK(c.sparse_pages == 0 || C > 0, "[train] --sparse-pages ", c.sparse_pages, " needs --chunk C: page-sparse "
             "attention selects among the pages of chunk-recurrent training's K/V store");
-  try {
+  {
     if (C > 0) {
       PagedKvOptions ko;
       ko.C = C;
@@ -639,12 +678,12 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
       model.backward(0.0);
     }
     model.zero_grads();
-  } catch (const OutOfBudget& e) {
-    fail("[train] the run does not fit --budget ", c.budget, ": ", e.what(),
-         "\nuse a larger --budget, a smaller --seq, --save-policy selective or none, or --chunk C (with --kv-offload "
-         "host or disk for long sequences)", s.e.adapters ? "" : ", or --lora r (a frozen base: no base gradients or "
-         "optimizer state)");
   }
+  } catch (const OutOfBudget& e) {
+    out_of_budget(c, e.what(), s.e.mem ? &s.e.mem->ledger : nullptr);
+  }
+  Model& model = *s.e.model;
+  const ModelConfig& cfg = s.e.src.cfg;
   {
     const Ledger& l = s.e.mem->ledger;
     const size_t peak = l.peak_total(Tier::Device) + l.peak_total(Tier::Host);

@@ -27,6 +27,11 @@ expect_error chunk_prime "--chunk 97 has no divisor from 8 to 64" train --model 
 printf '%s\n' '{"messages": [{"role": "user", "content": "Who wrote this?"}]}' \
   '{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]}' > "$work/no_assistant.jsonl"
 expect_error no_supervised "has no supervised token in an epoch" train --model preset:micro --data "$work/no_assistant.jsonl" --seq 16 --steps 2
+expect_error budget "does not fit --budget 100MB: .*requested [0-9.]+ MiB for grads" train --model preset:tiny --data "$D" --seq 2048 --steps 1 --budget 100MB
+grep -q "this run trains every parameter: weights 48.02 MiB, gradients 48.02 MiB, AdamW state 96.04 MiB" "$work/budget.log" \
+  || { cat "$work/budget.log"; fail "the budget error does not give the run's static memory"; }
+grep -q "changes that fit more: --lora 16 (the base frozen" "$work/budget.log" || { cat "$work/budget.log"; fail "no changes named"; }
+if grep -q "oomless estimate" "$work/budget.log"; then fail "the budget error names a command that does not exist"; fi
 expect_error unknown_flag "unknown option '--lr-warmup'.*run .oomless train --help." $M --lr-warmup 3
 
 # The run before step 1: model, parameters, memory after setup, data, schedule (random init: today's defaults).
