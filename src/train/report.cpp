@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "data/text.h"
+#include "memory/arena.h"
 #include "train/metrics.h"
 
 namespace oomless {
@@ -55,8 +56,38 @@ double tick_step(double lo, double hi, int n) {
   return 10 * p;
 }
 
-// One line chart as inline SVG, with axes, ticks and a legend.
-std::string chart(const std::string& title, const std::string& y_label, const std::vector<Series>& series) {
+struct ChartOptions {
+  bool from_zero = false;  // the y axis starts at 0 (rates, sizes)
+  bool stacked = false;    // series drawn as areas stacked in order, with their total as a line
+  double ref = NAN;        // a horizontal reference line (e.g. the budget), labelled ref_label
+  std::string ref_label;
+};
+
+// Stacks series over the union of their x values (a missing value counts 0): each series' points become
+// the running total up to it.
+std::vector<Series> stack(const std::vector<Series>& in) {
+  std::map<double, double> acc;
+  for (const Series& s : in)
+    for (const auto& pt : s.pts) acc.emplace(pt.first, 0.0);
+  std::vector<Series> out;
+  for (const Series& s : in) {
+    std::map<double, double> v;
+    for (auto [x, y] : s.pts) v[x] = std::isfinite(y) ? y : 0;
+    Series t = s;
+    t.pts.clear();
+    for (auto& [x, a] : acc) {
+      a += v.count(x) ? v[x] : 0;
+      t.pts.push_back({x, a});
+    }
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+// One chart as inline SVG (lines, or stacked areas), with axes, ticks and a legend.
+std::string chart(const std::string& title, const std::string& y_label, const std::vector<Series>& series_in,
+                  const ChartOptions& opt = {}) {
+  const std::vector<Series> series = opt.stacked ? stack(series_in) : series_in;
   // The legend sits between the title and the plot, wrapped onto as many rows as it needs.
   const double W = 640, L = 64, R = 16, B = 40;
   std::vector<std::pair<double, int>> legend_pos;  // x and row per series
@@ -86,10 +117,13 @@ std::string chart(const std::string& title, const std::string& y_label, const st
     o << "<text x=\"" << L << "\" y=\"" << H / 2 << "\" fill=\"#888\">no data</text></svg>\n";
     return o.str();
   }
+  if (opt.from_zero || opt.stacked) y0 = std::min(y0, 0.0);
+  if (std::isfinite(opt.ref)) y1 = std::max(y1, opt.ref);
   if (x1 == x0) x1 = x0 + 1;
   if (y1 == y0) y1 = y0 + (y0 == 0 ? 1 : std::abs(y0) * 0.1);
   const double pad = (y1 - y0) * 0.05;
-  y0 -= pad, y1 += pad;
+  y0 = (opt.from_zero || opt.stacked) && y0 >= 0 ? 0 : y0 - pad;
+  y1 += pad;
   auto X = [&](double x) { return L + (x - x0) / (x1 - x0) * (W - L - R); };
   auto Y = [&](double y) { return H - B - (y - y0) / (y1 - y0) * (H - T - B); };
   o << "<rect x=\"" << L << "\" y=\"" << T << "\" width=\"" << W - L - R << "\" height=\"" << H - T - B
@@ -115,12 +149,37 @@ std::string chart(const std::string& title, const std::string& y_label, const st
     std::ostringstream pts;
     for (auto [x, y] : s.pts)
       if (std::isfinite(y)) pts << X(x) << "," << Y(y) << " ";
-    o << "<polyline fill=\"none\" stroke=\"" << s.color << "\" stroke-width=\"1.5\" points=\"" << pts.str() << "\"/>\n";
+    if (opt.stacked) {
+      // The band between the series below (or the axis) and this one's running total.
+      std::ostringstream band;
+      band << pts.str();
+      if (i == 0) {
+        band << X(s.pts.back().first) << "," << Y(0) << " " << X(s.pts.front().first) << "," << Y(0);
+      } else {
+        const auto& below = series[i - 1].pts;
+        for (auto it = below.rbegin(); it != below.rend(); ++it) band << X(it->first) << "," << Y(it->second) << " ";
+      }
+      o << "<polygon fill=\"" << s.color << "\" fill-opacity=\"0.55\" stroke=\"none\" points=\"" << band.str() << "\"/>\n";
+    } else {
+      o << "<polyline fill=\"none\" stroke=\"" << s.color << "\" stroke-width=\"1.5\" points=\"" << pts.str() << "\"/>\n";
+    }
     if (s.markers)
       for (auto [x, y] : s.pts)
         if (std::isfinite(y)) o << "<circle cx=\"" << X(x) << "\" cy=\"" << Y(y) << "\" r=\"3\" fill=\"" << s.color << "\"/>\n";
     o << "<rect x=\"" << lx << "\" y=\"" << ly << "\" width=\"10\" height=\"10\" fill=\"" << s.color
       << "\"/><text x=\"" << lx + 14 << "\" y=\"" << ly + 9 << "\" font-size=\"11\">" << esc(s.name) << "</text>\n";
+  }
+  if (opt.stacked && !series.empty() && !series.back().pts.empty()) {
+    std::ostringstream pts;
+    for (auto [x, y] : series.back().pts) pts << X(x) << "," << Y(y) << " ";
+    o << "<polyline fill=\"none\" stroke=\"#000\" stroke-width=\"1.5\" points=\"" << pts.str() << "\"/>\n"
+      << "<text x=\"" << W - R - 4 << "\" y=\"" << Y(series.back().pts.back().second) - 4
+      << "\" font-size=\"11\" text-anchor=\"end\">total " << num(series.back().pts.back().second) << "</text>\n";
+  }
+  if (std::isfinite(opt.ref)) {
+    o << "<line x1=\"" << L << "\" x2=\"" << W - R << "\" y1=\"" << Y(opt.ref) << "\" y2=\"" << Y(opt.ref)
+      << "\" stroke=\"#d00\" stroke-dasharray=\"6 4\"/><text x=\"" << L + 4 << "\" y=\"" << Y(opt.ref) - 4
+      << "\" font-size=\"11\" fill=\"#d00\">" << esc(opt.ref_label) << "</text>\n";
   }
   o << "</svg>\n";
   return o.str();
@@ -130,9 +189,11 @@ const char* kColors[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", 
 
 }  // namespace
 
-std::string render_report(const std::string& metrics_jsonl, const json::Value& config) {
+std::string render_report(const std::string& metrics_jsonl, const json::Value& config, const json::Value& summary) {
   Series loss{"train loss", kColors[0], {}}, eval{"eval loss", kColors[1], {}, true};
   Series lr{"learning rate", kColors[2], {}}, tps{"tokens/s", kColors[3], {}};
+  Series gnorm{"gradient norm (before clipping)", kColors[4], {}};
+  double seconds = 0;  // sum of the steps' times (tokens / tokens_per_s)
   std::map<std::string, Series> mem;  // "tier category" -> current bytes (MiB)
   int64_t steps = 0, skipped = 0;
   json::Value params;  // the last train line's "params"
@@ -160,12 +221,14 @@ std::string render_report(const std::string& metrics_jsonl, const json::Value& c
     loss.pts.push_back({s, val("loss")});
     lr.pts.push_back({s, val("lr")});
     tps.pts.push_back({s, val("tokens_per_s")});
+    gnorm.pts.push_back({s, val("grad_norm")});
+    if (const double t = val("tokens_per_s"); t > 0) seconds += 1.0 / t;  // times tokens per step below
     if (const json::Value* m = o.find("memory"); m && m->is_object())
       for (const auto& [tier, cats] : m->as_object()) {
         if (!cats.is_object()) continue;
         for (const auto& [cat, v] : cats.as_object()) {
           if (cat == "total" || !v.is_object() || !v.find("current")) continue;
-          const std::string key = tier + " " + cat;
+          const std::string key = tier == "device" ? cat : tier + " " + cat;
           Series& sr = mem[key];
           if (sr.name.empty()) sr.name = key, sr.color = kColors[mem.size() % 8];
           sr.pts.push_back({s, v.at("current").as_number() / (1024.0 * 1024.0)});
@@ -175,6 +238,12 @@ std::string render_report(const std::string& metrics_jsonl, const json::Value& c
   std::vector<Series> mem_series;
   for (auto& [k, v] : mem) mem_series.push_back(v);
 
+  auto cfg_num = [&](const char* k) {
+    const json::Value* v = config.is_object() ? config.find(k) : nullptr;
+    return v && v->is_number() ? v->as_number() : 0.0;
+  };
+  const double tokens_per_step = cfg_num("seq") * std::max(1.0, cfg_num("batch")) * std::max(1.0, cfg_num("grad-accum"));
+  seconds *= tokens_per_step;
   std::ostringstream h;
   h << "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>oomless training report</title>\n"
        "<style>body{font-family:sans-serif;margin:24px;max-width:1340px}svg{margin:6px;border:1px solid #ddd}"
@@ -183,6 +252,20 @@ std::string render_report(const std::string& metrics_jsonl, const json::Value& c
   if (!loss.pts.empty()) h << "; last training loss " << num(loss.pts.back().second);
   if (!eval.pts.empty()) h << "; last eval loss " << num(eval.pts.back().second) << " at step " << eval.pts.back().first;
   h << ".</p>\n";
+  // The run in one table: time, tokens, epochs, best held-out loss.
+  h << "<h2>Run</h2>\n<table>\n";
+  auto row = [&](const std::string& k, const std::string& v) { h << "<tr><td>" << esc(k) << "</td><td>" << esc(v) << "</td></tr>\n"; };
+  if (summary.is_object() && summary.find("model")) row("model", summary.at("model").as_string());
+  row("steps", std::to_string(steps) + (summary.is_object() && summary.find("total_steps")
+                                            ? " of " + std::to_string(summary.at("total_steps").as_int()) : ""));
+  if (tokens_per_step > 0) row("tokens trained", std::to_string(static_cast<long long>(tokens_per_step * static_cast<double>(steps))));
+  if (summary.is_object() && summary.find("epochs")) row("epochs", num(summary.at("epochs").as_number()));
+  if (seconds > 0) row("time in steps", num(seconds) + " s (" + num(tokens_per_step * steps / seconds) + " tokens/s)");
+  if (!eval.pts.empty()) {
+    auto best = std::min_element(eval.pts.begin(), eval.pts.end(), [](auto& a, auto& b) { return a.second < b.second; });
+    row("best eval loss", num(best->second) + " at step " + num(best->first));
+  }
+  h << "</table>\n";
   auto count = [&](const char* k) {
     const json::Value* v = params.is_object() ? params.find(k) : nullptr;
     return v && v->is_number() ? v->as_number() : 0.0;
@@ -192,9 +275,20 @@ std::string render_report(const std::string& metrics_jsonl, const json::Value& c
       << format_bytes(static_cast<size_t>(count("trainable_bytes"))) << "); frozen "
       << static_cast<long long>(count("frozen")) << " (" << format_bytes(static_cast<size_t>(count("frozen_bytes")))
       << ").</p>\n";
+  ChartOptions zero, memo;
+  zero.from_zero = true;
+  memo.stacked = true;
+  if (const json::Value* b = config.is_object() ? config.find("budget") : nullptr; b && b->is_string() && !b->as_string().empty()) {
+    try {
+      memo.ref = static_cast<double>(parse_size(b->as_string())) / (1024.0 * 1024.0);
+      memo.ref_label = "--budget " + b->as_string();
+    } catch (const Error&) {
+    }
+  }
   h << "<div>\n"
     << chart("Loss", "cross-entropy (nats)", {loss, eval}) << chart("Learning rate", "lr", {lr})
-    << chart("Throughput", "tokens/s", {tps}) << chart("Memory held per category (ledger)", "MiB", mem_series)
+    << chart("Gradient norm", "global L2 norm", {gnorm}, zero) << chart("Throughput", "tokens/s", {tps}, zero)
+    << chart("Memory held by category (ledger, stacked; device and host)", "MiB", mem_series, memo)
     << "</div>\n<h2>Configuration</h2>\n<table>\n";
   if (config.is_object())
     for (const auto& [k, v] : config.as_object())
@@ -203,10 +297,10 @@ std::string render_report(const std::string& metrics_jsonl, const json::Value& c
   return h.str();
 }
 
-std::string write_report(const std::string& out_dir, const json::Value& config) {
+std::string write_report(const std::string& out_dir, const json::Value& config, const json::Value& summary) {
   const std::string metrics = MetricsWriter::path_in(out_dir);
   const std::string text = std::filesystem::exists(metrics) ? read_text_file(metrics) : std::string();
-  const std::string page = render_report(text, config);
+  const std::string page = render_report(text, config, summary);
   const std::string path = out_dir + "/report.html", tmp = path + ".tmp";
   std::FILE* f = std::fopen(tmp.c_str(), "wb");
   OOM_CHECK(f, "[train] cannot write ", tmp, ": ", std::strerror(errno));

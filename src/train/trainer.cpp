@@ -450,6 +450,7 @@ struct Trainer::State {
   std::unique_ptr<Dataset> data;
   ScheduleSettings sched;
   int64_t total = 0, step = 0, nonfinite_total = 0, nonfinite_run = 0;
+  int64_t per_epoch = 0;  // sequences in an epoch (0: not counted)
   std::vector<int32_t> eval_stream;
   Sequences eval_seqs;
 };
@@ -745,6 +746,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
             c.truncation == "drop" ? "dropped" : "split across sequences, later pieces training without the start of "
                                                  "their prompt");
     }
+    s.per_epoch = per_epoch;
     const double steps_per_epoch = static_cast<double>(per_epoch) / static_cast<double>(seqs_per_step);
     s.total = c.steps;
     if (s.total == 0) {
@@ -863,6 +865,10 @@ int64_t Trainer::steps_done() const { return s_->step; }
 int64_t Trainer::total_steps() const { return s_->total; }
 int64_t Trainer::nonfinite_in_a_row() const { return s_->nonfinite_run; }
 int64_t Trainer::nonfinite_total() const { return s_->nonfinite_total; }
+double Trainer::epochs_trained() const {
+  if (s_->per_epoch <= 0) return NAN;
+  return static_cast<double>(s_->step * s_->c.batch * s_->c.grad_accum) / static_cast<double>(s_->per_epoch);
+}
 Engine& Trainer::engine() { return s_->e; }
 PagedKvStore* Trainer::kv() { return s_->kv.get(); }
 int64_t Trainer::chunk() const { return s_->C; }
@@ -1094,7 +1100,17 @@ int train_run(const TrainConfig& c, const std::string& out) {
   if (dump) std::fclose(dump);
   if (!g_stop) run_eval(step);
   save();
-  const std::string report = write_report(out, tr.config().to_json());
+  // The report shows the values the run used: the thread count, and the epochs the steps amounted to.
+  json::Value shown = tr.config().to_json();
+  shown.set("threads", json::Value::integer(get_threads()));
+  json::Value summary = json::Value::object();
+  summary.set("model", json::Value::string(c.model));
+  summary.set("total_steps", json::Value::integer(tr.total_steps()));
+  if (std::isfinite(tr.epochs_trained())) {
+    summary.set("epochs", json::Value::number(tr.epochs_trained()));
+    if (c.epochs == 0) shown.set("epochs", json::Value::number(tr.epochs_trained()));
+  }
+  const std::string report = write_report(out, shown, summary);
   std::printf("trained %lld steps; last loss %.4f; checkpoint in %s/checkpoint-%lld; metrics in %s; report in %s\n",
               static_cast<long long>(step), last_loss, out.c_str(), static_cast<long long>(step),
               MetricsWriter::path_in(out).c_str(), report.c_str());

@@ -163,6 +163,7 @@ class Trainer {
   int64_t total_steps() const;
   int64_t nonfinite_in_a_row() const;  // steps skipped in a row, up to the last one
   int64_t nonfinite_total() const;     // steps skipped in the whole run
+  double epochs_trained() const;       // passes over the data so far (NaN when the data was not counted)
   Engine& engine();
   PagedKvStore* kv();  // null unless chunk-recurrent
   int64_t chunk() const;  // chunk length of chunk-recurrent training (0: off)
