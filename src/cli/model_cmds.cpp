@@ -175,8 +175,20 @@ int eval(const std::vector<std::string>& argv) {
     ko.summary = parse_page_summary(a.str("page-summary", "minmax"));
     kv = std::make_unique<PagedKvStore>(l.src.cfg, *l.ops, l.mem->device, l.mem->host, ko, T, grads);
   }
-  EvalResult r = docs ? evaluate_sequences(*l.model, seqs.ids, seqs.targets, kv.get(), C)
-                      : evaluate(*l.model, stream, T, grads, kv.get(), C);
+  // Progress on stderr: a counter on a terminal, every tenth of the windows otherwise.
+  const bool tty = isatty(2);
+  int64_t shown = 0;
+  auto progress = [&](int64_t done, int64_t all) {
+    if (tty) {
+      std::fprintf(stderr, "\r  window %lld/%lld%s", static_cast<long long>(done), static_cast<long long>(all),
+                   done == all ? "\n" : "");
+    } else if (done * 10 / all > shown) {
+      shown = done * 10 / all;
+      std::fprintf(stderr, "oomless eval: %lld/%lld windows\n", static_cast<long long>(done), static_cast<long long>(all));
+    }
+  };
+  EvalResult r = docs ? evaluate_sequences(*l.model, seqs.ids, seqs.targets, kv.get(), C, progress)
+                      : evaluate(*l.model, stream, T, grads, kv.get(), C, progress);
   if (grads) {
     // With an adapter the base is frozen: the adapter's gradients, under PEFT's names.
     const ParamSet& g = l.adapters ? l.model->adapter_grads().tensors() : l.model->grads();

@@ -260,7 +260,20 @@ void apply_rope_scaling(ModelConfig& c, std::string_view spec, std::string_view 
     return;
   }
   if (!spec.empty() && spec.front() == '{') {
-    read_rope_scaling(json::parse(spec, source), c, source);
+    const json::Value rs = json::parse(spec, source);
+    // A key given here that no rope type reads would be dropped without a word: refuse it.
+    static const char* kKeys[] = {"rope_type", "type", "factor", "original_max_position_embeddings", "low_freq_factor",
+                                  "high_freq_factor", "beta_fast", "beta_slow", "truncate", "mscale",
+                                  "mscale_all_dim", "attention_factor"};
+    if (rs.is_object())
+      for (const auto& [k, v] : rs.as_object()) {
+        bool known = false;
+        for (const char* x : kKeys) known |= k == x;
+        OOM_CHECK(known, "[config] ", source, ": rope scaling key \"", k, "\" is not read by any rope type; the keys are "
+                  "rope_type, factor, original_max_position_embeddings, low_freq_factor, high_freq_factor (llama3), "
+                  "beta_fast, beta_slow, truncate, mscale, mscale_all_dim, attention_factor (yarn)");
+      }
+    read_rope_scaling(rs, c, source);
     return;
   }
   const size_t colon = spec.find(':');

@@ -14,7 +14,7 @@ std::vector<PositionBucket> position_buckets(int64_t T) {
 }
 
 EvalResult evaluate(Model& model, const std::vector<int32_t>& stream, int64_t T, bool with_grads, ChunkKv* kv,
-                    int64_t C) {
+                    int64_t C, const EvalProgress& progress) {
   OOM_CHECK(T >= 2, "[eval] --seq must be at least 2 (a window of T tokens makes T - 1 predictions), got ", T);
   const int64_t n = static_cast<int64_t>(stream.size());
   OOM_CHECK(n >= T, "[eval] the data holds ", n, " tokens, fewer than one window of --seq ", T,
@@ -47,12 +47,14 @@ EvalResult evaluate(Model& model, const std::vector<int32_t>& stream, int64_t T,
     r.predictions += ce.count;
     for (PositionBucket& b : r.buckets)
       for (int64_t t = b.start; t < b.end; ++t) b.loss_sum += per[static_cast<size_t>(t)], ++b.count;
+    if (progress) progress(w + 1, r.windows);
   }
   return r;
 }
 
 EvalResult evaluate_sequences(Model& model, const std::vector<std::vector<int32_t>>& ids,
-                              const std::vector<std::vector<int32_t>>& targets, ChunkKv* kv, int64_t C) {
+                              const std::vector<std::vector<int32_t>>& targets, ChunkKv* kv, int64_t C,
+                              const EvalProgress& progress) {
   OOM_CHECK(!ids.empty() && ids.size() == targets.size(), "[eval] no sequences to evaluate");
   const int64_t T = static_cast<int64_t>(ids[0].size());
   OOM_CHECK(T >= 2, "[eval] --seq must be at least 2, got ", T);
@@ -80,6 +82,7 @@ EvalResult evaluate_sequences(Model& model, const std::vector<std::vector<int32_
     for (PositionBucket& b : r.buckets)
       for (int64_t t = b.start; t < b.end; ++t)
         if (targets[w][static_cast<size_t>(t)] >= 0) b.loss_sum += per[static_cast<size_t>(t)], ++b.count;
+    if (progress) progress(static_cast<int64_t>(w) + 1, r.windows);
   }
   return r;
 }

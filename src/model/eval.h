@@ -4,6 +4,7 @@
 // their own targets (chat data).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "model/model.h"
@@ -32,13 +33,16 @@ std::vector<PositionBucket> position_buckets(int64_t T);
 // gradient of its mean loss (what transformers computes with labels = input_ids).
 // kv (with C > 0): each window runs chunk by chunk through that store (Model::chunked_eval, or
 // chunked_step for the gradient), for windows longer than the activations one pass can hold.
+// progress (optional): called after each window with (windows done, windows in all).
+using EvalProgress = std::function<void(int64_t, int64_t)>;
 EvalResult evaluate(Model& model, const std::vector<int32_t>& stream, int64_t T, bool with_grads,
-                    ChunkKv* kv = nullptr, int64_t C = 0);
+                    ChunkKv* kv = nullptr, int64_t C = 0, const EvalProgress& progress = {});
 
 // Evaluation of given sequences (ids and targets of T tokens each, -100 = not supervised), as training
 // scores them: loss = sum of cross-entropy over the supervised targets / their count; buckets by the
 // target's position in its sequence. Chat data (only assistant turns supervised) is scored this way.
 EvalResult evaluate_sequences(Model& model, const std::vector<std::vector<int32_t>>& ids,
-                              const std::vector<std::vector<int32_t>>& targets, ChunkKv* kv = nullptr, int64_t C = 0);
+                              const std::vector<std::vector<int32_t>>& targets, ChunkKv* kv = nullptr, int64_t C = 0,
+                              const EvalProgress& progress = {});
 
 }  // namespace oomless

@@ -32,6 +32,7 @@ grep -q "this run trains every parameter: weights 48.02 MiB, gradients 48.02 MiB
   || { cat "$work/budget.log"; fail "the budget error does not give the run's static memory"; }
 grep -q "changes that fit more: --lora 16 (the base frozen" "$work/budget.log" || { cat "$work/budget.log"; fail "no changes named"; }
 if grep -q "oomless estimate" "$work/budget.log"; then fail "the budget error names a command that does not exist"; fi
+expect_error rope_key "rope scaling key \"bad\" is not read by any rope type" $M --rope-scaling '{"rope_type": "linear", "factor": 2, "bad": 1}'
 expect_error unknown_flag "unknown option '--lr-warmup'.*run .oomless train --help." $M --lr-warmup 3
 
 # The run before step 1: model, parameters, memory after setup, data, schedule (random init: today's defaults).
