@@ -219,9 +219,14 @@ int eval(const std::vector<std::string>& argv) {
   } else {
     std::printf("loss %.6f  ppl %.4f  windows %lld  tokens %lld\n", loss, std::exp(loss),
                 static_cast<long long>(r.windows), static_cast<long long>(r.tokens));
-    for (const PositionBucket& p : r.buckets)
-      std::printf("  positions [%lld, %lld): loss %.4f\n", static_cast<long long>(p.start),
-                  static_cast<long long>(p.end), p.count ? p.loss_sum / static_cast<double>(p.count) : 0.0);
+    for (const PositionBucket& p : r.buckets) {
+      if (p.count == 0) {
+        std::printf("  positions [%lld, %lld): no targets\n", static_cast<long long>(p.start), static_cast<long long>(p.end));
+        continue;
+      }
+      std::printf("  positions [%lld, %lld): loss %.4f (%lld targets)\n", static_cast<long long>(p.start),
+                  static_cast<long long>(p.end), p.loss_sum / static_cast<double>(p.count), static_cast<long long>(p.count));
+    }
   }
   return 0;
 }
