@@ -6,6 +6,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <random>
 
 #include "core/dtype.h"
 #include "io/gguf.h"
@@ -38,6 +39,43 @@ TEST(GgufExport, Q8_0IsGgufPysQuantize) {
   EXPECT_EQ(hex, g.at("q8_0_hex").as_string());
 }
 
+// Q4_K as written reads back through ggml's dequantiser (ours is bit-identical to gguf-py's) within half
+// of each sub-block's step (d x its 6-bit scale, read from the block), which is at most its range / 15 plus
+// what the block's shared d and dmin cost; zeros come back exactly.
+TEST(GgufExport, Q4_KReadsBackWithinHalfAStepOfEachSubBlock) {
+  std::mt19937_64 rng(3);
+  std::normal_distribution<float> nd(0.0f, 0.02f);
+  std::vector<float> x(256 * 12);
+  for (float& v : x) v = nd(rng);
+  std::fill(x.begin() + 256 * 8, x.begin() + 256 * 9, 0.0f);                 // zeros
+  for (int i = 0; i < 256; ++i) x[256 * 9 + i] = i % 2 ? 0.5f : 0.0f;         // two levels
+  for (int i = 0; i < 256; ++i) x[256 * 10 + i] = -std::abs(nd(rng)) * 10;    // negative only
+  for (int i = 0; i < 256; ++i) x[256 * 11 + i] = nd(rng) * (i < 32 ? 100 : 1);  // one sub-block much wider
+  std::vector<uint8_t> q(x.size() / 256 * 144);
+  quantize_q4_k(x.data(), static_cast<int64_t>(x.size()), q.data());
+  std::vector<float> y(x.size());
+  dequantize(GgmlType::Q4_K, q.data(), static_cast<int64_t>(x.size()), y.data());
+  double sq = 0, cnt = 0;
+  for (size_t j = 0; j < x.size() / 32; ++j) {
+    const uint8_t* blk = q.data() + (j / 8) * 144;
+    uint16_t dh;
+    std::memcpy(&dh, blk, 2);
+    const int s = static_cast<int>(j % 8);
+    const uint8_t* sc = blk + 4;
+    const int ls = s < 4 ? sc[s] & 63 : (sc[s + 4] & 0xF) | ((sc[s - 4] >> 6) << 4);
+    const double step = static_cast<double>(f16_to_f32(dh)) * ls;
+    float lo = 0, hi = 0;
+    for (int l = 0; l < 32; ++l) lo = std::min(lo, x[j * 32 + l]), hi = std::max(hi, x[j * 32 + l]);
+    for (int l = 0; l < 32; ++l) {
+      const double e = std::abs(static_cast<double>(y[j * 32 + l]) - x[j * 32 + l]);
+      ASSERT_LE(e, step / 2 * (1 + 1e-5) + 1e-9) << "sub-block " << j << " element " << l;
+      if (j < 64) sq += (e / ((hi - lo) / 15.0)) * (e / ((hi - lo) / 15.0)), cnt += 1;
+    }
+  }
+  EXPECT_LT(std::sqrt(sq / cnt), 0.5);  // normal blocks: RMS error under half the range / 15
+  for (int i = 256 * 8; i < 256 * 9; ++i) ASSERT_EQ(y[static_cast<size_t>(i)], 0.0f);
+}
+
 struct Loaded {
   ModelSource src;
   std::unique_ptr<CpuMemory> mem = std::make_unique<CpuMemory>(size_t{1} << 32);
@@ -54,7 +92,7 @@ TEST(GgufExport, AModelReadsBackAsItself) {
   fs::create_directories(dir);
   Loaded m("preset:micro");
   const std::string text = "In the beginning God created the heaven and the earth. <|im_start|>user\nHi<|im_end|>";
-  for (const char* type : {"f32", "f16", "bf16", "q8_0"}) {
+  for (const char* type : {"f32", "f16", "bf16", "q8_0", "q4_k"}) {
     SCOPED_TRACE(type);
     const std::string path = (dir / (std::string("micro-") + type + ".gguf")).string();
     save_gguf(path, m.src, *m.params, parse_gguf_type(type));
@@ -83,24 +121,24 @@ TEST(GgufExport, AModelReadsBackAsItself) {
         float expect = w[k];
         if (matrix && std::string(type) == "f16") expect = f16_to_f32(f32_to_f16(w[k]));
         if (matrix && std::string(type) == "bf16") expect = round_to_bf16(w[k]);
-        if (matrix && std::string(type) == "q8_0") {
+        if (matrix && (std::string(type) == "q8_0" || std::string(type) == "q4_k")) {  // micro's 64 columns: Q8_0
           worst = std::max(worst, static_cast<double>(std::fabs(r[k] - w[k])));
           continue;
         }
         ASSERT_EQ(r[k], expect) << m.params->specs()[i].name << " element " << k;
       }
       // Q8_0: within half a step of its block (max |x| / 127 / 2) of this preset's weights (|x| < 0.2).
-      if (matrix && std::string(type) == "q8_0") EXPECT_LT(worst, 0.2 / 127 / 2 + 1e-6) << m.params->specs()[i].name;
+      if (matrix && std::string(type) != "f32" && std::string(type) != "f16" && std::string(type) != "bf16") EXPECT_LT(worst, 0.2 / 127 / 2 + 1e-6) << m.params->specs()[i].name;
     }
   }
 }
 
 TEST(GgufExport, UnsupportedTypesAreNamed) {
   try {
-    parse_gguf_type("q4_k");
+    parse_gguf_type("q5_k");
     ADD_FAILURE();
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("use f32, f16, bf16 or q8_0"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("use f32, f16, bf16, q8_0 or q4_k"), std::string::npos);
   }
 }
 

@@ -465,7 +465,7 @@ namespace {
 
 const char* kConvertHelp =
     "usage: oomless convert --model M --out DIR [--dtype fp32|bf16] [--seed s]\n"
-    "       oomless convert --model M --out FILE.gguf [--type f32|f16|bf16|q8_0] [--seed s]\n"
+    "       oomless convert --model M --out FILE.gguf [--type f32|f16|bf16|q8_0|q4_k] [--seed s]\n"
     "\n"
     "Writes a model as a Hugging Face folder that transformers and `--model DIR` load as they are:\n"
     "config.json, generation_config.json, model.safetensors (Hugging Face names) and, when the model has them,\n"
@@ -478,7 +478,8 @@ const char* kConvertHelp =
     "  --model M   HF folder, .gguf or preset:NAME (required)\n"
     "  --out DIR   a new or empty folder, or FILE.gguf (required)\n"
     "  --dtype D   folder: fp32 (default) or bf16 weights\n"
-    "  --type T    GGUF: f32, f16 (default), bf16 or q8_0 matrices\n"
+    "  --type T    GGUF: f32, f16 (default), bf16, q8_0 or q4_k matrices (q4_k: rows not a multiple of 256\n"
+    "              fall back to q8_0)\n"
     "  --seed s    random init of a preset (default 0)\n";
 
 }  // namespace
@@ -489,7 +490,7 @@ int convert(const std::vector<std::string>& argv) {
   const std::string out = a.required("out");
   const bool gguf = out.size() > 5 && out.compare(out.size() - 5, 5, ".gguf") == 0;
   OOM_CHECK(gguf || !a.has("type"), "[convert] --type is for a .gguf --out; a folder takes --dtype fp32|bf16");
-  OOM_CHECK(!gguf || !a.has("dtype"), "[convert] --dtype is for a folder --out; a .gguf takes --type f32|f16|bf16|q8_0");
+  OOM_CHECK(!gguf || !a.has("dtype"), "[convert] --dtype is for a folder --out; a .gguf takes --type f32|f16|bf16|q8_0|q4_k");
   const GgmlType type = parse_gguf_type(a.str("type", "f16"));
   const std::string dt = a.str("dtype", "fp32");
   OOM_CHECK(dt == "fp32" || dt == "bf16", "[convert] --dtype ", dt, " is not supported; use fp32 or bf16");

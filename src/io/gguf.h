@@ -162,5 +162,10 @@ void write_gguf(const std::string& path, const std::vector<std::pair<std::string
 // n float32 values (a multiple of 32) as Q8_0 blocks, bit-identical to gguf-py's quantize (and ggml's
 // reference): per 32 values d = max|x| / 127 stored as f16, q = round-half-away(x / d) as int8.
 void quantize_q8_0(const float* x, int64_t n, uint8_t* out);
+// n float32 values (a multiple of 256) as Q4_K blocks that ggml's dequantiser reads: per 32 values a 6-bit
+// scale and min (of the block's d and dmin, f16) rounded up so that the sub-block's range is covered, and
+// 4-bit codes rounded to nearest: every value within half its sub-block's step d * scale. A direct min/max
+// quantiser, not llama.cpp's iterative search (whose error is somewhat smaller).
+void quantize_q4_k(const float* x, int64_t n, uint8_t* out);
 
 }  // namespace oomless

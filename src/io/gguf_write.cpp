@@ -4,7 +4,9 @@
 
 #include <cerrno>
 #include <cmath>
+#include <algorithm>
 #include <cstring>
+#include <limits>
 #include <filesystem>
 
 #include "core/dtype.h"
@@ -218,6 +220,59 @@ void quantize_q8_0(const float* x, int64_t n, uint8_t* out) {
       const float q = v[j] * id;
       blk[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(std::round(q)));  // half away from zero
     }
+  }
+}
+
+void quantize_q4_k(const float* x, int64_t n, uint8_t* out) {
+  OOM_CHECK(n % 256 == 0, "[gguf] Q4_K needs a multiple of 256 values, got ", n);
+  for (int64_t b = 0; b < n / 256; ++b) {
+    const float* v = x + b * 256;
+    float lo[8], hi[8];
+    for (int j = 0; j < 8; ++j) {
+      lo[j] = 0.0f, hi[j] = 0.0f;  // the range holds 0, as ggml's does (mins are >= 0)
+      for (int l = 0; l < 32; ++l) lo[j] = std::min(lo[j], v[j * 32 + l]), hi[j] = std::max(hi[j], v[j * 32 + l]);
+    }
+    // Mins rounded up and scales rounded up, so that every value's code lies in 0..15 without clamping:
+    // the error is at most half the sub-block's step d * sc.
+    float mmax = 0.0f;
+    for (int j = 0; j < 8; ++j) mmax = std::max(mmax, -lo[j]);
+    const uint16_t mh = f32_to_f16(mmax / 63.0f);
+    const float dmin = f16_to_f32(mh);
+    int lm[8];
+    float m1[8], smax = 0.0f;
+    for (int j = 0; j < 8; ++j) {
+      lm[j] = dmin > 0 ? std::min(63, static_cast<int>(std::ceil(-lo[j] / dmin))) : 0;
+      m1[j] = dmin * static_cast<float>(lm[j]);
+      smax = std::max(smax, (hi[j] + m1[j]) / 15.0f);
+    }
+    uint16_t dh = f32_to_f16(smax / 63.0f);
+    if (f16_to_f32(dh) * 63.0f < smax) ++dh;  // the next f16 up, so that 63 steps still cover the widest
+    const float d = f16_to_f32(dh);
+    uint8_t* blk = out + b * 144;
+    std::memcpy(blk, &dh, 2);
+    std::memcpy(blk + 2, &mh, 2);
+    uint8_t* sc = blk + 4;
+    std::memset(sc, 0, 12);
+    uint8_t L[256];
+    for (int j = 0; j < 8; ++j) {
+      const int ls = d > 0 ? std::clamp(static_cast<int>(std::ceil((hi[j] + m1[j]) / 15.0f / d)), 0, 63) : 0;
+      // ggml's packing (the inverse of get_scale_min_k4).
+      if (j < 4) {
+        sc[j] = static_cast<uint8_t>(ls), sc[j + 4] = static_cast<uint8_t>(lm[j]);
+      } else {
+        sc[j + 4] = static_cast<uint8_t>((ls & 0xF) | ((lm[j] & 0xF) << 4));
+        sc[j - 4] |= static_cast<uint8_t>((ls >> 4) << 6);
+        sc[j] |= static_cast<uint8_t>((lm[j] >> 4) << 6);
+      }
+      const float d1 = d * static_cast<float>(ls);
+      for (int l = 0; l < 32; ++l) {
+        const float q = d1 > 0 ? std::round((v[j * 32 + l] + m1[j]) / d1) : 0.0f;
+        L[j * 32 + l] = static_cast<uint8_t>(std::clamp(q, 0.0f, 15.0f));
+      }
+    }
+    uint8_t* qs = blk + 16;
+    for (int c = 0; c < 4; ++c)
+      for (int l = 0; l < 32; ++l) qs[c * 32 + l] = static_cast<uint8_t>(L[c * 64 + l] | (L[c * 64 + 32 + l] << 4));
   }
 }
 

@@ -15,7 +15,8 @@ GgmlType parse_gguf_type(const std::string& s) {
   if (s == "f16") return GgmlType::F16;
   if (s == "bf16") return GgmlType::BF16;
   if (s == "q8_0") return GgmlType::Q8_0;
-  fail("[convert] --type ", s, " is not supported for GGUF; use f32, f16, bf16 or q8_0");
+  if (s == "q4_k") return GgmlType::Q4_K;
+  fail("[convert] --type ", s, " is not supported for GGUF; use f32, f16, bf16, q8_0 or q4_k");
 }
 
 namespace {
@@ -93,7 +94,8 @@ std::vector<std::string> save_gguf(const std::string& path, const ModelSource& s
   kv.push_back({"general.architecture", gguf_str(arch)});
   kv.push_back({"general.name", gguf_str(c.arch == Arch::mistral ? "mistral" : src.spec)});
   kv.push_back({"general.alignment", gguf_u32(32)});
-  const uint32_t ftype = type == GgmlType::F32 ? 0 : type == GgmlType::F16 ? 1 : type == GgmlType::Q8_0 ? 7 : 32;
+  const uint32_t ftype = type == GgmlType::F32 ? 0 : type == GgmlType::F16 ? 1 : type == GgmlType::Q8_0 ? 7
+                        : type == GgmlType::Q4_K ? 15 : 32;  // llama.cpp's LLAMA_FTYPE_* (Q4_K_M: 15)
   kv.push_back({"general.file_type", gguf_u32(ftype)});
   kv.push_back({p + "block_count", gguf_u32(static_cast<uint32_t>(c.L))});
   kv.push_back({p + "context_length", gguf_u32(static_cast<uint32_t>(c.max_position))});
@@ -127,6 +129,11 @@ std::vector<std::string> save_gguf(const std::string& path, const ModelSource& s
     const int64_t cols = w.ne[0], rows = t.numel() / cols;
     // Matrices in the asked type; norms and biases (1-D) in F32 as llama.cpp keeps them.
     w.type = sp.shape.size() == 1 ? GgmlType::F32 : type;
+    if (w.type == GgmlType::Q4_K && cols % 256 != 0) {
+      w.type = cols % 32 == 0 ? GgmlType::Q8_0 : GgmlType::F16;
+      notes.push_back(w.name + ": " + std::to_string(cols) + " columns are not a multiple of Q4_K's 256, written as " +
+                      (w.type == GgmlType::Q8_0 ? "Q8_0" : "F16"));
+    }
     if (w.type == GgmlType::Q8_0 && cols % 32 != 0) {
       w.type = GgmlType::F16;
       notes.push_back(w.name + ": " + std::to_string(cols) + " columns are not a multiple of 32, written as F16");
@@ -151,7 +158,8 @@ std::vector<std::string> save_gguf(const std::string& path, const ModelSource& s
       if (wt == GgmlType::F32) std::memcpy(out, f.data(), static_cast<size_t>(n) * 4);
       else if (wt == GgmlType::F16) convert(out, DType::f16, f.data(), DType::f32, n);
       else if (wt == GgmlType::BF16) convert(out, DType::bf16, f.data(), DType::f32, n);
-      else quantize_q8_0(f.data(), n, out);
+      else if (wt == GgmlType::Q8_0) quantize_q8_0(f.data(), n, out);
+      else quantize_q4_k(f.data(), n, out);
     };
     ts.push_back(std::move(w));
   }
