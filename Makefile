@@ -116,7 +116,7 @@ peft-roundtrip: build
 	tools/golden/setup.sh
 	tools/golden/.venv/bin/python tools/golden/peft_roundtrip.py --oomless $(BUILD)/oomless --work $(BUILD)/peft-roundtrip
 
-# GGUF files written by `oomless convert --out X.gguf` (f32, f16, bf16, q8_0) read back by gguf-py (llama.cpp's
+# GGUF files written by `oomless convert --out X.gguf` (f32, f16, bf16, q8_0, q4_k) read back by gguf-py (llama.cpp's
 # reader, from PyPI): metadata, tensor types and data against gguf-py's own conversions and quantize.
 # GGUF_MODEL=M converts another model (default preset:micro).
 gguf-roundtrip: build

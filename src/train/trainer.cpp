@@ -259,8 +259,8 @@ const std::vector<TrainOption>& train_options() {
            "a run resumed from them continues from rounded weights)",
            &C::save_dtype),
       text("save-optimizer", false, "yes|no",
-           "no: checkpoints hold the weights only (no optimizer state, about a third of the\nbytes of fp32 "
-           "AdamW; such a checkpoint cannot be resumed) (default yes)",
+           "no: checkpoints hold the weights only (no optimizer state: a third of the bytes\nwith fp32 AdamW; "
+           "such a checkpoint cannot be resumed) (default yes)",
            &C::save_optimizer),
   };
   return table;

@@ -7,7 +7,9 @@ Writes MODEL (default preset:micro) with `oomless convert --out X.gguf --type T`
 q8_0, opens each with gguf.GGUFReader and checks: the architecture's hyperparameters, the tokenizer
 metadata, the same tensors (names, shapes) in every file; matrices in the asked type and 1-D tensors in F32;
 and the data: F16 = the F32 file's values cast by numpy, BF16 = their round-to-nearest-even top halves,
-Q8_0 = gguf-py's own quantize of the F32 values, byte for byte. Exit status 1 on any difference.
+Q8_0 = gguf-py's own quantize of the F32 values, byte for byte; Q4_K (which gguf-py cannot quantise)
+dequantised by gguf-py within 15% RMS of the F32 values (rows not a multiple of 256 are Q8_0 there, checked
+as above). Exit status 1 on any difference.
 """
 
 import argparse
@@ -17,7 +19,7 @@ import sys
 
 import numpy as np
 from gguf import GGUFReader, GGMLQuantizationType
-from gguf.quants import quantize
+from gguf.quants import dequantize, quantize
 
 
 def field(r, key):
@@ -35,7 +37,7 @@ def main():
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)
     readers = {}
-    for t in ["f32", "f16", "bf16", "q8_0"]:
+    for t in ["f32", "f16", "bf16", "q8_0", "q4_k"]:
         path = os.path.join(a.work, f"model-{t}.gguf")
         subprocess.run([a.oomless, "convert", "--model", a.model, "--out", path, "--type", t], check=True)
         readers[t] = GGUFReader(path)
@@ -55,7 +57,10 @@ def main():
             bad.append(f"{t}: tensor names differ")
         for x, x32 in zip(r.tensors, r32.tensors):
             want_type = GGMLQuantizationType.F32 if len(x32.shape) == 1 or t == "f32" else {
-                "f16": GGMLQuantizationType.F16, "bf16": GGMLQuantizationType.BF16, "q8_0": GGMLQuantizationType.Q8_0}[t]
+                "f16": GGMLQuantizationType.F16, "bf16": GGMLQuantizationType.BF16, "q8_0": GGMLQuantizationType.Q8_0,
+                "q4_k": GGMLQuantizationType.Q4_K}[t]
+            if t == "q4_k" and want_type == GGMLQuantizationType.Q4_K and int(x32.shape[0]) % 256 != 0:  # shape is ne: ne[0], the row length, first
+                want_type = GGMLQuantizationType.Q8_0
             if x.tensor_type != want_type:
                 bad.append(f"{t}: {x.name} is {x.tensor_type.name}, expected {want_type.name}")
                 continue
@@ -68,12 +73,18 @@ def main():
             elif want_type == GGMLQuantizationType.BF16:
                 u = f32.view(np.uint32).astype(np.uint64)
                 want = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16).view(np.uint8)
+            elif want_type == GGMLQuantizationType.Q4_K:
+                deq = dequantize(np.asarray(x.data), GGMLQuantizationType.Q4_K).reshape(-1)
+                rms = float(np.sqrt(np.mean((deq - f32) ** 2)) / max(np.sqrt(np.mean(f32 ** 2)), 1e-30))
+                if not rms < 0.15:
+                    bad.append(f"{t}: {x.name} dequantised by gguf-py is {rms:.3f} RMS from the F32 values")
+                continue
             else:
                 want = quantize(f32.reshape(-1, 32), GGMLQuantizationType.Q8_0).reshape(-1)
             if not np.array_equal(got, want):
                 bad.append(f"{t}: {x.name} data differs from gguf-py's")
     print(f"{a.model}: {arch}, {len(r32.tensors)} tensors, {len(r32.fields['tokenizer.ggml.tokens'].data)} tokens; "
-          f"f16/bf16/q8_0 files checked against gguf-py from the f32 file")
+          f"f16/bf16/q8_0/q4_k files checked against gguf-py from the f32 file")
     for b in bad:
         print("FAIL", b)
     print("gguf-py reads oomless's GGUF files as written" if not bad else f"{len(bad)} differences")
