@@ -11,6 +11,7 @@ usage: tools/golden/.venv/bin/python tools/golden/peft_roundtrip.py --oomless bu
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -70,6 +71,7 @@ def main():
 
     for tag, extra in [("lora", []), ("rslora+dropout", ["--rslora", "--lora-dropout", "0.1"]), ("dora", ["--dora"])]:
         out = os.path.join(work, "run-" + tag)
+        shutil.rmtree(out, ignore_errors=True)  # a run refuses a folder that holds an earlier one
         subprocess.run([a.oomless, "train", "--model", base, "--data", data, "--seq", str(T), "--batch", "2",
                         "--steps", "6", "--lr", "5e-2", "--warmup", "1", "--eval-every", "0", "--lora", "4",
                         "--out", out] + extra, check=True, capture_output=True)
