@@ -146,10 +146,7 @@ int eval(const std::vector<std::string>& argv) {
     dopt.eos_id = *l.src.cfg.eos_id;
     dopt.vocab = l.src.cfg.V;
     seqs = document_sequences(dopt, l.src.tokenizer ? &*l.src.tokenizer : nullptr, l.src.tokenizer_config, 0);
-    int64_t supervised = 0;
-    for (const auto& tg : seqs.targets)
-      for (int32_t t : tg) supervised += t >= 0;
-    OOM_CHECK(supervised > 0, "[eval] ", data, " has no supervised token (chat data needs assistant turns)");
+    OOM_CHECK(seqs.supervised() > 0, "[eval] ", data, " has no supervised token (chat data needs assistant turns)");
   } else {
     stream = is_ids_file(data) ? read_ids_file(data, l.src.cfg.V)
                                : l.src.require_tokenizer().encode(read_text_file(data), true);
@@ -263,26 +260,7 @@ const char* kGenerateHelp =
     "  --seed s         sampling seed (default 0)\n"
     "  --json           print {prompt_ids, ids, text} instead of the text\n"
     "  --threads N      CPU threads (default: all)\n";
-
-// The conversation of a .jsonl file's first line, {"messages": [{"role", "content"}, ...]}.
-std::vector<ChatMessage> read_conversation(const std::string& path) {
-  const std::string text = read_text_file(path);
-  const std::string line = text.substr(0, text.find('\n'));
-  const json::Value v = json::parse(line, path + ":1");
-  const json::Value* m = v.is_object() ? v.find("messages") : nullptr;
-  OOM_CHECK(m && m->is_array(), "[generate] ", path, ":1 is not {\"messages\": [...]}");
-  std::vector<ChatMessage> conv;
-  for (size_t i = 0; i < m->size(); ++i) {
-    const json::Value& e = (*m)[i];
-    const json::Value* role = e.is_object() ? e.find("role") : nullptr;
-    const json::Value* content = e.is_object() ? e.find("content") : nullptr;
-    OOM_CHECK(role && role->is_string() && content && content->is_string(), "[generate] ", path, ":1: message ", i,
-              " needs string \"role\" and \"content\"");
-    conv.push_back({role->as_string(), content->as_string()});
-  }
-  return conv;
-}
-}
+}  // namespace
 
 int generate(const std::vector<std::string>& argv) {
   Args a(argv,
@@ -315,11 +293,8 @@ int generate(const std::vector<std::string>& argv) {
   auto run = [&](const std::vector<int32_t>& prompt) {
     std::vector<int32_t> sofar;
     std::string printed;
-    auto is_stop = [&](int32_t id) {
-      return (opt.stop_id && id == *opt.stop_id) || std::find(opt.stop_ids.begin(), opt.stop_ids.end(), id) != opt.stop_ids.end();
-    };
     return oomless::generate(*l.model, l.mem->device, prompt, opt, [&](int32_t id) {
-      if (!stream_text || (chat && is_stop(id))) return;
+      if (!stream_text || (chat && opt.stops_at(id))) return;
       // Print the newly completed text (decoding the whole output keeps multi-byte characters whole).
       sofar.push_back(id);
       const std::string text = l.src.tokenizer->decode(sofar, false);
@@ -352,7 +327,7 @@ int generate(const std::vector<std::string>& argv) {
     OOM_CHECK(eot.has_value(), "[generate] the tokenizer has no ", ct.end_of_turn(), " token, which its chat template uses");
     opt.stop_ids = {*eot};
     std::vector<ChatMessage> conv;
-    if (a.has("messages")) conv = read_conversation(a.str("messages"));
+    if (a.has("messages")) conv = read_first_conversation(a.str("messages"));
     if (a.has("system")) {
       OOM_CHECK(conv.empty() || conv[0].role != "system", "[generate] --system: ", a.str("messages"),
                 " already starts with a system message");
@@ -365,7 +340,7 @@ int generate(const std::vector<std::string>& argv) {
       ct.render(conv, tok, prompt, mask, true);
       std::vector<int32_t> out = run(prompt);
       std::vector<int32_t> said = out;
-      while (!said.empty() && (said.back() == *eot || (opt.stop_id && said.back() == *opt.stop_id))) said.pop_back();
+      while (!said.empty() && opt.stops_at(said.back())) said.pop_back();
       const std::string text = tok.decode(said, false);
       if (a.has("json")) print_json(prompt, out, text);
       else std::printf("\n");

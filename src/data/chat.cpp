@@ -1,6 +1,9 @@
 #include "data/chat.h"
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <string_view>
 
 #include "core/error.h"
@@ -208,6 +211,46 @@ void ChatTemplate::render(const std::vector<ChatMessage>& messages, const Tokeni
     }
     i = j;
   }
+}
+
+void parse_chat_messages(const json::Value& m, const std::string& where, const char* key, bool train,
+                         const std::string& hint, std::vector<ChatMessage>* out) {
+  OOM_CHECK(m.is_array() && m.size() > 0, "[data] ", where, ": \"", key, "\" must be a non-empty array; ", hint);
+  for (size_t i = 0; i < m.size(); ++i) {
+    const json::Value& e = m[i];
+    const json::Value* role = e.is_object() ? e.find("role") : nullptr;
+    const json::Value* content = e.is_object() ? e.find("content") : nullptr;
+    OOM_CHECK(role && role->is_string() && content && content->is_string(), "[data] ", where, ": ", key, " message ",
+              i, " needs string \"role\" and \"content\"; ", hint);
+    const std::string& r = role->as_string();
+    OOM_CHECK(r == "system" || r == "user" || r == "assistant", "[data] ", where, ": ", key, " message ", i,
+              " has role \"", r, "\"; the roles are system, user and assistant");
+    out->push_back({r, content->as_string(), train});
+  }
+}
+
+std::vector<ChatMessage> read_first_conversation(const std::string& path) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  OOM_CHECK(f, "[data] cannot open ", path, ": ", std::strerror(errno));
+  std::string line;
+  for (int ch; (ch = std::fgetc(f)) != EOF && ch != '\n';) line += static_cast<char>(ch);
+  std::fclose(f);
+  const std::string where = path + ":1";
+  const json::Value v = json::parse(line, where);
+  const char* hint = "the first line must be {\"messages\": [{\"role\", \"content\"}, ...]} or {\"prompt\": [...], "
+                     "\"completion\": [...]}";
+  const json::Value* m = v.is_object() ? v.find("messages") : nullptr;
+  const json::Value* p = v.is_object() ? v.find("prompt") : nullptr;
+  std::vector<ChatMessage> conv;
+  if (m) {
+    parse_chat_messages(*m, where, "messages", true, hint, &conv);
+  } else {
+    OOM_CHECK(p && p->is_array(), "[data] ", where, " is not a conversation; ", hint);
+    parse_chat_messages(*p, where, "prompt", false, hint, &conv);
+    if (const json::Value* c = v.find("completion"); c && c->is_array())
+      parse_chat_messages(*c, where, "completion", true, hint, &conv);
+  }
+  return conv;
 }
 
 }  // namespace oomless

@@ -32,6 +32,14 @@ struct ChatMessage {
   bool train = true;  // an assistant message that is supervised (false: part of a prompt)
 };
 
+// A "messages"-shaped JSON list (at `key` of a record at `where`) appended to *out, each message's `train`
+// set to `train`; errors name the place, the message and what is expected (`hint` ends them).
+void parse_chat_messages(const json::Value& list, const std::string& where, const char* key, bool train,
+                         const std::string& hint, std::vector<ChatMessage>* out);
+// The conversation on the first line of a .jsonl file: {"messages": [...]}, or {"prompt": [...],
+// "completion": [...]} as one list (the prompt's messages not supervised). Errors name the file.
+std::vector<ChatMessage> read_first_conversation(const std::string& path);
+
 class ChatTemplate {
  public:
   enum class Kind { none, chatml, llama3 };

@@ -89,21 +89,9 @@ constexpr const char* kJsonlShape =
     "\"assistant\", \"content\": \"...\"}, ...]} or {\"prompt\": ..., \"completion\": ...} (two strings, or two "
     "lists of messages)";
 
-// A "messages"-shaped list at `key` into *msgs (appended), each message's `train` set to `train`.
 void parse_messages(const json::Value& m, const std::string& where, const char* key, bool train,
                     std::vector<ChatMessage>* msgs) {
-  OOM_CHECK(m.is_array() && m.size() > 0, "[data] ", where, ": \"", key, "\" must be a non-empty array; ", kJsonlShape);
-  for (size_t i = 0; i < m.size(); ++i) {
-    const json::Value& e = m[i];
-    const json::Value* role = e.is_object() ? e.find("role") : nullptr;
-    const json::Value* content = e.is_object() ? e.find("content") : nullptr;
-    OOM_CHECK(role && role->is_string() && content && content->is_string(), "[data] ", where, ": ", key, " message ",
-              i, " needs string \"role\" and \"content\"; ", kJsonlShape);
-    const std::string& r = role->as_string();
-    OOM_CHECK(r == "system" || r == "user" || r == "assistant", "[data] ", where, ": ", key, " message ", i,
-              " has role \"", r, "\"; the roles are system, user and assistant");
-    msgs->push_back({r, content->as_string(), train});
-  }
+  parse_chat_messages(m, where, key, train, kJsonlShape, msgs);
 }
 
 // The line as a document: kind 't' (text in *text), 'c' (conversation in *msgs), 'p' (a prompt in *text
@@ -545,6 +533,13 @@ std::string dump_line(int64_t step, const std::vector<std::vector<int32_t>>& seq
   line.set("ids", rows(seqs));
   line.set("targets", rows(targets));
   return json::dump(line);
+}
+
+int64_t Sequences::supervised() const {
+  int64_t n = 0;
+  for (const auto& tg : targets)
+    for (int32_t t : tg) n += t >= 0;
+  return n;
 }
 
 bool reads_as_documents(const std::string& path) {

@@ -159,6 +159,7 @@ std::string dump_line(int64_t step, const std::vector<std::vector<int32_t>>& seq
 // Sequences with their own targets (-100: not supervised), T tokens each.
 struct Sequences {
   std::vector<std::vector<int32_t>> ids, targets;
+  int64_t supervised() const;  // targets >= 0 over every sequence
 };
 
 // Evaluation data that training would read as documents (.jsonl: chats, prompt-completion pairs, text

@@ -17,30 +17,20 @@ namespace oomless {
 
 namespace fs = std::filesystem;
 
-GgufValue gguf_u32(uint32_t v) {
+namespace {
+GgufValue scalar_value(GgufValueType t, int64_t i, double f) {
   GgufValue x;
-  x.type = GgufValueType::u32;
-  x.i = v;
+  x.type = t;
+  x.i = i;
+  x.f = f;
   return x;
 }
-GgufValue gguf_i32(int32_t v) {
-  GgufValue x;
-  x.type = GgufValueType::i32;
-  x.i = v;
-  return x;
-}
-GgufValue gguf_f32(float v) {
-  GgufValue x;
-  x.type = GgufValueType::f32;
-  x.f = v;
-  return x;
-}
-GgufValue gguf_bool(bool v) {
-  GgufValue x;
-  x.type = GgufValueType::boolean;
-  x.i = v;
-  return x;
-}
+}  // namespace
+
+GgufValue gguf_u32(uint32_t v) { return scalar_value(GgufValueType::u32, v, 0); }
+GgufValue gguf_i32(int32_t v) { return scalar_value(GgufValueType::i32, v, 0); }
+GgufValue gguf_f32(float v) { return scalar_value(GgufValueType::f32, 0, v); }
+GgufValue gguf_bool(bool v) { return scalar_value(GgufValueType::boolean, v, 0); }
 GgufValue gguf_str(std::string v) {
   GgufValue x;
   x.type = GgufValueType::string;
@@ -119,8 +109,7 @@ class Out {
   uint64_t pos_ = 0;
 };
 
-void scalar(Out& o, GgufValueType t, const GgufValue& v, int64_t i, double f, const std::string& s) {
-  (void)v;
+void scalar(Out& o, GgufValueType t, int64_t i, double f, const std::string& s) {
   switch (t) {
     case GgufValueType::u8: o.pod<uint8_t>(static_cast<uint8_t>(i)); break;
     case GgufValueType::i8: o.pod<int8_t>(static_cast<int8_t>(i)); break;
@@ -140,16 +129,16 @@ void scalar(Out& o, GgufValueType t, const GgufValue& v, int64_t i, double f, co
 
 void value(Out& o, const GgufValue& v) {
   o.pod<uint32_t>(static_cast<uint32_t>(v.type));
-  if (v.type != GgufValueType::array) return scalar(o, v.type, v, v.i, v.f, v.s);
+  if (v.type != GgufValueType::array) return scalar(o, v.type, v.i, v.f, v.s);
   o.pod<uint32_t>(static_cast<uint32_t>(v.elem));
   const size_t n = v.elem == GgufValueType::string ? v.strings.size()
                    : (v.elem == GgufValueType::f32 || v.elem == GgufValueType::f64) ? v.floats.size()
                                                                                     : v.ints.size();
   o.pod<uint64_t>(n);
   for (size_t k = 0; k < n; ++k) {
-    if (v.elem == GgufValueType::string) scalar(o, v.elem, v, 0, 0, v.strings[k]);
-    else if (v.elem == GgufValueType::f32 || v.elem == GgufValueType::f64) scalar(o, v.elem, v, 0, v.floats[k], {});
-    else scalar(o, v.elem, v, v.ints[k], 0, {});
+    if (v.elem == GgufValueType::string) scalar(o, v.elem, 0, 0, v.strings[k]);
+    else if (v.elem == GgufValueType::f32 || v.elem == GgufValueType::f64) scalar(o, v.elem, 0, v.floats[k], {});
+    else scalar(o, v.elem, v.ints[k], 0, {});
   }
 }
 

@@ -13,6 +13,37 @@ std::vector<PositionBucket> position_buckets(int64_t T) {
   return b;
 }
 
+namespace {
+
+// One window: forward (with backward of grad_scale 1 / its count when grads), its loss added to r and its
+// supervised targets' losses to the buckets their positions fall in.
+void score_window(Model& model, const int32_t* ids, const int32_t* tg, int64_t T, ChunkKv* kv, int64_t C, bool grads,
+                  EvalResult& r) {
+  const Tensor id_t(const_cast<int32_t*>(ids), DType::i32, {T}), tg_t(const_cast<int32_t*>(tg), DType::i32, {T});
+  CeResult ce;
+  std::vector<double> per;
+  if (kv && C > 0) {
+    // The gradient's count is known before backward: the supervised targets.
+    if (grads) {
+      int64_t n = 0;
+      for (int64_t t = 0; t < T; ++t) n += tg[t] >= 0;
+      model.chunked_step(id_t, tg_t, C, *kv, 1.0 / static_cast<double>(n));
+    }
+    ce = model.chunked_eval(id_t, tg_t, C, *kv, &per);
+  } else {
+    ce = model.forward(id_t, tg_t, grads);
+    if (grads) model.backward(1.0 / static_cast<double>(ce.count));
+    per = model.token_losses();
+  }
+  r.loss_sum += ce.loss_sum;
+  r.predictions += ce.count;
+  for (PositionBucket& b : r.buckets)
+    for (int64_t t = b.start; t < b.end; ++t)
+      if (tg[t] >= 0) b.loss_sum += per[static_cast<size_t>(t)], ++b.count;
+}
+
+}  // namespace
+
 EvalResult evaluate(Model& model, const std::vector<int32_t>& stream, int64_t T, bool with_grads, ChunkKv* kv,
                     int64_t C, const EvalProgress& progress) {
   OOM_CHECK(T >= 2, "[eval] --seq must be at least 2 (a window of T tokens makes T - 1 predictions), got ", T);
@@ -30,23 +61,7 @@ EvalResult evaluate(Model& model, const std::vector<int32_t>& stream, int64_t T,
   for (int64_t w = 0; w < r.windows; ++w) {
     const int32_t* ids = stream.data() + w * T;
     for (int64_t t = 0; t < T; ++t) targets[static_cast<size_t>(t)] = t + 1 < T ? ids[t + 1] : -100;
-    const bool grads = with_grads && w == 0;
-    const Tensor id_t(const_cast<int32_t*>(ids), DType::i32, {T}), tg_t(targets.data(), DType::i32, {T});
-    CeResult ce;
-    std::vector<double> per;
-    if (chunked) {
-      // The gradient's count is known before backward: every position but the last is supervised.
-      if (grads) model.chunked_step(id_t, tg_t, C, *kv, 1.0 / static_cast<double>(T - 1));
-      ce = model.chunked_eval(id_t, tg_t, C, *kv, &per);
-    } else {
-      ce = model.forward(id_t, tg_t, grads);
-      if (grads) model.backward(1.0 / static_cast<double>(ce.count));
-      per = model.token_losses();
-    }
-    r.loss_sum += ce.loss_sum;
-    r.predictions += ce.count;
-    for (PositionBucket& b : r.buckets)
-      for (int64_t t = b.start; t < b.end; ++t) b.loss_sum += per[static_cast<size_t>(t)], ++b.count;
+    score_window(model, ids, targets.data(), T, kv, C, with_grads && w == 0, r);
     if (progress) progress(w + 1, r.windows);
   }
   return r;
@@ -67,21 +82,7 @@ EvalResult evaluate_sequences(Model& model, const std::vector<std::vector<int32_
   for (size_t w = 0; w < ids.size(); ++w) {
     OOM_CHECK(static_cast<int64_t>(ids[w].size()) == T && targets[w].size() == ids[w].size(),
               "[eval] every sequence holds ", T, " ids and as many targets");
-    const Tensor id_t(const_cast<int32_t*>(ids[w].data()), DType::i32, {T});
-    const Tensor tg_t(const_cast<int32_t*>(targets[w].data()), DType::i32, {T});
-    CeResult ce;
-    std::vector<double> per;
-    if (chunked) {
-      ce = model.chunked_eval(id_t, tg_t, C, *kv, &per);
-    } else {
-      ce = model.forward(id_t, tg_t, false);
-      per = model.token_losses();
-    }
-    r.loss_sum += ce.loss_sum;
-    r.predictions += ce.count;
-    for (PositionBucket& b : r.buckets)
-      for (int64_t t = b.start; t < b.end; ++t)
-        if (targets[w][static_cast<size_t>(t)] >= 0) b.loss_sum += per[static_cast<size_t>(t)], ++b.count;
+    score_window(model, ids[w].data(), targets[w].data(), T, kv, C, false, r);
     if (progress) progress(static_cast<int64_t>(w) + 1, r.windows);
   }
   return r;

@@ -79,9 +79,7 @@ std::vector<int32_t> generate(Model& model, Arena& arena, const std::vector<int3
     out.push_back(next);
     if (opt.repetition_penalty != 1.0) seen.push_back(next);
     if (on_token) on_token(next);
-    const bool stop = (opt.stop_id && next == *opt.stop_id) ||
-                      std::find(opt.stop_ids.begin(), opt.stop_ids.end(), next) != opt.stop_ids.end();
-    if (stop || i + 1 == opt.max_new) break;
+    if (opt.stops_at(next) || i + 1 == opt.max_new) break;
     step(&out.back(), 1, P + i);
   }
   return out;

@@ -2,6 +2,7 @@
 // (ties to the lowest id); otherwise softmax(logits / t) restricted to the nucleus of mass top_p, sampled
 // with a seeded generator, so a seed reproduces a run.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -23,6 +24,9 @@ struct GenerateOptions {
   uint64_t seed = 0;
   std::optional<int32_t> stop_id;  // stop after emitting it (end of sequence); none: run max_new
   std::vector<int32_t> stop_ids;   // more tokens that stop it (a chat's end of turn)
+  bool stops_at(int32_t id) const {
+    return (stop_id && id == *stop_id) || std::find(stop_ids.begin(), stop_ids.end(), id) != stop_ids.end();
+  }
 };
 
 // The KV cache (category kv) comes from `arena`. on_token is called after each new token.

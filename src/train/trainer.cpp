@@ -512,7 +512,14 @@ void resolve_warmup(TrainConfig& c, bool pretrained, int64_t total) {
                           : 20;
 }
 
-json::Value saved_run_config(const std::string& run_dir) {
+namespace {
+
+// The newest checkpoint of a run folder that verifies, and its trainer_state.json.
+struct SavedRun {
+  std::string path;
+  json::Value state;
+};
+SavedRun find_saved_run(const std::string& run_dir) {
   auto warn = [](const std::string& w) { std::fprintf(stderr, "oomless train: warning: %s\n", w.c_str()); };
   std::optional<FoundCheckpoint> ck = find_latest_checkpoint(run_dir, warn);
   OOM_CHECK(ck.has_value(), "[train] --resume: no complete checkpoint in ", run_dir,
@@ -520,8 +527,12 @@ json::Value saved_run_config(const std::string& run_dir) {
   json::Value st = json::parse_file(ck->path + "/trainer_state.json");
   OOM_CHECK(st.find("config") && st.at("config").is_object(), "[train] --resume: ", ck->path,
             "/trainer_state.json holds no \"config\"");
-  return st.at("config");
+  return {ck->path, std::move(st)};
 }
+
+}  // namespace
+
+json::Value saved_run_config(const std::string& run_dir) { return find_saved_run(run_dir).state.at("config"); }
 
 namespace {
 
@@ -602,8 +613,11 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
   validate_config(c);
   // A resumed run keeps the saved values of the settings left at their defaults (which may depend on the
   // run's length, e.g. the warmup).
-  if (c.resume) {
-    const json::Value saved = saved_run_config(out);
+  // The checkpoint is found (and its files hashed) once, here.
+  std::optional<SavedRun> resumed;
+  if (c.resume) resumed = find_saved_run(out);
+  if (resumed) {
+    const json::Value& saved = resumed->state.at("config");
     auto keep = [&](const char* key, double& v) {
       if (v < 0 || (v == 0 && std::string_view(key) == "lr"))
         if (saved.find(key) && saved.at(key).is_number()) v = saved.at(key).as_number();
@@ -788,11 +802,10 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
       c.schedule.c_str(), c.min_lr, c.weight_decay);
 
   // Resume: the newest checkpoint that verifies.
-  if (c.resume) {
+  if (resumed) {
     auto warn = [](const std::string& w) { std::fprintf(stderr, "oomless train: warning: %s\n", w.c_str()); };
-    std::optional<FoundCheckpoint> ck = find_latest_checkpoint(out, warn);
-    OOM_CHECK(ck.has_value(), "[train] --resume: no complete checkpoint in ", out, "; start without --resume");
-    json::Value st = json::parse_file(ck->path + "/trainer_state.json");
+    const SavedRun* ck = &*resumed;
+    const json::Value& st = ck->state;
     const json::Value& saved = st.at("config");
     const json::Value now = c.to_json();
     const json::Value defaults = TrainConfig{}.to_json();  // settings a run saved by an older binary lacks
@@ -843,10 +856,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
     dopt.vocab = cfg.V;
     dopt.truncation = parse_truncation(c.truncation);
     s.eval_seqs = document_sequences(dopt, src.tokenizer ? &*src.tokenizer : nullptr, src.tokenizer_config, 32);
-    int64_t supervised = 0;
-    for (const auto& tg : s.eval_seqs.targets)
-      for (int32_t t : tg) supervised += t >= 0;
-    OOM_CHECK(supervised > 0, "[train] --eval-data ", c.eval_data, " has no supervised token (chat data needs "
+    OOM_CHECK(s.eval_seqs.supervised() > 0, "[train] --eval-data ", c.eval_data, " has no supervised token (chat data needs "
               "assistant turns)");
   } else if (!c.eval_data.empty()) {
     s.eval_stream = is_ids_file(c.eval_data) ? read_ids_file(c.eval_data, cfg.V)
@@ -987,22 +997,13 @@ bool ends_with_jsonl(const std::string& p) { return p.size() >= 6 && p.compare(p
 // the first line is not a conversation with one).
 std::vector<ChatMessage> first_user_turn(const std::string& path) {
   std::vector<ChatMessage> conv;
-  std::FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f) return conv;
-  std::string line;
-  for (int ch; (ch = std::fgetc(f)) != EOF && ch != '\n';) line += static_cast<char>(ch);
-  std::fclose(f);
   try {
-    const json::Value v = json::parse(line, path);
-    const json::Value* m = v.is_object() ? v.find("messages") : nullptr;
-    if (!m) m = v.is_object() ? v.find("prompt") : nullptr;
-    if (!m || !m->is_array()) return {};
-    for (const json::Value& x : m->as_array()) {
-      conv.push_back({x.at("role").as_string(), x.at("content").as_string()});
-      if (conv.back().role == "user") return conv;
-    }
+    conv = read_first_conversation(path);
   } catch (const Error&) {
+    return {};  // not a conversation: the sample is prompted with text
   }
+  for (size_t i = 0; i < conv.size(); ++i)
+    if (conv[i].role == "user") return std::vector<ChatMessage>(conv.begin(), conv.begin() + static_cast<std::ptrdiff_t>(i) + 1);
   return {};
 }
 
