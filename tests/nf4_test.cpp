@@ -354,6 +354,15 @@ std::string write_raw(const std::string& file, const std::vector<RawTensor>& ts)
   return path;
 }
 
+// Writes the tensors, maps the file and removes it (the mapping stays valid), so no test leaves files behind.
+SafetensorsFile open_raw(const std::string& file, const std::vector<RawTensor>& ts, std::string* path_out = nullptr) {
+  const std::string path = write_raw(file, ts);
+  SafetensorsFile f = SafetensorsFile::open(path);
+  std::remove(path.c_str());
+  if (path_out) *path_out = path;
+  return f;
+}
+
 template <class T> std::vector<uint8_t> bytes_of(const T* p, size_t n) {
   std::vector<uint8_t> b(n * sizeof(T));
   std::memcpy(b.data(), p, b.size());
@@ -372,7 +381,7 @@ std::vector<RawTensor> plain_weight(const std::string& state) {
 const std::string kPlainState = R"({"quant_type": "nf4", "blocksize": 32, "dtype": "float32", "shape": [4, 20]})";
 
 TEST(Bnb4, LoadsAHandWrittenPlainWeight) {
-  const SafetensorsFile f = SafetensorsFile::open(write_raw("bnb4_plain.safetensors", plain_weight(kPlainState)));
+  const SafetensorsFile f = open_raw("bnb4_plain.safetensors", plain_weight(kPlainState));
   const Matrix m = load_bnb4_weight(f, "p");
   EXPECT_FALSE(m.double_quant());
   std::vector<float> out(80);
@@ -385,8 +394,8 @@ TEST(Bnb4, LoadsAHandWrittenPlainWeight) {
 
 TEST(Bnb4, RefusesInconsistentTensors) {
   auto refuses = [](std::vector<RawTensor> ts, const std::string& what, const std::string& prefix = "p") {
-    const std::string path = write_raw("bnb4_bad.safetensors", ts);
-    const SafetensorsFile f = SafetensorsFile::open(path);
+    std::string path;
+    const SafetensorsFile f = open_raw("bnb4_bad.safetensors", ts, &path);
     expect_error([&] { load_bnb4_weight(f, prefix); }, {"[bnb4] " + path, what});
   };
   refuses(plain_weight(kPlainState), "q_proj is not a bitsandbytes 4-bit weight", "q_proj");
@@ -416,7 +425,7 @@ TEST(Bnb4, RefusesInconsistentTensors) {
   ts.push_back({"p.weight.nested_quant_map", "F32", {256}, bytes_of(nf4::kDynamicMap, 256)});
   refuses(ts, "p.weight.absmax: dtype F32, expected U8 (the 8-bit codes");
   ts[1] = {"p.weight.absmax", "U8", {3}, {1, 2, 3}};
-  EXPECT_NO_THROW(load_bnb4_weight(SafetensorsFile::open(write_raw("bnb4_dq.safetensors", ts)), "p"));
+  EXPECT_NO_THROW(load_bnb4_weight(open_raw("bnb4_dq.safetensors", ts), "p"));
   ts[5].bytes[0] ^= 1;
   refuses(ts, "p.weight.nested_quant_map: entry 0 is");
   ts = plain_weight(kPlainState);
