@@ -1,6 +1,7 @@
 // Fused LM head + cross-entropy: every built backend against the float64 reference (forward lse, loss
-// and count; backward dh and the accumulated dw), a finite-difference check of the reference backward,
-// bitwise determinism across thread counts, ignored rows, large logits and bad input.
+// and count; backward dh and the accumulated dw; the one-call forward + dh of a frozen head), a
+// finite-difference check of the reference backward, bitwise determinism across thread counts, ignored
+// rows, large logits, targets predicted with near certainty and bad input.
 #include <omp.h>
 
 #include <cmath>
@@ -56,6 +57,19 @@ Outputs run(Ops& ops, const Problem& p, double grad_scale) {
   o.dh.fill(7.0);
   o.r = ops.linear_cross_entropy_forward(o.lse, h, w, p.targets, kIgnore);
   ops.linear_cross_entropy_backward(o.dh, o.dw, h, w, p.targets, o.lse, kIgnore, grad_scale);
+  return o;
+}
+
+// The one-call version (linear_cross_entropy_fused: no dw); dw is left as dw0.
+Outputs run_fused(Ops& ops, const Problem& p, double grad_scale) {
+  const DType act = ops.act_dtype();
+  const int64_t T = p.h.t().dims[0], E = p.h.t().dims[1];
+  HostTensor h = p.h.as(act);
+  HostTensor w = act == DType::f64 ? p.w.as(DType::f64) : p.w.clone();
+  Outputs o{CeResult{}, HostTensor(act, {T}), HostTensor(act, {T, E}), p.dw0.as(act)};
+  o.lse.fill(12345.0);
+  o.dh.fill(7.0);
+  o.r = ops.linear_cross_entropy_fused(o.lse, o.dh, h, w, p.targets, kIgnore, grad_scale);
   return o;
 }
 
@@ -129,6 +143,21 @@ std::vector<Case> all_cases() {
   return cs;
 }
 
+// The fused call: lse and loss are the forward's bits, dh matches ref's backward at f32's tolerance.
+TEST_P(CrossEntropyMatrix, FusedMatchesReferenceAndTheForward) {
+  const Case& c = GetParam();
+  Problem p = make_problem(c.T, c.E, c.V, c.w, 1000 * c.T + 10 * c.E + c.V);
+  auto ops = make_ops(c.backend);
+  RefOps ref;
+  const double gs = grad_scale_for(p);
+  Outputs fused = run_fused(*ops, p, gs), two = run(*ops, p, gs), want = run(ref, p, gs);
+  EXPECT_EQ(std::memcmp(&fused.r.loss_sum, &two.r.loss_sum, sizeof(double)), 0) << c.backend << " loss";
+  EXPECT_EQ(fused.r.count, two.r.count);
+  EXPECT_EQ(std::memcmp(fused.lse.t().data, two.lse.t().data, two.lse.t().nbytes()), 0) << c.backend << " lse";
+  expect_close(fused.dh, want.dh, tol_for(DType::f32), c.backend + " fused dh");
+  EXPECT_TRUE(fused.dw.t().numel() == p.dw0.numel());
+}
+
 INSTANTIATE_TEST_SUITE_P(Matrix, CrossEntropyMatrix, testing::ValuesIn(all_cases()), case_name);
 
 // Central differences in float64 of grad_scale * loss_sum against the reference backward.
@@ -169,15 +198,19 @@ TEST(CrossEntropy, BitwiseIdenticalAcrossThreadCounts) {
   for (const std::string& be : backends_under_test())
     for (DType wt : {DType::f32, DType::bf16}) {
       Problem p = make_problem(1100, 64, 10007, wt, 99);  // several token and vocab chunks
-      std::vector<Outputs> outs;
+      std::vector<Outputs> outs, fused;
       for (int threads : {1, 2, 3}) {
         omp_set_num_threads(threads);
         auto ops = make_ops(be);
         outs.push_back(run(*ops, p, 0.25));
+        fused.push_back(run_fused(*ops, p, 0.25));
       }
       omp_set_num_threads(max_threads);
       for (size_t k = 1; k < outs.size(); ++k) {
         const std::string what = be + " w " + dtype_name(wt) + ", threads 1 vs " + std::to_string(k + 1);
+        for (auto m : {&Outputs::lse, &Outputs::dh})
+          EXPECT_EQ(std::memcmp((fused[0].*m).t().data, (fused[k].*m).t().data, (fused[0].*m).t().nbytes()), 0)
+              << what << " fused";
         EXPECT_EQ(std::memcmp(&outs[0].r.loss_sum, &outs[k].r.loss_sum, sizeof(double)), 0) << what << " loss";
         EXPECT_EQ(outs[0].r.count, outs[k].r.count) << what;
         for (auto m : {&Outputs::lse, &Outputs::dh, &Outputs::dw})
@@ -207,6 +240,14 @@ TEST(CrossEntropy, HeadReadAsBf16EqualsABf16Copy) {
     for (auto m : {&Outputs::lse, &Outputs::dh, &Outputs::dw})
       EXPECT_EQ(std::memcmp((read.*m).t().data, (copy.*m).t().data, (read.*m).t().nbytes()), 0) << be;
     EXPECT_NE(read.r.loss_sum, plain.r.loss_sum) << be << ": the head was not rounded";
+    auto fused = [&](Tensor w) {
+      const int64_t T = p.h.t().dims[0], E = p.h.t().dims[1];
+      HostTensor h = p.h.as(act), lse(act, {T}), dh(act, {T, E});
+      ops->linear_cross_entropy_fused(lse, dh, h, w, p.targets, kIgnore, 0.5);
+      return dh;
+    };
+    const HostTensor dh_read = fused(w_act.t().read_as_bf16()), dh_copy = fused(w_copy);
+    EXPECT_EQ(std::memcmp(dh_read.t().data, dh_copy.t().data, dh_read.t().nbytes()), 0) << be << " fused";
   }
 }
 
@@ -218,7 +259,10 @@ TEST(CrossEntropy, AllRowsIgnored) {
     Problem p = make_problem(33, 16, 100, DType::f32, 5);
     p.targets.fill(kIgnore);
     auto ops = make_ops(be);
-    Outputs o = run(*ops, p, 0.5);
+    Outputs o = run(*ops, p, 0.5), f = run_fused(*ops, p, 0.5);
+    EXPECT_EQ(f.r.count, 0) << be;
+    for (int64_t i = 0; i < f.dh.numel(); ++i) ASSERT_EQ(f.dh.get(i), 0.0) << be << " fused dh[" << i << "]";
+    for (int64_t i = 0; i < f.lse.numel(); ++i) ASSERT_EQ(f.lse.get(i), 0.0) << be << " fused lse[" << i << "]";
     EXPECT_EQ(o.r.count, 0) << be;
     EXPECT_EQ(o.r.loss_sum, 0.0) << be;
     for (int64_t i = 0; i < o.lse.numel(); ++i) ASSERT_EQ(o.lse.get(i), 0.0) << be << " lse[" << i << "]";
@@ -243,7 +287,43 @@ TEST(CrossEntropy, LargeLogitsStayFiniteAndAccurate) {
       EXPECT_GT(max_lse, 88.7) << "the case must reach logits whose exp overflows f32";
       EXPECT_TRUE(std::isfinite(got.r.loss_sum));
       expect_matches(got, want, p, tol_for(DType::f32), be + " w " + dtype_name(wt) + " large logits");
+      expect_close(run_fused(*ops, p, gs).dh, want.dh, tol_for(DType::f32), be + " fused dh, large logits");
     }
+}
+
+// Targets the head predicts with p close to 1 (a trained model's easy tokens): dlogit_t = p_t - 1 is tiny
+// and 1 - exp(logit_t - lse) in f32 keeps few of its bits. The fused call takes 1 - p_t as a sum of the
+// other terms and so stays at f32's tolerance, at least as close to ref as the two-call backward.
+TEST(CrossEntropy, ConfidentTargetsKeepTheirPrecision) {
+  for (const std::string& be : backends_under_test()) {
+    Problem p = make_problem(16, 32, 500, DType::f32, 23);
+    // Each row's target is the column of its largest logit, its logit raised by 25 (p_t above 0.999).
+    const int64_t T = 16, E = 32, V = 500;
+    for (int64_t t = 0; t < T; ++t) {
+      const int32_t v = static_cast<int32_t>((t * 37) % V);
+      p.targets.set(t, v);
+      double hh = 0;
+      for (int64_t e = 0; e < E; ++e) hh += p.h.get(t * E + e) * p.h.get(t * E + e);
+      for (int64_t e = 0; e < E; ++e) p.w.set(v * E + e, p.w.get(v * E + e) + 25.0 * p.h.get(t * E + e) / hh);
+    }
+    auto ops = make_ops(be);
+    RefOps ref;
+    const double gs = 1.0 / T;
+    Outputs want = run(ref, p, gs), two = run(*ops, p, gs), fused = run_fused(*ops, p, gs);
+    double worst = 1.0;
+    for (int64_t t = 0; t < T; ++t) {
+      const double logit = [&] {
+        double s = 0;
+        for (int64_t e = 0; e < E; ++e) s += p.h.get(t * E + e) * p.w.get(p.targets.get(t) * E + e);
+        return s;
+      }();
+      worst = std::min(worst, std::exp(logit - want.lse.get(t)));
+    }
+    ASSERT_GT(worst, 0.999) << "every target must be predicted with near certainty";
+    const double e_fused = rel_l2(fused.dh, want.dh), e_two = rel_l2(two.dh, want.dh);
+    EXPECT_LE(e_fused, tol_for(DType::f32)) << be << " (two-call backward: " << e_two << ")";
+    EXPECT_LE(e_fused, e_two) << be;
+  }
 }
 
 void expect_error(const std::function<void()>& fn, std::initializer_list<const char*> parts, const std::string& what) {

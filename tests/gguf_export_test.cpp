@@ -128,7 +128,9 @@ TEST(GgufExport, AModelReadsBackAsItself) {
         ASSERT_EQ(r[k], expect) << m.params->specs()[i].name << " element " << k;
       }
       // Q8_0: within half a step of its block (max |x| / 127 / 2) of this preset's weights (|x| < 0.2).
-      if (matrix && std::string(type) != "f32" && std::string(type) != "f16" && std::string(type) != "bf16") EXPECT_LT(worst, 0.2 / 127 / 2 + 1e-6) << m.params->specs()[i].name;
+      if (matrix && std::string(type) != "f32" && std::string(type) != "f16" && std::string(type) != "bf16") {
+        EXPECT_LT(worst, 0.2 / 127 / 2 + 1e-6) << m.params->specs()[i].name;
+      }
     }
   }
 }

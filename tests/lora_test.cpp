@@ -197,6 +197,55 @@ TEST(Lora, FrozenBaseHasNoGradientsAndTrainingLeavesItsBytes) {
   }
 }
 
+// A training forward told the backward's grad_scale takes a frozen head's dh with the loss (one pass over
+// the vocabulary): the loss bit for bit, the adapter gradients within fp32 rounding of the two-pass form
+// (and not bitwise, so the one-pass path ran); a trainable head keeps the two-pass form, bit for bit; a
+// backward with another scale is an error.
+TEST(Lora, OnePassHeadGivesTheTwoPassGradients) {
+  for (const bool adapters : {true, false}) {
+    SCOPED_TRACE(adapters ? "adapters" : "full");
+    const test::Variant var = variants()[0];
+    CpuMemory mem(size_t{1} << 32);
+    auto ops = make_ops("cpu", &mem.device);
+    ParamSet params(var.cfg, DType::f32, mem.device, Category::weights);
+    init_random(params, 5, 0.3);
+    auto ad = adapters ? test::random_adapters(var.cfg, lora(4, "all-linear", 8.0), DType::f32, mem.device, 3) : nullptr;
+    Model m(var.cfg, *ops, params, mem.device, {ComputeDType::f32, SavePolicy::all, ad.get()});
+    const TrainableSet tr = m.trainable();
+    const int64_t T = 33;
+    m.reserve(T, true);
+    Seq s = seq(T, var.cfg.V, 4);
+    auto grads = [&](bool one_pass, double* loss) {
+      m.zero_grads();
+      const double scale = 1.0 / 29;
+      *loss = m.forward(s.id_t(), s.tg_t(), true, one_pass ? std::optional<double>(scale) : std::nullopt).loss_sum;
+      m.backward(scale);
+      std::vector<std::vector<float>> g;
+      for (const Trainable& t : tr) {
+        const float* p = static_cast<const float*>(t.grad.data);
+        g.emplace_back(p, p + t.grad.numel());
+      }
+      return g;
+    };
+    double l2 = 0, l1 = 0;
+    const auto two = grads(false, &l2), one = grads(true, &l1);
+    EXPECT_EQ(std::memcmp(&l1, &l2, sizeof l1), 0);
+    bool all_same = true;
+    for (size_t i = 0; i < one.size(); ++i) {
+      double num = 0, den = 0;
+      for (size_t k = 0; k < one[i].size(); ++k) {
+        num += (one[i][k] - two[i][k]) * (one[i][k] - two[i][k]);
+        den += static_cast<double>(two[i][k]) * two[i][k];
+      }
+      EXPECT_LE(std::sqrt(num / std::max(den, 1e-300)), 1e-5) << tr[i].name;
+      all_same = all_same && std::memcmp(one[i].data(), two[i].data(), one[i].size() * sizeof(float)) == 0;
+    }
+    EXPECT_EQ(all_same, !adapters);
+    m.forward(s.id_t(), s.tg_t(), true, 0.5);
+    if (adapters) EXPECT_THROW(m.backward(0.25), Error);
+  }
+}
+
 // Adapter gradients are bitwise the same for every SavePolicy (fp32 and bf16) and every K/V offload mode,
 // LoRA and DoRA.
 TEST(Lora, BitwiseAcrossSavePoliciesAndOffloadModes) {

@@ -173,6 +173,16 @@ class Ops {
   // dh (T, E) = dlogits . w; dw (V, E) += dlogits^T . h (act dtype), skipped when dw is empty (a frozen head).
   virtual void linear_cross_entropy_backward(Tensor dh, Tensor dw, Tensor h, Tensor w, Tensor targets, Tensor lse,
                                              int32_t ignore_index, double grad_scale) = 0;
+  // The forward and dh of the backward (no dw: a frozen head) in one call, when grad_scale is known before
+  // the forward (training): lse and the returned loss as linear_cross_entropy_forward, dh as
+  // linear_cross_entropy_backward with an empty dw, equal within fp32 rounding. This version calls the two;
+  // the CPU backend computes the logits once (two GEMMs over the vocabulary instead of three).
+  virtual CeResult linear_cross_entropy_fused(Tensor lse, Tensor dh, Tensor h, Tensor w, Tensor targets,
+                                              int32_t ignore_index, double grad_scale) {
+    const CeResult r = linear_cross_entropy_forward(lse, h, w, targets, ignore_index);
+    linear_cross_entropy_backward(dh, Tensor(), h, w, targets, lse, ignore_index, grad_scale);
+    return r;
+  }
 
   // AdamW with bias correction and decoupled weight decay, in place on param, m, v (same shape).
   virtual void adamw_step(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamWConfig& cfg) = 0;

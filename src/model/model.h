@@ -94,7 +94,10 @@ class Model {
   // Forward of one sequence: ids (T) i32, targets (T) i32 with -100 = not supervised. Returns the
   // summed cross-entropy and the supervised count. With for_backward the activations the SavePolicy
   // names are kept for backward().
-  CeResult forward(Tensor ids, Tensor targets, bool for_backward);
+  // Given the grad_scale that backward() will get (training: 1 / the step's supervised count), a frozen
+  // LM head computes its dh with the loss (Ops::linear_cross_entropy_fused: the logits once instead of
+  // twice); the loss and every gradient agree with the two-pass form within fp32 rounding.
+  CeResult forward(Tensor ids, Tensor targets, bool for_backward, std::optional<double> grad_scale = std::nullopt);
   // Backward of the last forward(for_backward = true): parameter gradients += d(grad_scale * loss_sum).
   void backward(double grad_scale);
   // Logits (T, V) of the last forward (act dtype), for tests and small T.
@@ -138,7 +141,12 @@ class Model {
   // Chunk mode: the forward of one chunk, ids/targets (Tc) at positions t0... with attention through kv.
   // store: hand each layer's K/V to kv.store; loss: the final norm and loss (without, the last layer stops
   // after its K/V projections). backward() then runs the chunk's backward.
-  CeResult chunk_forward(Tensor ids, Tensor targets, int64_t t0, ChunkKv& kv, bool store, bool loss, bool for_backward);
+  // grad_scale: as forward's.
+  CeResult chunk_forward(Tensor ids, Tensor targets, int64_t t0, ChunkKv& kv, bool store, bool loss, bool for_backward,
+                         std::optional<double> grad_scale = std::nullopt);
+  // The final norm's output hn through the LM head: the loss and lse, and with a scale for a frozen head
+  // also dh (fused_scale_ set).
+  CeResult head_forward(Tensor lse, Tensor hn, Tensor targets, bool for_backward, std::optional<double> grad_scale);
 
   // Linear y (T, N) = x (T, K) . W^T (N, K) [+ b]; backward dx (=) and dW, db (+=).
   void linear_forward(Tensor y, Tensor x, Tensor wc, Tensor b);
@@ -209,6 +217,7 @@ class Model {
   bool cap_chunked_ = false;
   ChunkKv* chunk_kv_ = nullptr;  // set while a chunked pass runs: attention goes through it
   bool have_forward_ = false;
+  std::optional<double> fused_scale_;  // the last forward left dh for this grad_scale
 };
 
 }  // namespace oomless

@@ -36,7 +36,7 @@ struct ChunkScope {
 }  // namespace
 
 CeResult Model::chunk_forward(Tensor ids, Tensor targets, int64_t t0, ChunkKv& kv, bool store, bool loss,
-                              bool for_backward) {
+                              bool for_backward, std::optional<double> grad_scale) {
   const int64_t T = ids.dims[0];
   T_ = T;
   row0_ = t0;
@@ -58,10 +58,11 @@ CeResult Model::chunk_forward(Tensor ids, Tensor targets, int64_t t0, ChunkKv& k
     if (store) kv.store(l, a.k, a.v);
   }
   have_forward_ = false;
+  fused_scale_.reset();
   if (!loss) return {};
   Tensor hn(s.hn.data, act_, {T, cfg_.E}), rstd(s.rstd_f.data, act_, {T}), lse(s.lse_f.data, act_, {T});
   ops_.rmsnorm_forward(hn, rstd, state(cfg_.L), params_.final_norm, cfg_.rms_eps);
-  CeResult r = ops_.linear_cross_entropy_forward(lse, hn, head_, tg_t, kIgnore);
+  CeResult r = head_forward(lse, hn, tg_t, for_backward, grad_scale);
   have_forward_ = for_backward;
   return r;
 }
@@ -101,7 +102,7 @@ CeResult Model::chunked_step(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv,
   CeResult total;
   for (int64_t c = n - 1; c >= 0; --c) {
     kv.set_chunk(c);
-    const CeResult r = chunk_forward(chunk_of(ids, c, C), chunk_of(targets, c, C), c * C, kv, false, true, true);
+    const CeResult r = chunk_forward(chunk_of(ids, c, C), chunk_of(targets, c, C), c * C, kv, false, true, true, grad_scale);
     backward(grad_scale);
     kv.chunk_done(c);
     total.loss_sum += r.loss_sum;

@@ -29,7 +29,17 @@ Tensor Model::run_blocks(Tensor ids, Tensor pos, std::vector<KvSlots>* cache, in
   return state(cfg_.L);
 }
 
-CeResult Model::forward(Tensor ids, Tensor targets, bool for_backward) {
+CeResult Model::head_forward(Tensor lse, Tensor hn, Tensor targets, bool for_backward, std::optional<double> grad_scale) {
+  fused_scale_.reset();
+  const bool head_frozen = !(grads_ ? grads_->lm_head : g_head_).data;
+  if (!for_backward || !grad_scale || !head_frozen) return ops_.linear_cross_entropy_forward(lse, hn, head_, targets, kIgnore);
+  Tensor dh(s_->dh.data, act_, {hn.dims[0], cfg_.E});
+  const CeResult r = ops_.linear_cross_entropy_fused(lse, dh, hn, head_, targets, kIgnore, *grad_scale);
+  fused_scale_ = grad_scale;
+  return r;
+}
+
+CeResult Model::forward(Tensor ids, Tensor targets, bool for_backward, std::optional<double> grad_scale) {
   OOM_CHECK(ids.ndim == 1 && ids.dtype == DType::i32, "[model] ids must be i32 (T), got ", ids.str());
   OOM_CHECK(targets.ndim == 1 && targets.dtype == DType::i32 && targets.dims[0] == ids.dims[0],
             "[model] targets must be i32 (T) like ids, got ", targets.str());
@@ -56,7 +66,7 @@ CeResult Model::forward(Tensor ids, Tensor targets, bool for_backward) {
   const Tensor x_last = run_blocks(id_t, pos, nullptr, 0);
   Tensor hn(s.hn.data, act_, {T, cfg_.E}), rstd(s.rstd_f.data, act_, {T}), lse(s.lse_f.data, act_, {T});
   ops_.rmsnorm_forward(hn, rstd, x_last, params_.final_norm, cfg_.rms_eps);
-  CeResult r = ops_.linear_cross_entropy_forward(lse, hn, head_, tg_t, kIgnore);
+  CeResult r = head_forward(lse, hn, tg_t, for_backward, grad_scale);
   have_forward_ = for_backward;
   return r;
 }
@@ -73,7 +83,13 @@ void Model::backward(double grad_scale) {
   Tensor id_t(s.ids.data, DType::i32, {T}), tg_t(s.targets.data, DType::i32, {T});
   Tensor hn(s.hn.data, act_, {T, E}), rstd(s.rstd_f.data, act_, {T}), lse(s.lse_f.data, act_, {T});
   Tensor dx(s.dx.data, act_, {T, E}), dh(s.dh.data, act_, {T, E});
-  ops_.linear_cross_entropy_backward(dh, g_head, hn, head_, tg_t, lse, kIgnore, grad_scale);
+  if (fused_scale_) {  // the forward left dh
+    OOM_CHECK(*fused_scale_ == grad_scale, "[model] backward(", grad_scale, ") after a forward for grad_scale ",
+              *fused_scale_);
+    fused_scale_.reset();
+  } else {
+    ops_.linear_cross_entropy_backward(dh, g_head, hn, head_, tg_t, lse, kIgnore, grad_scale);
+  }
   Tensor x_last(s.layer_in[static_cast<size_t>(cfg_.L)].data, act_, {T, E});
   ops_.rmsnorm_backward(dx, g_norm, dh, x_last, params_.final_norm, rstd);
   for (int64_t l = cfg_.L - 1; l >= 0; --l) {
@@ -141,6 +157,7 @@ void Model::decode_forward(Tensor ids, int64_t t0, std::vector<KvSlots>& cache, 
   ops_.rmsnorm_forward(hn, rstd, x_last, params_.final_norm, cfg_.rms_eps);
   ops_.matmul(Tensor(logits_last.data, act_, {1, cfg_.V}), as_operand(hn, 0), head_, false, true, false);
   have_forward_ = false;
+  fused_scale_.reset();
 }
 
 }  // namespace oomless

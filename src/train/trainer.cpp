@@ -689,7 +689,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
     if (s.kv) {
       model.chunked_step(z, z, C, *s.kv, 0.0);
     } else {
-      model.forward(z, z, true);
+      model.forward(z, z, true, 0.0);  // the training step's path, so its workspaces are the ones reserved
       model.backward(0.0);
     }
     model.zero_grads();
@@ -697,7 +697,6 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
   } catch (const OutOfBudget& e) {
     out_of_budget(c, e.what(), s.e.mem ? &s.e.mem->ledger : nullptr);
   }
-  Model& model = *s.e.model;
   const ModelConfig& cfg = s.e.src.cfg;
   {
     const Ledger& l = s.e.mem->ledger;
@@ -927,8 +926,9 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
       if (s.kv) {
         loss_sum += model.chunked_step(id_t, tg_t, s.C, *s.kv, 1.0 / static_cast<double>(N)).loss_sum;
       } else {
-        CeResult ce = model.forward(id_t, tg_t, true);
-        model.backward(1.0 / static_cast<double>(N));
+        const double scale = 1.0 / static_cast<double>(N);
+        CeResult ce = model.forward(id_t, tg_t, true, scale);
+        model.backward(scale);
         loss_sum += ce.loss_sum;
       }
     }

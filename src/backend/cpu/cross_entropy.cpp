@@ -14,6 +14,16 @@
 //   dw_chunk (Vc, E) += dlogits^T . h_chunk
 // The second product reads dlogits as a transposed operand; the GEMM transposes while packing.
 //
+// Fused (training with a frozen head, grad_scale known before the forward): the logits are computed once.
+// Beside the forward's running max m and sum l, each row keeps l_x, the sum without the target's term, and
+// its dh row accumulates, flash-attention style, acc = sum over chunks of P . w_chunk with P = exp(logit - m)
+// (the target's entry zeroed), rescaled by exp(m_old - m_new) whenever the running max grows. At the end
+//   dh = grad_scale (acc / l - (l_x / l) w_target),
+// since sum_v p_v w_v - w_t = sum_{v != t} p_v w_v - (1 - p_t) w_t and 1 - p_t = l_x / l. Taking 1 - p_t
+// from l_x rather than as 1 - exp(logit_t - lse) keeps its relative precision when p_t is close to 1. Two
+// GEMMs per (vocabulary chunk, token chunk) instead of the forward's one and the backward's two; lse and
+// the loss are the forward's bits.
+//
 // Scratch, one workspace allocation per call; it does not grow with V, and with T only through the
 // forward's 16 bytes of row state. The sizes are measured choices (a 2-core AVX2 machine, E = 576,
 // V = 49152: tiles from 4 to 32 MiB and Vc from 1024 to 8192 were within noise of each other, the
@@ -28,6 +38,8 @@
 // Determinism: chunk sizes depend on (T, E, V) only; each row is handled by one thread; per-row sums use
 // a fixed lane pattern; partial results across tiles combine in loop order; the loss is summed over
 // rows sequentially in double. Results are bitwise identical for any thread count provided the GEMMs are.
+#include <omp.h>
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -278,6 +290,117 @@ void CpuOps::linear_cross_entropy_backward(Tensor dh, Tensor dw, Tensor h, Tenso
       if (dwp) gemm().run(GemmShape{.M = nv, .N = E, .K = nt, .ta = true, .accumulate = true}, tile, hp + t0 * E, dwp + v0 * E);
     }
   }
+}
+
+CeResult CpuOps::linear_cross_entropy_fused(Tensor lse, Tensor dh, Tensor h, Tensor w, Tensor targets,
+                                            int32_t ignore_index, double grad_scale) {
+  const CeDims dims = check_cross_entropy(kOp, lse, h, w, targets, ignore_index, kAct);
+  check_cross_entropy_backward(kOp, dims, dh, Tensor(), kAct);
+  auto [T_, E_, V_] = dims;
+  // Copies: clang before 16 cannot capture structured bindings in lambdas / OpenMP regions.
+  const int64_t T = T_, E = E_, V = V_;
+  const float* hp = static_cast<const float*>(h.data);
+  const int32_t* tg = static_cast<const int32_t*>(targets.data);
+  float* lp = static_cast<float*>(lse.data);
+  float* dhp = static_cast<float*>(dh.data);
+  CeResult res;
+  res.count = supervised_rows(tg, T, ignore_index);
+  if (res.count == 0) {  // every dlogit is 0
+    std::fill(lp, lp + T, 0.0f);
+    std::fill(dhp, dhp + T * E, 0.0f);
+    return res;
+  }
+  const Plan pl = plan_for(T, E, V);
+  const bool widen = w.dtype == DType::bf16 || w.as_bf16 || w.quant;
+  const int64_t threads = omp_get_max_threads();
+  const size_t tile_n = padded(pl.Tc * pl.Vc), wc_n = widen ? padded(pl.Vc * E) : 0, row_n = padded(threads * E);
+  Buffer buf = scratch(4 * (tile_n + wc_n + row_n) + 24 * padded(T), "cross_entropy");
+  float* tile = buf.as<float>();                                 // (Tc, Vc) logits, then P in place
+  float* wc = tile + tile_n;                                     // (Vc, E) when w is (read as) bf16
+  float* wrow = wc + wc_n;                                       // (threads, E) a target row of w
+  float* rmax = wrow + row_n;                                    // (T) running max
+  double* rsum = reinterpret_cast<double*>(rmax + padded(T));    // (T) running sum of exp(logit - rmax)
+  double* rsum_x = rsum + padded(T);                             // (T) the same without the target's term
+  float* tlogit = reinterpret_cast<float*>(rsum_x + padded(T));  // (T) the target's logit
+  for (int64_t t = 0; t < T; ++t) {
+    rsum[t] = rsum_x[t] = 0.0;
+    rmax[t] = -std::numeric_limits<float>::infinity();
+    tlogit[t] = 0.0f;
+  }
+
+  for (int64_t v0 = 0; v0 < V; v0 += pl.Vc) {
+    const int64_t nv = std::min(pl.Vc, V - v0);
+    const float* wv = w_chunk(w, v0, nv, E, wc);
+    for (int64_t t0 = 0; t0 < T; t0 += pl.Tc) {
+      const int64_t nt = std::min(pl.Tc, T - t0);
+      tile_logits(gemm(), tile, hp + t0 * E, wv, nt, nv, E);
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < nt; ++i) {
+        const int64_t t = t0 + i;
+        float* x = tile + i * nv;
+        if (tg[t] == ignore_index) {  // contributes nothing; its dh row is 0 from the first chunk on
+          std::memset(x, 0, static_cast<size_t>(nv) * sizeof(float));
+          continue;
+        }
+        const int64_t jt = tg[t] >= v0 && tg[t] < v0 + nv ? tg[t] - v0 : -1;
+        if (jt >= 0) tlogit[t] = x[jt];
+        const float m = std::max(rmax[t], row_max(x, nv));
+        const double cs = exp_shift_sum(x, nv, m);
+        const double alpha = std::exp(static_cast<double>(rmax[t]) - static_cast<double>(m));
+        rsum[t] = rsum[t] * alpha + cs;
+        const double pt = jt >= 0 ? static_cast<double>(x[jt]) : 0.0;
+        if (jt >= 0) x[jt] = 0.0f;
+        rsum_x[t] = rsum_x[t] * alpha + (cs - pt);
+        rmax[t] = m;
+        if (v0 > 0 && alpha != 1.0) {
+          float* d = dhp + t * E;
+          const float a = static_cast<float>(alpha);
+          for (int64_t e = 0; e < E; ++e) d[e] *= a;
+        }
+      }
+      // acc (nt, E) = / += P (nt, nv) . wv (nv, E)
+      gemm().run(GemmShape{.M = nt, .N = E, .K = nv, .accumulate = v0 > 0}, tile, wv, dhp + t0 * E);
+    }
+  }
+
+  const float* wf = w.quant || w.dtype != DType::f32 ? nullptr : static_cast<const float*>(w.data);
+  const uint16_t* wb = w.dtype == DType::bf16 && !w.quant ? static_cast<const uint16_t*>(w.data) : nullptr;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    float* d = dhp + t * E;
+    if (tg[t] == ignore_index) {
+      std::memset(d, 0, static_cast<size_t>(E) * sizeof(float));
+      continue;
+    }
+    // The target's row of w as the GEMMs read it (w_chunk's conversions, one row).
+    float* r = wrow + static_cast<int64_t>(omp_get_thread_num()) * E;
+    const float* wt = r;
+    if (w.quant) {
+      w.quant->dequant_row(*w.quant, w.qrow0 + tg[t], 0, E, r);
+      if (w.as_bf16)
+        for (int64_t e = 0; e < E; ++e) r[e] = round_to_bf16(r[e]);
+    } else if (wb) {
+      for (int64_t e = 0; e < E; ++e) r[e] = bf16_to_f32(wb[tg[t] * E + e]);
+    } else if (w.as_bf16) {
+      for (int64_t e = 0; e < E; ++e) r[e] = round_to_bf16(wf[tg[t] * E + e]);
+    } else {
+      wt = wf + tg[t] * E;
+    }
+    const float a = static_cast<float>(grad_scale / rsum[t]);
+    const float b = static_cast<float>(grad_scale * rsum_x[t] / rsum[t]);
+    for (int64_t e = 0; e < E; ++e) d[e] = a * d[e] - b * wt[e];
+  }
+
+  for (int64_t t = 0; t < T; ++t) {
+    if (tg[t] == ignore_index) {
+      lp[t] = 0.0f;
+      continue;
+    }
+    const double l = static_cast<double>(rmax[t]) + std::log(rsum[t]);
+    lp[t] = static_cast<float>(l);
+    res.loss_sum += l - static_cast<double>(tlogit[t]);
+  }
+  return res;
 }
 
 }  // namespace oomless
