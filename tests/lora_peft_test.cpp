@@ -1,5 +1,6 @@
 // LoRA against PEFT: tests/golden/peft/NAME holds an adapter PEFT saved for a tiny transformers model and
-// PEFT's float64 loss, logits and adapter gradients for the model golden's ids (tools/golden/make_peft.py).
+// PEFT's float64 loss, logits and adapter gradients for the model golden's ids (tools/golden/make_peft.py; a
+// variant with dropout ran PEFT's training forward with the masks oomless draws for dropout seed 1234).
 // oomless loads the same folder with --adapter's loader and must give, per tensor in relative L2:
 //   fp32 (cpu)     <= max(3 x torch fp32's error, 1e-6)   (the model goldens' bound)
 //   bf16 (cpu)     <= 1.5 x torch bf16-autocast's error, a gradient's taken as at least the variant's median;
@@ -77,6 +78,7 @@ void check_variant(const std::string& name, const std::string& base, Mode mode) 
   load_adapter(dir, src.cfg, ad, params);
   Model m(src.cfg, *ops, params, arena, {mode == Mode::bf16 ? ComputeDType::bf16 : ComputeDType::f32, SavePolicy::all, &ad});
   m.reserve(T, true);
+  m.set_dropout_seed(1234);  // make_peft.py's DROPOUT_SEED: a variant with dropout applied these masks in PEFT
   const CeResult r = m.forward(Tensor(ids.data(), DType::i32, {T}), Tensor(targets.data(), DType::i32, {T}), true);
   m.backward(1.0 / static_cast<double>(r.count));
 
@@ -137,6 +139,12 @@ TEST(LoraPeft, DoraMatchesPeft) {
 
 // merge (oomless merge) gives PEFT's merge_and_unload weights: W + s B A, with DoRA then scaled per row
 // by m / ||W + s B A||; float64 against PEFT's float64 merge of layer 0's q_proj.
+// DoRA with lora_dropout 0.3 in training: PEFT's form (the base on x, (g - 1) W and the adapter on dropout(x)),
+// PEFT run with the masks oomless draws.
+TEST(LoraPeft, DoraWithDropoutMatchesPeft) {
+  for (Mode m : {Mode::f64, Mode::fp32, Mode::bf16}) check_variant("qwen2_dora_dropout", "qwen2", m);
+}
+
 TEST(LoraPeft, MergeMatchesPeftMergeAndUnload) {
   for (const auto& [name, base] : {std::pair<std::string, std::string>{"llama_gqa_untied_lora", "llama_gqa_untied"},
                                    {"qwen2_dora", "qwen2"}}) {

@@ -58,11 +58,12 @@ double expect_same_as_merged(const ModelConfig& cfg, Ops& ops, ParamSet& params,
 }
 
 TEST(Lora, AdapterGradientsMatchFiniteDifferences) {
-  // The dropout case: the mask is fixed by the seed, so the loss is a smooth function of the adapter.
-  // DoRA: the magnitudes' gradients too, the norm held constant (as PEFT detaches it) in the loss as well.
+  // The dropout cases: the mask is fixed by the seed, so the loss is a smooth function of the adapter.
+  // DoRA: the magnitudes' gradients too, the norm held constant (as PEFT detaches it) in the loss as well;
+  // DoRA with dropout in PEFT's form (DoraWithDropoutIsPeftsForm).
   const LoraSettings settings[] = {lora(3, "all-linear", 6.0), lora(2, "q,v,down", 3.0, true),
                                    lora(2, "all-linear", 4.0, false, 0.3), lora(3, "all-linear", 6.0, false, 0, true),
-                                   lora(2, "k,o,up", 3.0, true, 0, true)};
+                                   lora(2, "k,o,up", 3.0, true, 0, true), lora(2, "all-linear", 4.0, false, 0.3, true)};
   for (const test::Variant& var : variants()) {
     for (const LoraSettings& ls : settings) {
       SCOPED_TRACE(std::string(var.name) + " r=" + std::to_string(ls.r));
@@ -242,7 +243,9 @@ TEST(Lora, OnePassHeadGivesTheTwoPassGradients) {
     }
     EXPECT_EQ(all_same, !adapters);
     m.forward(s.id_t(), s.tg_t(), true, 0.5);
-    if (adapters) EXPECT_THROW(m.backward(0.25), Error);
+    if (adapters) {
+      EXPECT_THROW(m.backward(0.25), Error);
+    }
   }
 }
 
@@ -318,24 +321,55 @@ TEST(Lora, DropoutIsSeededAndOnlyInTraining) {
   EXPECT_TRUE(test::same_bits(chunked, test::run(rs, ids, 16, 8, KvOffload::disk)));
 }
 
-// DoRA cannot train with dropout: an error, not a wrong gradient; evaluation takes such an adapter.
-TEST(Lora, DoraWithDropoutTrainsNot) {
-  const test::Variant var = variants()[0];
-  Ledger ledger;
-  Arena arena(Tier::Host, size_t{1} << 30, ledger);
-  auto ops = make_ops("cpu");
-  ParamSet params(var.cfg, DType::f32, arena, Category::weights);
-  init_random(params, 7, 0.3);
-  auto ad = test::random_adapters(var.cfg, lora(3, "all-linear", 5.0, false, 0.1, true), DType::f32, arena, 21);
-  Model m(var.cfg, *ops, params, arena, {ComputeDType::f32, SavePolicy::all, ad.get()});
-  m.reserve(8, true);
-  Seq s = seq(8, var.cfg.V, 4);
-  EXPECT_NO_THROW(m.forward(s.id_t(), s.tg_t(), false)) << "evaluation takes a DoRA adapter with dropout";
-  try {
-    m.forward(s.id_t(), s.tg_t(), true);
-    FAIL() << "DoRA training with dropout accepted";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("--lora-dropout 0"), std::string::npos) << e.what();
+// DoRA with dropout, y = x W^T + b + (g - 1) x_d W^T + g s B A x_d (x_d = dropout(x)): with every magnitude set
+// to its row's norm ||W + s B A|| (g = 1) a training pass is LoRA with the same dropout masks, to float64 rounding,
+// and evaluation has no dropout. PEFT's own numbers with g != 1: LoraPeft.DoraWithDropoutMatchesPeft; the
+// gradients against finite differences: AdapterGradientsMatchFiniteDifferences.
+TEST(Lora, DoraWithDropoutIsPeftsForm) {
+  for (const test::Variant& var : variants()) {
+    SCOPED_TRACE(var.name);
+    Ledger ledger;
+    Arena arena(Tier::Host, size_t{1} << 30, ledger);
+    auto ops = make_ops("ref");
+    ParamSet params(var.cfg, DType::f64, arena, Category::weights);
+    init_random(params, 7, 0.3);
+    const LoraSettings dora_s = lora(3, "all-linear", 6.0, false, 0.3, true), lora_s = lora(3, "all-linear", 6.0, false, 0.3);
+    auto dora = test::random_adapters(var.cfg, dora_s, DType::f64, arena, 21);
+    auto plain = test::random_adapters(var.cfg, lora_s, DType::f64, arena, 21);
+    const double sc = 6.0 / 3;
+    for (int64_t l = 0; l < var.cfg.L; ++l)
+      for (Proj p : dora_s.targets) {
+        const LoraTensors& t = dora->layer(l)[p];
+        const Tensor w = proj_weight(params.layers[static_cast<size_t>(l)], p);
+        const int64_t N = w.dims[0], K = w.dims[1], r = 3;
+        const double* W = static_cast<const double*>(w.data);
+        const double* A = static_cast<const double*>(t.a.data);
+        const double* B = static_cast<const double*>(t.b.data);
+        std::memcpy(plain->layer(l)[p].a.data, A, static_cast<size_t>(r * K) * 8);  // the same adapter
+        std::memcpy(plain->layer(l)[p].b.data, B, static_cast<size_t>(N * r) * 8);
+        for (int64_t j = 0; j < N; ++j) {
+          double nn = 0;
+          for (int64_t k = 0; k < K; ++k) {
+            double v = W[j * K + k];
+            for (int64_t q = 0; q < r; ++q) v += sc * B[j * r + q] * A[q * K + k];
+            nn += v * v;
+          }
+          static_cast<double*>(t.m.data)[j] = std::sqrt(nn);
+        }
+      }
+    Model d(var.cfg, *ops, params, arena, {ComputeDType::f32, SavePolicy::all, dora.get()});
+    Model l(var.cfg, *ops, params, arena, {ComputeDType::f32, SavePolicy::all, plain.get()});
+    const int64_t T = 12;
+    d.reserve(T, true);
+    l.reserve(T, true);
+    Seq s = seq(T, var.cfg.V, 4);
+    d.set_dropout_seed(9);
+    l.set_dropout_seed(9);
+    const double ld = d.forward(s.id_t(), s.tg_t(), true).loss_sum, ll = l.forward(s.id_t(), s.tg_t(), true).loss_sum;
+    EXPECT_NEAR(ld, ll, 1e-12 * std::abs(ll)) << "training";
+    const double ed = d.forward(s.id_t(), s.tg_t(), false).loss_sum, el = l.forward(s.id_t(), s.tg_t(), false).loss_sum;
+    EXPECT_NEAR(ed, el, 1e-12 * std::abs(el)) << "evaluation";
+    EXPECT_GT(std::abs(ld - ed), 1e-6) << "the training pass had dropout";
   }
 }
 

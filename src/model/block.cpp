@@ -60,6 +60,14 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
 
   ops_.rmsnorm_forward(a.h1, a.rstd1, a.x_in, P.in_norm, eps);
   Tensor h1 = as_operand(a.h1, 0);
+  // An adapted projection's output y (holding x W^T, with its bias unless DoRA): + s u B^T, then DoRA's scale
+  // and bias; with DoRA and dropout in training PEFT's form (dora_dropout_forward).
+  auto adapt = [&](Proj p, Tensor y, Tensor x, Tensor w, Tensor u, Tensor z, Tensor b, int64_t r0) {
+    if (!lora_on(layer, p)) return;
+    if (dora_on(layer, p) && dropout_on()) return dora_dropout_forward(layer, p, y, x, w, u, z, b, r0);
+    lora_up(layer, p, y, u, r0);
+    if (dora_on(layer, p)) dora_forward(layer, p, y, z, b, r0);
+  };
 
   // Queries: projection [-> per-head RMSNorm (Qwen3)] -> RoPE.
   Tensor q2 = mat(a.q, T, H * D);
@@ -67,11 +75,8 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
     Tensor qlin = cfg_.qk_norm ? mat(a.q_pre, T, H * D) : q2;
     const bool dq = dora_on(layer, Proj::q);  // DoRA adds the bias after its scale
     linear_forward(qlin, h1, C.wq, dq ? Tensor() : P.bq);
-    if (lora_on(layer, Proj::q)) {
-      lora_down(layer, Proj::q, a.u[0], a.h1, h1);
-      lora_up(layer, Proj::q, qlin, a.u[0], 0);
-    }
-    if (dq) dora_forward(layer, Proj::q, qlin, a.z[0], P.bq, 0);
+    if (lora_on(layer, Proj::q)) lora_down(layer, Proj::q, a.u[0], a.h1, h1);
+    adapt(Proj::q, qlin, a.h1, C.wq, a.u[0], a.z[0], P.bq, 0);
     if (cfg_.qk_norm)
       ops_.rmsnorm_forward(mat(a.q, T * H, D), a.q_rstd, mat(a.q_pre, T * H, D), P.q_norm, eps);
     ops_.rope_forward(a.q, a.q, pos, cfg_.rope);
@@ -87,15 +92,13 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
     Tensor wk = rows(C.wk, h * D, D, E), wv = rows(C.wv, h * D, D, E);
     Tensor klin = cfg_.qk_norm ? head(a.k_pre, h, T, 0, T, D) : kh;
     linear_forward(klin, h1, wk, dk ? Tensor() : span(P.bk, h * D, D));
-    if (lk) lora_up(layer, Proj::k, klin, a.u[1], h * D);
-    if (dk) dora_forward(layer, Proj::k, klin, z_head(a.z[1], h, T, D), span(P.bk, h * D, D), h * D);
+    adapt(Proj::k, klin, a.h1, wk, a.u[1], z_head(a.z[1], h, T, D), span(P.bk, h * D, D), h * D);
     if (cfg_.qk_norm) ops_.rmsnorm_forward(kh, span(a.k_rstd, h * T, T), klin, P.k_norm, eps);
     Tensor kh3(kh.data, kh.dtype, {T, int64_t{1}, D});
     ops_.rope_forward(kh3, kh3, pos, cfg_.rope);
     Tensor vh = head(kv.v, h, Pk, t0, T, D);
     linear_forward(vh, h1, wv, dv ? Tensor() : span(P.bv, h * D, D));
-    if (lv) lora_up(layer, Proj::v, vh, a.u[2], h * D);
-    if (dv) dora_forward(layer, Proj::v, vh, z_head(a.z[2], h, T, D), span(P.bv, h * D, D), h * D);
+    adapt(Proj::v, vh, a.h1, wv, a.u[2], z_head(a.z[2], h, T, D), span(P.bv, h * D, D), h * D);
   }
 
   if (pass == Pass::kv_only) return;
@@ -111,11 +114,8 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
   Tensor o_op = as_operand(mat(a.o, T, H * D), 0);
   const bool d_o = dora_on(layer, Proj::o);
   linear_forward(proj, o_op, C.wo, d_o ? Tensor() : P.bo);
-  if (lora_on(layer, Proj::o)) {
-    lora_down(layer, Proj::o, a.u[3], mat(a.o, T, H * D), o_op);
-    lora_up(layer, Proj::o, proj, a.u[3], 0);
-  }
-  if (d_o) dora_forward(layer, Proj::o, proj, a.z[3], P.bo, 0);
+  if (lora_on(layer, Proj::o)) lora_down(layer, Proj::o, a.u[3], mat(a.o, T, H * D), o_op);
+  adapt(Proj::o, proj, mat(a.o, T, H * D), C.wo, a.u[3], a.z[3], P.bo, 0);
   ops_.add(a.x_mid, a.x_in, proj);
 
   ops_.rmsnorm_forward(a.h2, a.rstd2, a.x_mid, P.post_norm, eps);
@@ -126,8 +126,7 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
     if (!lora_on(layer, p)) continue;
     Tensor u = a.u[static_cast<int>(p)];
     lora_down(layer, p, u, a.h2, h2);
-    lora_up(layer, p, p == Proj::gate ? a.gate : a.up, u, 0);
-    if (dora_on(layer, p)) dora_forward(layer, p, p == Proj::gate ? a.gate : a.up, a.z[static_cast<int>(p)], Tensor(), 0);
+    adapt(p, p == Proj::gate ? a.gate : a.up, a.h2, p == Proj::gate ? C.wg : C.wu, u, a.z[static_cast<int>(p)], Tensor(), 0);
   }
   ops_.swiglu_forward(a.act, a.gate, a.up);
   const bool ld = lora_on(layer, Proj::down), dd = dora_on(layer, Proj::down);
@@ -138,11 +137,8 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
   // (A recompute with DoRA on down_proj runs it too: the backward needs its unscaled output.)
   Tensor act_op = as_operand(a.act, 0);
   linear_forward(proj, act_op, C.wd, Tensor());
-  if (ld) {
-    lora_down(layer, Proj::down, a.u[6], a.act, act_op);
-    lora_up(layer, Proj::down, proj, a.u[6], 0);
-  }
-  if (dd) dora_forward(layer, Proj::down, proj, a.z[6], Tensor(), 0);
+  if (ld) lora_down(layer, Proj::down, a.u[6], a.act, act_op);
+  adapt(Proj::down, proj, a.act, C.wd, a.u[6], a.z[6], Tensor(), 0);
   if (pass != Pass::full) return;
   ops_.add(x_out, a.x_mid, proj);
 }
@@ -198,34 +194,59 @@ void Model::block_backward(int64_t layer, Acts& a, Tensor pos, Tensor dx) {
     return as_operand(dz, 0);
   };
 
+  // DoRA with dropout in training (dora_dropout_backward), for a whole projection: dy (kept), input x / x_op,
+  // input gradient dx (=|+=).
+  const bool dora_drop = dora_ && dropout_on();
+  auto dora_drop_whole = [&](Proj p, Tensor dy, int z, Tensor w, Tensor dx_in, bool dx_acc, Tensor x, Tensor x_op) {
+    Tensor t(s.dora_t.data, act_, {T, x.dims[1]});
+    dora_dropout_backward(layer, p, dy, a.z[z], w, a.u[z], dx_in, dx_acc, t, false, s.du[0], false, 0);
+    lora_backward_input(layer, p, dx_in, s.du[0], x, x_op, t);
+  };
+
   // MLP: x_out = x_mid + down(silu(gate(h2)) * up(h2)).
-  Tensor dx_op = residual_dy(Proj::down, 6);
   Tensor act_op = as_operand(a.act, 1);
-  linear_backward_input(dact, dx_op, C.wd, false);
-  linear_backward_weight(G.wd, dx_op, act_op);
-  lora(Proj::down, dact, dx_op, a.act, act_op);
+  if (dora_drop && dora_on(layer, Proj::down)) {
+    dora_drop_whole(Proj::down, dx, 6, C.wd, dact, false, a.act, act_op);
+  } else {
+    Tensor dx_op = residual_dy(Proj::down, 6);
+    linear_backward_input(dact, dx_op, C.wd, false);
+    linear_backward_weight(G.wd, dx_op, act_op);
+    lora(Proj::down, dact, dx_op, a.act, act_op);
+  }
   ops_.swiglu_backward(dgate, dup, dact, a.gate, a.up);
   Tensor h2 = as_operand(a.h2, 1);
-  if (dora_on(layer, Proj::gate)) dora_backward(layer, Proj::gate, dgate, dgate, a.z[4], 0);
-  Tensor g_op = as_operand(dgate, 0);
-  linear_backward_input(dh, g_op, C.wg, false);
-  linear_backward_weight(G.wg, g_op, h2);
-  lora(Proj::gate, dh, g_op, a.h2, h2);
-  if (dora_on(layer, Proj::up)) dora_backward(layer, Proj::up, dup, dup, a.z[5], 0);
-  Tensor u_op = as_operand(dup, 0);
-  linear_backward_input(dh, u_op, C.wu, true);
-  linear_backward_weight(G.wu, u_op, h2);
-  lora(Proj::up, dh, u_op, a.h2, h2);
+  if (dora_drop && dora_on(layer, Proj::gate)) {
+    dora_drop_whole(Proj::gate, dgate, 4, C.wg, dh, false, a.h2, h2);
+  } else {
+    if (dora_on(layer, Proj::gate)) dora_backward(layer, Proj::gate, dgate, dgate, a.z[4], 0);
+    Tensor g_op = as_operand(dgate, 0);
+    linear_backward_input(dh, g_op, C.wg, false);
+    linear_backward_weight(G.wg, g_op, h2);
+    lora(Proj::gate, dh, g_op, a.h2, h2);
+  }
+  if (dora_drop && dora_on(layer, Proj::up)) {
+    dora_drop_whole(Proj::up, dup, 5, C.wu, dh, true, a.h2, h2);
+  } else {
+    if (dora_on(layer, Proj::up)) dora_backward(layer, Proj::up, dup, dup, a.z[5], 0);
+    Tensor u_op = as_operand(dup, 0);
+    linear_backward_input(dh, u_op, C.wu, true);
+    linear_backward_weight(G.wu, u_op, h2);
+    lora(Proj::up, dh, u_op, a.h2, h2);
+  }
   ops_.rmsnorm_backward(dxn, G.post_norm, dh, a.x_mid, P.post_norm, a.rstd2);
   ops_.add(dx, dx, dxn);
 
   // Attention output projection: x_mid = x_in + o_proj(o).
   Tensor d_o = view(s.d_o, {T, H, D});
-  dx_op = residual_dy(Proj::o, 3);
   Tensor o_op = as_operand(mat(a.o, T, H * D), 1);
-  linear_backward_input(mat(d_o, T, H * D), dx_op, C.wo, false);
-  linear_backward_weight(G.wo, dx_op, o_op);
-  lora(Proj::o, mat(d_o, T, H * D), dx_op, mat(a.o, T, H * D), o_op);
+  if (dora_drop && dora_on(layer, Proj::o)) {
+    dora_drop_whole(Proj::o, dx, 3, C.wo, mat(d_o, T, H * D), false, mat(a.o, T, H * D), o_op);
+  } else {
+    Tensor dx_op = residual_dy(Proj::o, 3);
+    linear_backward_input(mat(d_o, T, H * D), dx_op, C.wo, false);
+    linear_backward_weight(G.wo, dx_op, o_op);
+    lora(Proj::o, mat(d_o, T, H * D), dx_op, mat(a.o, T, H * D), o_op);
+  }
   bias_backward(G.bo, dx);
 
   // Attention; dK/dV accumulate, so start from zero.
@@ -262,30 +283,47 @@ void Model::block_backward(int64_t layer, Acts& a, Tensor pos, Tensor dx) {
   // Bias gradients from dy itself, before DoRA scales it in place.
   Tensor h1 = as_operand(a.h1, 1);
   bias_backward(G.bq, mat(dq_lin, T, H * D));
-  if (dora_on(layer, Proj::q)) dora_backward(layer, Proj::q, mat(dq_lin, T, H * D), mat(dq_lin, T, H * D), a.z[0], 0);
-  Tensor dq_op = as_operand(mat(dq_lin, T, H * D), 0);
-  linear_backward_input(dh, dq_op, C.wq, false);
-  linear_backward_weight(G.wq, dq_op, h1);
-  lora(Proj::q, dh, dq_op, a.h1, h1);
+  if (dora_drop && dora_on(layer, Proj::q)) {
+    dora_drop_whole(Proj::q, mat(dq_lin, T, H * D), 0, C.wq, dh, false, a.h1, h1);
+  } else {
+    if (dora_on(layer, Proj::q)) dora_backward(layer, Proj::q, mat(dq_lin, T, H * D), mat(dq_lin, T, H * D), a.z[0], 0);
+    Tensor dq_op = as_operand(mat(dq_lin, T, H * D), 0);
+    linear_backward_input(dh, dq_op, C.wq, false);
+    linear_backward_weight(G.wq, dq_op, h1);
+    lora(Proj::q, dh, dq_op, a.h1, h1);
+  }
   const bool lk = lora_on(layer, Proj::k), lv = lora_on(layer, Proj::v);
   const bool dk_on = dora_on(layer, Proj::k), dv_on = dora_on(layer, Proj::v);
+  // DoRA with dropout: (g dy - dy) W of every head gathered in tk / tv for the adapter's input gradient.
+  const bool kd = dora_drop && dk_on, vd = dora_drop && dv_on;
+  Tensor tk = kd ? Tensor(s.dora_t.data, act_, {T, E}) : Tensor(), tv = vd ? Tensor(s.dora_t2.data, act_, {T, E}) : Tensor();
   for (int64_t h = 0; h < Hkv; ++h) {
     Tensor dkh = head(dk_lin, h, T, 0, T, D), dvh = head(dv, h, T, 0, T, D);
     bias_backward(span(G.bk, h * D, D), dkh);
-    if (dk_on) dora_backward(layer, Proj::k, dkh, dkh, z_head(a.z[1], h, T, D), h * D);
-    Tensor k_op = as_operand(dkh, 0);
-    linear_backward_input(dh, k_op, rows(C.wk, h * D, D, E), true);
-    linear_backward_weight(rows(G.wk, h * D, D, E), k_op, h1);
-    if (lk) lora_backward_rows(layer, Proj::k, s.du[0], k_op, a.u[1], h * D, h > 0);
+    if (kd) {
+      dora_dropout_backward(layer, Proj::k, dkh, z_head(a.z[1], h, T, D), rows(C.wk, h * D, D, E), a.u[1], dh, true, tk,
+                            h > 0, s.du[0], h > 0, h * D);
+    } else {
+      if (dk_on) dora_backward(layer, Proj::k, dkh, dkh, z_head(a.z[1], h, T, D), h * D);
+      Tensor k_op = as_operand(dkh, 0);
+      linear_backward_input(dh, k_op, rows(C.wk, h * D, D, E), true);
+      linear_backward_weight(rows(G.wk, h * D, D, E), k_op, h1);
+      if (lk) lora_backward_rows(layer, Proj::k, s.du[0], k_op, a.u[1], h * D, h > 0);
+    }
     bias_backward(span(G.bv, h * D, D), dvh);
-    if (dv_on) dora_backward(layer, Proj::v, dvh, dvh, z_head(a.z[2], h, T, D), h * D);
-    Tensor v_op = as_operand(dvh, 0);
-    linear_backward_input(dh, v_op, rows(C.wv, h * D, D, E), true);
-    linear_backward_weight(rows(G.wv, h * D, D, E), v_op, h1);
-    if (lv) lora_backward_rows(layer, Proj::v, s.du[1], v_op, a.u[2], h * D, h > 0);
+    if (vd) {
+      dora_dropout_backward(layer, Proj::v, dvh, z_head(a.z[2], h, T, D), rows(C.wv, h * D, D, E), a.u[2], dh, true, tv,
+                            h > 0, s.du[1], h > 0, h * D);
+    } else {
+      if (dv_on) dora_backward(layer, Proj::v, dvh, dvh, z_head(a.z[2], h, T, D), h * D);
+      Tensor v_op = as_operand(dvh, 0);
+      linear_backward_input(dh, v_op, rows(C.wv, h * D, D, E), true);
+      linear_backward_weight(rows(G.wv, h * D, D, E), v_op, h1);
+      if (lv) lora_backward_rows(layer, Proj::v, s.du[1], v_op, a.u[2], h * D, h > 0);
+    }
   }
-  if (lk) lora_backward_input(layer, Proj::k, dh, s.du[0], a.h1, h1);
-  if (lv) lora_backward_input(layer, Proj::v, dh, s.du[1], a.h1, h1);
+  if (lk) lora_backward_input(layer, Proj::k, dh, s.du[0], a.h1, h1, tk);
+  if (lv) lora_backward_input(layer, Proj::v, dh, s.du[1], a.h1, h1, tv);
   ops_.rmsnorm_backward(dxn, G.in_norm, dh, a.x_in, P.in_norm, a.rstd1);
   ops_.add(dx, dx, dxn);
 }

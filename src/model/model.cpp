@@ -112,8 +112,6 @@ AdapterSet& Model::adapter_grads() {
 }
 
 void Model::ensure_grads() {
-  OOM_CHECK(!(dora_ && lora_dropout_ > 0), "[model] DoRA training with lora_dropout ", lora_dropout_,
-            " is not supported yet; train DoRA with --lora-dropout 0 (eval and generate take such an adapter as it is)");
   if (opt_.adapters) adapter_grads();
   else grads();
 }
@@ -236,6 +234,13 @@ void Model::reserve(int64_t T, bool for_backward, bool chunked) {
     if (dora_on(0, Proj::o) || dora_on(0, Proj::down)) s->dz = alloc(act_, {T, E}, W, "dora_dz");
   }
   if (lora_dropout_ > 0) s->xdrop = alloc(act_, {T * std::max({E, F, H * D})}, W, "lora_dropout_x");
+  if (lora_dropout_ > 0 && dora_) {
+    s->dora_t = alloc(act_, {T * std::max({E, F, H * D})}, W, "dora_dropout");
+    if (for_backward) {
+      s->dora_t2 = alloc(act_, {T * std::max({E, F, H * D})}, W, "dora_dropout");
+      s->dora_dz = alloc(act_, {T * std::max({E, F, H * D})}, W, "dora_dropout");
+    }
+  }
   if (opt_.dtype == ComputeDType::bf16) {
     s->op_elems = T * std::max({E, F, H * D});
     s->op_small_elems = T * lora_r_;
@@ -344,7 +349,7 @@ void Model::lora_backward_rows(int64_t layer, Proj p, Tensor du, Tensor dy_op, T
   ops_.matmul(du, dy_op, rows_of(aread_[static_cast<size_t>(layer)][p].b, r0, n), false, false, accumulate);
 }
 
-void Model::lora_backward_input(int64_t layer, Proj p, Tensor dx, Tensor du, Tensor x, Tensor x_op) {
+void Model::lora_backward_input(int64_t layer, Proj p, Tensor dx, Tensor du, Tensor x, Tensor x_op, Tensor pre) {
   ops_.scale(du, lora_scale_);
   Tensor du_op = as_operand(du, 3);
   const Tensor& a = aread_[static_cast<size_t>(layer)][p].a;
@@ -353,10 +358,10 @@ void Model::lora_backward_input(int64_t layer, Proj p, Tensor dx, Tensor du, Ten
     ops_.matmul(dx, du_op, a, false, false, true);
     return;
   }
-  // dA += du^T dropout(x) (the same mask, drawn again); dx += dropout(du A).
+  // dA += du^T dropout(x) (the same mask, drawn again); dx += dropout(du A [+ pre]).
   ops_.matmul(agrads_->layer(layer)[p].a, du_op, dropped(layer, p, x), true, false, true);
-  Tensor t(s_->dxdrop.data, act_, {dx.dims[0], dx.dims[1]});
-  ops_.matmul(t, du_op, a, false, false, false);
+  Tensor t = pre.data ? pre : Tensor(s_->dxdrop.data, act_, {dx.dims[0], dx.dims[1]});
+  ops_.matmul(t, du_op, a, false, false, pre.data != nullptr);
   ops_.dropout(dx, t, lora_dropout_, dropout_seed(layer, p), row0_ * dx.dims[1], true);
 }
 
@@ -393,6 +398,26 @@ void Model::dora_backward(int64_t layer, Proj p, Tensor dz, Tensor dy, Tensor z,
   const int64_t n = dy.dims[1];
   auto part = [&](const Tensor& v) { return Tensor(static_cast<char*>(v.data) + dtype_bytes(act_, r0), act_, {n}); };
   ops_.dora_backward(dz, part(agrads_->layer(layer)[p].m), dy, z, part(d.g), part(d.n));
+}
+
+void Model::dora_dropout_forward(int64_t layer, Proj p, Tensor y, Tensor x, Tensor w, Tensor u, Tensor z, Tensor b,
+                                 int64_t r0) {
+  Tensor t(s_->dora_t.data, act_, {y.dims[0], y.dims[1]});
+  linear_forward(t, dropped(layer, p, x), w, Tensor());  // x_d W^T
+  ops_.axpy(y, -1.0, t);                                 // (x - x_d) W^T, negated exactly below
+  lora_up(layer, p, t, u, r0);                           // z_d
+  dora_forward(layer, p, t, z, b, r0);                   // g z_d + b
+  ops_.add(y, y, t);
+}
+
+void Model::dora_dropout_backward(int64_t layer, Proj p, Tensor dy, Tensor z, Tensor w, Tensor u, Tensor dx,
+                                  bool dx_acc, Tensor t, bool t_acc, Tensor du, bool du_acc, int64_t r0) {
+  Tensor dz(s_->dora_dz.data, act_, {dy.dims[0], dy.dims[1]});
+  dora_backward(layer, p, dz, dy, z, r0);  // dm; dz = g dy
+  linear_backward_input(dx, as_operand(dy, 0), w, dx_acc);
+  lora_backward_rows(layer, p, du, as_operand(dz, 0), u, r0, du_acc);
+  ops_.axpy(dz, -1.0, dy);  // (g - 1) dy
+  linear_backward_input(t, as_operand(dz, 0), w, t_acc);
 }
 
 void Model::bias_backward(Tensor db, Tensor dy) {

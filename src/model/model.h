@@ -160,7 +160,8 @@ class Model {
   void lora_down(int64_t layer, Proj p, Tensor u, Tensor x, Tensor x_op);
   void lora_up(int64_t layer, Proj p, Tensor y, Tensor u, int64_t r0);
   void lora_backward_rows(int64_t layer, Proj p, Tensor du, Tensor dy_op, Tensor u, int64_t r0, bool accumulate);
-  void lora_backward_input(int64_t layer, Proj p, Tensor dx, Tensor du, Tensor x, Tensor x_op);
+  // pre (T, K), when given, is added to du A before the dropout's backward (DoRA with dropout).
+  void lora_backward_input(int64_t layer, Proj p, Tensor dx, Tensor du, Tensor x, Tensor x_op, Tensor pre = Tensor());
   // DoRA on projection p of `layer` (model/lora.h): y = g * (x W^T + s u B^T) + b. dora_forward applies the
   // scale and bias to the unscaled sum in y (keeping it in z); dora_backward turns dy into dz = g * dy and
   // accumulates the magnitude's gradient. refresh_dora takes every projection's norm n and g = m / n
@@ -168,6 +169,15 @@ class Model {
   bool dora_on(int64_t layer, Proj p) const { return dora_ && lora_on(layer, p); }
   void dora_forward(int64_t layer, Proj p, Tensor y, Tensor z, Tensor b, int64_t r0);
   void dora_backward(int64_t layer, Proj p, Tensor dz, Tensor dy, Tensor z, int64_t r0);
+  // DoRA with LoRA dropout in training, PEFT's form: y = x W^T + b + (g - 1) x_d W^T + g s (x_d A^T) B^T with
+  // x_d = dropout(x) (the base's own output keeps the whole x). Forward: y holds x W^T (no bias), u = s x_d A^T;
+  // z keeps z_d = x_d W^T + s u B^T. Backward of one projection piece (rows r0.. of W): dm from dy and z_d,
+  // dx (+)= dy W for the base, du (+)= (g dy) B with dB, and t (+)= (g dy - dy) W, which
+  // lora_backward_input(..., pre = t) adds to du A before the dropout's backward.
+  void dora_dropout_forward(int64_t layer, Proj p, Tensor y, Tensor x, Tensor w, Tensor u, Tensor z, Tensor b,
+                            int64_t r0);
+  void dora_dropout_backward(int64_t layer, Proj p, Tensor dy, Tensor z, Tensor w, Tensor u, Tensor dx, bool dx_acc,
+                             Tensor t, bool t_acc, Tensor du, bool du_acc, int64_t r0);
   void refresh_dora();
   // LoRA dropout (PEFT's lora_dropout, on the adapter's input x, training only): the mask of projection p
   // of `layer` is drawn from the step's seed and the element's absolute position in the sequence, so the

@@ -62,6 +62,7 @@ struct Model::Scratch {
   Tensor du[2];                              // (T, r) LoRA input gradients (k and v need two at once)
   Tensor xdrop, dxdrop;                      // T*max(E, F, H*D): LoRA dropout's input and input gradient
   Tensor dz;                                 // (T, E) DoRA: g * dy of o_proj / down_proj (dy is the residual's)
+  Tensor dora_t, dora_t2, dora_dz;           // T*max(E, F, H*D): DoRA with dropout (x_d W^T; (g dy - dy) W; g dy)
 };
 
 }  // namespace oomless

@@ -333,8 +333,6 @@ LoraSettings lora_settings(const TrainConfig& c) {
     (m == "embed_tokens" ? s.train_embed : s.train_head) = true;
   }
   OOM_CHECK(c.lora > 0 || c.modules_to_save.empty(), "[train] --modules-to-save needs --lora r");
-  OOM_CHECK(!s.dora || s.dropout == 0, "[train] --dora with --lora-dropout ", s.dropout,
-            " is not supported yet; train DoRA with --lora-dropout 0");
   return s;
 }
 }

@@ -81,7 +81,11 @@ dwith=$("$bin" eval --model preset:micro --adapter "$dk" --data "$out/eval.txt" 
 dmerged=$("$bin" eval --model "$out/dmerged" --data "$out/eval.txt" --seq 64 --json) || exit 1
 awk -v a="$(loss "$dwith")" -v b="$(loss "$dmerged")" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(d < 1e-5 * a) }' ||
   { echo "DoRA merged loss $(loss "$dmerged") differs from the adapter's $(loss "$dwith")"; exit 1; }
-expect_error "train DoRA with --lora-dropout 0" train $dora --lora-dropout 0.1 --steps 1 --out "$out/e5"
+# DoRA trains with dropout (PEFT's form) and saves it in its adapter_config.json.
+"$bin" train $dora --lora-dropout 0.1 --steps 2 --out "$out/dd" > "$out/dd.log" 2>&1 || { cat "$out/dd.log"; exit 1; }
+grep -q '"lora_dropout": *0.1' "$out/dd/checkpoint-2/adapter_config.json" &&
+  grep -q '"use_dora": *true' "$out/dd/checkpoint-2/adapter_config.json" ||
+  { echo "DoRA with dropout: adapter_config.json"; cat "$out/dd/checkpoint-2/adapter_config.json"; exit 1; }
 expect_error "differ from this run" train $common --adapter "$dk" --lora-dropout 0 --steps 1 --out "$out/e6"
 expect_error "--dora needs --lora r" train --model preset:micro --data "$out/train.txt" --dora --steps 1 --out "$out/e7"
 echo "train --lora: ok"

@@ -49,6 +49,9 @@ VARIANTS = [
      dict(r=4, lora_alpha=8, target_modules=ALL, lora_dropout=0.0), True, True),
     ("qwen2_dora", "qwen2", 12,
      dict(r=4, lora_alpha=8, target_modules=ALL, lora_dropout=0.0, use_dora=True), True, True),
+    # DoRA with dropout, the masks oomless draws (DROPOUT_SEED) applied in PEFT's training forward.
+    ("qwen2_dora_dropout", "qwen2", 16,
+     dict(r=4, lora_alpha=8, target_modules=ALL, lora_dropout=0.3, use_dora=True), True, False),
     ("qwen3_rslora_lm_head", "qwen3", 13,
      dict(r=4, lora_alpha=8, target_modules=ALL, lora_dropout=0.0, use_rslora=True, modules_to_save=["lm_head"]),
      True, False),
@@ -62,6 +65,46 @@ VARIANTS = [
           exclude_modules=r".*\.0\.mlp\..*", modules_to_save=["embed_tokens"], ensure_weight_tying=True,
           init_lora_weights="gaussian"), False, False),
 ]
+
+
+# The dropout seed the C++ test gives Model::set_dropout_seed; masks as oomless's dropout_keep draws them.
+DROPOUT_SEED = 1234
+PROJ_INDEX = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "o_proj": 3, "gate_proj": 4, "up_proj": 5, "down_proj": 6}
+M64 = (1 << 64) - 1
+
+
+def oomless_mask(module_name, T, K, p):
+    """(T, K) float64 inverted-dropout mask of an adapted projection: Model::dropout_seed and dropout_keep."""
+    parts = module_name.split(".")
+    layer, proj = int(parts[parts.index("layers") + 1]), PROJ_INDEX[parts[-1]]
+    seed = DROPOUT_SEED ^ ((0xD1B54A32D192ED03 * (layer * 7 + proj + 1)) & M64)
+    j = np.arange(T * K, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = np.uint64(seed) + np.uint64(0x9E3779B97F4A7C15) * (j + np.uint64(1))
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    keep = (z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53 >= p
+    return torch.from_numpy(np.where(keep, 1.0 / (1.0 - p), 0.0).reshape(T, K))
+
+
+class FixedDropout(torch.nn.Module):
+    """PEFT's lora_dropout module replaced by a given mask (not nn.Identity, so PEFT takes its dropout path)."""
+    def __init__(self, mask):
+        super().__init__()
+        self.mask = mask
+
+    def forward(self, x):
+        return x * self.mask.to(x.dtype)
+
+
+def fix_dropout(pm, T, p):
+    """Every LoRA layer's dropout as oomless's masks; the model in training mode (PEFT's dropout branch)."""
+    if p == 0:
+        return
+    for name, mod in lora_layers(pm).items():
+        mod.lora_dropout["default"] = FixedDropout(oomless_mask(name, T, mod.get_base_layer().in_features, p))
+    pm.train()
 
 
 def adapter_key(param_name):
@@ -111,8 +154,9 @@ def load_values(pm, values):
 
 
 # ---------------------------------------------------------------- independent float64 reference with adapters
-def ref_loss_logits(base, cfg, fam, ids, adapter, targets, use_dora):
-    """transformers' decoder written out in float64, every targeted projection with LoRA (or DoRA) added."""
+def ref_loss_logits(base, cfg, fam, ids, adapter, targets, use_dora, dropout=0.0):
+    """transformers' decoder written out in float64, every targeted projection with LoRA (or DoRA) added; with
+    dropout x_d = x * mask on the adapter's input and DoRA as y = b + x W^T + (g - 1) x_d W^T + g s B A x_d."""
     P = {n: p.detach().double() for n, p in base.named_parameters()}
     for k, v in adapter.items():  # modules_to_save copies replace the base weights
         if not (".lora_" in k):
@@ -125,12 +169,16 @@ def ref_loss_logits(base, cfg, fam, ids, adapter, targets, use_dora):
             return x @ W.T + b
         key = "base_model.model." + n
         A, Bm, s = adapter[key + ".lora_A.weight"].double(), adapter[key + ".lora_B.weight"].double(), targets[n]["scaling"]
-        lora = (x @ A.T) @ Bm.T * s
+        xd = x * oomless_mask(n, x.shape[0], x.shape[1], dropout) if dropout else x
+        lora = (xd @ A.T) @ Bm.T * s
         if not use_dora:
             return x @ W.T + b + lora
         # DoRA: y = b + m / ||W + s B A||_row (W x + s B A x), the norm a constant (detached)
         norm = (W + s * Bm @ A).norm(dim=1).detach()
-        return b + (adapter[key + ".lora_magnitude_vector"].double() / norm) * (x @ W.T + lora)
+        g = adapter[key + ".lora_magnitude_vector"].double() / norm
+        if dropout:
+            return b + x @ W.T + (g - 1) * (xd @ W.T) + g * lora
+        return b + g * (x @ W.T + lora)
 
     rms = lambda x, w, eps: w * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     n, H, Hkv, hd, eps = len(ids), cfg.num_attention_heads, cfg.num_key_value_heads, mm.head_dim(cfg), cfg.rms_norm_eps
@@ -238,6 +286,8 @@ def run_variant(name, model_name, seed, lora_kw, numbers, merge, outroot):
     m64.model.rotary_emb.inv_freq64 = mm.inv_freq64(m64.config)
     pm64 = get_peft_model(m64, lcfg())
     load_values(pm64, values)
+    drop = lora_kw.get("lora_dropout", 0.0)
+    fix_dropout(pm64, len(ids), drop)
     for n, p in pm64.named_parameters():
         assert p.dtype == torch.float64, n
     mm.F64["on"] = True
@@ -258,7 +308,8 @@ def run_variant(name, model_name, seed, lora_kw, numbers, merge, outroot):
     tmap = {t["name"]: t for t in targets}
     adapter64 = {k: v.double().requires_grad_(True) for k, v in values.items()}
     base64 = base32().double()
-    rloss, rlogits = ref_loss_logits(base64, base64.config, fam, ids, adapter64, tmap, lora_kw.get("use_dora", False))
+    rloss, rlogits = ref_loss_logits(base64, base64.config, fam, ids, adapter64, tmap, lora_kw.get("use_dora", False),
+                                     drop)
     keys = sorted(adapter64)
     rgrads = torch.autograd.grad(rloss, [adapter64[k] for k in keys])
     selfcheck = max([rel(logits, rlogits), abs(float(loss.detach() - rloss.detach()) / float(rloss.detach()))] +
@@ -267,6 +318,7 @@ def run_variant(name, model_name, seed, lora_kw, numbers, merge, outroot):
     def errs(autocast):
         m = get_peft_model(base32(), lcfg())
         load_values(m, values)
+        fix_dropout(m, len(ids), drop)
         with autocast():
             out = m(input_ids=ids[None], labels=ids[None])
         out.loss.backward()
