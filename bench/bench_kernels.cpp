@@ -105,6 +105,8 @@ int main(int argc, char** argv) {
     cases.push_back({"T x 2048 . 5632", T, 5632, 2048, false, false});
   }
   cases.push_back({"skinny 1 x E . F (decode)", 1, 1536, 576, false, false});
+  cases.push_back({"skinny 1 x E . W^T (decode, x W^T)", 1, 1536, 576, false, true});
+  cases.push_back({"skinny 1 x E . V^T (decode, lm head)", 1, 49152, 576, false, true});
   cases.push_back({"skinny 16 x 2048 . 5632", 16, 5632, 2048, false, false});
 
   std::printf("## GEMM (median of %d alternating runs)\n\n", reps);

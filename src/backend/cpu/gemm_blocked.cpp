@@ -25,6 +25,14 @@
 //
 // Transposes, leading dimensions, bf16 -> f32 widening and the rounding of an f32 B read as bf16 all
 // happen in the packing, so neither a transposed A nor bf16 operands cost an extra pass over memory.
+//
+// One row (M = 1: decoding, a GEMV) with an f32 or block-quantised B takes run_row instead: nothing in B is
+// reused, so packing it would only add passes over memory. B is streamed once (quantised rows dequantised in
+// segments of kRowSeg into a per-thread buffer); with tb each output is a dot product of a with a contiguous row of B,
+// otherwise c accumulates a_k times row k of B over a range of kRowSeg columns kept in cache. Each output
+// sums k in a fixed order (eight lanes in k mod 8 combined in a fixed tree, then the last K mod 8 terms; or k
+// ascending) whatever the thread count or column split, so its bits do not depend on them; they are not
+// the blocked loop nest's bits.
 #include <omp.h>
 
 #include <algorithm>
@@ -44,6 +52,8 @@ constexpr int64_t kUnits = 6;         // units per panel at least, where the sha
 constexpr int64_t kSkinnyStrips = 4;  // products of up to 24 rows take the skinny loop nest
 constexpr int64_t kSkinnyUnits = 12;  // column ranges of a skinny product
 constexpr int64_t kSpare = 8;         // floats past each packed A block that strip packing may spill into
+constexpr int64_t kRowSeg = 512;      // run_row: k (tb) or columns per segment; a multiple of 8
+constexpr int kRowGroup = 8;          // run_row with tb: outputs computed together (a read once for them)
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -219,8 +229,117 @@ void run_skinny(const GemmShape& s, const Plan& p, const TA* a, BP b, float* c, 
   }
 }
 
+// ---- one row ----------------------------------------------------------------------------------------
+
+// run_row takes a one-row product whose B holds f32 values (f32 or block-quantised, not read as bf16: the
+// widening of a bf16 B is better done while packing, where the blocked path does it, and a product must take
+// the path its dequantised f32 copy takes, for the same bits).
+bool one_row(const GemmShape& s) { return s.M == 1 && !s.b_as_bf16 && (s.b_quant || s.ab == DType::f32); }
+
+// Elements [0, n) of b as floats: b itself when f32, dequantised into buf when block-quantised.
+inline const float* row_floats(const float* b, int64_t, int64_t, float*) { return b; }
+inline const float* row_floats(const QuantB& b, int64_t n, int64_t ld, float* buf) {
+  b.q->dequant_row(*b.q, b.qrow0 + b.off / ld, b.off % ld, n, buf);
+  return buf;
+}
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+typedef float v8f __attribute__((vector_size(32)));
+inline v8f ld8(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// acc[i] += the eight-lane products of a and r[i] over [0, n8) (n8 a multiple of 8), for rows i < g: k outer
+// (a loaded once for the group, kRowGroup independent sums in flight), each row's lanes summed in k order.
+template <int G>
+inline void dot_group(const float* a, const float* const* r, int64_t n8, v8f* acc) {
+  v8f s[G];
+  for (int i = 0; i < G; ++i) s[i] = acc[i];
+  for (int64_t k = 0; k < n8; k += 8) {
+    const v8f va = ld8(a + k);
+    for (int i = 0; i < G; ++i) s[i] += va * ld8(r[i] + k);
+  }
+  for (int i = 0; i < G; ++i) acc[i] = s[i];
+}
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+void dot_lanes(const float* a, const float* const* r, int g, int64_t n8, v8f* acc) {
+  if (g == kRowGroup) return dot_group<kRowGroup>(a, r, n8, acc);
+  for (int i = 0; i < g; ++i) dot_group<1>(a, r + i, n8, acc + i);
+}
+
+// y[j] += x[0] r[0][j], then += x[1] r[1][j], ... for g <= 4 rows and j < n: the sequence of one-row
+// updates (the same bits), with y loaded and stored once.
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+void axpy_rows(float* y, const float* x, const float* const* r, int g, int64_t n) {
+  if (g == 4) {
+    const float x0 = x[0], x1 = x[1], x2 = x[2], x3 = x[3];
+    const float *r0 = r[0], *r1 = r[1], *r2 = r[2], *r3 = r[3];
+    for (int64_t j = 0; j < n; ++j) y[j] = (((y[j] + x0 * r0[j]) + x1 * r1[j]) + x2 * r2[j]) + x3 * r3[j];
+    return;
+  }
+  for (int i = 0; i < g; ++i)
+    for (int64_t j = 0; j < n; ++j) y[j] += x[i] * r[i][j];
+}
+#pragma GCC diagnostic pop
+
+// c (1, N) (+)= af (1, K) . op(b), af the gathered f32 row of a; work: kRowGroup * kRowSeg floats a thread.
+template <class BP>
+void run_row(const GemmShape& s, const float* af, BP b, float* c, float* work) {
+  const int64_t N = s.N, K = s.K;
+  if (s.tb) {
+    const int64_t groups = cdiv(N, kRowGroup), k8 = K / 8 * 8;
+#pragma omp parallel for schedule(static)
+    for (int64_t q = 0; q < groups; ++q) {
+      float* buf = work + static_cast<size_t>(omp_get_thread_num()) * kRowGroup * kRowSeg;
+      const int64_t j0 = q * kRowGroup;
+      const int g = static_cast<int>(std::min<int64_t>(kRowGroup, N - j0));
+      v8f acc[kRowGroup] = {};
+      float tail[kRowGroup] = {};
+      const float* r[kRowGroup];
+      for (int64_t k0 = 0; k0 < K; k0 += kRowSeg) {
+        const int64_t n = std::min(kRowSeg, K - k0);
+        for (int i = 0; i < g; ++i) r[i] = row_floats(b + (j0 + i) * s.ldb + k0, n, s.ldb, buf + i * kRowSeg);
+        const int64_t n8 = std::min(n, k8 - k0);
+        if (n8 > 0) dot_lanes(af + k0, r, g, n8, acc);
+        for (int i = 0; i < g; ++i)
+          for (int64_t k = std::max<int64_t>(n8, 0); k < n; ++k) tail[i] += af[k0 + k] * r[i][k];
+      }
+      for (int i = 0; i < g; ++i) {
+        const v8f v = acc[i];
+        const float sum = (((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]))) + tail[i];
+        c[j0 + i] = s.accumulate ? c[j0 + i] + sum : sum;
+      }
+    }
+    return;
+  }
+  const int64_t units = cdiv(N, kRowSeg);
+#pragma omp parallel for schedule(static)
+  for (int64_t u = 0; u < units; ++u) {
+    float* acc = work + static_cast<size_t>(omp_get_thread_num()) * kRowGroup * kRowSeg;
+    float* buf = acc + kRowSeg;  // four row segments
+    const int64_t j0 = u * kRowSeg, n = std::min(kRowSeg, N - j0);
+    std::fill(acc, acc + n, 0.0f);
+    for (int64_t k0 = 0; k0 < K; k0 += 4) {
+      const int g = static_cast<int>(std::min<int64_t>(4, K - k0));
+      const float* r[4];
+      for (int i = 0; i < g; ++i) r[i] = row_floats(b + (k0 + i) * s.ldb + j0, n, s.ldb, buf + i * kRowSeg);
+      axpy_rows(acc, af + k0, r, g, n);
+    }
+    for (int64_t j = 0; j < n; ++j) c[j0 + j] = s.accumulate ? c[j0 + j] + acc[j] : acc[j];
+  }
+}
+
 template <class TA, class BP>
 void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, float* apack) {
+  if constexpr (std::is_same_v<BP, const float*> || std::is_same_v<BP, QuantB>) {
+    if (one_row(s)) {  // a GEMV: a's row gathered in f32 into bpack, then B streamed (run_row)
+      for (int64_t k = 0; k < s.K; ++k) bpack[k] = widen(a[s.ta ? k * s.lda : k]);
+      return run_row(s, bpack, b, c, apack);
+    }
+  }
   const Plan p = make_plan(s);
   if (p.skinny) return run_skinny(s, p, a, b, c, apack);
   const Kernels& kern = kernels();
@@ -283,8 +402,13 @@ void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, 
 }  // namespace
 
 BlockedSizes blocked_sizes(const GemmShape& s) {
-  const Plan p = make_plan(s);
   BlockedSizes z;
+  if (one_row(s)) {
+    z.b_floats = static_cast<size_t>(s.K);
+    z.a_floats_per_thread = static_cast<size_t>(kRowGroup * kRowSeg);
+    return z;
+  }
+  const Plan p = make_plan(s);
   z.b_floats = static_cast<size_t>(p.kc * cdiv(p.nc, kNr) * kNr);
   z.a_floats_per_thread = static_cast<size_t>(p.max_strips * kMr * p.kc + kSpare);
   if (p.skinny) {
