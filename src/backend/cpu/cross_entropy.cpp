@@ -177,6 +177,19 @@ int64_t supervised_rows(const int32_t* tg, int64_t T, int32_t ignore_index) {
   for (int64_t t = 0; t < T; ++t) n += tg[t] != ignore_index;
   return n;
 }
+// lse = m + log l per supervised row (0 elsewhere) and the loss, summed over rows in order in double.
+void finish_loss(int64_t T, const int32_t* tg, int32_t ignore_index, const float* rmax, const double* rsum,
+                 const float* tlogit, float* lp, CeResult* res) {
+  for (int64_t t = 0; t < T; ++t) {
+    if (tg[t] == ignore_index) {
+      lp[t] = 0.0f;
+      continue;
+    }
+    const double l = static_cast<double>(rmax[t]) + std::log(rsum[t]);
+    lp[t] = static_cast<float>(l);
+    res->loss_sum += l - static_cast<double>(tlogit[t]);
+  }
+}
 }  // namespace
 
 CeResult CpuOps::linear_cross_entropy_forward(Tensor lse, Tensor h, Tensor w, Tensor targets, int32_t ignore_index) {
@@ -227,15 +240,7 @@ CeResult CpuOps::linear_cross_entropy_forward(Tensor lse, Tensor h, Tensor w, Te
     }
   }
 
-  for (int64_t t = 0; t < T; ++t) {
-    if (tg[t] == ignore_index) {
-      lp[t] = 0.0f;
-      continue;
-    }
-    const double l = static_cast<double>(rmax[t]) + std::log(rsum[t]);
-    lp[t] = static_cast<float>(l);
-    res.loss_sum += l - static_cast<double>(tlogit[t]);
-  }
+  finish_loss(T, tg, ignore_index, rmax, rsum, tlogit, lp, &res);
   return res;
 }
 
@@ -391,15 +396,7 @@ CeResult CpuOps::linear_cross_entropy_fused(Tensor lse, Tensor dh, Tensor h, Ten
     for (int64_t e = 0; e < E; ++e) d[e] = a * d[e] - b * wt[e];
   }
 
-  for (int64_t t = 0; t < T; ++t) {
-    if (tg[t] == ignore_index) {
-      lp[t] = 0.0f;
-      continue;
-    }
-    const double l = static_cast<double>(rmax[t]) + std::log(rsum[t]);
-    lp[t] = static_cast<float>(l);
-    res.loss_sum += l - static_cast<double>(tlogit[t]);
-  }
+  finish_loss(T, tg, ignore_index, rmax, rsum, tlogit, lp, &res);
   return res;
 }
 
