@@ -231,7 +231,8 @@ const std::vector<TrainOption>& train_options() {
       flag("rslora", true, "rank-stabilised LoRA: s = a / sqrt(r)", &C::rslora),
       flag("dora", true,
            "DoRA (weight-decomposed LoRA): a trained magnitude per output row of each adapted\nprojection, "
-           "y = m / ||W + s B A|| (W x + s B A x), the norm held constant as PEFT does\n(needs --lora-dropout 0)",
+           "y = m / ||W + s B A|| (W x + s B A x), the norm held constant as PEFT does\n(with --lora-dropout: "
+           "PEFT's form, the base twice per projection)",
            &C::dora),
       text("base-dtype", true, "D",
            "with --lora: storage of the frozen projection matrices: fp32, nf4 (bitsandbytes'\nNF4, blocksize 64) or "
