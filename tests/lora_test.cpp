@@ -306,19 +306,25 @@ TEST(Lora, DropoutIsSeededAndOnlyInTraining) {
   EXPECT_EQ(std::memcmp(&t1, &t1again, sizeof t1), 0);
   EXPECT_NE(t1, t2);
   EXPECT_NE(t1, tb);
-  // Bitwise across SavePolicies and offload modes; chunked within fp32 rounding of the full sequence.
+  // Bitwise across SavePolicies and offload modes; chunked within fp32 rounding of the full sequence; LoRA
+  // and DoRA (PEFT's form with dropout).
   const std::vector<int32_t> ids = test::tokens(64, 37, 9);
-  test::RunSetup rs{var.cfg};
-  rs.lora_r = 3, rs.lora_dropout = 0.25;
-  const test::Result all = test::run(rs, ids, 0, 0, KvOffload::none);
-  rs.lora_dropout = 0;
-  EXPECT_FALSE(test::same_bits(all, test::run(rs, ids, 0, 0, KvOffload::none)));
-  rs.lora_dropout = 0.25;
-  rs.policy = SavePolicy::none;
-  EXPECT_TRUE(test::same_bits(all, test::run(rs, ids, 0, 0, KvOffload::none)));
-  const test::Result chunked = test::run(rs, ids, 16, 8, KvOffload::none);
-  for (size_t i = 0; i < all.grads.size(); ++i) EXPECT_LT(test::rel_l2(chunked.grads[i], all.grads[i]), 1e-5) << i;
-  EXPECT_TRUE(test::same_bits(chunked, test::run(rs, ids, 16, 8, KvOffload::disk)));
+  for (const bool dora : {false, true}) {
+    SCOPED_TRACE(dora ? "dora" : "lora");
+    test::RunSetup rs{var.cfg};
+    rs.lora_r = 3, rs.lora_dropout = 0.25, rs.dora = dora;
+    const test::Result all = test::run(rs, ids, 0, 0, KvOffload::none);
+    rs.lora_dropout = 0;
+    EXPECT_FALSE(test::same_bits(all, test::run(rs, ids, 0, 0, KvOffload::none)));
+    rs.lora_dropout = 0.25;
+    for (SavePolicy p : {SavePolicy::selective, SavePolicy::none}) {
+      rs.policy = p;
+      EXPECT_TRUE(test::same_bits(all, test::run(rs, ids, 0, 0, KvOffload::none))) << save_policy_name(p);
+    }
+    const test::Result chunked = test::run(rs, ids, 16, 8, KvOffload::none);
+    for (size_t i = 0; i < all.grads.size(); ++i) EXPECT_LT(test::rel_l2(chunked.grads[i], all.grads[i]), 1e-5) << i;
+    EXPECT_TRUE(test::same_bits(chunked, test::run(rs, ids, 16, 8, KvOffload::disk)));
+  }
 }
 
 // DoRA with dropout, y = x W^T + b + (g - 1) x_d W^T + g s B A x_d (x_d = dropout(x)): with every magnitude set
