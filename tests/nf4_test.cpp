@@ -6,6 +6,7 @@
 // dequantised rows equal to bitsandbytes', and our quantiser reproducing the file from the original
 // float32 weights), and the quant_state parser's and loader's refusals.
 #include <gtest/gtest.h>
+#include <omp.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -13,6 +14,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -131,6 +133,29 @@ TEST(Nf4, QuantiseAndDequantiseMatchBitsandbytes) {
       for (size_t i = 0; i < b.size(); ++i) b[i] = f32_to_bf16(o.dequant[i]);
       EXPECT_EQ(sha(b), h->as_string()) << "dequantised bf16";
     }
+  }
+}
+
+// Blocks are quantised on the OpenMP threads: the same bytes for 1, 2 and 3 of them (odd length, a tail block).
+TEST(Nf4, SameBytesForAnyThreadCount) {
+  const int64_t n = 64 * 300 + 37;
+  std::vector<float> w(static_cast<size_t>(n));
+  std::mt19937_64 rng(3);
+  std::normal_distribution<float> d;
+  for (float& x : w) x = d(rng);
+  std::vector<std::vector<uint8_t>> packed;
+  std::vector<std::vector<float>> absmax;
+  const int saved = omp_get_max_threads();
+  for (int threads : {1, 2, 3}) {
+    omp_set_num_threads(threads);
+    packed.emplace_back(static_cast<size_t>((n + 1) / 2));
+    absmax.emplace_back(static_cast<size_t>((n + 63) / 64));
+    nf4::quantize(w.data(), n, 64, packed.back().data(), absmax.back().data());
+  }
+  omp_set_num_threads(saved);
+  for (size_t k = 1; k < packed.size(); ++k) {
+    EXPECT_EQ(packed[k], packed[0]) << k + 1 << " threads";
+    EXPECT_EQ(absmax[k], absmax[0]) << k + 1 << " threads";
   }
 }
 

@@ -153,9 +153,12 @@ void check_args(int64_t n, int64_t blocksize, const char* what) {
 template <class Widen>
 void quantize_impl(int64_t n, int64_t blocksize, uint8_t* packed, float* absmax, Widen widen) {
   check_args(n, blocksize, "quantize");
-  float buf[kMaxBlocksize];
   const int64_t nb = num_blocks(n, blocksize);
+  // Blocks are independent and each fills whole bytes (blocks start at even elements): spread over the
+  // OpenMP threads, the same bits for any number of them.
+#pragma omp parallel for schedule(static) if (nb >= 64)
   for (int64_t b = 0; b < nb; ++b) {
+    float buf[kMaxBlocksize];
     const int64_t start = b * blocksize, len = std::min(blocksize, n - start);
     widen(start, len, buf);
     float a;
