@@ -32,11 +32,12 @@ namespace fs = std::filesystem;
 // golden -> the model golden it adapts (tests/golden/models/NAME)
 const std::map<std::string, std::string> kBase = {{"llama_gqa_untied_lora", "llama_gqa_untied"},
                                                   {"qwen2_dora", "qwen2"},
+                                                  {"qwen2_dora_dropout", "qwen2"},
                                                   {"qwen3_rslora_lm_head", "qwen3"},
                                                   {"mistral_patterns", "mistral"},
                                                   {"llama_mha_tied_regex", "llama_mha_tied"}};
-const std::vector<std::string> kGoldens = {"llama_gqa_untied_lora", "qwen2_dora", "qwen3_rslora_lm_head",
-                                           "mistral_patterns", "llama_mha_tied_regex"};
+const std::vector<std::string> kGoldens = {"llama_gqa_untied_lora", "qwen2_dora", "qwen2_dora_dropout",
+                                           "qwen3_rslora_lm_head", "mistral_patterns", "llama_mha_tied_regex"};
 
 std::string golden_dir(const std::string& name) { return test::source_path("tests/golden/peft/" + name); }
 
