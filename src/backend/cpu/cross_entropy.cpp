@@ -177,6 +177,22 @@ int64_t supervised_rows(const int32_t* tg, int64_t T, int32_t ignore_index) {
   for (int64_t t = 0; t < T; ++t) n += tg[t] != ignore_index;
   return n;
 }
+// One row's step of the online log-sum-exp over a logits chunk x (nv; the target at column jt, or -1): picks
+// up the target's logit, turns x into exp(x - m') in place with m' the new running max, and updates the
+// running max and sum. Returns the chunk's sum and the factor exp(m - m') that rescaled the old sum.
+struct RowStep {
+  double cs, alpha;
+};
+RowStep online_row(float* x, int64_t nv, int64_t jt, float* rmax, double* rsum, float* tlogit) {
+  if (jt >= 0) *tlogit = x[jt];
+  const float m = std::max(*rmax, row_max(x, nv));
+  const double cs = exp_shift_sum(x, nv, m);
+  const double alpha = std::exp(static_cast<double>(*rmax) - static_cast<double>(m));
+  *rsum = *rsum * alpha + cs;
+  *rmax = m;
+  return {cs, alpha};
+}
+
 // lse = m + log l per supervised row (0 elsewhere) and the loss, summed over rows in order in double.
 void finish_loss(int64_t T, const int32_t* tg, int32_t ignore_index, const float* rmax, const double* rsum,
                  const float* tlogit, float* lp, CeResult* res) {
@@ -231,11 +247,7 @@ CeResult CpuOps::linear_cross_entropy_forward(Tensor lse, Tensor h, Tensor w, Te
         const int64_t t = t0 + i;
         if (tg[t] == ignore_index) continue;
         float* x = tile + i * nv;
-        if (tg[t] >= v0 && tg[t] < v0 + nv) tlogit[t] = x[tg[t] - v0];
-        const float m = std::max(rmax[t], row_max(x, nv));
-        const double cs = exp_shift_sum(x, nv, m);
-        rsum[t] = rsum[t] * std::exp(static_cast<double>(rmax[t]) - static_cast<double>(m)) + cs;
-        rmax[t] = m;
+        online_row(x, nv, tg[t] >= v0 && tg[t] < v0 + nv ? tg[t] - v0 : -1, &rmax[t], &rsum[t], &tlogit[t]);
       }
     }
   }
@@ -348,15 +360,10 @@ CeResult CpuOps::linear_cross_entropy_fused(Tensor lse, Tensor dh, Tensor h, Ten
           continue;
         }
         const int64_t jt = tg[t] >= v0 && tg[t] < v0 + nv ? tg[t] - v0 : -1;
-        if (jt >= 0) tlogit[t] = x[jt];
-        const float m = std::max(rmax[t], row_max(x, nv));
-        const double cs = exp_shift_sum(x, nv, m);
-        const double alpha = std::exp(static_cast<double>(rmax[t]) - static_cast<double>(m));
-        rsum[t] = rsum[t] * alpha + cs;
+        const auto [cs, alpha] = online_row(x, nv, jt, &rmax[t], &rsum[t], &tlogit[t]);
         const double pt = jt >= 0 ? static_cast<double>(x[jt]) : 0.0;
         if (jt >= 0) x[jt] = 0.0f;
         rsum_x[t] = rsum_x[t] * alpha + (cs - pt);
-        rmax[t] = m;
         if (v0 > 0 && alpha != 1.0) {
           float* d = dhp + t * E;
           const float a = static_cast<float>(alpha);
