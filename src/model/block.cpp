@@ -297,30 +297,24 @@ void Model::block_backward(int64_t layer, Acts& a, Tensor pos, Tensor dx) {
   // DoRA with dropout: (g dy - dy) W of every head gathered in tk / tv for the adapter's input gradient.
   const bool kd = dora_drop && dk_on, vd = dora_drop && dv_on;
   Tensor tk = kd ? Tensor(s.dora_t.data, act_, {T, E}) : Tensor(), tv = vd ? Tensor(s.dora_t2.data, act_, {T, E}) : Tensor();
+  // Head h's rows of the k or v projection: bias, DoRA, the base's input gradient, the adapter's rows.
+  auto kv_head = [&](Proj p, int64_t h, Tensor dy, int z, Tensor w, Tensor gw, Tensor gb, bool dora, bool dd, Tensor t,
+                     Tensor du) {
+    bias_backward(span(gb, h * D, D), dy);
+    if (dd) {
+      dora_dropout_backward(layer, p, dy, z_head(a.z[z], h, T, D), rows(w, h * D, D, E), a.u[z], dh, true, t, h > 0, du,
+                            h > 0, h * D);
+      return;
+    }
+    if (dora) dora_backward(layer, p, dy, dy, z_head(a.z[z], h, T, D), h * D);
+    Tensor op = as_operand(dy, 0);
+    linear_backward_input(dh, op, rows(w, h * D, D, E), true);
+    linear_backward_weight(rows(gw, h * D, D, E), op, h1);
+    if (lora_on(layer, p)) lora_backward_rows(layer, p, du, op, a.u[z], h * D, h > 0);
+  };
   for (int64_t h = 0; h < Hkv; ++h) {
-    Tensor dkh = head(dk_lin, h, T, 0, T, D), dvh = head(dv, h, T, 0, T, D);
-    bias_backward(span(G.bk, h * D, D), dkh);
-    if (kd) {
-      dora_dropout_backward(layer, Proj::k, dkh, z_head(a.z[1], h, T, D), rows(C.wk, h * D, D, E), a.u[1], dh, true, tk,
-                            h > 0, s.du[0], h > 0, h * D);
-    } else {
-      if (dk_on) dora_backward(layer, Proj::k, dkh, dkh, z_head(a.z[1], h, T, D), h * D);
-      Tensor k_op = as_operand(dkh, 0);
-      linear_backward_input(dh, k_op, rows(C.wk, h * D, D, E), true);
-      linear_backward_weight(rows(G.wk, h * D, D, E), k_op, h1);
-      if (lk) lora_backward_rows(layer, Proj::k, s.du[0], k_op, a.u[1], h * D, h > 0);
-    }
-    bias_backward(span(G.bv, h * D, D), dvh);
-    if (vd) {
-      dora_dropout_backward(layer, Proj::v, dvh, z_head(a.z[2], h, T, D), rows(C.wv, h * D, D, E), a.u[2], dh, true, tv,
-                            h > 0, s.du[1], h > 0, h * D);
-    } else {
-      if (dv_on) dora_backward(layer, Proj::v, dvh, dvh, z_head(a.z[2], h, T, D), h * D);
-      Tensor v_op = as_operand(dvh, 0);
-      linear_backward_input(dh, v_op, rows(C.wv, h * D, D, E), true);
-      linear_backward_weight(rows(G.wv, h * D, D, E), v_op, h1);
-      if (lv) lora_backward_rows(layer, Proj::v, s.du[1], v_op, a.u[2], h * D, h > 0);
-    }
+    kv_head(Proj::k, h, head(dk_lin, h, T, 0, T, D), 1, C.wk, G.wk, G.bk, dk_on, kd, tk, s.du[0]);
+    kv_head(Proj::v, h, head(dv, h, T, 0, T, D), 2, C.wv, G.wv, G.bv, dv_on, vd, tv, s.du[1]);
   }
   if (lk) lora_backward_input(layer, Proj::k, dh, s.du[0], a.h1, h1, tk);
   if (lv) lora_backward_input(layer, Proj::v, dh, s.du[1], a.h1, h1, tv);
