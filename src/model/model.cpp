@@ -322,47 +322,94 @@ bool Model::lora_on(int64_t layer, Proj p) const {
   return !aread_.empty() && aread_[static_cast<size_t>(layer)][p].a.data;
 }
 
+Linear Model::linear(int64_t layer, Proj p) const {
+  const size_t l = static_cast<size_t>(layer);
+  Linear L;
+  L.w = proj_weight(wread_[l], p);
+  L.b = proj_bias(params_.layers[l], p);
+  if (grads_) L.gw = proj_weight(grads_->layers[l], p), L.gb = proj_bias(grads_->layers[l], p);
+  if (!lora_on(layer, p)) return L;
+  const LoraTensors& t = aread_[l][p];
+  L.a = t.a, L.bm = t.b, L.scale = lora_scale_;
+  if (agrads_) {
+    const LoraTensors& g = agrads_->layer(layer)[p];
+    L.ga = g.a, L.gbm = g.b, L.gm = g.m;
+  }
+  L.dropout_seed = dropout_seed(layer, p);
+  if (dora_) {
+    const DoraRows& d = dora_rows_[l][static_cast<size_t>(p)];
+    L.g = d.g, L.n = d.n;
+  }
+  return L;
+}
+
+Linear Model::head_linear() const {
+  Linear L;
+  L.w = head_;
+  L.gw = grads_ ? grads_->lm_head : g_head_;
+  return L;
+}
+
+void Model::project(const Linear& L, Tensor y, Tensor x, Tensor x_op, Tensor u, Tensor z) {
+  linear_forward(y, x_op, L.w, L.dora() ? Tensor() : L.b);  // DoRA adds the bias after its scale
+  if (!L.lora()) return;
+  if (L.dora() && dropout_on()) return dora_dropout_forward(L, y, x, u, z);
+  lora_up(L, y, u);
+  if (L.dora()) dora_forward(L, y, z);
+}
+
+void Model::project_backward(const Linear& L, Tensor dy, Tensor dz, Tensor x_op, Tensor dx, bool dx_acc, Tensor u,
+                             Tensor z, Tensor du, bool du_acc, Tensor t, bool t_acc) {
+  bias_backward(L.gb, dy);  // from dy itself, before DoRA scales it
+  if (L.dora() && dropout_on()) return dora_dropout_backward(L, dy, z, u, dx, dx_acc, t, t_acc, du, du_acc);
+  Tensor g = dy;
+  if (L.dora()) {
+    dora_backward(L, dz, dy, z);
+    g = dz;
+  }
+  Tensor op = as_operand(g, 0);
+  linear_backward_input(dx, op, L.w, dx_acc);
+  linear_backward_weight(L.gw, op, x_op);
+  if (L.lora()) lora_backward_rows(L, du, op, u, du_acc);
+}
+
 uint64_t Model::dropout_seed(int64_t layer, Proj p) const {
   return dropout_seed_ ^ (0xD1B54A32D192ED03ull * static_cast<uint64_t>(layer * kProjCount + static_cast<int>(p) + 1));
 }
 
-Tensor Model::dropped(int64_t layer, Proj p, Tensor x) {
+Tensor Model::dropped(const Linear& L, Tensor x) {
   Tensor xd(s_->xdrop.data, act_, {x.dims[0], x.dims[1]});
-  ops_.dropout(xd, x, lora_dropout_, dropout_seed(layer, p), row0_ * x.dims[1], false);
+  ops_.dropout(xd, x, lora_dropout_, L.dropout_seed, row0_ * x.dims[1], false);
   return as_operand(xd, 4);
 }
 
-void Model::lora_down(int64_t layer, Proj p, Tensor u, Tensor x, Tensor x_op) {
-  ops_.matmul(u, dropout_on() ? dropped(layer, p, x) : x_op, aread_[static_cast<size_t>(layer)][p].a, false, true, false);
-  ops_.scale(u, lora_scale_);
+void Model::lora_down(const Linear& L, Tensor u, Tensor x, Tensor x_op) {
+  ops_.matmul(u, dropout_on() ? dropped(L, x) : x_op, L.a, false, true, false);
+  ops_.scale(u, L.scale);
 }
 
-void Model::lora_up(int64_t layer, Proj p, Tensor y, Tensor u, int64_t r0) {
-  const Tensor& b = aread_[static_cast<size_t>(layer)][p].b;
-  Tensor br = rows_of(b, r0, y.dims[1]);
-  ops_.matmul(y, as_operand(u, 2), br, false, true, true);
+void Model::lora_up(const Linear& L, Tensor y, Tensor u) {
+  ops_.matmul(y, as_operand(u, 2), L.bm, false, true, true);
 }
 
-void Model::lora_backward_rows(int64_t layer, Proj p, Tensor du, Tensor dy_op, Tensor u, int64_t r0, bool accumulate) {
-  const int64_t n = dy_op.dims[1];
-  ops_.matmul(rows_of(agrads_->layer(layer)[p].b, r0, n), dy_op, as_operand(u, 2), true, false, true);
-  ops_.matmul(du, dy_op, rows_of(aread_[static_cast<size_t>(layer)][p].b, r0, n), false, false, accumulate);
+void Model::lora_backward_rows(const Linear& L, Tensor du, Tensor dy_op, Tensor u, bool accumulate) {
+  ops_.matmul(L.gbm, dy_op, as_operand(u, 2), true, false, true);
+  ops_.matmul(du, dy_op, L.bm, false, false, accumulate);
 }
 
-void Model::lora_backward_input(int64_t layer, Proj p, Tensor dx, Tensor du, Tensor x, Tensor x_op, Tensor pre) {
-  ops_.scale(du, lora_scale_);
+void Model::lora_backward_input(const Linear& L, Tensor dx, Tensor du, Tensor x, Tensor x_op, Tensor pre) {
+  ops_.scale(du, L.scale);
   Tensor du_op = as_operand(du, 3);
-  const Tensor& a = aread_[static_cast<size_t>(layer)][p].a;
   if (!dropout_on()) {
-    ops_.matmul(agrads_->layer(layer)[p].a, du_op, x_op, true, false, true);
-    ops_.matmul(dx, du_op, a, false, false, true);
+    ops_.matmul(L.ga, du_op, x_op, true, false, true);
+    ops_.matmul(dx, du_op, L.a, false, false, true);
     return;
   }
   // dA += du^T dropout(x) (the same mask, drawn again); dx += dropout(du A [+ pre]).
-  ops_.matmul(agrads_->layer(layer)[p].a, du_op, dropped(layer, p, x), true, false, true);
+  ops_.matmul(L.ga, du_op, dropped(L, x), true, false, true);
   Tensor t = pre.data ? pre : Tensor(s_->dxdrop.data, act_, {dx.dims[0], dx.dims[1]});
-  ops_.matmul(t, du_op, a, false, false, pre.data != nullptr);
-  ops_.dropout(dx, t, lora_dropout_, dropout_seed(layer, p), row0_ * dx.dims[1], true);
+  ops_.matmul(t, du_op, L.a, false, false, pre.data != nullptr);
+  ops_.dropout(dx, t, lora_dropout_, L.dropout_seed, row0_ * dx.dims[1], true);
 }
 
 void Model::refresh_dora() {
@@ -387,37 +434,31 @@ void Model::refresh_dora() {
     }
 }
 
-void Model::dora_forward(int64_t layer, Proj p, Tensor y, Tensor z, Tensor b, int64_t r0) {
-  const DoraRows& d = dora_rows_[static_cast<size_t>(layer)][static_cast<size_t>(p)];
-  const int64_t n = y.dims[1];
-  ops_.dora_forward(y, z, Tensor(static_cast<char*>(d.g.data) + dtype_bytes(act_, r0), act_, {n}), b);
+void Model::dora_forward(const Linear& L, Tensor y, Tensor z) {
+  ops_.dora_forward(y, z, L.g, L.b);
 }
 
-void Model::dora_backward(int64_t layer, Proj p, Tensor dz, Tensor dy, Tensor z, int64_t r0) {
-  const DoraRows& d = dora_rows_[static_cast<size_t>(layer)][static_cast<size_t>(p)];
-  const int64_t n = dy.dims[1];
-  auto part = [&](const Tensor& v) { return Tensor(static_cast<char*>(v.data) + dtype_bytes(act_, r0), act_, {n}); };
-  ops_.dora_backward(dz, part(agrads_->layer(layer)[p].m), dy, z, part(d.g), part(d.n));
+void Model::dora_backward(const Linear& L, Tensor dz, Tensor dy, Tensor z) {
+  ops_.dora_backward(dz, L.gm, dy, z, L.g, L.n);
 }
 
-void Model::dora_dropout_forward(int64_t layer, Proj p, Tensor y, Tensor x, Tensor w, Tensor u, Tensor z, Tensor b,
-                                 int64_t r0) {
+void Model::dora_dropout_forward(const Linear& L, Tensor y, Tensor x, Tensor u, Tensor z) {
   Tensor t(s_->dora_t.data, act_, {y.dims[0], y.dims[1]});
-  linear_forward(t, dropped(layer, p, x), w, Tensor());  // x_d W^T
-  ops_.axpy(y, -1.0, t);                                 // (x - x_d) W^T, negated exactly below
-  lora_up(layer, p, t, u, r0);                           // z_d
-  dora_forward(layer, p, t, z, b, r0);                   // g z_d + b
+  linear_forward(t, dropped(L, x), L.w, Tensor());  // x_d W^T
+  ops_.axpy(y, -1.0, t);                            // (x - x_d) W^T, negated exactly below
+  lora_up(L, t, u);                                 // z_d
+  dora_forward(L, t, z);                            // g z_d + b
   ops_.add(y, y, t);
 }
 
-void Model::dora_dropout_backward(int64_t layer, Proj p, Tensor dy, Tensor z, Tensor w, Tensor u, Tensor dx,
-                                  bool dx_acc, Tensor t, bool t_acc, Tensor du, bool du_acc, int64_t r0) {
+void Model::dora_dropout_backward(const Linear& L, Tensor dy, Tensor z, Tensor u, Tensor dx, bool dx_acc, Tensor t,
+                                  bool t_acc, Tensor du, bool du_acc) {
   Tensor dz(s_->dora_dz.data, act_, {dy.dims[0], dy.dims[1]});
-  dora_backward(layer, p, dz, dy, z, r0);  // dm; dz = g dy
-  linear_backward_input(dx, as_operand(dy, 0), w, dx_acc);
-  lora_backward_rows(layer, p, du, as_operand(dz, 0), u, r0, du_acc);
+  dora_backward(L, dz, dy, z);  // dm; dz = g dy
+  linear_backward_input(dx, as_operand(dy, 0), L.w, dx_acc);
+  lora_backward_rows(L, du, as_operand(dz, 0), u, du_acc);
   ops_.axpy(dz, -1.0, dy);  // (g - 1) dy
-  linear_backward_input(t, as_operand(dz, 0), w, t_acc);
+  linear_backward_input(t, as_operand(dz, 0), L.w, t_acc);
 }
 
 void Model::bias_backward(Tensor db, Tensor dy) {

@@ -36,6 +36,7 @@
 #include "memory/arena.h"
 #include "model/chunk_kv.h"
 #include "model/config.h"
+#include "model/linear.h"
 #include "model/lora.h"
 #include "model/params.h"
 #include "model/trainable.h"
@@ -148,45 +149,56 @@ class Model {
   // also dh (fused_scale_ set).
   CeResult head_forward(Tensor lse, Tensor hn, Tensor targets, bool for_backward, std::optional<double> grad_scale);
 
+  // Projection p of `layer` as a Linear (model/linear.h): the weight the GEMMs read, the bias, the adapter
+  // and the gradients this run keeps; the LM head likewise (no bias, no adapter).
+  Linear linear(int64_t layer, Proj p) const;
+  Linear head_linear() const;
+  // Forward of a projection (or rows of one): y (T, N) = x W^T [+ b], then + s u B^T with u = s x A^T
+  // from lora_down, then DoRA's scale and bias (keeping the unscaled sum in z); with DoRA and dropout in
+  // training PEFT's form (dora_dropout_forward). x is the input, x_op the same as a matmul operand.
+  void project(const Linear& L, Tensor y, Tensor x, Tensor x_op, Tensor u, Tensor z);
+  // Its backward for the output gradient dy: db from dy; DoRA's dm and g * dy into dz (dy itself when dy
+  // may be overwritten); dx (=|+=) dy W; dW; the adapter's dB and du (=|+=) dy B. With DoRA and dropout,
+  // dora_dropout_backward with t (=|+=). lora_backward_input then finishes the adapter (once per projection).
+  void project_backward(const Linear& L, Tensor dy, Tensor dz, Tensor x_op, Tensor dx, bool dx_acc, Tensor u, Tensor z,
+                        Tensor du, bool du_acc, Tensor t, bool t_acc);
   // Linear y (T, N) = x (T, K) . W^T (N, K) [+ b]; backward dx (=) and dW, db (+=).
   void linear_forward(Tensor y, Tensor x, Tensor wc, Tensor b);
   void linear_backward_input(Tensor dx, Tensor dy, Tensor wc, bool accumulate);
   void linear_backward_weight(Tensor dw, Tensor dy, Tensor x);
   void bias_backward(Tensor db, Tensor dy);
-  // LoRA pieces of projection p of `layer` (see model/lora.h): u (T, r) = s * x A^T; y += u B^T for rows
-  // [r0, r0 + n) of the projection's output; backward: dB rows += dy^T u and du (=|+=) dy B rows, then
-  // (once per projection) du *= s, dA += du^T x, dx += du A.
+  // LoRA pieces of a projection (see model/lora.h): u (T, r) = s * x A^T; y += u B^T for the Linear's
+  // rows; backward: dB += dy^T u and du (=|+=) dy B, then (once per projection) du *= s, dA += du^T x,
+  // dx += du A.
   bool lora_on(int64_t layer, Proj p) const;
-  void lora_down(int64_t layer, Proj p, Tensor u, Tensor x, Tensor x_op);
-  void lora_up(int64_t layer, Proj p, Tensor y, Tensor u, int64_t r0);
-  void lora_backward_rows(int64_t layer, Proj p, Tensor du, Tensor dy_op, Tensor u, int64_t r0, bool accumulate);
-  // pre (T, K), when given, is added to du A before the dropout's backward (DoRA with dropout).
-  void lora_backward_input(int64_t layer, Proj p, Tensor dx, Tensor du, Tensor x, Tensor x_op, Tensor pre = Tensor());
-  // DoRA on projection p of `layer` (model/lora.h): y = g * (x W^T + s u B^T) + b. dora_forward applies the
-  // scale and bias to the unscaled sum in y (keeping it in z); dora_backward turns dy into dz = g * dy and
-  // accumulates the magnitude's gradient. refresh_dora takes every projection's norm n and g = m / n
-  // from the current adapter (once per sequence: the adapter changes only between steps).
   bool dora_on(int64_t layer, Proj p) const { return dora_ && lora_on(layer, p); }
-  void dora_forward(int64_t layer, Proj p, Tensor y, Tensor z, Tensor b, int64_t r0);
-  void dora_backward(int64_t layer, Proj p, Tensor dz, Tensor dy, Tensor z, int64_t r0);
+  void lora_down(const Linear& L, Tensor u, Tensor x, Tensor x_op);
+  void lora_up(const Linear& L, Tensor y, Tensor u);
+  void lora_backward_rows(const Linear& L, Tensor du, Tensor dy_op, Tensor u, bool accumulate);
+  // pre (T, K), when given, is added to du A before the dropout's backward (DoRA with dropout).
+  void lora_backward_input(const Linear& L, Tensor dx, Tensor du, Tensor x, Tensor x_op, Tensor pre = Tensor());
+  // DoRA (model/lora.h): y = g * (x W^T + s u B^T) + b. dora_forward applies the scale and bias to the
+  // unscaled sum in y (keeping it in z); dora_backward turns dy into dz = g * dy and accumulates the
+  // magnitude's gradient. refresh_dora takes every projection's norm n and g = m / n from the current
+  // adapter (once per sequence: the adapter changes only between steps).
+  void dora_forward(const Linear& L, Tensor y, Tensor z);
+  void dora_backward(const Linear& L, Tensor dz, Tensor dy, Tensor z);
   // DoRA with LoRA dropout in training, PEFT's form: y = x W^T + b + (g - 1) x_d W^T + g s (x_d A^T) B^T with
   // x_d = dropout(x) (the base's own output keeps the whole x). Forward: y holds x W^T (no bias), u = s x_d A^T;
-  // z keeps z_d = x_d W^T + s u B^T. Backward of one projection piece (rows r0.. of W): dm from dy and z_d,
-  // dx (+)= dy W for the base, du (+)= (g dy) B with dB, and t (+)= (g dy - dy) W, which
-  // lora_backward_input(..., pre = t) adds to du A before the dropout's backward.
-  void dora_dropout_forward(int64_t layer, Proj p, Tensor y, Tensor x, Tensor w, Tensor u, Tensor z, Tensor b,
-                            int64_t r0);
-  void dora_dropout_backward(int64_t layer, Proj p, Tensor dy, Tensor z, Tensor w, Tensor u, Tensor dx, bool dx_acc,
-                             Tensor t, bool t_acc, Tensor du, bool du_acc, int64_t r0);
+  // z keeps z_d = x_d W^T + s u B^T. Backward of one Linear's rows: dm from dy and z_d, dx (+)= dy W for the
+  // base, du (+)= (g dy) B with dB, and t (+)= (g dy - dy) W, which lora_backward_input(..., pre = t) adds to
+  // du A before the dropout's backward.
+  void dora_dropout_forward(const Linear& L, Tensor y, Tensor x, Tensor u, Tensor z);
+  void dora_dropout_backward(const Linear& L, Tensor dy, Tensor z, Tensor u, Tensor dx, bool dx_acc, Tensor t,
+                             bool t_acc, Tensor du, bool du_acc);
   void refresh_dora();
   // LoRA dropout (PEFT's lora_dropout, on the adapter's input x, training only): the mask of projection p
   // of `layer` is drawn from the step's seed and the element's absolute position in the sequence, so the
   // recompute, the backward and chunk-recurrent runs see the same one.
   bool dropout_on() const { return training_ && lora_dropout_ > 0; }
   uint64_t dropout_seed(int64_t layer, Proj p) const;
-  Tensor dropped(int64_t layer, Proj p, Tensor x);  // dropout(x) as a matmul operand
+  Tensor dropped(const Linear& L, Tensor x);  // dropout(x) as a matmul operand
   void ensure_grads();
-  const LayerParams& wc(int64_t layer) const;  // the weights matmuls read (wread_)
   Tensor as_operand(Tensor x, int slot);  // x itself (fp32) or its bf16 copy in scratch slot 0/1 (2/3: (T, r))
 
   ModelConfig cfg_;

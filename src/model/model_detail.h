@@ -7,21 +7,6 @@
 
 namespace oomless {
 
-// Rows [r0, r0 + n) of a row-major matrix (R, cols), as an (n, cols) view keeping as_bf16; empty for an
-// empty tensor (a frozen weight's gradient).
-inline Tensor rows_of(const Tensor& t, int64_t r0, int64_t n) {
-  if (t.quant) {
-    Tensor r(nullptr, t.dtype, {n, t.dims[1]});
-    r.quant = t.quant, r.qrow0 = t.qrow0 + r0, r.as_bf16 = t.as_bf16;
-    return r;
-  }
-  if (!t.data) return Tensor();
-  const int64_t cols = t.dims[1];
-  Tensor r(static_cast<char*>(t.data) + dtype_bytes(t.dtype, r0 * cols), t.dtype, {n, cols});
-  r.as_bf16 = t.as_bf16;
-  return r;
-}
-
 // The activations of one block. Which of these live in per-layer saved buffers and which in the shared
 // recompute set depends on the SavePolicy (acts_for_layer). Shapes for a sequence of T tokens.
 struct Model::Acts {

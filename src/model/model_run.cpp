@@ -31,10 +31,10 @@ Tensor Model::run_blocks(Tensor ids, Tensor pos, std::vector<KvSlots>* cache, in
 
 CeResult Model::head_forward(Tensor lse, Tensor hn, Tensor targets, bool for_backward, std::optional<double> grad_scale) {
   fused_scale_.reset();
-  const bool head_frozen = !(grads_ ? grads_->lm_head : g_head_).data;
-  if (!for_backward || !grad_scale || !head_frozen) return ops_.linear_cross_entropy_forward(lse, hn, head_, targets, kIgnore);
+  const Linear head = head_linear();
+  if (!for_backward || !grad_scale || head.gw.data) return ops_.linear_cross_entropy_forward(lse, hn, head.w, targets, kIgnore);
   Tensor dh(s_->dh.data, act_, {hn.dims[0], cfg_.E});
-  const CeResult r = ops_.linear_cross_entropy_fused(lse, dh, hn, head_, targets, kIgnore, *grad_scale);
+  const CeResult r = ops_.linear_cross_entropy_fused(lse, dh, hn, head.w, targets, kIgnore, *grad_scale);
   fused_scale_ = grad_scale;
   return r;
 }
@@ -77,7 +77,8 @@ void Model::backward(double grad_scale) {
   Scratch& s = *s_;
   ensure_grads();
   // Under adapters the embedding, final norm and head are frozen: no weight gradients (empty tensors).
-  const Tensor g_head = grads_ ? grads_->lm_head : g_head_, g_norm = grads_ ? grads_->final_norm : Tensor();
+  const Linear head = head_linear();
+  const Tensor g_norm = grads_ ? grads_->final_norm : Tensor();
   const int64_t T = T_, E = cfg_.E;
   Tensor pos(s.pos.data, DType::i32, {T});
   Tensor id_t(s.ids.data, DType::i32, {T}), tg_t(s.targets.data, DType::i32, {T});
@@ -88,7 +89,7 @@ void Model::backward(double grad_scale) {
               *fused_scale_);
     fused_scale_.reset();
   } else {
-    ops_.linear_cross_entropy_backward(dh, g_head, hn, head_, tg_t, lse, kIgnore, grad_scale);
+    ops_.linear_cross_entropy_backward(dh, head.gw, hn, head.w, tg_t, lse, kIgnore, grad_scale);
   }
   Tensor x_last(s.layer_in[static_cast<size_t>(cfg_.L)].data, act_, {T, E});
   ops_.rmsnorm_backward(dx, g_norm, dh, x_last, params_.final_norm, rstd);
