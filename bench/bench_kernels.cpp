@@ -1,8 +1,10 @@
 // Kernel benchmarks: GEMM at model shapes through oomless (CpuOps::matmul) beside oneDNN called
 // directly (one multi-threaded primitive created once), and causal attention forward+backward.
-// Runs alternate (ours, direct, ours, ...) and each figure is the median of `--reps` runs.
+// Runs alternate (ours on each path, direct, ours, ...) and each figure is the median of `--reps` runs.
+// --isa names the GEMM paths to run side by side (comma-separated, or all: every path this CPU has;
+// default: the one in use, see OOMLESS_ISA in gemm.h); attention runs on the default path.
 //
-// usage: bench_kernels [--reps N] [--quick] [--threads N]
+// usage: bench_kernels [--reps N] [--quick] [--threads N] [--isa LIST]
 #include <dnnl.hpp>
 #include <omp.h>
 
@@ -16,6 +18,7 @@
 #include <vector>
 
 #include "backend/cpu/cpu_ops.h"
+#include "backend/cpu/gemm.h"
 #include "core/cpu_info.h"
 #include "memory/arena.h"
 
@@ -78,18 +81,37 @@ void fill(void* p, DType t, int64_t n, uint64_t seed) {
 int main(int argc, char** argv) {
   int reps = 5;
   bool quick = false;
+  std::string isa_list;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) set_threads(std::atoi(argv[++i]));
+    else if (!std::strcmp(argv[i], "--isa") && i + 1 < argc) isa_list = argv[++i];
     else {
-      std::fprintf(stderr, "usage: bench_kernels [--reps N] [--quick] [--threads N]\n");
+      std::fprintf(stderr, "usage: bench_kernels [--reps N] [--quick] [--threads N] [--isa LIST|all]\n");
       return 2;
     }
   }
+  const GemmIsa default_isa = gemm_isa();
+  std::vector<GemmIsa> isas;
+  try {
+    if (isa_list == "all") isas = supported_gemm_isas();
+    for (size_t p = 0; !isa_list.empty() && isa_list != "all" && p <= isa_list.size();) {
+      const size_t q = std::min(isa_list.find(',', p), isa_list.size());
+      const GemmIsa isa = parse_gemm_isa(isa_list.substr(p, q - p));
+      if (!gemm_isa_supported(isa)) fail("this CPU has no ", gemm_isa_name(isa), " path");
+      isas.push_back(isa);
+      p = q + 1;
+    }
+  } catch (const Error& e) {
+    std::fprintf(stderr, "bench_kernels: --isa %s: %s\n", isa_list.c_str(), e.what());
+    return 2;
+  }
+  if (isas.empty()) isas.push_back(default_isa);
+  if (isas.size() > 1) isas.erase(std::remove(isas.begin(), isas.end(), GemmIsa::generic), isas.end());
   CpuInfo cpu = detect_cpu();
-  std::printf("# oomless kernel bench\n\ncpu: %s, %d threads, isa: %s\n\n", cpu.model.c_str(), get_threads(),
-              cpu.isa_summary().c_str());
+  std::printf("# oomless kernel bench\n\ncpu: %s, %d threads, isa: %s, gemm path: %s\n\n", cpu.model.c_str(),
+              get_threads(), cpu.isa_summary().c_str(), gemm_path().c_str());
   CpuMemory mem(size_t(20) << 30);
   CpuOps ops(&mem.device);
 
@@ -110,8 +132,8 @@ int main(int argc, char** argv) {
   cases.push_back({"skinny 16 x 2048 . 5632", 16, 5632, 2048, false, false});
 
   std::printf("## GEMM (median of %d alternating runs)\n\n", reps);
-  std::printf("| shape | M | N | K | dtype | oomless GFLOP/s | oneDNN direct GFLOP/s | ratio |\n");
-  std::printf("|---|---|---|---|---|---|---|---|\n");
+  std::printf("| shape | M | N | K | dtype | path | oomless GFLOP/s | oneDNN direct GFLOP/s | ratio |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|\n");
   double ref_rate = 0;
   std::vector<double> f32_ratios, f32_rates;
   for (DType t : {DType::f32, DType::bf16}) {
@@ -126,30 +148,43 @@ int main(int argc, char** argv) {
       Tensor tb(b.data(), t, {g.tb ? g.N : g.K, g.tb ? g.K : g.N});
       Tensor tc = c.view(DType::f32, {g.M, g.N});
       Direct direct(g, t, a.data(), b.data(), c.as<float>());
-      std::vector<double> ours, theirs;
-      ops.matmul(tc, ta, tb, g.ta, g.tb, false);  // warm-up: primitive creation
+      std::vector<std::vector<double>> ours(isas.size());
+      std::vector<double> theirs;
+      for (GemmIsa isa : isas) {  // warm-up: packing buffers, primitive creation
+        set_gemm_isa(isa);
+        ops.matmul(tc, ta, tb, g.ta, g.tb, false);
+      }
       if (direct.ok) direct.run();
       for (int r = 0; r < reps; ++r) {
-        double t0 = now();
-        ops.matmul(tc, ta, tb, g.ta, g.tb, false);
-        ours.push_back(now() - t0);
+        for (size_t i = 0; i < isas.size(); ++i) {
+          set_gemm_isa(isas[i]);
+          double t0 = now();
+          ops.matmul(tc, ta, tb, g.ta, g.tb, false);
+          ours[i].push_back(now() - t0);
+        }
         if (direct.ok) {
-          t0 = now();
+          double t0 = now();
           direct.run();
           theirs.push_back(now() - t0);
         }
       }
+      set_gemm_isa(default_isa);
       double flops = 2.0 * g.M * g.N * g.K;
-      double r_ours = flops / median(ours) * 1e-9;
-      if (t == DType::f32 && g.M > 16) f32_rates.push_back(r_ours);
-      if (direct.ok) {
-        double r_dir = flops / median(theirs) * 1e-9;
-        if (t == DType::f32 && g.M > 16) f32_ratios.push_back(r_ours / r_dir);
-        std::printf("| %s | %lld | %lld | %lld | %s | %.1f | %.1f | %.2f |\n", g.what, (long long)g.M, (long long)g.N,
-                    (long long)g.K, dtype_name(t), r_ours, r_dir, r_ours / r_dir);
-      } else {
-        std::printf("| %s | %lld | %lld | %lld | %s | %.1f | n/a (no %s matmul on this CPU) | - |\n", g.what,
-                    (long long)g.M, (long long)g.N, (long long)g.K, dtype_name(t), r_ours, dtype_name(t));
+      for (size_t i = 0; i < isas.size(); ++i) {
+        double r_ours = flops / median(ours[i]) * 1e-9;
+        const bool main_path = isas[i] == default_isa || (i == 0 && std::find(isas.begin(), isas.end(), default_isa) == isas.end());
+        if (t == DType::f32 && g.M > 16 && main_path) f32_rates.push_back(r_ours);
+        if (direct.ok) {
+          double r_dir = flops / median(theirs) * 1e-9;
+          if (t == DType::f32 && g.M > 16 && main_path) f32_ratios.push_back(r_ours / r_dir);
+          std::printf("| %s | %lld | %lld | %lld | %s | %s | %.1f | %.1f | %.2f |\n", g.what, (long long)g.M,
+                      (long long)g.N, (long long)g.K, dtype_name(t), gemm_isa_name(isas[i]), r_ours, r_dir,
+                      r_ours / r_dir);
+        } else {
+          std::printf("| %s | %lld | %lld | %lld | %s | %s | %.1f | n/a (no %s matmul on this CPU) | - |\n", g.what,
+                      (long long)g.M, (long long)g.N, (long long)g.K, dtype_name(t), gemm_isa_name(isas[i]), r_ours,
+                      dtype_name(t));
+        }
       }
       std::fflush(stdout);
     }
@@ -157,7 +192,7 @@ int main(int argc, char** argv) {
   // The attention ratio's reference: the median of this run's f32 model-shape GEMM rates.
   if (!f32_rates.empty()) ref_rate = median(f32_rates);
   if (!f32_ratios.empty())
-    std::printf("\nf32 model-shape ratio oomless/direct: median %.2f, min %.2f\n", median(f32_ratios),
+    std::printf("\nf32 model-shape ratio oomless/direct (%s): median %.2f, min %.2f\n", gemm_isa_name(default_isa), median(f32_ratios),
                 *std::min_element(f32_ratios.begin(), f32_ratios.end()));
 
   std::printf("\n## Causal attention forward+backward (median of %d runs)\n\n", reps);

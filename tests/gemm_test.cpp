@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <tuple>
 
 #include "backend/cpu/gemm.h"
@@ -21,24 +22,38 @@ struct Dims {
   int64_t M, N, K;
 };
 
-// (ta, tb, dtype of a and b)
-using Param = std::tuple<bool, bool, DType>;
+// (ta, tb, dtype of a and b, kernel path)
+using Param = std::tuple<bool, bool, DType, GemmIsa>;
 
 std::string param_name(const testing::TestParamInfo<Param>& info) {
-  auto [ta, tb, t] = info.param;
-  return std::string(ta ? "t" : "n") + (tb ? "t" : "n") + "_" + dtype_name(t);
+  auto [ta, tb, t, isa] = info.param;
+  return std::string(ta ? "t" : "n") + (tb ? "t" : "n") + "_" + dtype_name(t) + "_" + gemm_isa_name(isa);
 }
+
+// Runs a scope on one kernel path, then restores the one before.
+struct IsaScope {
+  explicit IsaScope(GemmIsa isa) : saved(gemm_isa()) { set_gemm_isa(isa); }
+  ~IsaScope() { set_gemm_isa(saved); }
+  GemmIsa saved;
+};
 
 class GemmRun : public testing::TestWithParam<Param> {
  protected:
   GemmRun() : mem(size_t(1) << 30), gemm(mem.device) {}
+  void SetUp() override {
+    const GemmIsa isa = std::get<3>(GetParam());
+    if (!gemm_isa_supported(isa)) GTEST_SKIP() << "this CPU has no " << gemm_isa_name(isa) << " path";
+    scope = std::make_unique<IsaScope>(isa);
+  }
+  void TearDown() override { scope.reset(); }
+  std::unique_ptr<IsaScope> scope;
 
   // Storage for a rows x cols matrix with leading dimension ld >= cols.
   static HostTensor matrix(DType t, int64_t rows, int64_t ld) { return HostTensor(t, {std::max<int64_t>(rows, 1), ld}); }
 
   // One product checked against float64; `pad` widens every leading dimension.
   void check(Dims d, bool acc, int64_t pad) {
-    auto [ta, tb, t] = GetParam();
+    auto [ta, tb, t, isa] = GetParam();
     const int64_t M = d.M, N = d.N, K = d.K;
     const int64_t a_rows = ta ? K : M, a_cols = ta ? M : K, b_rows = tb ? N : K, b_cols = tb ? K : N;
     GemmShape s;
@@ -108,7 +123,8 @@ TEST_P(GemmRun, BlockBoundaries) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Gemm, GemmRun,
-                         testing::Combine(testing::Bool(), testing::Bool(), testing::Values(DType::f32, DType::bf16)),
+                         testing::Combine(testing::Bool(), testing::Bool(), testing::Values(DType::f32, DType::bf16),
+                                          testing::Values(GemmIsa::generic, GemmIsa::avx2, GemmIsa::avx512)),
                          param_name);
 
 // The eight-lane f32 -> bf16 rounding of the packing equals the scalar conversion bit for bit: ties to
@@ -138,12 +154,13 @@ TEST(GemmF32AsBf16, PackingRoundsLikeTheScalarConversion) {
   EXPECT_EQ(differ, 0);
 }
 
-// The same product with 1, 2 and 3 threads gives the same bits (one row too: run_row).
+// The same product with 1, 2 and 3 threads gives the same bits (one row too: run_row), on every path.
 TEST(GemmDeterminism, SameBitsForAnyThreadCount) {
   CpuMemory mem(size_t(1) << 30);
   Gemm gemm(mem.device);
   std::mt19937_64 rng(7);
   const int saved = omp_get_max_threads();
+  for (GemmIsa isa : supported_gemm_isas())
   for (DType t : {DType::f32, DType::bf16})
     for (Dims d : {Dims{50, 4100, 300}, Dims{5, 1000, 777}, Dims{1300, 40, 300}, Dims{1, 2001, 1029}})
       for (int tr = 0; tr < 4; ++tr) {
@@ -155,6 +172,7 @@ TEST(GemmDeterminism, SameBitsForAnyThreadCount) {
         b.randn(rng);
         c0.randn(rng);
         std::vector<HostTensor> out;
+        IsaScope on(isa);
         for (int threads : {1, 2, 3}) {
           omp_set_num_threads(threads);
           HostTensor c = c0.clone();
@@ -164,9 +182,82 @@ TEST(GemmDeterminism, SameBitsForAnyThreadCount) {
         omp_set_num_threads(saved);
         for (size_t i = 1; i < out.size(); ++i)
           EXPECT_EQ(std::memcmp(out[0].ptr<float>(), out[i].ptr<float>(), sizeof(float) * d.M * d.N), 0)
-              << dtype_name(t) << " M=" << d.M << " N=" << d.N << " K=" << d.K << " ta=" << ta << " tb=" << tb
+              << gemm_isa_name(isa) << " " << dtype_name(t) << " M=" << d.M << " N=" << d.N << " K=" << d.K << " ta=" << ta << " tb=" << tb
               << ": " << (i + 1) << " threads differ from 1";
       }
+}
+
+// Every path gives the avx2 path's bits: f32 (each output one FMA chain in ascending k), and bf16 operands,
+// which avx512 multiplies in k pairs (vdpbf16ps) and avx2 widens: the same sums, on normal values, on this
+// CPU's implementation of the instruction. Blocked, skinny and one-row shapes, every transpose pair, a b
+// read as bf16, and Gemm::tile (f32).
+TEST(GemmPaths, EveryPathGivesTheAvx2Bits) {
+  if (!gemm_isa_supported(GemmIsa::avx2)) GTEST_SKIP() << "no AVX2";
+  CpuMemory mem(size_t(1) << 30);
+  Gemm gemm(mem.device);
+  std::mt19937_64 rng(11);
+  int compared = 0;
+  for (GemmIsa isa : supported_gemm_isas()) {
+    if (isa == GemmIsa::avx2 || isa == GemmIsa::generic) continue;  // generic sums unfused (GemmRun checks it)
+    for (int mode = 0; mode < 3; ++mode)  // f32, bf16, bf16 a with an f32 b read as bf16
+      for (Dims d : {Dims{50, 300, 301}, Dims{5, 100, 777}, Dims{130, 40, 64}, Dims{1, 33, 17}, Dims{300, 70, 900}})
+        for (int tr = 0; tr < 4; ++tr) {
+          const DType t = mode == 0 ? DType::f32 : DType::bf16;
+          GemmShape s;
+          s.M = d.M, s.N = d.N, s.K = d.K, s.ta = tr & 1, s.tb = tr & 2, s.ab = t, s.accumulate = tr == 3;
+          s.b_as_bf16 = mode == 2;
+          HostTensor a(t, {d.M * d.K}), b(mode == 2 ? DType::f32 : t, {d.K * d.N}), c0(DType::f32, {d.M * d.N});
+          a.randn(rng);
+          b.randn(rng);
+          c0.randn(rng);
+          HostTensor want = c0.clone(), got = c0.clone();
+          {
+            IsaScope on(GemmIsa::avx2);
+            gemm.run(s, a.ptr<void>(), b.ptr<void>(), want.ptr<float>());
+          }
+          {
+            IsaScope on(isa);
+            gemm.run(s, a.ptr<void>(), b.ptr<void>(), got.ptr<float>());
+          }
+          ++compared;
+          EXPECT_EQ(std::memcmp(want.ptr<float>(), got.ptr<float>(), sizeof(float) * d.M * d.N), 0)
+              << gemm_isa_name(isa) << " mode " << mode << " M=" << d.M << " N=" << d.N << " K=" << d.K
+              << " ta=" << s.ta << " tb=" << s.tb;
+          if (mode == 0) {
+            HostTensor tw = c0.clone(), tg = c0.clone();
+            {
+              IsaScope on(GemmIsa::avx2);
+              Gemm::tile(s, a.ptr<float>(), b.ptr<float>(), tw.ptr<float>());
+            }
+            {
+              IsaScope on(isa);
+              Gemm::tile(s, a.ptr<float>(), b.ptr<float>(), tg.ptr<float>());
+            }
+            EXPECT_EQ(std::memcmp(tw.ptr<float>(), tg.ptr<float>(), sizeof(float) * d.M * d.N), 0)
+                << "tile " << gemm_isa_name(isa) << " M=" << d.M << " N=" << d.N << " K=" << d.K;
+          }
+        }
+  }
+  if (!gemm_isa_supported(GemmIsa::avx512)) GTEST_SKIP() << "no other vector path to compare (no AVX-512)";
+  EXPECT_GT(compared, 0);
+}
+
+void expect_error(const std::function<void()>& f, const std::string& part) {
+  try {
+    f();
+    ADD_FAILURE() << "no error; wanted one containing '" << part << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+  }
+}
+
+TEST(GemmPaths, NamesParseAndAmxIsRefused) {
+  for (GemmIsa isa : {GemmIsa::generic, GemmIsa::avx2, GemmIsa::avx512})
+    EXPECT_EQ(parse_gemm_isa(gemm_isa_name(isa)), isa);
+  expect_error([] { parse_gemm_isa("amx"); }, "no AMX path");
+  expect_error([] { parse_gemm_isa("sse"); }, "use generic, avx2 or avx512");
+  EXPECT_TRUE(gemm_isa_supported(GemmIsa::generic));
+  EXPECT_EQ(supported_gemm_isas().front(), GemmIsa::generic);
 }
 
 }  // namespace

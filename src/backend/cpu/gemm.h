@@ -9,6 +9,9 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
 
 #include "core/dtype.h"
 #include "core/tensor.h"
@@ -16,6 +19,28 @@
 namespace oomless {
 
 class Arena;
+
+// The instruction set the CPU GEMMs (and the attention and cross-entropy tiles, which use the same
+// micro-kernels) run on:
+//   generic  portable C++ (no vector intrinsics);
+//   avx2     AVX2 + FMA, 6x16 tiles of 8-wide vectors; bf16 operands widened to f32 while packing;
+//   avx512   AVX-512F 6x16 tiles of 16-wide vectors (the same f32 bits as avx2), and with AVX512-BF16
+//            bf16 operands multiplied as they are (vdpbf16ps on k pairs; see gemm_avx512.cpp).
+// Chosen at first use: the best the CPU and the OS's saved register state (XCR0) allow, or the one
+// OOMLESS_ISA names (generic, avx2, avx512; a path the CPU lacks is an error). Every path computes each
+// output's sum in ascending k, so results are bitwise the same for any thread count on each path.
+enum class GemmIsa { generic, avx2, avx512 };
+const char* gemm_isa_name(GemmIsa isa);
+// "avx2", ... ; an unknown name or "amx" (no AMX path exists) is an error naming the accepted ones.
+GemmIsa parse_gemm_isa(std::string_view name);
+bool gemm_isa_supported(GemmIsa isa);
+std::vector<GemmIsa> supported_gemm_isas();  // lowest first
+GemmIsa gemm_isa();                          // the current path (reads OOMLESS_ISA on first use)
+// Switches the path for later products (tests and benches compare paths); an unsupported one is an
+// error. Not while a product runs.
+void set_gemm_isa(GemmIsa isa);
+// The current path for logs: "avx512 (f32 zmm, bf16 vdpbf16ps)".
+std::string gemm_path();
 
 struct GemmShape {
   int64_t M = 0, N = 0, K = 0;

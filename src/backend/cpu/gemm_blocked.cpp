@@ -187,6 +187,166 @@ void pack_a_block(float* dst, const T* src, int64_t ld, bool ta, int64_t kc, int
   }
 }
 
+// ---- bf16 k pairs (the pair kernels of gemm_avx512.cpp) ------------------------------------------
+
+// One 32-bit word of a pair: k in the high half (the instruction's first product), k + 1 in the low one.
+inline uint32_t pair_word(uint16_t first, uint16_t second) { return (static_cast<uint32_t>(first) << 16) | second; }
+inline uint16_t bf16_of(uint16_t v) { return v; }
+inline uint16_t bf16_of(F32AsBf16 v) { return f32_to_bf16(v.v); }
+
+// Products whose operands all hold bf16 values take the pair kernels where the ISA has them.
+bool use_pairs(const GemmShape& s) {
+  return s.ab == DType::bf16 && (!s.b_quant || s.b_as_bf16) && kernels().packed_pairs[1] != nullptr;
+}
+// k depth of a packed strip or panel: k itself, or its pairs.
+inline int64_t depth(int64_t kc, bool pairs) { return pairs ? (kc + 1) / 2 : kc; }
+
+// Pair strips of A rows [0, m) (bf16), k < kc: word (pair p, row i) of strip t at dst[t * 6 * kp + p * 6 + i],
+// a zero half past kc. Rows past m in the last strip are left unset, as in pack_a_block.
+void pack_a_pairs(uint32_t* dst, const uint16_t* src, int64_t ld, bool ta, int64_t kc, int64_t m) {
+  const int64_t kp = depth(kc, true), whole = kc / 2;
+  for (int64_t i0 = 0; i0 < m; i0 += kMr) {
+    uint32_t* d = dst + i0 * kp;
+    const int64_t rows = std::min<int64_t>(kMr, m - i0);
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t r = i0 + i;
+      auto at = [&](int64_t k) { return ta ? src[k * ld + r] : src[r * ld + k]; };
+      for (int64_t p = 0; p < whole; ++p) d[p * kMr + i] = pair_word(at(2 * p), at(2 * p + 1));
+      if (kc % 2) d[whole * kMr + i] = pair_word(at(kc - 1), 0);
+    }
+  }
+}
+
+// GCC 12's AVX-512 shift intrinsics trip -Wmaybe-uninitialized on their own undefined operand.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// Sixteen bf16 values from p: bf16 bits, or f32 rounded as f32_to_bf16 does (ties to even, NaN kept
+// quiet), each in the low half of a 32-bit lane.
+__attribute__((target("avx512f,avx512bw"))) inline __m512i bf16x16(const uint16_t* p) {
+  return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+__attribute__((target("avx512f,avx512bw"))) inline __m512i bf16x16(const F32AsBf16* p) {
+  const __m512i u = _mm512_loadu_si512(p);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+  const __m512i quiet = _mm512_or_si512(u, _mm512_set1_epi32(0x00400000));
+  return _mm512_srli_epi32(_mm512_mask_blend_epi32(nan, rounded, quiet), 16);
+}
+
+// The 16 x 16 transpose of 32-bit words: row j of the result = word j of every r[i].
+__attribute__((target("avx512f"))) inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // Now r[4g + m] holds, in 128-bit lane L, words m' of rows 4L.. (interleaved); two 128-bit shuffles finish.
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
+// Pair words (pair q: k = 2q high, 2q + 1 low) of 32 consecutive k from p (one column of a stored (N, K) b).
+template <class T>
+__attribute__((target("avx512f,avx512bw"))) inline __m512i pairs32(const T* p) {
+  const __m512i lo = bf16x16(p), hi = bf16x16(p + 16);  // k 0..15, 16..31, one per lane
+  // Lane pairs (2q, 2q + 1) -> word q = (v[2q] << 16) | v[2q + 1].
+  const __m512i even = _mm512_permutex2var_epi32(
+      lo, _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30), hi);
+  const __m512i odd = _mm512_permutex2var_epi32(
+      lo, _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31), hi);
+  return _mm512_or_si512(_mm512_slli_epi32(even, 16), odd);
+}
+
+// Full panels (16 columns) of a stored (N, K) b, 32 k at a time: sixteen columns' pair words, transposed.
+// Returns the k done (a multiple of 32).
+template <class T>
+__attribute__((target("avx512f,avx512bw"))) int64_t pack_bt_pairs_avx512(uint32_t* dst, const T* src, int64_t ld,
+                                                                          int64_t kc) {
+  int64_t k = 0;
+  for (; k + 32 <= kc; k += 32) {
+    __m512i r[16];
+    for (int j = 0; j < 16; ++j) r[j] = pairs32(src + j * ld + k);
+    transpose16(r);
+    for (int q = 0; q < 16; ++q) _mm512_storeu_si512(dst + (k / 2 + q) * kNr, r[q]);
+  }
+  return k;
+}
+
+// Rows k and k + 1 of a stored (K, N) b, 16 columns: one row of pair words.
+template <class T>
+__attribute__((target("avx512f,avx512bw"))) void pair_row_avx512(uint32_t* dst, const T* r0, const T* r1) {
+  const __m512i w = r1 ? _mm512_or_si512(_mm512_slli_epi32(bf16x16(r0), 16), bf16x16(r1))
+                       : _mm512_slli_epi32(bf16x16(r0), 16);
+  _mm512_storeu_si512(dst, w);
+}
+
+#pragma GCC diagnostic pop
+
+// One pair panel of B (16 columns, zero past n) from b(k, j) = src[k * ld + j] (tb false) or src[j * ld + k].
+template <class T>
+void pack_b_pairs(uint32_t* dst, const T* src, int64_t ld, bool tb, int64_t kc, int64_t n) {
+  const int64_t kp = depth(kc, true), whole = kc / 2;
+  if (!tb && n == kNr) {
+    for (int64_t p = 0; p < whole; ++p) pair_row_avx512(dst + p * kNr, src + 2 * p * ld, src + (2 * p + 1) * ld);
+    if (kc % 2) pair_row_avx512<T>(dst + whole * kNr, src + (kc - 1) * ld, nullptr);
+    return;
+  }
+  const int64_t k0 = tb && n == kNr ? pack_bt_pairs_avx512(dst, src, ld, kc) : 0;  // k0 even
+  for (int64_t j = 0; j < kNr; ++j) {
+    if (j >= n) {
+      for (int64_t p = 0; p < kp; ++p) dst[p * kNr + j] = 0;
+      continue;
+    }
+    auto at = [&](int64_t k) { return bf16_of(tb ? src[j * ld + k] : src[k * ld + j]); };
+    for (int64_t p = k0 / 2; p < whole; ++p) dst[p * kNr + j] = pair_word(at(2 * p), at(2 * p + 1));
+    if (kc % 2) dst[whole * kNr + j] = pair_word(at(kc - 1), 0);
+  }
+}
+
+// A quantised B read as bf16: its rows dequantised into a small buffer (as pack_b_micro does), then paired
+// with the rounding.
+void pack_b_pairs(uint32_t* dst, const QuantB& src, int64_t ld, bool tb, int64_t kc, int64_t n) {
+  float tmp[kNr * kKcMax];
+  const int64_t row = src.qrow0 + src.off / ld, col = src.off % ld;
+  const int64_t len = tb ? kc : n, count = tb ? n : kc;
+  for (int64_t i = 0; i < count; ++i) src.q->dequant_row(*src.q, row + i, col, len, tmp + i * len);
+  pack_b_pairs(dst, reinterpret_cast<const F32AsBf16*>(tmp), len, tb, kc, n);
+}
+// f32 products never take the pair kernels.
+void pack_b_pairs(uint32_t*, const float*, int64_t, bool, int64_t, int64_t) {}
+
+// The A block of a product: 6-row strips of floats, or pair strips for a bf16 a on the pair kernels.
+template <class TA>
+void pack_a_any(float* dst, const TA* src, int64_t ld, bool ta, int64_t kc, int64_t m, bool avx2, bool pairs) {
+  if constexpr (std::is_same_v<TA, uint16_t>) {
+    if (pairs) return pack_a_pairs(reinterpret_cast<uint32_t*>(dst), src, ld, ta, kc, m);
+  }
+  pack_a_block(dst, src, ld, ta, kc, m, avx2);
+}
+template <class BP>
+void pack_b_any(float* dst, BP src, int64_t ld, bool tb, int64_t kc, int64_t n, bool avx2, bool pairs) {
+  if (pairs) return pack_b_pairs(reinterpret_cast<uint32_t*>(dst), src, ld, tb, kc, n);
+  pack_b_micro(dst, src, ld, tb, kc, n, avx2);
+}
+
 // Few rows: B is read once and barely reused, so sharing a packed panel buys nothing. The columns are
 // cut into ranges (from the shape) spread over the threads, and each thread packs every kc x 16
 // micro-panel of its range into a private buffer just before the micro-kernel uses it, with no barrier
@@ -195,7 +355,8 @@ void pack_a_block(float* dst, const T* src, int64_t ld, bool ta, int64_t kc, int
 template <class TA, class BP>
 void run_skinny(const GemmShape& s, const Plan& p, const TA* a, BP b, float* c, float* work) {
   const Kernels& kern = kernels();
-  const bool avx2 = kern.avx2;
+  const bool avx2 = kern.avx2, pairs = use_pairs(s);
+  const MicroFn* micro = pairs ? kern.packed_pairs : kern.packed;
   const int64_t panels = cdiv(s.N, kNr);
   const int64_t units = std::min(panels, kSkinnyUnits);
   const size_t stride = static_cast<size_t>(p.strips * kMr * p.kc + kSpare + kNr * p.kc);
@@ -206,23 +367,23 @@ void run_skinny(const GemmShape& s, const Plan& p, const TA* a, BP b, float* c, 
     const int64_t q0 = u * panels / units, q1 = (u + 1) * panels / units;
     for (int64_t kp = 0; kp < p.nk; ++kp) {
       const int64_t k0 = kp * p.kc;
-      const int64_t kc = std::min(p.kc, s.K - k0);
-      pack_a_block(ap, s.ta ? a + k0 * s.lda : a + k0, s.lda, s.ta, kc, s.M, avx2);
+      const int64_t kc = std::min(p.kc, s.K - k0), kd = depth(kc, pairs);
+      pack_a_any(ap, s.ta ? a + k0 * s.lda : a + k0, s.lda, s.ta, kc, s.M, avx2, pairs);
       Micro m{};
       m.ras = 1;
       m.cas = kMr;
       m.ldc = s.ldc;
-      m.kc = kc;
+      m.kc = kd;
       m.acc = s.accumulate || kp > 0;
       m.b = bp;
       for (int64_t q = q0; q < q1; ++q) {
         const int64_t jq = q * kNr;
         m.n = static_cast<int>(std::min<int64_t>(kNr, s.N - jq));
-        pack_b_micro(bp, s.tb ? b + jq * s.ldb + k0 : b + k0 * s.ldb + jq, s.ldb, s.tb, kc, m.n, avx2);
+        pack_b_any(bp, s.tb ? b + jq * s.ldb + k0 : b + k0 * s.ldb + jq, s.ldb, s.tb, kc, m.n, avx2, pairs);
         for (int64_t r = 0; r < s.M; r += kMr) {
-          m.a = ap + r * kc;
+          m.a = ap + r * kd;
           m.c = c + r * s.ldc + jq;
-          kern.packed[std::min<int64_t>(kMr, s.M - r)](m);
+          micro[std::min<int64_t>(kMr, s.M - r)](m);
         }
       }
     }
@@ -343,7 +504,8 @@ void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, 
   const Plan p = make_plan(s);
   if (p.skinny) return run_skinny(s, p, a, b, c, apack);
   const Kernels& kern = kernels();
-  const bool avx2 = kern.avx2;
+  const bool avx2 = kern.avx2, pairs = use_pairs(s);
+  const MicroFn* micro = pairs ? kern.packed_pairs : kern.packed;
   const size_t a_stride = static_cast<size_t>(p.max_strips * kMr * p.kc + kSpare);
 #pragma omp parallel
   {
@@ -357,13 +519,13 @@ void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, 
       const int64_t units = p.nbm * nbn;
       for (int64_t kp = 0; kp < p.nk; ++kp) {
         const int64_t k0 = kp * p.kc;
-        const int64_t kc = std::min(p.kc, s.K - k0);
+        const int64_t kc = std::min(p.kc, s.K - k0), kd = depth(kc, pairs);
         const bool acc = s.accumulate || kp > 0;
 #pragma omp for schedule(static)
         for (int64_t q = 0; q < panels; ++q) {
           const int64_t jq = j0 + q * kNr;
           const BP src = s.tb ? b + jq * s.ldb + k0 : b + k0 * s.ldb + jq;
-          pack_b_micro(bpack + q * kNr * kc, src, s.ldb, s.tb, kc, std::min<int64_t>(kNr, s.N - jq), avx2);
+          pack_b_any(bpack + q * kNr * kd, src, s.ldb, s.tb, kc, std::min<int64_t>(kNr, s.N - jq), avx2, pairs);
         }
         int64_t packed_bm = -1;  // the row block now in ap (units of one block are consecutive)
 #pragma omp for schedule(static)
@@ -373,7 +535,7 @@ void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, 
           const int64_t r0 = s0 * kMr, r1 = std::min(s.M, s1 * kMr);
           if (bm != packed_bm) {
             const TA* src = s.ta ? a + k0 * s.lda + r0 : a + r0 * s.lda + k0;
-            pack_a_block(ap, src, s.lda, s.ta, kc, r1 - r0, avx2);
+            pack_a_any(ap, src, s.lda, s.ta, kc, r1 - r0, avx2, pairs);
             packed_bm = bm;
           }
           const int64_t q0 = bn * panels / nbn, q1 = (bn + 1) * panels / nbn;
@@ -381,16 +543,16 @@ void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, 
           m.ras = 1;
           m.cas = kMr;
           m.ldc = s.ldc;
-          m.kc = kc;
+          m.kc = kd;
           m.acc = acc;
           for (int64_t q = q0; q < q1; ++q) {
             const int64_t jq = j0 + q * kNr;
             m.n = static_cast<int>(std::min<int64_t>(kNr, s.N - jq));
-            m.b = bpack + q * kNr * kc;
+            m.b = bpack + q * kNr * kd;
             for (int64_t r = r0; r < r1; r += kMr) {
-              m.a = ap + (r - r0) * kc;
+              m.a = ap + (r - r0) * kd;
               m.c = c + r * s.ldc + jq;
-              kern.packed[std::min<int64_t>(kMr, r1 - r)](m);
+              micro[std::min<int64_t>(kMr, r1 - r)](m);
             }
           }
         }

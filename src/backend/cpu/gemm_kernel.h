@@ -5,8 +5,9 @@
 // a packed B panel b(k, j) = b[k * 16 + j], summing k in ascending order for every output, and either
 // overwrites C or adds the sum to it. A packed A strip (6 rows interleaved, a[k * 6 + i]) is the
 // ras = 1, cas = 6 case. There is an AVX2+FMA version (eight-wide vectors, two per row, twelve
-// accumulators in registers) chosen at run time when the CPU has AVX2 and FMA, and a portable scalar
-// version; a given CPU always takes the same one, so results are bitwise reproducible on it.
+// accumulators in registers), an AVX-512 one (gemm_avx512.cpp: one ZMM vector per row; the same bits as
+// AVX2) and a portable scalar version, chosen at run time by GemmIsa (gemm.h); each ISA's results are
+// bitwise reproducible, and f32 results are the same on AVX2 and AVX-512.
 #pragma once
 #include <immintrin.h>
 
@@ -254,11 +255,16 @@ inline void pack_b_panel(float* dst, const float* src, int64_t ld, int64_t kc, i
 
 using MicroFn = void (*)(const Micro&);
 
+// The kernels of one GemmIsa (gemm_isa.cpp builds them; GemmIsa is in gemm.h).
 struct Kernels {
   MicroFn micro[2][kMr + 1];  // [ta][rows]
   MicroFn packed[kMr + 1];    // [rows], a packed A strip (ras = 1, cas = 6)
+  // [rows], bf16 k pairs (gemm_avx512.cpp): a pair strip and a pair panel, kc counting pairs; null
+  // where the ISA has no pair instruction (bf16 then widens to f32 while packing).
+  MicroFn packed_pairs[kMr + 1];
   void (*pack_bt)(float*, const float*, int64_t, int64_t, int64_t);
-  bool avx2;                  // the AVX2+FMA versions were chosen
+  bool avx2;                  // the AVX2 packing routines may run
+  GemmIsa isa;
 };
 
 template <bool TA, bool PACKED, int... M>
@@ -269,29 +275,11 @@ template <int... M>
 void fill_generic(MicroFn* f, std::integer_sequence<int, M...>) {
   ((f[M + 1] = &micro_generic<M + 1>), ...);
 }
+// The AVX-512 f32 kernels, and with bf16 the AVX512-BF16 pair kernels (gemm_avx512.cpp).
+void fill_avx512_kernels(Kernels& k, bool bf16);
 
-inline Kernels choose_kernels() {
-  Kernels k{};
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    fill_avx2<false, false>(k.micro[0], std::make_integer_sequence<int, kMr>{});
-    fill_avx2<true, false>(k.micro[1], std::make_integer_sequence<int, kMr>{});
-    fill_avx2<true, true>(k.packed, std::make_integer_sequence<int, kMr>{});
-    k.pack_bt = &pack_bt_avx2<float>;
-    k.avx2 = true;
-  } else {
-    fill_generic(k.micro[0], std::make_integer_sequence<int, kMr>{});
-    fill_generic(k.micro[1], std::make_integer_sequence<int, kMr>{});
-    fill_generic(k.packed, std::make_integer_sequence<int, kMr>{});
-    k.pack_bt = &pack_bt_generic;
-  }
-  return k;
-}
-
-inline const Kernels& kernels() {
-  static const Kernels k = choose_kernels();
-  return k;
-}
+// The kernels of the current GemmIsa (gemm_isa(); set_gemm_isa switches them between products).
+const Kernels& kernels();
 
 // ---- the blocked multi-threaded GEMM (gemm_blocked.cpp) ---------------------------------------------
 

@@ -1,0 +1,121 @@
+// The AVX-512 GEMM kernels (GemmIsa::avx512), compiled for AVX-512 and chosen at run time only on a CPU
+// that has it (gemm_isa.cpp):
+//
+// - f32: the 6x16 micro-kernel with one 16-wide ZMM vector per row (six accumulators, one B load per
+//   k). Each output is the same chain of fused multiply-adds in ascending k as the AVX2 kernel's, so the
+//   two give the same bits: switching ISA changes no f32 result.
+// - bf16 operands (a bf16, b bf16 or f32 read as bf16, or a quantised b read as bf16), with AVX512-BF16:
+//   A and B are packed in k pairs (one 32-bit word holds a(i, k) and a(i, k + 1)) and `vdpbf16ps` adds
+//   both products of a pair to each fp32 lane. Intel's definition adds the odd element's product first,
+//   each step rounded like an FMA (a product of two bf16 values is exact in fp32); the pairs are packed
+//   with k in the odd (high) half and k + 1 in the even one, so each lane still adds k in ascending order
+//   and the sums equal the widening kernels' (the conformance test checks the bits on the CPU it runs on).
+//   The instruction treats denormal inputs as zero and flushes denormal results, which an fp32 FMA does
+//   not. An odd K is padded with a zero pair half.
+#include <immintrin.h>
+
+#include "backend/cpu/gemm_kernel.h"
+
+namespace oomless::gemm_detail {
+
+namespace {
+
+// ---- f32 --------------------------------------------------------------------------------------------
+
+template <int M, bool TA, bool PACKED>
+__attribute__((target("avx512f"))) void micro_avx512(const Micro& u) {
+  if constexpr (PACKED) {
+#pragma GCC unroll 6
+    for (int i = 0; i < M; ++i) _mm_prefetch(reinterpret_cast<const char*>(u.c + i * u.ldc), _MM_HINT_T0);
+  }
+  __m512 c[M];
+#pragma GCC unroll 6
+  for (int i = 0; i < M; ++i) c[i] = _mm512_setzero_ps();
+  const float* b = u.b;
+  if constexpr (PACKED) {
+    const float* a = u.a;
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < u.kc; ++k) {
+      const __m512 bk = _mm512_loadu_ps(b);
+#pragma GCC unroll 6
+      for (int i = 0; i < M; ++i) c[i] = _mm512_fmadd_ps(_mm512_set1_ps(a[i]), bk, c[i]);
+      a += kMr;
+      b += kNr;
+    }
+  } else if constexpr (TA) {
+    const float* a = u.a;
+    for (int64_t k = 0; k < u.kc; ++k) {
+      const __m512 bk = _mm512_loadu_ps(b);
+#pragma GCC unroll 6
+      for (int i = 0; i < M; ++i) c[i] = _mm512_fmadd_ps(_mm512_set1_ps(a[i]), bk, c[i]);
+      a += u.cas;
+      b += kNr;
+    }
+  } else {
+    const float* ar[kMr];
+#pragma GCC unroll 6
+    for (int i = 0; i < M; ++i) ar[i] = u.a + i * u.ras;
+    for (int64_t k = 0; k < u.kc; ++k) {
+      const __m512 bk = _mm512_loadu_ps(b);
+#pragma GCC unroll 6
+      for (int i = 0; i < M; ++i) c[i] = _mm512_fmadd_ps(_mm512_set1_ps(ar[i][k]), bk, c[i]);
+      b += kNr;
+    }
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << u.n) - 1u);
+#pragma GCC unroll 6
+  for (int i = 0; i < M; ++i) {
+    float* ci = u.c + i * u.ldc;
+    if (u.acc) c[i] = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, ci), c[i]);
+    _mm512_mask_storeu_ps(ci, mask, c[i]);
+  }
+}
+
+// ---- bf16 pairs -------------------------------------------------------------------------------------
+
+// A packed pair strip: word (k pair p, row i) at a[p * 6 + i]; a panel: word (p, column j) at b[p * 16 + j].
+template <int M>
+__attribute__((target("avx512f,avx512bf16"))) void micro_bf16(const Micro& u) {
+#pragma GCC unroll 6
+  for (int i = 0; i < M; ++i) _mm_prefetch(reinterpret_cast<const char*>(u.c + i * u.ldc), _MM_HINT_T0);
+  __m512 c[M];
+#pragma GCC unroll 6
+  for (int i = 0; i < M; ++i) c[i] = _mm512_setzero_ps();
+  const int32_t* a = reinterpret_cast<const int32_t*>(u.a);
+  const int32_t* b = reinterpret_cast<const int32_t*>(u.b);
+#pragma GCC unroll 4
+  for (int64_t p = 0; p < u.kc; ++p) {
+    const __m512bh bp = (__m512bh)_mm512_loadu_si512(b);
+#pragma GCC unroll 6
+    for (int i = 0; i < M; ++i) c[i] = _mm512_dpbf16_ps(c[i], (__m512bh)_mm512_set1_epi32(a[i]), bp);
+    a += kMr;
+    b += kNr;
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << u.n) - 1u);
+#pragma GCC unroll 6
+  for (int i = 0; i < M; ++i) {
+    float* ci = u.c + i * u.ldc;
+    if (u.acc) c[i] = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, ci), c[i]);
+    _mm512_mask_storeu_ps(ci, mask, c[i]);
+  }
+}
+
+template <bool TA, bool PACKED, int... M>
+void fill_avx512(MicroFn* f, std::integer_sequence<int, M...>) {
+  ((f[M + 1] = &micro_avx512<M + 1, TA, PACKED>), ...);
+}
+template <int... M>
+void fill_bf16(MicroFn* f, std::integer_sequence<int, M...>) {
+  ((f[M + 1] = &micro_bf16<M + 1>), ...);
+}
+
+}  // namespace
+
+void fill_avx512_kernels(Kernels& k, bool bf16) {
+  fill_avx512<false, false>(k.micro[0], std::make_integer_sequence<int, kMr>{});
+  fill_avx512<true, false>(k.micro[1], std::make_integer_sequence<int, kMr>{});
+  fill_avx512<true, true>(k.packed, std::make_integer_sequence<int, kMr>{});
+  if (bf16) fill_bf16(k.packed_pairs, std::make_integer_sequence<int, kMr>{});
+}
+
+}  // namespace oomless::gemm_detail
