@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/cpu/gemm.h"
 #include "cli/commands.h"
 #include "core/cpu_info.h"
 #include "core/error.h"
@@ -24,7 +25,8 @@ const char* kUsage =
     "  merge      fold a LoRA adapter into its base model and write a Hugging Face folder\n"
     "  probe      measure this machine: CPU, ISA, GEMM and attention GFLOP/s, memory bandwidth\n"
     "\n"
-    "Run `oomless <command> --help` for a command's options, `oomless --version` for the build.\n";
+    "Run `oomless <command> --help` for a command's options, `oomless --version` for the build.\n"
+    "OOMLESS_ISA=generic|avx2|avx512 runs the CPU kernels on a lower path than the best this CPU has.\n";
 
 }  // namespace
 
@@ -37,11 +39,17 @@ int main(int argc, char** argv) {
     std::printf("oomless %s (%s build, %s; CUDA backend %s)\nthis CPU: %s, %s\n", OOMLESS_VERSION, OOMLESS_BUILD_TYPE,
                 OOMLESS_COMPILER, OOMLESS_HAS_CUDA ? "compiled in" : "not built", oomless::detect_cpu().model.c_str(),
                 oomless::detect_cpu().isa_summary().c_str());
+    try {
+      std::printf("gemm path: %s\n", oomless::gemm_path().c_str());
+    } catch (const oomless::Error& e) {
+      std::printf("gemm path: %s\n", e.what());
+    }
     return 0;
   }
   std::string cmd = argv[1];
   std::vector<std::string> args(argv + 2, argv + argc);
   try {
+    oomless::gemm_isa();  // OOMLESS_ISA, if set, must name a path this CPU has
     if (cmd == "probe") return oomless::cli::probe(args);
     if (cmd == "train") return oomless::cli::train(args);
     if (cmd == "eval") return oomless::cli::eval(args);

@@ -1,6 +1,7 @@
 #include <cstdio>
 
 #include "cli/commands.h"
+#include "backend/cpu/gemm.h"
 #include "core/cpu_info.h"
 #include "core/error.h"
 #include "plan/probe.h"
@@ -9,14 +10,16 @@ namespace oomless::cli {
 
 namespace {
 const char* kProbeHelp =
-    "usage: oomless probe [--json] [--quick] [--threads N]\n"
+    "usage: oomless probe [--json] [--quick] [--threads N] [--isa PATH]\n"
     "\n"
     "Measures this machine for the planner: CPU model and ISA (AVX2, AVX-512, AMX), cores, fp32 and bf16\n"
     "GEMM GFLOP/s, causal attention forward+backward GFLOP/s and memory bandwidth (medians of repeats).\n"
     "\n"
     "  --json        print one JSON object instead of a table\n"
     "  --quick       small sizes (under a second), for smoke tests; figures are less representative\n"
-    "  --threads N   OpenMP threads (default: all logical CPUs, or OMP_NUM_THREADS)\n";
+    "  --threads N   OpenMP threads (default: all logical CPUs, or OMP_NUM_THREADS)\n"
+    "  --isa PATH    GEMM kernels to measure: generic, avx2 or avx512, at most what the CPU has (default: the\n"
+    "                best it has, or OOMLESS_ISA, which every command honours)\n";
 }
 
 int probe(const std::vector<std::string>& args) {
@@ -34,6 +37,9 @@ int probe(const std::vector<std::string>& args) {
         fail("[probe] --threads takes a positive whole number, got '", args[i], "'");
       }
       set_threads(n);
+    } else if (a == "--isa") {
+      OOM_CHECK(i + 1 < args.size(), "[probe] --isa needs a path: generic, avx2 or avx512");
+      set_gemm_isa(parse_gemm_isa(args[++i]));
     } else if (a == "--help" || a == "-h") {
       std::fputs(kProbeHelp, stdout);
       return 0;

@@ -116,6 +116,7 @@ ProbeResult run_probe(bool quick) {
 #else
   r.cuda = "not built";
 #endif
+  r.gemm_path = oomless::gemm_path();
   return r;
 }
 
@@ -125,13 +126,14 @@ std::string ProbeResult::text() const {
                 "cpu            %s\n"
                 "logical cpus   %d (using %d threads)\n"
                 "isa            %s\n"
+                "gemm path      %s\n"
                 "gemm f32       %.1f GFLOP/s (n=%d)\n"
-                "gemm bf16      %.1f GFLOP/s (n=%d, bf16 operands widened to f32 while packing)\n"
+                "gemm bf16      %.1f GFLOP/s (n=%d)\n"
                 "attention      %.1f GFLOP/s fwd+bwd (T=%d H=%d D=%d causal)\n"
                 "bandwidth      %.1f GB/s (triad over 3 x %.0f MiB)\n"
                 "cuda           %s\n",
-                cpu.model.c_str(), cpu.logical_cpus, cpu.threads, cpu.isa_summary().c_str(), gemm_f32_gflops, gemm_n,
-                gemm_bf16_gflops, gemm_n, attention_gflops,
+                cpu.model.c_str(), cpu.logical_cpus, cpu.threads, cpu.isa_summary().c_str(), gemm_path.c_str(),
+                gemm_f32_gflops, gemm_n, gemm_bf16_gflops, gemm_n, attention_gflops,
                 attn_T, attn_H, attn_D, bandwidth_gbs, bandwidth_bytes / 1048576.0, cuda.c_str());
   return buf;
 }
@@ -140,7 +142,8 @@ std::string ProbeResult::json() const {
   std::ostringstream os;
   os << "{\"cpu\": \"" << cpu.model << "\", \"logical_cpus\": " << cpu.logical_cpus << ", \"threads\": " << cpu.threads
      << ", \"isa\": \"" << cpu.isa_summary() << "\", \"avx512\": " << (cpu.avx512f ? "true" : "false")
-     << ", \"amx\": " << (cpu.amx_bf16 ? "true" : "false") << ", \"gemm_f32_gflops\": " << gemm_f32_gflops
+     << ", \"amx\": " << (cpu.amx_bf16 ? "true" : "false") << ", \"gemm_path\": \"" << gemm_path
+     << "\", \"gemm_f32_gflops\": " << gemm_f32_gflops
      << ", \"gemm_bf16_gflops\": " << gemm_bf16_gflops 
      << ", \"gemm_n\": " << gemm_n << ", \"attention_gflops\": " << attention_gflops << ", \"attention_shape\": {\"T\": "
      << attn_T << ", \"H\": " << attn_H << ", \"D\": " << attn_D << "}, \"bandwidth_gbs\": " << bandwidth_gbs << ", \"cuda\": \"" << cuda << "\"}";

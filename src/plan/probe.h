@@ -17,6 +17,7 @@ struct ProbeResult {
   int gemm_n = 0, attn_T = 0, attn_H = 0, attn_D = 0;
   size_t bandwidth_bytes = 0;
   std::string cuda;             // "not built", "built, no device (...)", or the device
+  std::string gemm_path;        // the GEMM kernels the figures ran on (gemm.h: gemm_path)
 
   std::string text() const;
   std::string json() const;
