@@ -71,6 +71,47 @@ __attribute__((target("avx512f"))) void micro_avx512(const Micro& u) {
   }
 }
 
+// Two adjacent packed panels (32 columns; the second at b + 16 * kc floats) from a packed strip: twelve
+// FMA chains in flight (a CPU with two 512-bit FMA pipes needs more than six), each output's chain as in
+// micro_avx512.
+template <int M>
+__attribute__((target("avx512f"))) void micro_avx512_wide(const Micro& u) {
+#pragma GCC unroll 6
+  for (int i = 0; i < M; ++i) {
+    _mm_prefetch(reinterpret_cast<const char*>(u.c + i * u.ldc), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(u.c + i * u.ldc + kNr), _MM_HINT_T0);
+  }
+  __m512 c0[M], c1[M];
+#pragma GCC unroll 6
+  for (int i = 0; i < M; ++i) c0[i] = c1[i] = _mm512_setzero_ps();
+  const float* a = u.a;
+  const float* b = u.b;
+  const int64_t second = kNr * u.kc;
+#pragma GCC unroll 2
+  for (int64_t k = 0; k < u.kc; ++k) {
+    const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + second);
+#pragma GCC unroll 6
+    for (int i = 0; i < M; ++i) {
+      const __m512 ai = _mm512_set1_ps(a[i]);
+      c0[i] = _mm512_fmadd_ps(ai, b0, c0[i]);
+      c1[i] = _mm512_fmadd_ps(ai, b1, c1[i]);
+    }
+    a += kMr;
+    b += kNr;
+  }
+  const __mmask16 m1 = static_cast<__mmask16>((1u << (u.n - kNr)) - 1u);
+#pragma GCC unroll 6
+  for (int i = 0; i < M; ++i) {
+    float* ci = u.c + i * u.ldc;
+    if (u.acc) {
+      c0[i] = _mm512_add_ps(_mm512_loadu_ps(ci), c0[i]);
+      c1[i] = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, ci + kNr), c1[i]);
+    }
+    _mm512_storeu_ps(ci, c0[i]);
+    _mm512_mask_storeu_ps(ci + kNr, m1, c1[i]);
+  }
+}
+
 // ---- bf16 pairs -------------------------------------------------------------------------------------
 
 // A packed pair strip: word (k pair p, row i) at a[p * 6 + i]; a panel: word (p, column j) at b[p * 16 + j].
@@ -100,13 +141,58 @@ __attribute__((target("avx512f,avx512bf16"))) void micro_bf16(const Micro& u) {
   }
 }
 
+// Two adjacent pair panels (32 columns; the second at b + 16 * kc words): twelve independent sums in
+// flight, which the instruction's latency needs (six are not enough to keep it busy).
+template <int M>
+__attribute__((target("avx512f,avx512bf16"))) void micro_bf16_wide(const Micro& u) {
+#pragma GCC unroll 6
+  for (int i = 0; i < M; ++i) {
+    _mm_prefetch(reinterpret_cast<const char*>(u.c + i * u.ldc), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(u.c + i * u.ldc + kNr), _MM_HINT_T0);
+  }
+  __m512 c0[M], c1[M];
+#pragma GCC unroll 6
+  for (int i = 0; i < M; ++i) c0[i] = c1[i] = _mm512_setzero_ps();
+  const int32_t* a = reinterpret_cast<const int32_t*>(u.a);
+  const int32_t* b = reinterpret_cast<const int32_t*>(u.b);
+  const int64_t second = kNr * u.kc;
+#pragma GCC unroll 2
+  for (int64_t p = 0; p < u.kc; ++p) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b), b1 = (__m512bh)_mm512_loadu_si512(b + second);
+#pragma GCC unroll 6
+    for (int i = 0; i < M; ++i) {
+      const __m512bh ai = (__m512bh)_mm512_set1_epi32(a[i]);
+      c0[i] = _mm512_dpbf16_ps(c0[i], ai, b0);
+      c1[i] = _mm512_dpbf16_ps(c1[i], ai, b1);
+    }
+    a += kMr;
+    b += kNr;
+  }
+  const __mmask16 m1 = static_cast<__mmask16>((1u << (u.n - kNr)) - 1u);
+#pragma GCC unroll 6
+  for (int i = 0; i < M; ++i) {
+    float* ci = u.c + i * u.ldc;
+    if (u.acc) {
+      c0[i] = _mm512_add_ps(_mm512_loadu_ps(ci), c0[i]);
+      c1[i] = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, ci + kNr), c1[i]);
+    }
+    _mm512_storeu_ps(ci, c0[i]);
+    _mm512_mask_storeu_ps(ci + kNr, m1, c1[i]);
+  }
+}
+
 template <bool TA, bool PACKED, int... M>
 void fill_avx512(MicroFn* f, std::integer_sequence<int, M...>) {
   ((f[M + 1] = &micro_avx512<M + 1, TA, PACKED>), ...);
 }
 template <int... M>
-void fill_bf16(MicroFn* f, std::integer_sequence<int, M...>) {
+void fill_avx512_wide(MicroFn* f, std::integer_sequence<int, M...>) {
+  ((f[M + 1] = &micro_avx512_wide<M + 1>), ...);
+}
+template <int... M>
+void fill_bf16(MicroFn* f, MicroFn* wide, std::integer_sequence<int, M...>) {
   ((f[M + 1] = &micro_bf16<M + 1>), ...);
+  ((wide[M + 1] = &micro_bf16_wide<M + 1>), ...);
 }
 
 }  // namespace
@@ -115,7 +201,8 @@ void fill_avx512_kernels(Kernels& k, bool bf16) {
   fill_avx512<false, false>(k.micro[0], std::make_integer_sequence<int, kMr>{});
   fill_avx512<true, false>(k.micro[1], std::make_integer_sequence<int, kMr>{});
   fill_avx512<true, true>(k.packed, std::make_integer_sequence<int, kMr>{});
-  if (bf16) fill_bf16(k.packed_pairs, std::make_integer_sequence<int, kMr>{});
+  fill_avx512_wide(k.packed_wide, std::make_integer_sequence<int, kMr>{});
+  if (bf16) fill_bf16(k.packed_pairs, k.packed_pairs_wide, std::make_integer_sequence<int, kMr>{});
 }
 
 }  // namespace oomless::gemm_detail

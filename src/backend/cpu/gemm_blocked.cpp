@@ -347,6 +347,9 @@ void pack_b_any(float* dst, BP src, int64_t ld, bool tb, int64_t kc, int64_t n, 
   pack_b_micro(dst, src, ld, tb, kc, n, avx2);
 }
 
+// A thread's buffer in the skinny nest: its A strips, then two B micro-panels (the wide kernels read two).
+size_t skinny_floats(const Plan& p) { return static_cast<size_t>(p.strips * kMr * p.kc + kSpare + 2 * kNr * p.kc); }
+
 // Few rows: B is read once and barely reused, so sharing a packed panel buys nothing. The columns are
 // cut into ranges (from the shape) spread over the threads, and each thread packs every kc x 16
 // micro-panel of its range into a private buffer just before the micro-kernel uses it, with no barrier
@@ -357,9 +360,10 @@ void run_skinny(const GemmShape& s, const Plan& p, const TA* a, BP b, float* c, 
   const Kernels& kern = kernels();
   const bool avx2 = kern.avx2, pairs = use_pairs(s);
   const MicroFn* micro = pairs ? kern.packed_pairs : kern.packed;
+  const MicroFn* wide = pairs ? kern.packed_pairs_wide : kern.packed_wide;
   const int64_t panels = cdiv(s.N, kNr);
   const int64_t units = std::min(panels, kSkinnyUnits);
-  const size_t stride = static_cast<size_t>(p.strips * kMr * p.kc + kSpare + kNr * p.kc);
+  const size_t stride = skinny_floats(p);
 #pragma omp parallel for schedule(static)
   for (int64_t u = 0; u < units; ++u) {
     float* ap = work + static_cast<size_t>(omp_get_thread_num()) * stride;
@@ -376,15 +380,23 @@ void run_skinny(const GemmShape& s, const Plan& p, const TA* a, BP b, float* c, 
       m.kc = kd;
       m.acc = s.accumulate || kp > 0;
       m.b = bp;
-      for (int64_t q = q0; q < q1; ++q) {
+      for (int64_t q = q0; q < q1;) {
         const int64_t jq = q * kNr;
-        m.n = static_cast<int>(std::min<int64_t>(kNr, s.N - jq));
-        pack_b_any(bp, s.tb ? b + jq * s.ldb + k0 : b + k0 * s.ldb + jq, s.ldb, s.tb, kc, m.n, avx2, pairs);
+        // Two panels at a time where the ISA has a wide kernel, packed side by side (as in the blocked nest).
+        const int64_t w = wide[1] && q + 1 < q1 ? 2 : 1;
+        m.n = static_cast<int>(std::min<int64_t>(w * kNr, s.N - jq));
+        for (int64_t h = 0; h < w; ++h) {
+          const int64_t jh = jq + h * kNr;
+          pack_b_any(bp + h * kNr * kd, s.tb ? b + jh * s.ldb + k0 : b + k0 * s.ldb + jh, s.ldb, s.tb, kc,
+                     std::min<int64_t>(kNr, s.N - jh), avx2, pairs);
+        }
+        const MicroFn* fn = w == 2 ? wide : micro;
         for (int64_t r = 0; r < s.M; r += kMr) {
           m.a = ap + r * kd;
           m.c = c + r * s.ldc + jq;
-          micro[std::min<int64_t>(kMr, s.M - r)](m);
+          fn[std::min<int64_t>(kMr, s.M - r)](m);
         }
+        q += w;
       }
     }
   }
@@ -506,6 +518,7 @@ void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, 
   const Kernels& kern = kernels();
   const bool avx2 = kern.avx2, pairs = use_pairs(s);
   const MicroFn* micro = pairs ? kern.packed_pairs : kern.packed;
+  const MicroFn* wide = pairs ? kern.packed_pairs_wide : kern.packed_wide;
   const size_t a_stride = static_cast<size_t>(p.max_strips * kMr * p.kc + kSpare);
 #pragma omp parallel
   {
@@ -545,15 +558,20 @@ void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, 
           m.ldc = s.ldc;
           m.kc = kd;
           m.acc = acc;
-          for (int64_t q = q0; q < q1; ++q) {
+          for (int64_t q = q0; q < q1;) {
             const int64_t jq = j0 + q * kNr;
-            m.n = static_cast<int>(std::min<int64_t>(kNr, s.N - jq));
+            // Two panels at a time where the ISA has a wide kernel and the unit has them (each output's
+            // sum is the same).
+            const int64_t w = wide[1] && q + 1 < q1 ? 2 : 1;
+            m.n = static_cast<int>(std::min<int64_t>(w * kNr, s.N - jq));
             m.b = bpack + q * kNr * kd;
+            const MicroFn* fn = w == 2 ? wide : micro;
             for (int64_t r = r0; r < r1; r += kMr) {
               m.a = ap + (r - r0) * kd;
               m.c = c + r * s.ldc + jq;
-              micro[std::min<int64_t>(kMr, r1 - r)](m);
+              fn[std::min<int64_t>(kMr, r1 - r)](m);
             }
+            q += w;
           }
         }
       }
@@ -575,7 +593,7 @@ BlockedSizes blocked_sizes(const GemmShape& s) {
   z.a_floats_per_thread = static_cast<size_t>(p.max_strips * kMr * p.kc + kSpare);
   if (p.skinny) {
     z.b_floats = 0;
-    z.a_floats_per_thread = static_cast<size_t>(p.strips * kMr * p.kc + kSpare + kNr * p.kc);
+    z.a_floats_per_thread = skinny_floats(p);
   }
   return z;
 }

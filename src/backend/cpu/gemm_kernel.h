@@ -259,9 +259,13 @@ using MicroFn = void (*)(const Micro&);
 struct Kernels {
   MicroFn micro[2][kMr + 1];  // [ta][rows]
   MicroFn packed[kMr + 1];    // [rows], a packed A strip (ras = 1, cas = 6)
+  // [rows], the same over two adjacent packed panels (n: 17..32 columns, the second kNr * kc floats after
+  // the first); null where the ISA has none.
+  MicroFn packed_wide[kMr + 1];
   // [rows], bf16 k pairs (gemm_avx512.cpp): a pair strip and a pair panel, kc counting pairs; null
   // where the ISA has no pair instruction (bf16 then widens to f32 while packing).
   MicroFn packed_pairs[kMr + 1];
+  MicroFn packed_pairs_wide[kMr + 1];  // the same over two adjacent pair panels
   void (*pack_bt)(float*, const float*, int64_t, int64_t, int64_t);
   bool avx2;                  // the AVX2 packing routines may run
   GemmIsa isa;
