@@ -6,8 +6,9 @@ and dtype, --pairs pairs of runs; the order inside a pair alternates (oomless fi
 is measured by /usr/bin/time -v (peak RSS of the whole process) and by its own per-step timer (tokens/s;
 the first step, a warm-up, is not counted; median over the remaining steps). Ratios are taken inside each
 pair and their median reported. One longer pair (--curve-steps, default 200, fp32) on preset:tiny compares
-the loss curves. MFU = model FLOP/s / the machine's fp32 GEMM rate from `oomless probe` (the same yardstick
-for both systems; there is no bf16 arithmetic on an AVX2 CPU, so bf16 runs use it too), with
+the loss curves. MFU = model FLOP/s / the machine's GEMM rate from `oomless probe` for the dtype the run
+computes in (the same yardstick for both systems: fp32 runs against the fp32 rate, bf16 runs against the bf16
+rate, which is the fp32 one where bf16 is widened, on AVX2, and about twice it with AVX512-BF16), with
 model FLOPs per token = 6 * (matmul parameters incl. the LM head) + 6 * L * H * D * T (causal attention,
 forward + backward).
 oomless keeps every activation (--save-policy all) except where --save-policy says otherwise: by default
@@ -110,9 +111,11 @@ def main():
 
     probe = json.loads(sh([a.oomless, "probe", "--json", "--threads", str(a.threads)]).stdout)
     peak = probe["gemm_f32_gflops"] * 1e9
+    peak_of = {"fp32": peak, "bf16": probe["gemm_bf16_gflops"] * 1e9}
     versions = (["not run (--smoke)", "-"] if a.smoke else
                 sh([a.python, "-c", "import torch, transformers; print(torch.__version__, transformers.__version__)"]).stdout.split())
-    print(f"machine: {probe['cpu']} ({probe['isa']}), {a.threads} threads; fp32 GEMM {peak / 1e9:.1f} GFLOP/s; "
+    print(f"machine: {probe['cpu']} ({probe['isa']}; GEMM path {probe.get('gemm_path', '?')}), {a.threads} threads; "
+          f"GEMM fp32 {peak / 1e9:.1f}, bf16 {peak_of['bf16'] / 1e9:.1f} GFLOP/s; "
           f"torch {versions[0]}, transformers {versions[1]}", flush=True)
 
     results = {"probe": probe, "torch": versions[0], "transformers": versions[1], "seq": a.seq, "batch": a.batch,
@@ -195,8 +198,9 @@ def main():
                  "oomless_rss": med(lambda r: r["oomless"]["rss"]), "torch_rss": med(lambda r: r["torch"]["rss"]),
                  "rss_ratio": med(lambda r: r["oomless"]["rss"] / r["torch"]["rss"]),
                  "flops_per_token": fpt}
-            s["oomless_mfu"] = s["oomless_tps"] * fpt / peak
-            s["torch_mfu"] = s["torch_tps"] * fpt / peak
+            s["mfu_peak_gflops"] = peak_of.get(dtype, peak) / 1e9
+            s["oomless_mfu"] = s["oomless_tps"] * fpt / peak_of.get(dtype, peak)
+            s["torch_mfu"] = s["torch_tps"] * fpt / peak_of.get(dtype, peak)
             last = pairs[-1]
             s["last_loss_rel_diff"] = abs(last["oomless"]["losses"][-1] - last["torch"]["losses"][-1]) / abs(last["torch"]["losses"][-1])
             results["summary"].append(s)
