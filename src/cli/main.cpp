@@ -1,8 +1,11 @@
 // The oomless command line.
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
+
+#include <unistd.h>
 
 #include "backend/cpu/gemm.h"
 #include "cli/commands.h"
@@ -28,6 +31,25 @@ const char* kUsage =
     "Run `oomless <command> --help` for a command's options, `oomless --version` for the build.\n"
     "OOMLESS_ISA=generic|avx2|avx512 runs the CPU kernels on a lower path than the best this CPU has.\n";
 
+// OpenMP's waiting threads: libgomp's default (spin a while, then sleep) is the fastest on an idle machine
+// but runs about 3x slower beside one busy process, while sleeping at once (passive) keeps its speed there
+// and costs 30-40% on an idle machine (bench/threads/wait_policy.sh; docs/BENCHMARKS.md). libgomp reads its
+// policy when it loads, so when other work keeps the CPUs busy at the start of a compute command and neither
+// OMP_WAIT_POLICY nor GOMP_SPINCOUNT is set, oomless sets OMP_WAIT_POLICY=passive and starts itself again
+// (OOMLESS_WAIT_CHOSEN records the busy CPUs it saw). Load that begins later is not followed.
+void choose_wait_policy(const std::string& cmd, char** argv) {
+  if (cmd != "train" && cmd != "eval" && cmd != "generate") return;
+  if (std::getenv("OMP_WAIT_POLICY") || std::getenv("GOMP_SPINCOUNT") || std::getenv("OOMLESS_WAIT_CHOSEN")) return;
+  const double busy = oomless::busy_cpus(0.1);
+  if (busy < 0.3) return;
+  char seen[32];
+  std::snprintf(seen, sizeof seen, "%.1f", busy);
+  setenv("OOMLESS_WAIT_CHOSEN", seen, 1);
+  setenv("OMP_WAIT_POLICY", "passive", 1);
+  execv("/proc/self/exe", argv);  // only returns on failure: go on with the default policy
+  unsetenv("OMP_WAIT_POLICY");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -47,6 +69,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   std::string cmd = argv[1];
+  choose_wait_policy(cmd, argv);
   std::vector<std::string> args(argv + 2, argv + argc);
   try {
     oomless::gemm_isa();  // OOMLESS_ISA, if set, must name a path this CPU has

@@ -4,6 +4,7 @@
 #include <omp.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 
 #include "core/error.h"
@@ -53,7 +54,9 @@ CpuInfo detect_cpu() {
 std::string CpuInfo::isa_summary() const {
   std::string s;
   auto add = [&](bool on, const char* name) {
-    if (on) s += (s.empty() ? "" : " ") + std::string(name);
+    if (!on) return;
+    if (!s.empty()) s += ' ';
+    s += name;
   };
   add(avx2, "avx2");
   add(fma, "fma");
@@ -63,6 +66,32 @@ std::string CpuInfo::isa_summary() const {
   add(amx_tile, "amx_tile");
   add(amx_bf16, "amx_bf16");
   return s.empty() ? "baseline x86-64" : s;
+}
+
+namespace {
+// The aggregate cpu line of /proc/stat: busy and total jiffies.
+bool read_stat(unsigned long long* busy, unsigned long long* total) {
+  FILE* f = std::fopen("/proc/stat", "r");
+  if (!f) return false;
+  unsigned long long v[8] = {};
+  const int n = std::fscanf(f, "cpu %llu %llu %llu %llu %llu %llu %llu %llu", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
+                            &v[6], &v[7]);
+  std::fclose(f);
+  if (n < 4) return false;
+  *total = 0;
+  for (unsigned long long x : v) *total += x;
+  *busy = *total - v[3] - v[4];  // all but idle and iowait
+  return true;
+}
+}  // namespace
+
+double busy_cpus(double seconds) {
+  unsigned long long b0, t0, b1, t1;
+  if (!read_stat(&b0, &t0)) return -1;
+  usleep(static_cast<useconds_t>(seconds * 1e6));
+  if (!read_stat(&b1, &t1) || t1 <= t0) return -1;
+  const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  return static_cast<double>(b1 - b0) / static_cast<double>(t1 - t0) * static_cast<double>(cpus > 0 ? cpus : 1);
 }
 
 void set_threads(int n) {

@@ -14,6 +14,9 @@ struct CpuInfo {
 };
 
 CpuInfo detect_cpu();
+// CPUs kept busy by other processes over `seconds` (from /proc/stat, while this process sleeps), or -1
+// when /proc/stat cannot be read.
+double busy_cpus(double seconds);
 // Sets the OpenMP thread count for every kernel (n >= 1).
 void set_threads(int n);
 int get_threads();

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <filesystem>
@@ -627,6 +628,9 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
     if (c.warmup < 0 && saved.find("warmup") && saved.at("warmup").is_number()) c.warmup = saved.at("warmup").as_int();
   }
   // Model, memory, optimizer: everything is reserved here, before step 1.
+  if (const char* busy = std::getenv("OOMLESS_WAIT_CHOSEN"))
+    say("oomless train: %s CPUs were busy with other work at start: waiting threads sleep (OMP_WAIT_POLICY=passive; "
+        "set OMP_WAIT_POLICY to choose)\n", busy);
   say("oomless train: opening %s\n", c.model.c_str());
   bool pretrained = false;
   try {  // every OutOfBudget of setup becomes one error with the run's memory and what to change
