@@ -68,7 +68,7 @@ Args::Args(const std::vector<std::string>& argv, const std::vector<Flag>& flags,
       }
     } else {
       OOM_CHECK(!inline_value, "[", cmd, "] --", name, " takes no value");
-      value = "1";
+      value.assign(1, '1');  // (not = "1": GCC 12 warns falsely, -Wrestrict)
     }
     values_[name] = value;
   }

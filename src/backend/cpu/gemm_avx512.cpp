@@ -20,14 +20,49 @@ namespace oomless::gemm_detail {
 
 namespace {
 
+// The tile's C rows fetched ahead of the k loop (the blocked GEMM's C is out of cache); wide: 32 columns.
+template <int M>
+__attribute__((target("avx512f"), always_inline)) inline void prefetch_c(const Micro& u, bool wide) {
+#pragma GCC unroll 6
+  for (int i = 0; i < M; ++i) {
+    _mm_prefetch(reinterpret_cast<const char*>(u.c + i * u.ldc), _MM_HINT_T0);
+    if (wide) _mm_prefetch(reinterpret_cast<const char*>(u.c + i * u.ldc + kNr), _MM_HINT_T0);
+  }
+}
+
+// Rows of C (+)= the accumulators: columns [0, u.n) of one 16-wide vector a row ...
+template <int M>
+__attribute__((target("avx512f"), always_inline)) inline void store_c(const Micro& u, __m512* c) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << u.n) - 1u);
+#pragma GCC unroll 6
+  for (int i = 0; i < M; ++i) {
+    float* ci = u.c + i * u.ldc;
+    if (u.acc) c[i] = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, ci), c[i]);
+    _mm512_mask_storeu_ps(ci, mask, c[i]);
+  }
+}
+
+// ... or of two (u.n in 17..32).
+template <int M>
+__attribute__((target("avx512f"), always_inline)) inline void store_c_wide(const Micro& u, __m512* c0, __m512* c1) {
+  const __mmask16 m1 = static_cast<__mmask16>((1u << (u.n - kNr)) - 1u);
+#pragma GCC unroll 6
+  for (int i = 0; i < M; ++i) {
+    float* ci = u.c + i * u.ldc;
+    if (u.acc) {
+      c0[i] = _mm512_add_ps(_mm512_loadu_ps(ci), c0[i]);
+      c1[i] = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, ci + kNr), c1[i]);
+    }
+    _mm512_storeu_ps(ci, c0[i]);
+    _mm512_mask_storeu_ps(ci + kNr, m1, c1[i]);
+  }
+}
+
 // ---- f32 --------------------------------------------------------------------------------------------
 
 template <int M, bool TA, bool PACKED>
 __attribute__((target("avx512f"))) void micro_avx512(const Micro& u) {
-  if constexpr (PACKED) {
-#pragma GCC unroll 6
-    for (int i = 0; i < M; ++i) _mm_prefetch(reinterpret_cast<const char*>(u.c + i * u.ldc), _MM_HINT_T0);
-  }
+  if constexpr (PACKED) prefetch_c<M>(u, false);
   __m512 c[M];
 #pragma GCC unroll 6
   for (int i = 0; i < M; ++i) c[i] = _mm512_setzero_ps();
@@ -62,13 +97,7 @@ __attribute__((target("avx512f"))) void micro_avx512(const Micro& u) {
       b += kNr;
     }
   }
-  const __mmask16 mask = static_cast<__mmask16>((1u << u.n) - 1u);
-#pragma GCC unroll 6
-  for (int i = 0; i < M; ++i) {
-    float* ci = u.c + i * u.ldc;
-    if (u.acc) c[i] = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, ci), c[i]);
-    _mm512_mask_storeu_ps(ci, mask, c[i]);
-  }
+  store_c<M>(u, c);
 }
 
 // Two adjacent packed panels (32 columns; the second at b + 16 * kc floats) from a packed strip: twelve
@@ -76,11 +105,7 @@ __attribute__((target("avx512f"))) void micro_avx512(const Micro& u) {
 // micro_avx512.
 template <int M>
 __attribute__((target("avx512f"))) void micro_avx512_wide(const Micro& u) {
-#pragma GCC unroll 6
-  for (int i = 0; i < M; ++i) {
-    _mm_prefetch(reinterpret_cast<const char*>(u.c + i * u.ldc), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(u.c + i * u.ldc + kNr), _MM_HINT_T0);
-  }
+  prefetch_c<M>(u, true);
   __m512 c0[M], c1[M];
 #pragma GCC unroll 6
   for (int i = 0; i < M; ++i) c0[i] = c1[i] = _mm512_setzero_ps();
@@ -99,17 +124,7 @@ __attribute__((target("avx512f"))) void micro_avx512_wide(const Micro& u) {
     a += kMr;
     b += kNr;
   }
-  const __mmask16 m1 = static_cast<__mmask16>((1u << (u.n - kNr)) - 1u);
-#pragma GCC unroll 6
-  for (int i = 0; i < M; ++i) {
-    float* ci = u.c + i * u.ldc;
-    if (u.acc) {
-      c0[i] = _mm512_add_ps(_mm512_loadu_ps(ci), c0[i]);
-      c1[i] = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, ci + kNr), c1[i]);
-    }
-    _mm512_storeu_ps(ci, c0[i]);
-    _mm512_mask_storeu_ps(ci + kNr, m1, c1[i]);
-  }
+  store_c_wide<M>(u, c0, c1);
 }
 
 // ---- bf16 pairs -------------------------------------------------------------------------------------
@@ -117,8 +132,7 @@ __attribute__((target("avx512f"))) void micro_avx512_wide(const Micro& u) {
 // A packed pair strip: word (k pair p, row i) at a[p * 6 + i]; a panel: word (p, column j) at b[p * 16 + j].
 template <int M>
 __attribute__((target("avx512f,avx512bf16"))) void micro_bf16(const Micro& u) {
-#pragma GCC unroll 6
-  for (int i = 0; i < M; ++i) _mm_prefetch(reinterpret_cast<const char*>(u.c + i * u.ldc), _MM_HINT_T0);
+  prefetch_c<M>(u, false);
   __m512 c[M];
 #pragma GCC unroll 6
   for (int i = 0; i < M; ++i) c[i] = _mm512_setzero_ps();
@@ -132,24 +146,14 @@ __attribute__((target("avx512f,avx512bf16"))) void micro_bf16(const Micro& u) {
     a += kMr;
     b += kNr;
   }
-  const __mmask16 mask = static_cast<__mmask16>((1u << u.n) - 1u);
-#pragma GCC unroll 6
-  for (int i = 0; i < M; ++i) {
-    float* ci = u.c + i * u.ldc;
-    if (u.acc) c[i] = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, ci), c[i]);
-    _mm512_mask_storeu_ps(ci, mask, c[i]);
-  }
+  store_c<M>(u, c);
 }
 
 // Two adjacent pair panels (32 columns; the second at b + 16 * kc words): twelve independent sums in
 // flight, which the instruction's latency needs (six are not enough to keep it busy).
 template <int M>
 __attribute__((target("avx512f,avx512bf16"))) void micro_bf16_wide(const Micro& u) {
-#pragma GCC unroll 6
-  for (int i = 0; i < M; ++i) {
-    _mm_prefetch(reinterpret_cast<const char*>(u.c + i * u.ldc), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(u.c + i * u.ldc + kNr), _MM_HINT_T0);
-  }
+  prefetch_c<M>(u, true);
   __m512 c0[M], c1[M];
 #pragma GCC unroll 6
   for (int i = 0; i < M; ++i) c0[i] = c1[i] = _mm512_setzero_ps();
@@ -168,17 +172,7 @@ __attribute__((target("avx512f,avx512bf16"))) void micro_bf16_wide(const Micro& 
     a += kMr;
     b += kNr;
   }
-  const __mmask16 m1 = static_cast<__mmask16>((1u << (u.n - kNr)) - 1u);
-#pragma GCC unroll 6
-  for (int i = 0; i < M; ++i) {
-    float* ci = u.c + i * u.ldc;
-    if (u.acc) {
-      c0[i] = _mm512_add_ps(_mm512_loadu_ps(ci), c0[i]);
-      c1[i] = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, ci + kNr), c1[i]);
-    }
-    _mm512_storeu_ps(ci, c0[i]);
-    _mm512_mask_storeu_ps(ci + kNr, m1, c1[i]);
-  }
+  store_c_wide<M>(u, c0, c1);
 }
 
 template <bool TA, bool PACKED, int... M>
