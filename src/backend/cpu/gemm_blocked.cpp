@@ -219,7 +219,9 @@ void pack_a_pairs(uint32_t* dst, const uint16_t* src, int64_t ld, bool ta, int64
 
 // GCC 12's AVX-512 shift intrinsics trip -Wmaybe-uninitialized on their own undefined operand.
 #pragma GCC diagnostic push
+#if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 // Sixteen bf16 values from p: bf16 bits, or f32 rounded as f32_to_bf16 does (ties to even, NaN kept
 // quiet), each in the low half of a 32-bit lane.
 __attribute__((target("avx512f,avx512bw"))) inline __m512i bf16x16(const uint16_t* p) {
