@@ -24,7 +24,10 @@
 // (run_skinny).
 //
 // Transposes, leading dimensions, bf16 -> f32 widening and the rounding of an f32 B read as bf16 all
-// happen in the packing, so neither a transposed A nor bf16 operands cost an extra pass over memory.
+// happen in the packing, so neither a transposed A nor bf16 operands cost an extra pass over memory. On the
+// avx512 path with AVX512-BF16, bf16 operands are packed in k pairs instead (pack_a_pairs, pack_b_pairs:
+// strips and panels of 32-bit pair words, half the depth) for the pair kernels of gemm_avx512.cpp, and where
+// the ISA has wide kernels a unit's micro-panels are taken two at a time (6 x 32 tiles).
 //
 // One row (M = 1: decoding, a GEMV) with an f32 or block-quantised B takes run_row instead: nothing in B is
 // reused, so packing it would only add passes over memory. B is streamed once (quantised rows dequantised in
