@@ -46,8 +46,9 @@ void choose_wait_policy(const std::string& cmd, char** argv) {
   std::snprintf(seen, sizeof seen, "%.1f", busy);
   setenv("OOMLESS_WAIT_CHOSEN", seen, 1);
   setenv("OMP_WAIT_POLICY", "passive", 1);
-  execv("/proc/self/exe", argv);  // only returns on failure: go on with the default policy
+  execv("/proc/self/exe", argv);  // only returns on failure: go on with the default policy, and say nothing
   unsetenv("OMP_WAIT_POLICY");
+  unsetenv("OOMLESS_WAIT_CHOSEN");
 }
 
 }  // namespace
