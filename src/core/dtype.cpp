@@ -32,6 +32,7 @@ const char* dtype_name(DType t) {
     case DType::i8: return "i8";
     case DType::nf4: return "nf4";
     case DType::i32: return "i32";
+    case DType::u8: return "u8";
   }
   return "?";
 }
@@ -222,10 +223,10 @@ bool convertible_float(DType t) {
 }  // namespace
 
 void convert(void* dst, DType dt, const void* src, DType st, int64_t n) {
-  const bool same_int = dt == st && (dt == DType::i32 || dt == DType::i8);
+  const bool same_int = dt == st && (dt == DType::i32 || dt == DType::i8 || dt == DType::u8);
   if (!same_int && !(convertible_float(dt) && convertible_float(st)))
     fail("[convert] no conversion from ", dtype_name(st), " to ", dtype_name(dt),
-         ": convert takes f32, f64, bf16, f16, f8_e4m3, f8_e5m2 (any pair) or i32->i32, i8->i8");
+         ": convert takes f32, f64, bf16, f16, f8_e4m3, f8_e5m2 (any pair) or i32->i32, i8->i8, u8->u8");
   OOM_CHECK(n >= 0, "[convert] negative element count ", n);
   if (n == 0) return;
   // Same type: a plain copy (keeps NaN payloads); memmove tolerates dst == src.

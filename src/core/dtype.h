@@ -12,7 +12,7 @@
 
 namespace oomless {
 
-enum class DType : uint8_t { f32, f64, bf16, f16, f8_e4m3, f8_e5m2, i8, nf4, i32 };
+enum class DType : uint8_t { f32, f64, bf16, f16, f8_e4m3, f8_e5m2, i8, nf4, i32, u8 };
 
 // Storage bits per element (nf4 packs two elements per byte).
 constexpr int dtype_bits(DType t) {
@@ -20,12 +20,14 @@ constexpr int dtype_bits(DType t) {
     case DType::f64: return 64;
     case DType::f32: case DType::i32: return 32;
     case DType::bf16: case DType::f16: return 16;
-    case DType::f8_e4m3: case DType::f8_e5m2: case DType::i8: return 8;
+    case DType::f8_e4m3: case DType::f8_e5m2: case DType::i8: case DType::u8: return 8;
     case DType::nf4: return 4;
   }
   return 0;
 }
-constexpr bool dtype_is_float(DType t) { return t != DType::i8 && t != DType::i32 && t != DType::nf4; }
+constexpr bool dtype_is_float(DType t) {
+  return t != DType::i8 && t != DType::u8 && t != DType::i32 && t != DType::nf4;
+}
 // Bytes needed for n elements (nf4 rounds up to whole bytes).
 constexpr int64_t dtype_bytes(DType t, int64_t n) { return (n * dtype_bits(t) + 7) / 8; }
 const char* dtype_name(DType t);

@@ -18,6 +18,7 @@ template <> constexpr DType dtype_of<float>() { return DType::f32; }
 template <> constexpr DType dtype_of<double>() { return DType::f64; }
 template <> constexpr DType dtype_of<int32_t>() { return DType::i32; }
 template <> constexpr DType dtype_of<int8_t>() { return DType::i8; }
+template <> constexpr DType dtype_of<uint8_t>() { return DType::u8; }
 
 // A matrix (rows, cols) held in a block-quantised encoding (NF4, GGUF block types): a format name for
 // messages, and a function that dequantises part of one row to f32. The owner keeps the blocks and

@@ -36,7 +36,7 @@ struct DtInfo {
 };
 
 constexpr DtInfo kDtypes[] = {
-    {"BOOL", 1, 0, std::nullopt},         {"U8", 1, 4, std::nullopt},
+    {"BOOL", 1, 0, std::nullopt},         {"U8", 1, 4, DType::u8},
     {"I8", 1, 5, DType::i8},              {"F8_E5M2", 1, 6, DType::f8_e5m2},
     {"F8_E4M3", 1, 7, DType::f8_e4m3},    {"I16", 2, 9, std::nullopt},
     {"U16", 2, 10, std::nullopt},         {"F16", 2, 11, DType::f16},
@@ -470,7 +470,7 @@ void write_safetensors_stream(const std::vector<StWrite>& tensors, const std::ma
     const DtInfo* info = dtype_info(w.dtype);
     if (!info) {
       fail("[safetensors] ", path, ": tensor '", w.name, "': dtype ", dtype_name(w.dtype),
-           " has no safetensors form; write f32, f64, bf16, f16, i32, i8, f8_e4m3 or f8_e5m2");
+           " has no safetensors form; write f32, f64, bf16, f16, i32, i8, u8, f8_e4m3 or f8_e5m2");
     }
     if (w.name == "__metadata__") fail("[safetensors] ", path, ": '__metadata__' is reserved, not a tensor name");
     if (!names.insert(w.name).second) fail("[safetensors] ", path, ": tensor name '", w.name, "' appears twice");

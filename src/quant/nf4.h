@@ -41,12 +41,14 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/dynamic8.h"
+
 namespace oomless::nf4 {
 
 // The NF4 table (bitsandbytes get_4bit_type("nf4"), float32) and the signed 8-bit dynamic map
 // (create_dynamic_map(), float32, sorted; entry 127 is 0, entry 255 is 1).
 extern const float kCode[16];
-extern const float kDynamicMap[256];
+inline const float* const kDynamicMap = dyn8::kSigned;
 
 inline constexpr int64_t kNestedBlocksize = 256;  // what quantize_4bit uses for the absmax codes
 
