@@ -86,6 +86,47 @@ TEST(Train, ResumeIsBitExact) {
   EXPECT_EQ(losses(whole).size(), 4u);
 }
 
+// AdamW8bit's state (u8 codes and block scales) goes into checkpoints and a resume continues bit for bit;
+// --optim is fixed on resume.
+TEST(Train, AdamW8bitResumesBitExactAndOptimIsFixed) {
+  const std::string whole = testing::TempDir() + "/oomless_train8_whole", split = testing::TempDir() + "/oomless_train8_split";
+  TrainConfig cw = micro(whole);
+  cw.optim = "adamw8bit";
+  ASSERT_EQ(run_training(cw), 0);
+  TrainConfig c1 = micro(split);
+  c1.optim = "adamw8bit";
+  ASSERT_EQ(run_training(c1), 0);
+  fs::remove_all(split + "/checkpoint-4");
+  TrainConfig c2 = c1;
+  c2.resume = true;
+  ASSERT_EQ(run_training(c2), 0);
+  EXPECT_TRUE(slurp(whole + "/checkpoint-4/model.safetensors") == slurp(split + "/checkpoint-4/model.safetensors"));
+  EXPECT_TRUE(slurp(whole + "/checkpoint-4/optimizer.safetensors") == slurp(split + "/checkpoint-4/optimizer.safetensors"));
+  EXPECT_EQ(losses(whole), losses(split));
+  // the 8-bit codes are in the file, and the run differs from fp32 AdamW's
+  const SafetensorsFile f = SafetensorsFile::open(whole + "/checkpoint-4/optimizer.safetensors");
+  bool codes = false;
+  for (const StTensor& t : f.tensors()) codes |= t.dtype == DType::u8 && t.name.rfind("m.", 0) == 0;
+  EXPECT_TRUE(codes);
+  const std::string plain = testing::TempDir() + "/oomless_train8_plain";
+  TrainConfig cp = micro(plain);
+  ASSERT_EQ(run_training(cp), 0);
+  EXPECT_NE(losses(plain).back(), losses(whole).back());
+  EXPECT_LT(slurp(whole + "/checkpoint-4/optimizer.safetensors").size(),
+            slurp(plain + "/checkpoint-4/optimizer.safetensors").size() / 2);
+  // a resume may not change the optimizer
+  fs::remove_all(split + "/checkpoint-4");
+  TrainConfig c3 = c1;
+  c3.resume = true;
+  c3.optim = "adamw";
+  try {
+    run_training(c3);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--optim"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Train, ResumeRefusesChangedSettings) {
   const std::string out = testing::TempDir() + "/oomless_train_changed";
   TrainConfig c = micro(out);

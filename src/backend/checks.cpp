@@ -271,4 +271,25 @@ void check_adamw(const Tensor& param, const Tensor& grad, const Tensor& m, const
   OOM_CHECK(cfg.eps > 0 && std::isfinite(cfg.lr), "[adamw] eps must be positive and lr finite");
 }
 
+void check_adamw8bit(const Tensor& param, const Tensor& grad, const Tensor& m_codes, const Tensor& m_absmax,
+                     const Tensor& v_codes, const Tensor& v_absmax, const AdamWConfig& cfg, DType act) {
+  const char* op = "[adamw8bit]";
+  check_elementwise(op, {&param, &grad}, act);
+  for (const Tensor* c : {&m_codes, &v_codes}) {
+    check_dtype(op, "state codes", *c, {DType::u8});
+    OOM_CHECK(c->numel() == param.numel() && (c->data != nullptr || c->numel() == 0), op, " state codes ", c->str(),
+              " must hold one byte per element of ", param.str());
+  }
+  const int64_t blocks = (param.numel() + kAdam8Block - 1) / kAdam8Block;
+  for (const Tensor* a : {&m_absmax, &v_absmax}) {
+    check_dtype(op, "state scales", *a, {act});
+    OOM_CHECK(a->numel() == blocks && (a->data != nullptr || blocks == 0), op, " state scales ", a->str(),
+              " must hold one value per ", kAdam8Block, " elements (", blocks, ")");
+  }
+  OOM_CHECK(cfg.step >= 1, op, " step counts from 1, got ", cfg.step);
+  OOM_CHECK(cfg.beta1 >= 0 && cfg.beta1 < 1 && cfg.beta2 >= 0 && cfg.beta2 < 1, op, " betas must be in [0, 1), got ",
+            cfg.beta1, ", ", cfg.beta2);
+  OOM_CHECK(cfg.eps > 0 && std::isfinite(cfg.lr), op, " eps must be positive and lr finite");
+}
+
 }  // namespace oomless

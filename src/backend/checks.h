@@ -65,6 +65,8 @@ CeDims check_cross_entropy(const char* op, const Tensor& lse, const Tensor& h, c
 // The backward's outputs: dh (T, E) and dw (V, E), both act dtype.
 void check_cross_entropy_backward(const char* op, const CeDims& d, const Tensor& dh, const Tensor& dw, DType act);
 
+void check_adamw8bit(const Tensor& param, const Tensor& grad, const Tensor& m_codes, const Tensor& m_absmax,
+                     const Tensor& v_codes, const Tensor& v_absmax, const AdamWConfig& cfg, DType act);
 void check_adamw(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWConfig& cfg,
                  DType act);
 

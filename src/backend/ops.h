@@ -71,7 +71,13 @@ struct AdamWConfig {
   double eps = 1e-8;
   double weight_decay = 0.0;  // decoupled: param -= lr * wd * param
   int64_t step = 1;           // 1-based, for bias correction
+  // false: torch.optim.AdamW's order, p -= lr * (update + wd * p) with the decay on the old p; true:
+  // bitsandbytes' CUDA kernels' order, p = (p - lr * update) * (1 - lr * wd) (AdamW8bit).
+  bool decay_after_update = false;
 };
+
+// The block of bitsandbytes' blockwise 8-bit optimizer state: one scale per 256 consecutive elements.
+inline constexpr int64_t kAdam8Block = 256;
 
 // Whether element j survives a dropout of probability p under `seed`: a counter-based draw (splitmix64
 // of seed and j, 53 bits) compared with p.
@@ -186,6 +192,17 @@ class Ops {
 
   // AdamW with bias correction and decoupled weight decay, in place on param, m, v (same shape).
   virtual void adamw_step(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamWConfig& cfg) = 0;
+  // bitsandbytes' blockwise 8-bit Adam (AdamW8bit) in place: m and v are u8 codes shaped like param, m
+  // in the signed dynamic map and v in the unsigned one (quant/dynamic8.h), each with one scale per
+  // kAdam8Block elements of the flattened tensor (m_absmax, v_absmax: ceil(n / 256), in the activation
+  // dtype). Per element, with float arithmetic on cpu:
+  //   g finite:  m = dec(m) * b1 + (1 - b1) g,  v = dec(v) * b2 + (1 - b2) g g,
+  //              p = p + (-lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps),  then p *= 1 - lr wd
+  //   otherwise: m = v = 0 and p unchanged (bitsandbytes' CUDA kernel)
+  // and each block of the new m and v is encoded again with its new absmax (dynamic8.h's quantiser).
+  // cfg.decay_after_update is implied.
+  virtual void adamw8bit_step(Tensor param, Tensor grad, Tensor m_codes, Tensor m_absmax, Tensor v_codes,
+                              Tensor v_absmax, const AdamWConfig& cfg) = 0;
 };
 
 // "ref" or "cpu" (and "cuda" when built). workspace: the arena that scratch memory is charged to;

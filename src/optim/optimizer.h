@@ -1,12 +1,15 @@
 // The optimizer interface: one update of a TrainableSet per step, its state as named tensors for
-// checkpoints, and the settings a resumed run must keep. AdamW is the one implementation today.
+// checkpoints, and the settings a resumed run must keep. AdamW (optim/adamw.h) and AdamW8bit (optim/adamw8bit.h) implement it.
 #pragma once
 #include <cstdint>
+#include <memory>
+#include <string_view>
 #include <string>
 #include <vector>
 
 #include "backend/ops.h"
 #include "io/json.h"
+#include "memory/arena.h"
 #include "model/trainable.h"
 
 namespace oomless {
@@ -23,5 +26,13 @@ class Optimizer {
   // The settings that define the run (fixed on resume), as JSON.
   virtual json::Value settings_json() const = 0;
 };
+
+struct AdamWSettings;
+
+// The optimizers --optim names: "adamw", "adamw8bit". parse_optimizer throws for any other name, listing
+// them; make_optimizer builds one over `params` with its state in `arena`.
+void parse_optimizer(std::string_view name);
+std::unique_ptr<Optimizer> make_optimizer(std::string_view name, const TrainableSet& params, Arena& arena,
+                                          const AdamWSettings& settings);
 
 }  // namespace oomless

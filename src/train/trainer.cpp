@@ -173,6 +173,10 @@ const std::vector<TrainOption>& train_options() {
       text("schedule", true, "S", "cosine, linear or constant (default cosine)", &C::schedule),
       real("weight-decay", true, "w",
            "decoupled, not on norms and biases (default: 0 pretrained, 0.1 random init)", &C::weight_decay),
+      text("optim", true, "NAME",
+           "adamw (fp32 moments, 8 bytes a trained parameter) or adamw8bit (bitsandbytes'\nblockwise 8-bit "
+           "AdamW: 2 bytes a parameter; tensors under 4096 elements keep fp32)\n(default adamw)",
+           &C::optim),
       real("beta1", true, "b", "AdamW beta1 (default 0.9)", &C::beta1),
       real("beta2", true, "b", "AdamW beta2 (default 0.95)", &C::beta2),
       real("eps", true, "e", "AdamW epsilon (default 1e-8)", &C::eps),
@@ -345,6 +349,7 @@ void validate_config(const TrainConfig& c) {
             " is not supported; use fp32 or bf16");
   OOM_CHECK(c.save_optimizer == "yes" || c.save_optimizer == "no", "[train] --save-optimizer ", c.save_optimizer,
             " is not supported; use yes or no");
+  parse_optimizer(c.optim);
   OOM_CHECK(c.seq >= 2, "[train] --seq must be at least 2");
   OOM_CHECK(c.batch >= 1 && c.grad_accum >= 1, "[train] --batch and --grad-accum must be at least 1");
   OOM_CHECK(c.epochs >= 0 && std::isfinite(c.epochs), "[train] --epochs must be a positive number, got ", c.epochs);
@@ -444,7 +449,7 @@ struct Trainer::State {
   std::string out;
   Engine e;
   TrainableSet trained;
-  std::unique_ptr<AdamW> opt;
+  std::unique_ptr<Optimizer> opt;
   std::unique_ptr<PagedKvStore> kv;
   int64_t C = 0;  // chunk length (0: whole sequences)
   std::unique_ptr<Dataset> data;
@@ -580,10 +585,14 @@ int64_t default_page(int64_t C) {
     msg += "\n--seq " + std::to_string(c.seq) + " is past the model's max_position_embeddings (" +
            std::to_string(cfg.max_position) + ")";
   if (c.lora == 0) {
-    msg += "\nthis run trains every parameter: weights " + gb(4 * P) + ", gradients " + gb(4 * P) +
-           ", AdamW state " + gb(8 * P) + " (16 bytes a parameter) before activations";
+    const bool eight = c.optim == "adamw8bit";
+    msg += "\nthis run trains every parameter: weights " + gb(4 * P) + ", gradients " + gb(4 * P) + ", " +
+           (eight ? "AdamW8bit state " + gb(2 * P) + " (10 bytes a parameter)"
+                  : "AdamW state " + gb(8 * P) + " (16 bytes a parameter)") +
+           " before activations";
     msg += "\nchanges that fit more: --lora 16 (the base frozen: no base gradients or optimizer state, saves about " +
            gb(12 * P) + "), --lora 16 --qlora (also the frozen projections in NF4, about 0.5 byte a parameter)";
+    if (!eight) msg += ", --optim adamw8bit (8-bit optimizer state, saves about " + gb(6 * P) + ")";
   } else if (!c.qlora && c.base_dtype == "fp32") {
     msg += "\nchanges that fit more: --qlora (the frozen projections in NF4, about " + gb(3.4 * P) + " less)";
   } else {
@@ -651,7 +660,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
         "it were never trained; --rope-scaling yarn:F (or linear:F) stretches its RoPE to F times its context\n",
         static_cast<long long>(c.seq), static_cast<long long>(cfg.max_position));
   s.trained = model.trainable();
-  s.opt = std::make_unique<AdamW>(s.trained, s.e.mem->host, AdamWSettings{c.lr, c.beta1, c.beta2, c.eps, c.weight_decay});
+  s.opt = make_optimizer(c.optim, s.trained, s.e.mem->host, AdamWSettings{c.lr, c.beta1, c.beta2, c.eps, c.weight_decay});
   say("oomless train: %s trainable parameters (%s)%s%s%s\n", format_count(trainable_params()).c_str(),
       format_bytes(static_cast<size_t>(trainable_bytes())).c_str(), s.e.adapters ? "; frozen base " : "",
       s.e.adapters ? format_count(frozen_params()).c_str() : "",

@@ -38,6 +38,7 @@ struct TrainConfig {
   int64_t warmup = -1;
   std::string schedule = "cosine";
   double weight_decay = -1;
+  std::string optim = "adamw";  // adamw | adamw8bit
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double clip = 1.0;
   std::string eval_data;       // empty: the bundled eval text when training on the bundled corpus

@@ -52,6 +52,8 @@ class CpuOps final : public Ops {
   CeResult linear_cross_entropy_fused(Tensor lse, Tensor dh, Tensor h, Tensor w, Tensor targets, int32_t ignore_index,
                                       double grad_scale) override;
   void adamw_step(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamWConfig& cfg) override;
+  void adamw8bit_step(Tensor param, Tensor grad, Tensor m_codes, Tensor m_absmax, Tensor v_codes, Tensor v_absmax,
+                      const AdamWConfig& cfg) override;
 
   // Scratch from the workspace arena (Category::workspace).
   Buffer scratch(size_t bytes, const char* what);

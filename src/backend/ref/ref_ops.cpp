@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "backend/checks.h"
+#include "core/dynamic8.h"
 #include "backend/ref/ref_load.h"
 
 namespace oomless {
@@ -305,7 +306,54 @@ void RefOps::adamw_step(Tensor param, Tensor grad, Tensor m, Tensor v, const Ada
     f64(m)[i] = cfg.beta1 * f64(m)[i] + (1.0 - cfg.beta1) * g;
     f64(v)[i] = cfg.beta2 * f64(v)[i] + (1.0 - cfg.beta2) * g * g;
     double mh = f64(m)[i] / bc1, vh = f64(v)[i] / bc2;
-    f64(param)[i] -= cfg.lr * (mh / (std::sqrt(vh) + cfg.eps) + cfg.weight_decay * f64(param)[i]);
+    const double update = mh / (std::sqrt(vh) + cfg.eps);
+    if (cfg.decay_after_update)
+      f64(param)[i] = (f64(param)[i] - cfg.lr * update) * (1.0 - cfg.lr * cfg.weight_decay);
+    else
+      f64(param)[i] -= cfg.lr * (update + cfg.weight_decay * f64(param)[i]);
+  }
+}
+
+namespace {
+
+// dynamic8.h's quantiser in float64 (the grid index from the scaled value, the code from the map's lookup).
+double encode_block_f64(const dyn8::Map& map, const double* x, int64_t n, uint8_t* codes) {
+  double b = 0.0;
+  for (int64_t i = 0; i < n; ++i)
+    if (b < std::fabs(x[i])) b = std::fabs(x[i]);
+  for (int64_t i = 0; i < n; ++i) codes[i] = b == 0.0 ? 0 : map.code(static_cast<float>(x[i] / b));
+  return b;
+}
+
+}  // namespace
+
+void RefOps::adamw8bit_step(Tensor param, Tensor grad, Tensor m_codes, Tensor m_absmax, Tensor v_codes,
+                            Tensor v_absmax, const AdamWConfig& cfg) {
+  check_adamw8bit(param, grad, m_codes, m_absmax, v_codes, v_absmax, cfg, kAct);
+  const double bc1 = 1.0 - std::pow(cfg.beta1, static_cast<double>(cfg.step));
+  const double bc2 = 1.0 - std::pow(cfg.beta2, static_cast<double>(cfg.step));
+  const dyn8::Map& sm = dyn8::signed_map();
+  const dyn8::Map& um = dyn8::unsigned_map();
+  uint8_t* mc = static_cast<uint8_t*>(m_codes.data);
+  uint8_t* vc = static_cast<uint8_t*>(v_codes.data);
+  const int64_t n = param.numel();
+  std::vector<double> m(kAdam8Block), v(kAdam8Block);
+  for (int64_t i0 = 0, b = 0; i0 < n; i0 += kAdam8Block, ++b) {
+    const int64_t len = std::min(n - i0, kAdam8Block);
+    for (int64_t k = 0; k < len; ++k) {
+      const int64_t i = i0 + k;
+      const double g = f64(grad)[i];
+      if (!std::isfinite(g)) {
+        m[k] = v[k] = 0.0;
+        continue;
+      }
+      m[k] = cfg.beta1 * sm.values()[mc[i]] * f64(m_absmax)[b] + (1.0 - cfg.beta1) * g;
+      v[k] = cfg.beta2 * um.values()[vc[i]] * f64(v_absmax)[b] + (1.0 - cfg.beta2) * g * g;
+      const double update = (m[k] / bc1) / (std::sqrt(v[k] / bc2) + cfg.eps);
+      f64(param)[i] = (f64(param)[i] - cfg.lr * update) * (1.0 - cfg.lr * cfg.weight_decay);
+    }
+    f64(m_absmax)[b] = encode_block_f64(sm, m.data(), len, mc + i0);
+    f64(v_absmax)[b] = encode_block_f64(um, v.data(), len, vc + i0);
   }
 }
 

@@ -43,6 +43,8 @@ class RefOps final : public Ops {
   void linear_cross_entropy_backward(Tensor dh, Tensor dw, Tensor h, Tensor w, Tensor targets, Tensor lse,
                                      int32_t ignore_index, double grad_scale) override;
   void adamw_step(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamWConfig& cfg) override;
+  void adamw8bit_step(Tensor param, Tensor grad, Tensor m_codes, Tensor m_absmax, Tensor v_codes, Tensor v_absmax,
+                      const AdamWConfig& cfg) override;
 };
 
 // inv_freq (D/2) in double for a head dim D, as RopeConfig describes. Shared by every backend.
