@@ -1,5 +1,6 @@
 // Kernel benchmarks: GEMM at model shapes through oomless (CpuOps::matmul) beside oneDNN called
-// directly (one multi-threaded primitive created once), and causal attention forward+backward.
+// directly (one multi-threaded primitive created once), causal attention forward+backward, and the
+// optimizer steps (fp32 AdamW, AdamW8bit) over one large tensor.
 // Runs alternate (ours on each path, direct, ours, ...) and each figure is the median of `--reps` runs.
 // --isa names the GEMM paths to run side by side (comma-separated, or all: every path this CPU has;
 // default: the one in use, see OOMLESS_ISA in gemm.h); attention runs on the default path.
@@ -15,6 +16,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "backend/cpu/cpu_ops.h"
@@ -242,6 +244,43 @@ int main(int argc, char** argv) {
     std::printf("| %lld | %lld | %lld | %lld | %s | %.1f | %.1f | %.2f |\n", (long long)T, (long long)H, (long long)Hkv,
                 (long long)D, dtype_name(kvt), r_fwd, r_both, ref_rate > 0 ? r_both / ref_rate : 0.0);
     std::fflush(stdout);
+  }
+  // Optimizer steps over one tensor: fp32 AdamW (28 bytes of memory traffic a parameter: p, m, v read and
+  // written, g read) against AdamW8bit (about 16: p read and written, g read, two codes read and written).
+  {
+    const int64_t n = quick ? (int64_t{1} << 22) : (int64_t{1} << 24), blocks = (n + kAdam8Block - 1) / kAdam8Block;
+    std::printf("\n## Optimizer step over %lld parameters (median of %d alternating runs)\n\n", (long long)n, reps);
+    std::printf("| optimizer | ms | parameters/s (M) | GB/s of state traffic |\n|---|---|---|---|\n");
+    auto f32buf = [&](int64_t k, const char* w) { return mem.host.alloc(sizeof(float) * k, Category::optimizer, w); };
+    Buffer p = f32buf(n, "p"), g = f32buf(n, "g"), m = f32buf(n, "m"), v = f32buf(n, "v");
+    Buffer ma = f32buf(blocks, "m absmax"), va = f32buf(blocks, "v absmax");
+    Buffer mc = mem.host.alloc(n, Category::optimizer, "m codes"), vc = mem.host.alloc(n, Category::optimizer, "v codes");
+    fill(p.data(), DType::f32, n, 11);
+    fill(g.data(), DType::f32, n, 12);
+    std::memset(m.data(), 0, sizeof(float) * n);
+    std::memset(v.data(), 0, sizeof(float) * n);
+    std::memset(mc.data(), 0, n);
+    std::memset(vc.data(), 0, n);
+    std::memset(ma.data(), 0, sizeof(float) * blocks);
+    std::memset(va.data(), 0, sizeof(float) * blocks);
+    Tensor tp = p.view(DType::f32, {n}), tg = g.view(DType::f32, {n}), tm = m.view(DType::f32, {n}), tv = v.view(DType::f32, {n});
+    Tensor tmc = mc.view(DType::u8, {n}), tvc = vc.view(DType::u8, {n});
+    Tensor tma = ma.view(DType::f32, {blocks}), tva = va.view(DType::f32, {blocks});
+    AdamWConfig c;
+    c.lr = 1e-6;  // small, so repeated steps keep the parameters where they are
+    c.weight_decay = 0.01;
+    std::vector<double> t32, t8;
+    for (int r = 0; r <= reps; ++r) {
+      c.step = r + 1;
+      double t0 = now();
+      ops.adamw_step(tp, tg, tm, tv, c);
+      double t1 = now();
+      ops.adamw8bit_step(tp, tg, tmc, tma, tvc, tva, c);
+      double t2 = now();
+      if (r > 0) t32.push_back(t1 - t0), t8.push_back(t2 - t1);  // the first pair warms the pages
+    }
+    for (auto [name, t, bytes] : {std::tuple{"adamw", median(t32), 28.0}, std::tuple{"adamw8bit", median(t8), 16.0}})
+      std::printf("| %s | %.1f | %.0f | %.1f |\n", name, t * 1e3, n / t * 1e-6, bytes * n / t * 1e-9);
   }
   std::printf("\nledger peak (all bench buffers and scratch): %s\n", format_bytes(mem.ledger.peak_all()).c_str());
   return 0;

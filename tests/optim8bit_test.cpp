@@ -14,8 +14,10 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <random>
 #include <tuple>
 
+#include "backend/cpu/adam8.h"
 #include "backend/ops.h"
 #include "core/dynamic8.h"
 #include "io/json.h"
@@ -197,6 +199,45 @@ TEST(AdamW8bit, NonFiniteGradientZeroesStateKeepsParameter) {
     EXPECT_NE(after[4], before[4]) << backend;
     EXPECT_NE(after[302], before[302]) << backend;
   }
+}
+
+// The AVX2 block kernel gives the portable one's bits: full and short blocks, all-zero and non-finite
+// gradients, gradients whose square overflows (handed to the portable rules), states from earlier steps.
+TEST(AdamW8bit, Avx2BlockKernelGivesThePortableBits) {
+  if (!cpu::adam8_avx2_supported()) GTEST_SKIP() << "no AVX2 + FMA";
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd;
+  std::uniform_real_distribution<float> ud(-4, 2);
+  const cpu::Adam8Scalars s{0.9f, 0.995f, 0.1f, 0.005f, 0.3f, -1e-3f, 1e-8f, 0.9999f, true};
+  int blocks = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    const int64_t len = trial % 7 == 6 ? 1 + trial % 255 : kAdam8Block;
+    std::vector<float> p(kAdam8Block), g(kAdam8Block);
+    std::vector<uint8_t> mc(kAdam8Block), vc(kAdam8Block);
+    float ma = trial % 5 == 0 ? 0.0f : std::pow(10.0f, ud(rng)), va = trial % 5 == 0 ? 0.0f : std::pow(10.0f, ud(rng));
+    const float scale = std::pow(10.0f, ud(rng));
+    for (int64_t k = 0; k < kAdam8Block; ++k) {
+      p[k] = nd(rng);
+      g[k] = trial % 11 == 3 ? 0.0f : scale * nd(rng);
+      mc[k] = static_cast<uint8_t>(rng());
+      vc[k] = static_cast<uint8_t>(rng());
+    }
+    if (trial % 13 == 4) g[rng() % len] = std::numeric_limits<float>::quiet_NaN();
+    if (trial % 17 == 5) g[rng() % len] = -std::numeric_limits<float>::infinity();
+    if (trial % 19 == 6) g[rng() % len] = 3e30f;  // g*g overflows: v is infinite
+    std::vector<float> p2 = p;
+    std::vector<uint8_t> mc2 = mc, vc2 = vc;
+    float ma2 = ma, va2 = va;
+    cpu::adam8_block_generic(s, p.data(), g.data(), mc.data(), &ma, vc.data(), &va, len);
+    cpu::adam8_block_avx2(s, p2.data(), g.data(), mc2.data(), &ma2, vc2.data(), &va2, len);
+    ASSERT_EQ(std::memcmp(p.data(), p2.data(), sizeof(float) * kAdam8Block), 0) << "trial " << trial;
+    ASSERT_EQ(mc, mc2) << "trial " << trial;
+    ASSERT_EQ(vc, vc2) << "trial " << trial;
+    ASSERT_EQ(std::memcmp(&ma, &ma2, 4), 0) << "trial " << trial;
+    ASSERT_EQ(std::memcmp(&va, &va2, 4), 0) << "trial " << trial;
+    ++blocks;
+  }
+  EXPECT_EQ(blocks, 400);
 }
 
 TEST(AdamW8bit, StateBytesNamesAndDtypes) {

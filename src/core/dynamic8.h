@@ -23,6 +23,8 @@ class Map {
  public:
   explicit Map(const float* values);
   const float* values() const { return values_; }
+  // The 65536-entry lookup, followed by 3 readable bytes (so a 32-bit gather may read at any index).
+  const uint8_t* lut() const { return lut_; }
   uint8_t code(float c) const {  // c = x / b, already scaled
     const float h = (1.0f + clamp1(c)) * 0.5f;
     const float t = __builtin_fmaf(h, 65535.0f, 0.5f);
@@ -34,6 +36,7 @@ class Map {
   static float clamp1(float v) { return v < -1.0f ? -1.0f : (v > 1.0f ? 1.0f : v); }
   const float* values_;
   uint8_t lut_[65536];
+  uint8_t pad_[4] = {0, 0, 0, 0};
 };
 
 const Map& signed_map();

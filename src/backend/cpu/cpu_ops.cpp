@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "backend/checks.h"
-#include "core/dynamic8.h"
+#include "backend/cpu/adam8.h"
 #include "backend/cpu/gemm.h"
 #include "backend/ref/ref_ops.h"
 
@@ -417,15 +417,15 @@ void CpuOps::adamw8bit_step(Tensor param, Tensor grad, Tensor m_codes, Tensor m_
   check_adamw8bit(param, grad, m_codes, m_absmax, v_codes, v_absmax, cfg, kAct);
   // Scalars as bitsandbytes' CPU update makes them: float(beta), float(1 - beta) from double, the bias
   // corrections in double.
-  const float b1 = static_cast<float>(cfg.beta1), b2 = static_cast<float>(cfg.beta2);
-  const float omb1 = static_cast<float>(1.0 - cfg.beta1), omb2 = static_cast<float>(1.0 - cfg.beta2);
+  cpu::Adam8Scalars s;
+  s.b1 = static_cast<float>(cfg.beta1), s.b2 = static_cast<float>(cfg.beta2);
+  s.omb1 = static_cast<float>(1.0 - cfg.beta1), s.omb2 = static_cast<float>(1.0 - cfg.beta2);
   const double c1 = 1.0 - std::pow(cfg.beta1, static_cast<double>(cfg.step));
-  const float c2 = static_cast<float>(std::sqrt(1.0 - std::pow(cfg.beta2, static_cast<double>(cfg.step))));
-  const float step_size = static_cast<float>(-cfg.lr / c1), eps = static_cast<float>(cfg.eps);
-  const bool decay = cfg.weight_decay > 0;
-  const float keep = static_cast<float>(1.0 - cfg.lr * cfg.weight_decay);
-  const dyn8::Map& sm = dyn8::signed_map();
-  const dyn8::Map& um = dyn8::unsigned_map();
+  s.c2 = static_cast<float>(std::sqrt(1.0 - std::pow(cfg.beta2, static_cast<double>(cfg.step))));
+  s.step_size = static_cast<float>(-cfg.lr / c1), s.eps = static_cast<float>(cfg.eps);
+  s.decay = cfg.weight_decay > 0;
+  s.keep = static_cast<float>(1.0 - cfg.lr * cfg.weight_decay);
+  const cpu::Adam8Block block = cpu::adam8_block();
   float* p = f32p(param);
   const float* g = f32p(grad);
   uint8_t* mc = static_cast<uint8_t*>(m_codes.data);
@@ -436,28 +436,7 @@ void CpuOps::adamw8bit_step(Tensor param, Tensor grad, Tensor m_codes, Tensor m_
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t i0 = b * kAdam8Block, len = std::min(n - i0, kAdam8Block);
-    float m[kAdam8Block], v[kAdam8Block];
-    const float am = ma[b], av = va[b];
-    for (int64_t k = 0; k < len; ++k) {
-      const int64_t i = i0 + k;
-      const float gi = g[i];
-      if (!std::isfinite(gi)) {
-        m[k] = v[k] = 0.0f;
-        continue;
-      }
-      const float mo = sm.values()[mc[i]] * am, vo = um.values()[vc[i]] * av;
-      const float mb = mo * b1, mg = omb1 * gi, vb = vo * b2, vg = omb2 * gi;
-      const float vgg = vg * gi;
-      m[k] = mb + mg;
-      v[k] = vb + vgg;
-      const float denom = std::sqrt(v[k]) / c2 + eps;
-      const float upd = (step_size * m[k]) / denom;
-      float pi = p[i] + upd;
-      if (decay) pi = pi * keep;
-      p[i] = pi;
-    }
-    ma[b] = dyn8::encode_block(sm, m, len, mc + i0);
-    va[b] = dyn8::encode_block(um, v, len, vc + i0);
+    block(s, p + i0, g + i0, mc + i0, ma + b, vc + i0, va + b, len);
   }
 }
 
