@@ -21,6 +21,22 @@ sys.path.insert(0, HERE)
 from run import ROOT, sh, steps_of, timed  # noqa: E402
 
 
+def smollm2_hf(oomless, work, gguf=None):
+    """SmolLM2-135M-Instruct as an f32 Hugging Face folder (its Q4_1 GGUF through `oomless convert`) and the
+    bundled corpus tokenized for it, made once under `work`: (folder, ids file)."""
+    gguf = gguf or sh([os.path.join(ROOT, "scripts/fetch_smollm2.sh")]).stdout.strip().splitlines()[-1]
+    init = os.path.join(work, "smollm2-135m-hf")
+    if not os.path.exists(os.path.join(init, "model.safetensors")):
+        sh([oomless, "convert", "--model", gguf, "--out", init])
+    ids = os.path.join(work, "smollm2.ids")
+    if not os.path.exists(ids):
+        out = sh([oomless, "tokenize", "--model", init, "--text-file", os.path.join(ROOT, "data/kjv/train.txt"),
+                  "--no-special"]).stdout
+        with open(ids, "w") as f:
+            f.write(out)
+    return init, ids
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--oomless", default=os.path.join(ROOT, "build/release/oomless"))
@@ -37,16 +53,7 @@ def main():
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)
-    gguf = a.gguf or sh([os.path.join(ROOT, "scripts/fetch_smollm2.sh")]).stdout.strip().splitlines()[-1]
-    init = os.path.join(a.work, "smollm2-135m-hf")
-    if not os.path.exists(os.path.join(init, "model.safetensors")):
-        sh([a.oomless, "convert", "--model", gguf, "--out", init])
-    ids = os.path.join(a.work, "smollm2.ids")
-    if not os.path.exists(ids):
-        out = sh([a.oomless, "tokenize", "--model", init, "--text-file", os.path.join(ROOT, "data/kjv/train.txt"),
-                  "--no-special"]).stdout
-        with open(ids, "w") as f:
-            f.write(out)
+    init, ids = smollm2_hf(a.oomless, a.work, a.gguf)
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), TOKENIZERS_PARALLELISM="false")
     probe = json.loads(sh([a.oomless, "probe", "--json", "--quick", "--threads", str(a.threads)]).stdout)
     print(f"machine: {probe['cpu']} ({probe['isa']}), {a.threads} threads", flush=True)

@@ -8,7 +8,8 @@ micro-batches; global-norm clipping; AdamW (decoupled weight decay on matrices a
 and biases), torch.optim.AdamW(fused=True). attn_implementation="sdpa"; --dtype bf16 runs the forward
 under torch.autocast("cpu", torch.bfloat16) with fp32 master weights. --lora R trains a PEFT LoRA of rank R
 on all-linear instead (the base frozen; AdamW over the adapter, decay on its matrices as on oomless's);
---qlora loads the base through bitsandbytes 4-bit (nf4, double quantisation, compute dtype fp32 or bf16 as
+--optim adamw8bit uses bitsandbytes.optim.AdamW8bit
+instead (the same groups). --qlora loads the base through bitsandbytes 4-bit (nf4, double quantisation, compute dtype fp32 or bf16 as
 --dtype) and PEFT's prepare_model_for_kbit_training (without gradient checkpointing: oomless keeps every
 activation too), the QLoRA recipe.
 """
@@ -51,6 +52,8 @@ def main():
     ap.add_argument("--lora", type=int, default=0, help="PEFT LoRA of this rank on all-linear (0: full training)")
     ap.add_argument("--lora-alpha", type=float, default=0, help="default 2 x rank, as oomless")
     ap.add_argument("--qlora", action="store_true", help="the base in bitsandbytes NF4 (double quantised)")
+    ap.add_argument("--optim", choices=["adamw", "adamw8bit"], default="adamw",
+                    help="torch.optim.AdamW (fused) or bitsandbytes.optim.AdamW8bit")
     a = ap.parse_args()
 
     import torch
@@ -77,9 +80,12 @@ def main():
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps, fused=True)
+    groups = [{"params": decay, "weight_decay": a.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if a.optim == "adamw8bit":
+        import bitsandbytes as bnb
+        opt = bnb.optim.AdamW8bit(groups, lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps)
+    else:
+        opt = torch.optim.AdamW(groups, lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps, fused=True)
     warmup = min(a.warmup, a.steps)
     V = model.config.vocab_size
 
