@@ -32,20 +32,6 @@ namespace {
 
 constexpr size_t kBudget = size_t{1} << 30;
 
-std::vector<double> to_f64(const Tensor& t) {
-  std::vector<double> v(static_cast<size_t>(t.numel()));
-  convert(v.data(), DType::f64, t.data, t.dtype, t.numel());
-  return v;
-}
-
-std::vector<double> read_f64(const SafetensorsFile& f, const std::string& name) {
-  const StTensor* t = f.find(name);
-  OOM_CHECK(t && t->dtype, "golden tensor ", name, " missing");
-  std::vector<double> v(static_cast<size_t>(t->numel()));
-  convert(v.data(), DType::f64, t->data, *t->dtype, t->numel());
-  return v;
-}
-
 std::vector<uint8_t> read_u8(const SafetensorsFile& f, const std::string& name) {
   const StTensor* t = f.find(name);
   OOM_CHECK(t && t->dtype == DType::u8, "golden tensor ", name, " missing or not U8");
@@ -53,15 +39,9 @@ std::vector<uint8_t> read_u8(const SafetensorsFile& f, const std::string& name) 
   return std::vector<uint8_t>(p, p + t->numel());
 }
 
-double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < got.size(); ++i) num += (got[i] - ref[i]) * (got[i] - ref[i]), den += ref[i] * ref[i];
-  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
-}
-
 struct Golden {
   SafetensorsFile f = SafetensorsFile::open(test::source_path("tests/golden/optim/adamw8bit.safetensors"));
-  std::vector<double> lr = read_f64(f, "lr"), hp = read_f64(f, "hparams");
+  std::vector<double> lr = test::golden_f64(f, "lr"), hp = test::golden_f64(f, "hparams");
   std::vector<ParamSpec> specs() const {
     return {{"small", {3, 300}, true}, {"odd", {17, 257}, true}, {"even", {5120}, false}};
   }
@@ -84,21 +64,21 @@ struct Stepper {
         grads(g.specs(), dtype, arena, Category::grads, "grads") {
     for (size_t i = 0; i < params.specs().size(); ++i) {
       set.push_back({params.specs()[i].name, params.tensors()[i], grads.tensors()[i], params.specs()[i].decay});
-      const std::vector<double> v = read_f64(g.f, "init." + set[i].name);
+      const std::vector<double> v = test::golden_f64(g.f, "init." + set[i].name);
       convert(set[i].param.data, dtype, v.data(), DType::f64, set[i].param.numel());
     }
     opt = std::make_unique<AdamW8bit>(set, arena, g.settings());
   }
   void step(int k) {  // 1-based
     for (Trainable& t : set) {
-      const std::vector<double> v = read_f64(g.f, "grad" + std::to_string(k) + "." + t.name);
+      const std::vector<double> v = test::golden_f64(g.f, "grad" + std::to_string(k) + "." + t.name);
       convert(t.grad.data, t.grad.dtype, v.data(), DType::f64, t.grad.numel());
     }
     opt->step(*ops, set, g.lr[static_cast<size_t>(k - 1)], k);
   }
   std::vector<double> state_f64(const std::string& name) {
     for (const NamedTensor& t : opt->state())
-      if (t.name == name) return to_f64(t.t);
+      if (t.name == name) return test::tensor_f64(t.t);
     ADD_FAILURE() << "no state " << name;
     return {};
   }
@@ -130,13 +110,13 @@ TEST(AdamW8bit, MatchesBitsandbytesOnCpu) {
     r.step(k);
     if (k == 1 || k == 20)
       for (const Trainable& t : r.set) {
-        const double e = rel_err(to_f64(t.param), read_f64(r.g.f, "after" + std::to_string(k) + "." + t.name));
+        const double e = test::rel_l2(test::tensor_f64(t.param), test::golden_f64(r.g.f, "after" + std::to_string(k) + "." + t.name));
         EXPECT_LE(e, 1e-7) << "step " << k << " " << t.name;
       }
   }
   // fp32 state of the small tensor: bitsandbytes' 32-bit update.
-  EXPECT_LE(rel_err(r.state_f64("m.small"), read_f64(r.g.f, "state1.small")), 1e-7);
-  EXPECT_LE(rel_err(r.state_f64("v.small"), read_f64(r.g.f, "state2.small")), 1e-7);
+  EXPECT_LE(test::rel_l2(r.state_f64("m.small"), test::golden_f64(r.g.f, "state1.small")), 1e-7);
+  EXPECT_LE(test::rel_l2(r.state_f64("v.small"), test::golden_f64(r.g.f, "state2.small")), 1e-7);
   for (const char* n : {"odd", "even"}) {
     for (auto [ours, theirs, scale, theirs_scale] :
          {std::tuple{"m.", "state1.", "m_absmax.", "absmax1."}, std::tuple{"v.", "state2.", "v_absmax.", "absmax2."}}) {
@@ -145,7 +125,7 @@ TEST(AdamW8bit, MatchesBitsandbytesOnCpu) {
       size_t differ = 0;
       for (size_t i = 0; i < a.size(); ++i) differ += a[i] != b[i];
       EXPECT_EQ(differ, 0u) << ours << n << ": " << differ << " of " << a.size() << " codes differ";
-      EXPECT_LE(rel_err(r.state_f64(scale + std::string(n)), read_f64(r.g.f, theirs_scale + std::string(n))), 1e-7)
+      EXPECT_LE(test::rel_l2(r.state_f64(scale + std::string(n)), test::golden_f64(r.g.f, theirs_scale + std::string(n))), 1e-7)
           << scale << n;
     }
   }
@@ -158,12 +138,12 @@ TEST(AdamW8bit, Float64ModelAgrees) {
     ref.step(k);
   }
   for (size_t i = 0; i < cpu.set.size(); ++i)
-    EXPECT_LE(rel_err(to_f64(cpu.set[i].param), to_f64(ref.set[i].param)), 1e-6) << cpu.set[i].name;
+    EXPECT_LE(test::rel_l2(test::tensor_f64(cpu.set[i].param), test::tensor_f64(ref.set[i].param)), 1e-6) << cpu.set[i].name;
   for (const char* n : {"m_absmax.odd", "v_absmax.odd", "m_absmax.even", "v_absmax.even"})
-    EXPECT_LE(rel_err(cpu.state_f64(n), ref.state_f64(n)), 1e-6) << n;
+    EXPECT_LE(test::rel_l2(cpu.state_f64(n), ref.state_f64(n)), 1e-6) << n;
   // and against bitsandbytes (a different implementation of the same rules)
   for (const Trainable& t : ref.set)
-    EXPECT_LE(rel_err(to_f64(t.param), read_f64(ref.g.f, "after20." + t.name)), 1e-6) << t.name;
+    EXPECT_LE(test::rel_l2(test::tensor_f64(t.param), test::golden_f64(ref.g.f, "after20." + t.name)), 1e-6) << t.name;
 }
 
 // A NaN or infinite gradient element zeroes that element's m and v and leaves its parameter unchanged;
@@ -174,19 +154,19 @@ TEST(AdamW8bit, NonFiniteGradientZeroesStateKeepsParameter) {
     r.step(1);
     r.step(2);
     const Trainable& t = r.set[2];  // "even", 8-bit
-    const std::vector<double> before = to_f64(t.param);
-    const std::vector<double> g3 = read_f64(r.g.f, "grad3.even");
+    const std::vector<double> before = test::tensor_f64(t.param);
+    const std::vector<double> g3 = test::golden_f64(r.g.f, "grad3.even");
     std::vector<double> g = g3;
     g[5] = std::numeric_limits<double>::quiet_NaN();
     g[300] = std::numeric_limits<double>::infinity();
     g[301] = -std::numeric_limits<double>::infinity();
     for (Trainable& u : r.set) {
-      const std::vector<double> v = read_f64(r.g.f, "grad3." + u.name);
+      const std::vector<double> v = test::golden_f64(r.g.f, "grad3." + u.name);
       convert(u.grad.data, u.grad.dtype, v.data(), DType::f64, u.grad.numel());
     }
     convert(t.grad.data, t.grad.dtype, g.data(), DType::f64, t.grad.numel());
     r.opt->step(*r.ops, r.set, r.g.lr[2], 3);
-    const std::vector<double> after = to_f64(t.param);
+    const std::vector<double> after = test::tensor_f64(t.param);
     const std::vector<uint8_t> mc = r.codes("m.even"), vc = r.codes("v.even");
     const std::vector<double> ma = r.state_f64("m_absmax.even"), va = r.state_f64("v_absmax.even");
     for (int i : {5, 300, 301}) {

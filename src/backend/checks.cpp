@@ -292,4 +292,16 @@ void check_adamw8bit(const Tensor& param, const Tensor& grad, const Tensor& m_co
   OOM_CHECK(cfg.eps > 0 && std::isfinite(cfg.lr), op, " eps must be positive and lr finite");
 }
 
+void check_svd_basis(const Tensor& out, const Tensor& g, bool right, DType act) {
+  const char* op = "[svd_basis]";
+  check_dtype(op, "g", g, {act});
+  check_dtype(op, "out", out, {act});
+  OOM_CHECK(g.ndim == 2 && out.ndim == 2 && g.data && out.data, op, " g and out must be matrices, got ", g.str(), " and ",
+            out.str());
+  const int64_t m = g.dims[0], n = g.dims[1], r = right ? out.dims[0] : out.dims[1];
+  OOM_CHECK(right ? out.dims[1] == n : out.dims[0] == m, op, " out ", out.str(), " does not fit g ", g.str(),
+            right ? " (right: (r, n))" : " (left: (m, r))");
+  OOM_CHECK(r >= 1 && r <= std::min(m, n), op, " rank ", r, " must be in 1..", std::min(m, n), " for g ", g.str());
+}
+
 }  // namespace oomless

@@ -67,6 +67,7 @@ void check_cross_entropy_backward(const char* op, const CeDims& d, const Tensor&
 
 void check_adamw8bit(const Tensor& param, const Tensor& grad, const Tensor& m_codes, const Tensor& m_absmax,
                      const Tensor& v_codes, const Tensor& v_absmax, const AdamWConfig& cfg, DType act);
+void check_svd_basis(const Tensor& out, const Tensor& g, bool right, DType act);
 void check_adamw(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWConfig& cfg,
                  DType act);
 

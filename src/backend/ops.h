@@ -203,6 +203,10 @@ class Ops {
   // cfg.decay_after_update is implied.
   virtual void adamw8bit_step(Tensor param, Tensor grad, Tensor m_codes, Tensor m_absmax, Tensor v_codes,
                               Tensor v_absmax, const AdamWConfig& cfg) = 0;
+  // The top-r singular vectors of g (m, n), from LAPACK's divide-and-conquer SVD (gesdd): right: out (r, n)
+  // holds the first r rows of V^T; otherwise out (m, r) the first r columns of U. Each vector's sign is
+  // fixed so that its entry of largest magnitude (the first, on a tie) is positive. 1 <= r <= min(m, n).
+  virtual void svd_basis(Tensor out, Tensor g, bool right) = 0;
 };
 
 // "ref" or "cpu" (and "cuda" when built). workspace: the arena that scratch memory is charged to;

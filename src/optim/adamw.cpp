@@ -49,6 +49,11 @@ void AdamW::step(Ops& ops, const TrainableSet& params, double lr, int64_t step) 
   c.beta2 = settings_.beta2;
   c.eps = settings_.eps;
   c.step = step;
+  if (settings_.transformers_form) {
+    // (m / bc1) / (sqrt(v) / sqrt(bc2) + eps / sqrt(bc2)) = lr sqrt(bc2) / bc1 * m / (sqrt(v) + eps)
+    c.eps = settings_.eps / std::sqrt(1.0 - std::pow(settings_.beta2, static_cast<double>(step)));
+    c.decay_after_update = true;
+  }
   for (size_t i = 0; i < params.size(); ++i) {
     const Trainable& t = params[i];
     OOM_CHECK(t.name == m_.specs()[i].name && t.param.same_shape(m_.tensors()[i]), "[optim] tensor ", i, " (", t.name,

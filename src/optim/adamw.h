@@ -22,6 +22,9 @@ struct AdamWSettings {
   double beta2 = 0.999;
   double eps = 1e-8;
   double weight_decay = 0.0;
+  // galore_torch's AdamW (transformers' form): the weight decay after the Adam step, and eps added to
+  // sqrt(v) before the bias correction (step size lr sqrt(1 - b2^t) / (1 - b1^t)); torch's form when false.
+  bool transformers_form = false;
 };
 
 class AdamW final : public Optimizer {

@@ -28,11 +28,12 @@ class Optimizer {
 };
 
 struct AdamWSettings;
+struct GaLoreSettings;
 
-// The optimizers --optim names: "adamw", "adamw8bit". parse_optimizer throws for any other name, listing
-// them; make_optimizer builds one over `params` with its state in `arena`.
+// The optimizers --optim names: "adamw", "adamw8bit", "galore", "galore8bit". parse_optimizer throws for
+// any other name, listing them; make_optimizer builds one over `params` with its state in `arena`.
 void parse_optimizer(std::string_view name);
 std::unique_ptr<Optimizer> make_optimizer(std::string_view name, const TrainableSet& params, Arena& arena,
-                                          const AdamWSettings& settings);
+                                          const AdamWSettings& settings, const GaLoreSettings& galore);
 
 }  // namespace oomless

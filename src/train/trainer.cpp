@@ -28,6 +28,7 @@
 #include "model/paged_kv.h"
 #include "optim/adamw.h"
 #include "optim/clip.h"
+#include "optim/galore.h"
 #include "optim/schedule.h"
 #include "train/checkpoint.h"
 #include "train/metrics.h"
@@ -175,8 +176,18 @@ const std::vector<TrainOption>& train_options() {
            "decoupled, not on norms and biases (default: 0 pretrained, 0.1 random init)", &C::weight_decay),
       text("optim", true, "NAME",
            "adamw (fp32 moments, 8 bytes a trained parameter) or adamw8bit (bitsandbytes'\nblockwise 8-bit "
-           "AdamW: 2 bytes a parameter; tensors under 4096 elements keep fp32)\n(default adamw)",
+           "AdamW: 2 bytes a parameter; tensors under 4096 elements keep fp32),\ngalore or galore8bit (GaLore: "
+           "the layers' matrices trained by Adam in an r-dimensional\nprojection of their gradient, fp32 or 8-bit "
+           "moments; the rest by AdamW) (default adamw)",
            &C::optim),
+      whole("galore-rank", true, "r", "GaLore's rank (default: width / 4)", &C::galore_rank),
+      whole("galore-gap", true, "n", "steps between GaLore's projector refreshes (an SVD per matrix) (default 200)",
+            &C::galore_gap),
+      real("galore-scale", true, "s", "GaLore's update scale (default 0.25)", &C::galore_scale),
+      text("galore-refresh", true, "all|staggered",
+           "all: every projector refreshed at the same step; staggered: layer l's at the\nsteps s with (s-1) mod "
+           "gap = l mod gap, spreading the SVDs (default all)",
+           &C::galore_refresh),
       real("beta1", true, "b", "AdamW beta1 (default 0.9)", &C::beta1),
       real("beta2", true, "b", "AdamW beta2 (default 0.95)", &C::beta2),
       real("eps", true, "e", "AdamW epsilon (default 1e-8)", &C::eps),
@@ -350,6 +361,15 @@ void validate_config(const TrainConfig& c) {
   OOM_CHECK(c.save_optimizer == "yes" || c.save_optimizer == "no", "[train] --save-optimizer ", c.save_optimizer,
             " is not supported; use yes or no");
   parse_optimizer(c.optim);
+  const bool galore = c.optim == "galore" || c.optim == "galore8bit";
+  OOM_CHECK(galore || (c.galore_rank == 0 && c.galore_gap == 200 && c.galore_scale == 0.25 && c.galore_refresh == "all"),
+            "[train] --galore-rank, --galore-gap, --galore-scale and --galore-refresh need --optim galore or galore8bit");
+  OOM_CHECK(!galore || c.lora == 0, "[train] --optim ", c.optim, " projects the gradients of full weight matrices; "
+            "with --lora (an adapter already low-rank) use --optim adamw or adamw8bit");
+  OOM_CHECK(c.galore_refresh == "all" || c.galore_refresh == "staggered", "[train] --galore-refresh ",
+            c.galore_refresh, " is not supported; use all or staggered");
+  OOM_CHECK(c.galore_rank >= 0 && c.galore_gap >= 1 && c.galore_scale > 0 && std::isfinite(c.galore_scale),
+            "[train] --galore-rank must be at least 1 (or 0: width / 4), --galore-gap at least 1 and --galore-scale positive");
   OOM_CHECK(c.seq >= 2, "[train] --seq must be at least 2");
   OOM_CHECK(c.batch >= 1 && c.grad_accum >= 1, "[train] --batch and --grad-accum must be at least 1");
   OOM_CHECK(c.epochs >= 0 && std::isfinite(c.epochs), "[train] --epochs must be a positive number, got ", c.epochs);
@@ -660,7 +680,9 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
         "it were never trained; --rope-scaling yarn:F (or linear:F) stretches its RoPE to F times its context\n",
         static_cast<long long>(c.seq), static_cast<long long>(cfg.max_position));
   s.trained = model.trainable();
-  s.opt = make_optimizer(c.optim, s.trained, s.e.mem->host, AdamWSettings{c.lr, c.beta1, c.beta2, c.eps, c.weight_decay});
+  s.opt = make_optimizer(c.optim, s.trained, s.e.mem->host, AdamWSettings{c.lr, c.beta1, c.beta2, c.eps, c.weight_decay},
+                         GaLoreSettings{c.galore_rank > 0 ? c.galore_rank : std::max<int64_t>(cfg.E / 4, 1), c.galore_gap,
+                                        c.galore_scale, false, c.galore_refresh == "staggered"});
   say("oomless train: %s trainable parameters (%s)%s%s%s\n", format_count(trainable_params()).c_str(),
       format_bytes(static_cast<size_t>(trainable_bytes())).c_str(), s.e.adapters ? "; frozen base " : "",
       s.e.adapters ? format_count(frozen_params()).c_str() : "",

@@ -38,7 +38,11 @@ struct TrainConfig {
   int64_t warmup = -1;
   std::string schedule = "cosine";
   double weight_decay = -1;
-  std::string optim = "adamw";  // adamw | adamw8bit
+  std::string optim = "adamw";  // adamw | adamw8bit | galore | galore8bit
+  int64_t galore_rank = 0;      // 0: width / 4
+  int64_t galore_gap = 200;     // steps between projector refreshes
+  double galore_scale = 0.25;
+  std::string galore_refresh = "all";  // all | staggered
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double clip = 1.0;
   std::string eval_data;       // empty: the bundled eval text when training on the bundled corpus

@@ -119,6 +119,30 @@ double rel_l2(const HostTensor& got, const HostTensor& ref) {
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
+double rel_l2(const std::vector<double>& got, const std::vector<double>& ref) {
+  EXPECT_EQ(got.size(), ref.size());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < std::min(got.size(), ref.size()); ++i) {
+    num += (got[i] - ref[i]) * (got[i] - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+std::vector<double> tensor_f64(const Tensor& t) {
+  std::vector<double> v(static_cast<size_t>(t.numel()));
+  convert(v.data(), DType::f64, t.data, t.dtype, t.numel());
+  return v;
+}
+
+std::vector<double> golden_f64(const SafetensorsFile& f, const std::string& name) {
+  const StTensor* t = f.find(name);
+  OOM_CHECK(t && t->dtype, "golden tensor ", name, " missing");
+  std::vector<double> v(static_cast<size_t>(t->numel()));
+  convert(v.data(), DType::f64, t->data, *t->dtype, t->numel());
+  return v;
+}
+
 bool all_finite(const HostTensor& t) {
   for (int64_t i = 0; i < t.numel(); ++i)
     if (!std::isfinite(t.get(i))) return false;

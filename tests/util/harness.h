@@ -11,6 +11,7 @@
 
 #include "backend/ops.h"
 #include "core/tensor.h"
+#include "io/safetensors.h"
 
 namespace oomless::test {
 
@@ -52,6 +53,12 @@ class HostTensor {
 
 // Relative L2 error ||got - ref|| / ||ref|| (absolute when ||ref|| == 0), in double.
 double rel_l2(const HostTensor& got, const HostTensor& ref);
+// The same over float64 vectors of one length (e.g. tensor_f64 of a Tensor against golden_f64).
+double rel_l2(const std::vector<double>& got, const std::vector<double>& ref);
+// A tensor's elements (any float dtype) as float64.
+std::vector<double> tensor_f64(const Tensor& t);
+// Tensor `name` of a golden file (any float dtype) as float64; throws when it is missing.
+std::vector<double> golden_f64(const SafetensorsFile& f, const std::string& name);
 // True when every element is finite.
 bool all_finite(const HostTensor& t);
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "backend/checks.h"
+#include "backend/lapack.h"
 #include "backend/cpu/adam8.h"
 #include "backend/cpu/gemm.h"
 #include "backend/ref/ref_ops.h"
@@ -438,6 +439,13 @@ void CpuOps::adamw8bit_step(Tensor param, Tensor grad, Tensor m_codes, Tensor m_
     const int64_t i0 = b * kAdam8Block, len = std::min(n - i0, kAdam8Block);
     block(s, p + i0, g + i0, mc + i0, ma + b, vc + i0, va + b, len);
   }
+}
+
+void CpuOps::svd_basis(Tensor out, Tensor g, bool right) {
+  check_svd_basis(out, g, right, kAct);
+  const int64_t m = g.dims[0], n = g.dims[1];
+  Buffer work = scratch(lapack::svd_workspace(m, n, sizeof(float)), "svd");
+  lapack::svd_basis(f32p(g), m, n, right ? out.dims[0] : out.dims[1], right, f32p(out), work.data());
 }
 
 }  // namespace oomless

@@ -54,6 +54,7 @@ class CpuOps final : public Ops {
   void adamw_step(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamWConfig& cfg) override;
   void adamw8bit_step(Tensor param, Tensor grad, Tensor m_codes, Tensor m_absmax, Tensor v_codes, Tensor v_absmax,
                       const AdamWConfig& cfg) override;
+  void svd_basis(Tensor out, Tensor g, bool right) override;
 
   // Scratch from the workspace arena (Category::workspace).
   Buffer scratch(size_t bytes, const char* what);

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "backend/checks.h"
+#include "backend/lapack.h"
 #include "core/dynamic8.h"
 #include "backend/ref/ref_load.h"
 
@@ -355,6 +356,13 @@ void RefOps::adamw8bit_step(Tensor param, Tensor grad, Tensor m_codes, Tensor m_
     f64(m_absmax)[b] = encode_block_f64(sm, m.data(), len, mc + i0);
     f64(v_absmax)[b] = encode_block_f64(um, v.data(), len, vc + i0);
   }
+}
+
+void RefOps::svd_basis(Tensor out, Tensor g, bool right) {
+  check_svd_basis(out, g, right, kAct);
+  const int64_t m = g.dims[0], n = g.dims[1];
+  std::vector<double> work((lapack::svd_workspace(m, n, sizeof(double)) + 7) / 8);
+  lapack::svd_basis(f64(g), m, n, right ? out.dims[0] : out.dims[1], right, f64(out), work.data());
 }
 
 }  // namespace oomless

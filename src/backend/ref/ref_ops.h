@@ -45,6 +45,7 @@ class RefOps final : public Ops {
   void adamw_step(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamWConfig& cfg) override;
   void adamw8bit_step(Tensor param, Tensor grad, Tensor m_codes, Tensor m_absmax, Tensor v_codes, Tensor v_absmax,
                       const AdamWConfig& cfg) override;
+  void svd_basis(Tensor out, Tensor g, bool right) override;
 };
 
 // inv_freq (D/2) in double for a head dim D, as RopeConfig describes. Shared by every backend.
