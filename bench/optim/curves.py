@@ -75,7 +75,7 @@ def main():
     variants = [v.split("=", 1) for v in a.variant] or [["adamw", "--optim adamw"], ["adamw8bit", "--optim adamw8bit"]]
     out = a.out or os.path.join("bench", "optim", "results", f"curves-{time.strftime('%Y-%m-%d')}")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    work = out + ".runs"
+    work = os.path.join("build", "curves-runs", os.path.basename(out))
     curves, rows = [], []
     for name, flags in variants:
         train, evals, secs = run(a.bin, a.model, a.steps, shlex.split(flags), extra, os.path.join(work, name))
