@@ -32,31 +32,11 @@ ModelConfig golden_config() {
   return c;
 }
 
-std::vector<double> to_f64(const Tensor& t) {
-  std::vector<double> v(static_cast<size_t>(t.numel()));
-  convert(v.data(), DType::f64, t.data, t.dtype, t.numel());
-  return v;
-}
-
-std::vector<double> read_f64(const SafetensorsFile& f, const std::string& name) {
-  const StTensor* t = f.find(name);
-  OOM_CHECK(t && t->dtype, "golden tensor ", name, " missing");
-  std::vector<double> v(static_cast<size_t>(t->numel()));
-  convert(v.data(), DType::f64, t->data, *t->dtype, t->numel());
-  return v;
-}
-
 // dst = golden tensor `name` (F32 in the file: exact in f32 and f64 parameter sets).
 void load(Tensor dst, const SafetensorsFile& f, const std::string& name) {
-  const std::vector<double> v = read_f64(f, name);
+  const std::vector<double> v = test::golden_f64(f, name);
   ASSERT_EQ(static_cast<int64_t>(v.size()), dst.numel()) << name;
   convert(dst.data, dst.dtype, v.data(), DType::f64, dst.numel());
-}
-
-double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < got.size(); ++i) num += (got[i] - ref[i]) * (got[i] - ref[i]), den += ref[i] * ref[i];
-  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
 }
 
 struct GoldenRun {
@@ -71,7 +51,7 @@ struct GoldenRun {
 void run_golden(const std::string& backend, DType dtype, const std::vector<std::pair<std::string, double>>& refs) {
   GoldenRun g;
   const json::Value info = json::parse(g.golden.metadata().at("golden"), "adamw.safetensors metadata");
-  const std::vector<double> lrs = read_f64(g.golden, "lr"), hp = read_f64(g.golden, "hparams");
+  const std::vector<double> lrs = test::golden_f64(g.golden, "lr"), hp = test::golden_f64(g.golden, "hparams");
   ASSERT_EQ(lrs.size(), 5u);
   ASSERT_EQ(hp.size(), 4u);
 
@@ -103,10 +83,10 @@ void run_golden(const std::string& backend, DType dtype, const std::vector<std::
   for (const auto& [prefix, tol] : refs) {
     for (size_t i = 0; i < params.specs().size(); ++i) {
       const std::string& n = params.specs()[i].name;
-      EXPECT_LE(rel_err(to_f64(params.tensors()[i]), read_f64(g.golden, prefix + n)), tol) << backend << " " << prefix << n;
-      EXPECT_LE(rel_err(to_f64(opt.m().tensors()[i]), read_f64(g.golden, prefix + "m." + n)), tol)
+      EXPECT_LE(test::rel_l2(test::tensor_f64(params.tensors()[i]), test::golden_f64(g.golden, prefix + n)), tol) << backend << " " << prefix << n;
+      EXPECT_LE(test::rel_l2(test::tensor_f64(opt.m().tensors()[i]), test::golden_f64(g.golden, prefix + "m." + n)), tol)
           << backend << " " << prefix << "m." << n;
-      EXPECT_LE(rel_err(to_f64(opt.v().tensors()[i]), read_f64(g.golden, prefix + "v." + n)), tol)
+      EXPECT_LE(test::rel_l2(test::tensor_f64(opt.v().tensors()[i]), test::golden_f64(g.golden, prefix + "v." + n)), tol)
           << backend << " " << prefix << "v." << n;
     }
   }
@@ -159,7 +139,7 @@ struct Grads {
   double expected_norm() const {
     double s = 0;
     for (const Tensor& t : g.tensors())
-      for (double x : to_f64(t)) s += x * x;
+      for (double x : test::tensor_f64(t)) s += x * x;
     return std::sqrt(s);
   }
 };
@@ -184,7 +164,7 @@ TEST(Clip, ScalesByMaxOverNormPlusEpsilonWhenAbove) {
   for (const Tensor& t : gr.g.tensors()) ops->scale(t, 1e-4);
   const std::vector<std::vector<double>> before = [&] {
     std::vector<std::vector<double>> v;
-    for (const Tensor& t : gr.g.tensors()) v.push_back(to_f64(t));
+    for (const Tensor& t : gr.g.tensors()) v.push_back(test::tensor_f64(t));
     return v;
   }();
   const double norm = global_grad_norm(*ops, grads_only(gr.g));
@@ -192,7 +172,7 @@ TEST(Clip, ScalesByMaxOverNormPlusEpsilonWhenAbove) {
   clip_grads(*ops, grads_only(gr.g), max_norm, norm);
   const double s = max_norm / (norm + 1e-6);
   for (size_t i = 0; i < before.size(); ++i) {
-    const std::vector<double> after = to_f64(gr.g.tensors()[i]);
+    const std::vector<double> after = test::tensor_f64(gr.g.tensors()[i]);
     for (size_t j = 0; j < after.size(); ++j)
       ASSERT_NEAR(after[j], before[i][j] * s, 1e-7 * std::abs(before[i][j])) << i << " " << j;
   }

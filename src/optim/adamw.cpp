@@ -15,21 +15,12 @@ std::vector<ParamSpec> state_specs(const TrainableSet& p) {
   return s;
 }
 
-DType set_dtype(const TrainableSet& p) {
-  OOM_CHECK(!p.empty(), "[optim] nothing to train: the trainable set is empty");
-  for (const Trainable& t : p)
-    OOM_CHECK(t.param.dtype == p[0].param.dtype && t.grad.dtype == t.param.dtype && t.grad.same_shape(t.param),
-              "[optim] ", t.name, ": parameter ", t.param.str(), " and gradient ", t.grad.str(),
-              " must share one float dtype and shape");
-  return p[0].param.dtype;
-}
-
 }  // namespace
 
 AdamW::AdamW(const TrainableSet& params, Arena& arena, const AdamWSettings& settings)
     : settings_(settings),
-      m_(state_specs(params), set_dtype(params), arena, Category::optimizer, "adamw m"),
-      v_(state_specs(params), set_dtype(params), arena, Category::optimizer, "adamw v") {
+      m_(state_specs(params), trainable_dtype(params), arena, Category::optimizer, "adamw m"),
+      v_(state_specs(params), trainable_dtype(params), arena, Category::optimizer, "adamw v") {
   OOM_CHECK(settings.beta1 >= 0 && settings.beta1 < 1 && settings.beta2 >= 0 && settings.beta2 < 1,
             "[optim] AdamW betas must be in [0, 1), got ", settings.beta1, ", ", settings.beta2);
   OOM_CHECK(settings.eps > 0, "[optim] AdamW eps must be positive, got ", settings.eps);

@@ -23,23 +23,14 @@ std::vector<ParamSpec> specs(const TrainableSet& p, bool eight, const char* m, c
   return s;
 }
 
-DType set_dtype(const TrainableSet& p) {
-  OOM_CHECK(!p.empty(), "[optim] nothing to train: the trainable set is empty");
-  for (const Trainable& t : p)
-    OOM_CHECK(t.param.dtype == p[0].param.dtype && t.grad.dtype == t.param.dtype && t.grad.same_shape(t.param),
-              "[optim] ", t.name, ": parameter ", t.param.str(), " and gradient ", t.grad.str(),
-              " must share one float dtype and shape");
-  return p[0].param.dtype;
-}
-
 }  // namespace
 
 AdamW8bit::AdamW8bit(const TrainableSet& params, Arena& arena, const AdamWSettings& settings)
     : settings_(settings),
       codes_(specs(params, true, "m.", "v.", false), DType::u8, arena, Category::optimizer, "adamw8bit codes"),
-      scales_(specs(params, true, "m_absmax.", "v_absmax.", true), set_dtype(params), arena, Category::optimizer,
+      scales_(specs(params, true, "m_absmax.", "v_absmax.", true), trainable_dtype(params), arena, Category::optimizer,
               "adamw8bit scales"),
-      small_(specs(params, false, "m.", "v.", false), set_dtype(params), arena, Category::optimizer,
+      small_(specs(params, false, "m.", "v.", false), trainable_dtype(params), arena, Category::optimizer,
              "adamw8bit fp32 state") {
   OOM_CHECK(settings.beta1 >= 0 && settings.beta1 < 1 && settings.beta2 >= 0 && settings.beta2 < 1,
             "[optim] AdamW8bit betas must be in [0, 1), got ", settings.beta1, ", ", settings.beta2);

@@ -73,8 +73,7 @@ GaLore::GaLore(const TrainableSet& params, Arena& arena, const AdamWSettings& ad
     slot_.push_back(static_cast<int64_t>(proj_.size()));
     proj_.push_back(p);
   }
-  OOM_CHECK(!params.empty(), "[optim] nothing to train: the trainable set is empty");
-  const DType dt = params[0].param.dtype;
+  const DType dt = trainable_dtype(params);
   projectors_ = ParamSet(pspecs, dt, arena, Category::optimizer, "galore projectors");
   moments_ = ParamSet(mspecs, dt, arena, Category::optimizer, "galore moments");
   codes_ = ParamSet(cspecs, DType::u8, arena, Category::optimizer, "galore 8-bit moments");

@@ -6,6 +6,15 @@
 
 namespace oomless {
 
+DType trainable_dtype(const TrainableSet& p) {
+  OOM_CHECK(!p.empty(), "[optim] nothing to train: the trainable set is empty");
+  for (const Trainable& t : p)
+    OOM_CHECK(t.param.dtype == p[0].param.dtype && t.grad.dtype == t.param.dtype && t.grad.same_shape(t.param),
+              "[optim] ", t.name, ": parameter ", t.param.str(), " and gradient ", t.grad.str(),
+              " must share one float dtype and shape");
+  return p[0].param.dtype;
+}
+
 void parse_optimizer(std::string_view name) {
   OOM_CHECK(name == "adamw" || name == "adamw8bit" || name == "galore" || name == "galore8bit", "[train] --optim ",
             name, " is not an optimizer oomless has; use adamw (fp32 moments), adamw8bit (bitsandbytes' blockwise "

@@ -33,6 +33,9 @@ struct GaLoreSettings;
 // The optimizers --optim names: "adamw", "adamw8bit", "galore", "galore8bit". parse_optimizer throws for
 // any other name, listing them; make_optimizer builds one over `params` with its state in `arena`.
 void parse_optimizer(std::string_view name);
+// The one float dtype of every parameter and gradient of `params` (same shapes pairwise); throws otherwise
+// or when the set is empty.
+DType trainable_dtype(const TrainableSet& params);
 std::unique_ptr<Optimizer> make_optimizer(std::string_view name, const TrainableSet& params, Arena& arena,
                                           const AdamWSettings& settings, const GaLoreSettings& galore);
 
