@@ -62,14 +62,16 @@ std::vector<NamedTensor> AdamW::state() {
   return s;
 }
 
-json::Value AdamW::settings_json() const {
+json::Value adam_settings_json(const char* optimizer, const AdamWSettings& s) {
   json::Value o = json::Value::object();
-  o.set("optimizer", json::Value::string("adamw"));
-  o.set("beta1", json::Value::number(settings_.beta1));
-  o.set("beta2", json::Value::number(settings_.beta2));
-  o.set("eps", json::Value::number(settings_.eps));
-  o.set("weight-decay", json::Value::number(settings_.weight_decay));
+  o.set("optimizer", json::Value::string(optimizer));
+  o.set("beta1", json::Value::number(s.beta1));
+  o.set("beta2", json::Value::number(s.beta2));
+  o.set("eps", json::Value::number(s.eps));
+  o.set("weight-decay", json::Value::number(s.weight_decay));
   return o;
 }
+
+json::Value AdamW::settings_json() const { return adam_settings_json("adamw", settings_); }
 
 }  // namespace oomless

@@ -27,6 +27,9 @@ struct AdamWSettings {
   bool transformers_form = false;
 };
 
+// The settings every Adam variant writes: {"optimizer", "beta1", "beta2", "eps", "weight-decay"}.
+json::Value adam_settings_json(const char* optimizer, const AdamWSettings& s);
+
 class AdamW final : public Optimizer {
  public:
   // `params` fixes the names, shapes and dtype of the state.

@@ -79,12 +79,7 @@ std::vector<NamedTensor> AdamW8bit::state() {
 }
 
 json::Value AdamW8bit::settings_json() const {
-  json::Value o = json::Value::object();
-  o.set("optimizer", json::Value::string("adamw8bit"));
-  o.set("beta1", json::Value::number(settings_.beta1));
-  o.set("beta2", json::Value::number(settings_.beta2));
-  o.set("eps", json::Value::number(settings_.eps));
-  o.set("weight-decay", json::Value::number(settings_.weight_decay));
+  json::Value o = adam_settings_json("adamw8bit", settings_);
   o.set("block", json::Value::number(static_cast<double>(kAdam8Block)));
   o.set("min-8bit-size", json::Value::number(static_cast<double>(kMin8bitElements)));
   return o;

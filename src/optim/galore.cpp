@@ -162,12 +162,7 @@ std::vector<NamedTensor> GaLore::state() {
 }
 
 json::Value GaLore::settings_json() const {
-  json::Value o = json::Value::object();
-  o.set("optimizer", json::Value::string(name()));
-  o.set("beta1", json::Value::number(adam_.beta1));
-  o.set("beta2", json::Value::number(adam_.beta2));
-  o.set("eps", json::Value::number(adam_.eps));
-  o.set("weight-decay", json::Value::number(adam_.weight_decay));
+  json::Value o = adam_settings_json(name(), adam_);
   o.set("galore-rank", json::Value::number(static_cast<double>(galore_.rank)));
   o.set("galore-gap", json::Value::number(static_cast<double>(galore_.gap)));
   o.set("galore-scale", json::Value::number(galore_.scale));
