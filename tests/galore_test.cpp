@@ -78,10 +78,11 @@ TEST(GaLore, MatchesGaloreTorch) {
   for (int k = 1; k <= 10; ++k) {
     r.step(k);
     refreshed.push_back(r.opt->refreshed_last_step());
-    if (k == 1)
+    if (k == 1) {
       for (const Trainable& t : r.set)
         EXPECT_LE(test::rel_l2(test::tensor_f64(t.param), test::golden_f64(r.g.f, "galore.after1." + t.name)), 1e-5)
             << "step 1 " << t.name;
+    }
   }
   EXPECT_EQ(refreshed, (std::vector<int64_t>{3, 0, 0, 0, 3, 0, 0, 0, 3, 0}));
   for (const Trainable& t : r.set)

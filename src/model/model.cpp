@@ -87,8 +87,49 @@ Model::Model(const ModelConfig& cfg, Ops& ops, ParamSet& params, Arena& arena, M
 
 Model::~Model() = default;
 
+namespace {
+
+constexpr std::string_view kLayerPrefix = "model.layers.";
+
+// The layer of a model.layers.N.* name, or -1.
+int64_t layer_of_name(std::string_view name, std::string* rest = nullptr) {
+  if (name.substr(0, kLayerPrefix.size()) != kLayerPrefix) return -1;
+  name.remove_prefix(kLayerPrefix.size());
+  int64_t l = 0;
+  size_t i = 0;
+  while (i < name.size() && name[i] >= '0' && name[i] <= '9') l = l * 10 + (name[i++] - '0');
+  if (i == 0 || i >= name.size() || name[i] != '.') return -1;
+  if (rest) *rest = std::string(name.substr(i));
+  return l;
+}
+
+// Trainable::group of a trainable tensor's name (Hugging Face or PEFT keys).
+int64_t group_of(std::string_view name, const ModelConfig& cfg) {
+  constexpr std::string_view peft = "base_model.model.";
+  if (name.substr(0, peft.size()) == peft) name.remove_prefix(peft.size());
+  if (const int64_t l = layer_of_name(name); l >= 0) return l;
+  if (name == "model.embed_tokens.weight" || (cfg.tied && name == "lm_head.weight")) return kEmbedGroup;
+  return kHeadGroup;  // model.norm.weight, lm_head.weight
+}
+
+}  // namespace
+
+void Model::share_layer_grads() {
+  OOM_CHECK(!opt_.adapters, "[model] shared layer gradients are for full training");
+  OOM_CHECK(!grads_, "[model] share_layer_grads() must come before the gradients are allocated");
+  share_layer_grads_ = true;
+}
+
 ParamSet& Model::grads() {
   OOM_CHECK(!opt_.adapters, "[model] the base model is frozen under adapters: it has no gradients");
+  if (!grads_ && share_layer_grads_) {
+    grads_ = std::make_unique<ParamSet>(cfg_, act_, arena_, Category::grads,
+                                        [](const ParamSpec& p) { return layer_of_name(p.name) <= 0; });
+    for (const ParamSpec& p : param_specs(cfg_)) {
+      std::string rest;
+      if (layer_of_name(p.name, &rest) > 0) grads_->set_view(p.name, *grads_->find(std::string(kLayerPrefix) + "0" + rest));
+    }
+  }
   if (!grads_) grads_ = std::make_unique<ParamSet>(cfg_, act_, arena_, Category::grads);
   return *grads_;
 }
@@ -117,18 +158,25 @@ void Model::ensure_grads() {
 }
 
 TrainableSet Model::trainable() {
+  TrainableSet t;
   if (opt_.adapters) {
-    TrainableSet t = trainable_set(opt_.adapters->tensors(), adapter_grads().tensors());
+    t = trainable_set(opt_.adapters->tensors(), adapter_grads().tensors());
     // modules_to_save, under PEFT's keys (a tied matrix once, as the embedding).
     if (g_embed_.data) t.push_back({"base_model.model.model.embed_tokens.weight", params_.embed, g_embed_, true});
     if (g_head_.data && !cfg_.tied) t.push_back({"base_model.model.lm_head.weight", params_.lm_head, g_head_, true});
-    return t;
+  } else {
+    for (size_t i = 0; i < params_.specs().size(); ++i)
+      OOM_CHECK(params_.tensors()[i].data, "[model] ", params_.specs()[i].name, " is held quantised (",
+                params_.tensors()[i].quant ? params_.tensors()[i].quant->format : "elsewhere",
+                "): a quantised base can only be frozen; train an adapter on it (--lora r)");
+    t = trainable_set(params_, grads());
   }
-  for (size_t i = 0; i < params_.specs().size(); ++i)
-    OOM_CHECK(params_.tensors()[i].data, "[model] ", params_.specs()[i].name, " is held quantised (",
-              params_.tensors()[i].quant ? params_.tensors()[i].quant->format : "elsewhere",
-              "): a quantised base can only be frozen; train an adapter on it (--lora r)");
-  return trainable_set(params_, grads());
+  for (Trainable& x : t) x.group = group_of(x.name, cfg_);
+  return t;
+}
+
+void Model::grads_final(int64_t group) {
+  if (grad_hook_ && hook_this_backward_) grad_hook_(group);
 }
 
 void Model::zero_grads() {

@@ -28,6 +28,7 @@
 // sweeps the history again. With C >= T this is the full-sequence computation, bit for bit.
 #pragma once
 #include <array>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -81,6 +82,11 @@ class Model {
   // Gradient storage of every parameter (category grads), allocated on first call, zero-filled. Full
   // training only: with adapters the base is frozen and has no gradients (an error).
   ParamSet& grads();
+  // Before grads() is first called: every layer's gradients share layer 0's storage, so the gradients of
+  // the whole model never exist at once (one layer's, the embedding's, the norm's and the head's do). Only
+  // for a caller that consumes and zeroes each layer's gradients in on_grads_final, one backward per step.
+  void share_layer_grads();
+  bool layer_grads_shared() const { return share_layer_grads_; }
   // Adapter gradients (category grads), allocated on first call; needs adapters.
   AdapterSet& adapter_grads();
   // What trains, with its gradients (allocated here): every parameter in param_specs order, or the
@@ -101,6 +107,12 @@ class Model {
   CeResult forward(Tensor ids, Tensor targets, bool for_backward, std::optional<double> grad_scale = std::nullopt);
   // Backward of the last forward(for_backward = true): parameter gradients += d(grad_scale * loss_sum).
   void backward(double grad_scale);
+  // `hook(group)` is called in the next backward() (in chunked_step: its last, chunk 0's) as each group of
+  // gradients is final (Trainable::group): kHeadGroup, then layers L-1 .. 0, then kEmbedGroup; the hook may
+  // read, step and zero those gradients. It is called once per group, then dropped. A caller that arms it
+  // must have the pass it arms be the step's last accumulation into the gradients.
+  using GradHook = std::function<void(int64_t group)>;
+  void on_grads_final(GradHook hook) { grad_hook_ = std::move(hook); }
   // Logits (T, V) of the last forward (act dtype), for tests and small T.
   void logits(Tensor out);
   // Per-token cross-entropy of the last forward (T values; 0 for unsupervised rows), in double.
@@ -239,6 +251,10 @@ class Model {
   bool cap_chunked_ = false;
   ChunkKv* chunk_kv_ = nullptr;  // set while a chunked pass runs: attention goes through it
   bool have_forward_ = false;
+  bool share_layer_grads_ = false;
+  GradHook grad_hook_;
+  bool hook_this_backward_ = true;  // chunked_step: only chunk 0's backward fires the hook
+  void grads_final(int64_t group);
   std::optional<double> fused_scale_;  // the last forward left dh for this grad_scale
 };
 

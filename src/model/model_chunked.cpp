@@ -103,7 +103,9 @@ CeResult Model::chunked_step(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv,
   for (int64_t c = n - 1; c >= 0; --c) {
     kv.set_chunk(c);
     const CeResult r = chunk_forward(chunk_of(ids, c, C), chunk_of(targets, c, C), c * C, kv, false, true, true, grad_scale);
+    hook_this_backward_ = c == 0;  // the last accumulation into every gradient
     backward(grad_scale);
+    hook_this_backward_ = true;
     kv.chunk_done(c);
     total.loss_sum += r.loss_sum;
     total.count += r.count;

@@ -93,13 +93,17 @@ void Model::backward(double grad_scale) {
   }
   Tensor x_last(s.layer_in[static_cast<size_t>(cfg_.L)].data, act_, {T, E});
   ops_.rmsnorm_backward(dx, g_norm, dh, x_last, params_.final_norm, rstd);
+  grads_final(kHeadGroup);
   for (int64_t l = cfg_.L - 1; l >= 0; --l) {
     Acts a = acts_for_layer(l);
     recompute_for_backward(l, a, pos);
     block_backward(l, a, pos, dx);
+    grads_final(l);
   }
   if (grads_) ops_.embedding_backward(grads_->embed, dx, id_t);
   else if (g_embed_.data) ops_.embedding_backward(g_embed_, dx, id_t);
+  grads_final(kEmbedGroup);
+  if (hook_this_backward_) grad_hook_ = nullptr;
 }
 
 void Model::logits(Tensor out) {

@@ -16,7 +16,13 @@ struct Trainable {
   Tensor param;      // (any shape) in the backend's act dtype
   Tensor grad;       // same shape and dtype
   bool decay = true; // weight decay applies (matrices and embeddings; not norms, biases, DoRA magnitudes)
+  // When backward finishes its gradient (Model::on_grads_final): layer 0..L-1, kHeadGroup (the final norm
+  // and an untied head) or kEmbedGroup (the embedding, and the head tied to it).
+  int64_t group = 0;
 };
+
+inline constexpr int64_t kEmbedGroup = -1;
+inline constexpr int64_t kHeadGroup = 1 << 30;
 
 using TrainableSet = std::vector<Trainable>;
 

@@ -28,12 +28,9 @@ AdamW::AdamW(const TrainableSet& params, Arena& arena, const AdamWSettings& sett
             "[optim] AdamW weight_decay must be finite and >= 0, got ", settings.weight_decay);
 }
 
-void AdamW::step(Ops& ops, const TrainableSet& params, double lr, int64_t step) {
-  OOM_CHECK(step >= 1, "[optim] AdamW steps count from 1, got ", step);
-  OOM_CHECK(std::isfinite(lr) && lr >= 0, "[optim] AdamW learning rate must be finite and >= 0, got ", lr);
-  // The state is laid out from the same set; anything else would update the wrong tensors.
-  OOM_CHECK(params.size() == m_.specs().size(), "[optim] AdamW was built for ", m_.specs().size(),
-            " tensors, the step has ", params.size());
+void AdamW::step_tensors(Ops& ops, const TrainableSet& params, const std::vector<size_t>& which, double lr,
+                         int64_t step) {
+  check_step(params, which, m_.specs().size(), lr, step);
   AdamWConfig c;
   c.lr = lr;
   c.beta1 = settings_.beta1;
@@ -45,7 +42,7 @@ void AdamW::step(Ops& ops, const TrainableSet& params, double lr, int64_t step) 
     c.eps = settings_.eps / std::sqrt(1.0 - std::pow(settings_.beta2, static_cast<double>(step)));
     c.decay_after_update = true;
   }
-  for (size_t i = 0; i < params.size(); ++i) {
+  for (size_t i : which) {
     const Trainable& t = params[i];
     OOM_CHECK(t.name == m_.specs()[i].name && t.param.same_shape(m_.tensors()[i]), "[optim] tensor ", i, " (", t.name,
               ", ", t.param.str(), ") does not match the optimizer state (", m_.specs()[i].name, ", ",

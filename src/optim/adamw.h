@@ -36,7 +36,8 @@ class AdamW final : public Optimizer {
   AdamW(const TrainableSet& params, Arena& arena, const AdamWSettings& settings);
 
   const char* name() const override { return "adamw"; }
-  void step(Ops& ops, const TrainableSet& params, double lr, int64_t step) override;
+  void step_tensors(Ops& ops, const TrainableSet& params, const std::vector<size_t>& which, double lr,
+                    int64_t step) override;
   std::vector<NamedTensor> state() override;
   json::Value settings_json() const override;
 

@@ -44,11 +44,9 @@ AdamW8bit::AdamW8bit(const TrainableSet& params, Arena& arena, const AdamWSettin
   }
 }
 
-void AdamW8bit::step(Ops& ops, const TrainableSet& params, double lr, int64_t step) {
-  OOM_CHECK(step >= 1, "[optim] AdamW8bit steps count from 1, got ", step);
-  OOM_CHECK(std::isfinite(lr) && lr >= 0, "[optim] AdamW8bit learning rate must be finite and >= 0, got ", lr);
-  OOM_CHECK(params.size() == names_.size(), "[optim] AdamW8bit was built for ", names_.size(), " tensors, the step has ",
-            params.size());
+void AdamW8bit::step_tensors(Ops& ops, const TrainableSet& params, const std::vector<size_t>& which, double lr,
+                             int64_t step) {
+  check_step(params, which, names_.size(), lr, step);
   AdamWConfig c;
   c.lr = lr;
   c.beta1 = settings_.beta1;
@@ -56,7 +54,7 @@ void AdamW8bit::step(Ops& ops, const TrainableSet& params, double lr, int64_t st
   c.eps = settings_.eps;
   c.step = step;
   c.decay_after_update = true;
-  for (size_t i = 0; i < params.size(); ++i) {
+  for (size_t i : which) {
     const Trainable& t = params[i];
     const Slot& s = slot_[i];
     const Tensor& ref = s.quantized ? codes_.tensors()[2 * s.index] : small_.tensors()[2 * s.index];

@@ -24,7 +24,8 @@ class AdamW8bit final : public Optimizer {
   AdamW8bit(const TrainableSet& params, Arena& arena, const AdamWSettings& settings);
 
   const char* name() const override { return "adamw8bit"; }
-  void step(Ops& ops, const TrainableSet& params, double lr, int64_t step) override;
+  void step_tensors(Ops& ops, const TrainableSet& params, const std::vector<size_t>& which, double lr,
+                    int64_t step) override;
   std::vector<NamedTensor> state() override;
   json::Value settings_json() const override;
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
@@ -43,10 +44,12 @@ GaLore::GaLore(const TrainableSet& params, Arena& arena, const AdamWSettings& ad
     const Trainable& t = params[i];
     if (!galore_projects(t)) {
       slot_.push_back(-1);
+      rest_pos_.push_back(rest_index_.size());
       rest_index_.push_back(i);
       rest.push_back(t);
       continue;
     }
+    rest_pos_.push_back(SIZE_MAX);
     Proj p;
     p.param = i;
     p.m = t.param.dims[0], p.n = t.param.dims[1], p.r = galore.rank;
@@ -93,14 +96,18 @@ GaLore::GaLore(const TrainableSet& params, Arena& arena, const AdamWSettings& ad
 
 GaLore::~GaLore() = default;
 
-void GaLore::step(Ops& ops, const TrainableSet& params, double lr, int64_t step) {
-  OOM_CHECK(step >= 1, "[optim] GaLore steps count from 1, got ", step);
-  OOM_CHECK(std::isfinite(lr) && lr >= 0, "[optim] GaLore learning rate must be finite and >= 0, got ", lr);
-  OOM_CHECK(params.size() == slot_.size(), "[optim] GaLore was built for ", slot_.size(), " tensors, the step has ",
-            params.size());
-  refreshed_ = 0;
+void GaLore::step_tensors(Ops& ops, const TrainableSet& params, const std::vector<size_t>& which, double lr,
+                          int64_t step) {
+  check_step(params, which, slot_.size(), lr, step);
+  if (step != refreshed_step_) refreshed_ = 0, refreshed_step_ = step;
   const DType dt = params[0].param.dtype;
-  for (const Proj& p : proj_) {
+  std::vector<size_t> rest_which;
+  for (size_t i : which) {
+    if (slot_[i] < 0) {
+      rest_which.push_back(rest_pos_[i]);
+      continue;
+    }
+    const Proj& p = proj_[static_cast<size_t>(slot_[i])];
     const Trainable& t = params[p.param];
     OOM_CHECK(t.param.ndim == 2 && t.param.dims[0] == p.m && t.param.dims[1] == p.n, "[optim] ", t.name, " ",
               t.param.str(), " does not match the GaLore state (", p.m, " x ", p.n, ")");
@@ -145,10 +152,10 @@ void GaLore::step(Ops& ops, const TrainableSet& params, double lr, int64_t step)
     ops.axpy(t.param, lr * galore_.scale, t.grad);
     if (t.decay && adam_.weight_decay > 0) ops.scale(t.param, 1.0 - lr * adam_.weight_decay);
   }
-  if (rest_) {
+  if (rest_ && !rest_which.empty()) {
     TrainableSet rest;
     for (size_t i : rest_index_) rest.push_back(params[i]);
-    rest_->step(ops, rest, lr, step);
+    rest_->step_tensors(ops, rest, rest_which, lr, step);
   }
 }
 

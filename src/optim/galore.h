@@ -40,11 +40,12 @@ class GaLore final : public Optimizer {
   ~GaLore() override;
 
   const char* name() const override { return galore_.eight_bit ? "galore8bit" : "galore"; }
-  void step(Ops& ops, const TrainableSet& params, double lr, int64_t step) override;
+  void step_tensors(Ops& ops, const TrainableSet& params, const std::vector<size_t>& which, double lr,
+                    int64_t step) override;
   std::vector<NamedTensor> state() override;
   json::Value settings_json() const override;
 
-  // Whether params[i] is projected, and the SVDs the last step() computed.
+  // Whether params[i] is projected, and the SVDs the last step computed (all its parts).
   bool projected(size_t i) const { return slot_[i] >= 0; }
   int64_t refreshed_last_step() const { return refreshed_; }
 
@@ -55,10 +56,12 @@ class GaLore final : public Optimizer {
   std::vector<int64_t> slot_;  // index into proj_, or -1
   std::vector<Proj> proj_;
   std::vector<size_t> rest_index_;  // params indices the other optimizer steps
+  std::vector<size_t> rest_pos_;    // per params index: its position among those, or SIZE_MAX
   std::unique_ptr<Optimizer> rest_;
   ParamSet projectors_, moments_, codes_, scales_;
   Buffer scratch_;
   int64_t refreshed_ = 0;
+  int64_t refreshed_step_ = 0;  // the step refreshed_ counts for
 };
 
 // true for the tensors GaLore projects: 2-D, under model.layers.

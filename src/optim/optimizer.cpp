@@ -1,5 +1,7 @@
 #include "optim/optimizer.h"
 
+#include <cmath>
+
 #include "optim/adamw.h"
 #include "optim/adamw8bit.h"
 #include "optim/galore.h"
@@ -13,6 +15,24 @@ DType trainable_dtype(const TrainableSet& p) {
               "[optim] ", t.name, ": parameter ", t.param.str(), " and gradient ", t.grad.str(),
               " must share one float dtype and shape");
   return p[0].param.dtype;
+}
+
+void Optimizer::step(Ops& ops, const TrainableSet& params, double lr, int64_t step) {
+  std::vector<size_t> all(params.size());
+  for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+  step_tensors(ops, params, all, lr, step);
+}
+
+void Optimizer::check_step(const TrainableSet& params, const std::vector<size_t>& which, size_t built, double lr,
+                           int64_t step) const {
+  OOM_CHECK(step >= 1, "[optim] ", name(), " steps count from 1, got ", step);
+  OOM_CHECK(std::isfinite(lr) && lr >= 0, "[optim] ", name(), " learning rate must be finite and >= 0, got ", lr);
+  // The state is laid out from the same set; anything else would update the wrong tensors.
+  OOM_CHECK(params.size() == built, "[optim] ", name(), " was built for ", built, " tensors, the step has ",
+            params.size());
+  for (size_t k = 0; k < which.size(); ++k)
+    OOM_CHECK(which[k] < built && (k == 0 || which[k] > which[k - 1]), "[optim] ", name(),
+              ": the tensors of a partial step must be ascending indices below ", built);
 }
 
 void parse_optimizer(std::string_view name) {

@@ -20,11 +20,21 @@ class Optimizer {
   virtual const char* name() const = 0;
   // One update of every trainable tensor from its gradient at rate lr; step counts from 1. `params` must
   // be the set the optimizer was built for (same names, shapes, order).
-  virtual void step(Ops& ops, const TrainableSet& params, double lr, int64_t step) = 0;
+  void step(Ops& ops, const TrainableSet& params, double lr, int64_t step);
+  // The same update for the tensors params[i], i in `which` (ascending, each at most once), for a step
+  // taken in parts, such as one layer as soon as its gradient is final (--step-in-backward): the parts
+  // of one step, together covering every tensor once, give step()'s result bit for bit.
+  virtual void step_tensors(Ops& ops, const TrainableSet& params, const std::vector<size_t>& which, double lr,
+                            int64_t step) = 0;
   // The state, named for checkpoints (e.g. "m.NAME", "v.NAME"); load_state reads them back in place.
   virtual std::vector<NamedTensor> state() = 0;
   // The settings that define the run (fixed on resume), as JSON.
   virtual json::Value settings_json() const = 0;
+
+ protected:
+  // Checks a step's arguments against the `built` tensors the optimizer was made for.
+  void check_step(const TrainableSet& params, const std::vector<size_t>& which, size_t built, double lr,
+                  int64_t step) const;
 };
 
 struct AdamWSettings;

@@ -192,6 +192,15 @@ const std::vector<TrainOption>& train_options() {
       real("beta2", true, "b", "AdamW beta2 (default 0.95)", &C::beta2),
       real("eps", true, "e", "AdamW epsilon (default 1e-8)", &C::eps),
       real("clip", true, "c", "global gradient-norm clip, 0 = off (default 1.0)", &C::clip),
+      text("clip-norm", true, "current|previous",
+           "the gradient norm --clip scales by: this step's, or the step before's (none at\nstep 1), as "
+           "--step-in-backward needs (default current)",
+           &C::clip_norm),
+      flag("step-in-backward", false,
+           "step each layer's parameters as soon as backward finishes their gradient, then\nfree it: one layer's "
+           "gradients at a time instead of the model's. One sequence a\nstep (--batch 1 --grad-accum 1), whole "
+           "sequences (no --chunk), and --clip 0 or\n--clip-norm previous",
+           &C::step_in_backward),
       text("eval-data", false, "F",
            "held-out text, .ids or .jsonl file: loss of its first 32 windows (.jsonl: chats\nscored on their "
            "assistant turns, as training) (default: none, or the bundled eval\ntext with the bundled corpus)",
@@ -370,6 +379,21 @@ void validate_config(const TrainConfig& c) {
             c.galore_refresh, " is not supported; use all or staggered");
   OOM_CHECK(c.galore_rank >= 0 && c.galore_gap >= 1 && c.galore_scale > 0 && std::isfinite(c.galore_scale),
             "[train] --galore-rank must be at least 1 (or 0: width / 4), --galore-gap at least 1 and --galore-scale positive");
+  OOM_CHECK(c.clip_norm == "current" || c.clip_norm == "previous", "[train] --clip-norm ", c.clip_norm,
+            " is not supported; use current or previous");
+  OOM_CHECK(c.clip_norm == "current" || c.clip > 0, "[train] --clip-norm previous chooses the norm --clip scales by, "
+            "and --clip is 0 (off): give --clip c or drop --clip-norm");
+  if (c.step_in_backward) {
+    OOM_CHECK(c.batch * c.grad_accum == 1, "[train] --step-in-backward steps each layer when its gradient is final, "
+              "so a step holds one sequence: --batch ", c.batch, " --grad-accum ", c.grad_accum, " would accumulate ",
+              c.batch * c.grad_accum, " sequences' gradients first; use --batch 1 --grad-accum 1 (a longer --seq "
+              "for more tokens a step), or drop --step-in-backward");
+    OOM_CHECK(c.chunk == 0, "[train] --step-in-backward cannot combine with --chunk: chunk-recurrent training adds "
+              "every chunk into every layer's gradient, so none is final before the last chunk; drop one of them");
+    OOM_CHECK(c.clip == 0 || c.clip_norm == "previous", "[train] --step-in-backward steps the last layers before "
+              "backward reaches the first, so this step's gradient norm is not known in time for --clip ", c.clip,
+              ": add --clip-norm previous (scale by the step before's norm) or --clip 0");
+  }
   OOM_CHECK(c.seq >= 2, "[train] --seq must be at least 2");
   OOM_CHECK(c.batch >= 1 && c.grad_accum >= 1, "[train] --batch and --grad-accum must be at least 1");
   OOM_CHECK(c.epochs >= 0 && std::isfinite(c.epochs), "[train] --epochs must be a positive number, got ", c.epochs);
@@ -475,6 +499,8 @@ struct Trainer::State {
   std::unique_ptr<Dataset> data;
   ScheduleSettings sched;
   int64_t total = 0, step = 0, nonfinite_total = 0, nonfinite_run = 0;
+  double prev_norm = NAN;  // the last finite step's gradient norm (--clip-norm previous)
+  std::map<int64_t, std::vector<size_t>> groups;  // Trainable::group -> its indices in `trained`
   int64_t per_epoch = 0;  // sequences in an epoch (0: not counted)
   std::vector<int32_t> eval_stream;
   Sequences eval_seqs;
@@ -679,7 +705,9 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
     say("oomless train: warning: --seq %lld is past the model's max_position_embeddings (%lld): positions beyond "
         "it were never trained; --rope-scaling yarn:F (or linear:F) stretches its RoPE to F times its context\n",
         static_cast<long long>(c.seq), static_cast<long long>(cfg.max_position));
+  if (c.step_in_backward && !s.e.adapters) model.share_layer_grads();
   s.trained = model.trainable();
+  for (size_t i = 0; i < s.trained.size(); ++i) s.groups[s.trained[i].group].push_back(i);
   s.opt = make_optimizer(c.optim, s.trained, s.e.mem->host, AdamWSettings{c.lr, c.beta1, c.beta2, c.eps, c.weight_decay},
                          GaLoreSettings{c.galore_rank > 0 ? c.galore_rank : std::max<int64_t>(cfg.E / 4, 1), c.galore_gap,
                                         c.galore_scale, false, c.galore_refresh == "staggered"});
@@ -874,6 +902,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
     s.data->restore(st.at("data"));
     s.step = st.at("step").as_int();
     s.nonfinite_total = st.at("nonfinite_total").as_int();
+    if (st.find("prev_grad_norm") && st.at("prev_grad_norm").is_number()) s.prev_norm = st.at("prev_grad_norm").as_number();
     MetricsWriter::truncate_after(MetricsWriter::path_in(out), s.step);
     say("oomless train: resumed from %s (step %lld of %lld)\n", ck->path.c_str(), static_cast<long long>(s.step),
         static_cast<long long>(s.total));
@@ -948,6 +977,34 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
     for (int32_t t : b.targets[static_cast<size_t>(i)]) r.targets += t >= 0;
   }
   const int64_t N = r.targets;
+  Ops& ops = *s.e.ops;
+  const int64_t opt_step = r.step - s.nonfinite_total;  // Adam's step count: steps taken, skipped ones left out
+  // |g|^2 of each trainable tensor, taken as backward finishes its gradient (Model::on_grads_final) and
+  // summed in the set's order at the end: the clipping norm without a pass over the gradients after
+  // backward, bit for bit global_grad_norm's.
+  std::vector<double> sq(s.trained.size(), 0.0);
+  std::vector<char> done(s.trained.size(), 0);
+  const double clip_prev =
+      c.clip > 0 && c.clip_norm == "previous" && std::isfinite(s.prev_norm) && s.prev_norm > c.clip
+          ? c.clip / (s.prev_norm + 1e-6) : 1.0;
+  bool halted = false;  // --step-in-backward: a non-finite loss or gradient stopped the stepping
+  auto on_final = [&](int64_t g) {
+    const auto it = s.groups.find(g);
+    if (it == s.groups.end()) return;
+    double part = 0;
+    for (size_t i : it->second) part += sq[i] = ops.sum_squares(s.trained[i].grad), done[i] = 1;
+    if (!c.step_in_backward) return;
+    halted |= !std::isfinite(part);
+    if (halted) return;
+    if (clip_prev != 1.0)
+      for (size_t i : it->second) ops.scale(s.trained[i].grad, clip_prev);
+    s.opt->step_tensors(ops, s.trained, it->second, r.lr, opt_step);
+    for (size_t i : it->second) ops.fill(s.trained[i].grad, 0.0);
+  };
+  struct Disarm {
+    Model& m;
+    ~Disarm() { m.on_grads_final(nullptr); }
+  } disarm{model};
   try {
     model.zero_grads();
     double loss_sum = 0;
@@ -957,24 +1014,39 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
       // LoRA dropout masks: one seed per (run seed, step, sequence), so a resumed run draws the same ones.
       model.set_dropout_seed((static_cast<uint64_t>(c.seed) * 0x9E3779B97F4A7C15ull) ^
                              (static_cast<uint64_t>(r.step) << 20) ^ static_cast<uint64_t>(i));
+      if (i + 1 == n) model.on_grads_final(on_final);  // the last pass into the gradients
       if (s.kv) {
         loss_sum += model.chunked_step(id_t, tg_t, s.C, *s.kv, 1.0 / static_cast<double>(N)).loss_sum;
       } else {
         const double scale = 1.0 / static_cast<double>(N);
         CeResult ce = model.forward(id_t, tg_t, true, scale);
+        halted |= c.step_in_backward && !std::isfinite(ce.loss_sum);
         model.backward(scale);
         loss_sum += ce.loss_sum;
       }
     }
     r.loss = N > 0 ? loss_sum / static_cast<double>(N) : 0.0;
-    r.grad_norm = global_grad_norm(*s.e.ops, s.trained);
+    double sum = 0;
+    for (size_t i = 0; i < s.trained.size(); ++i) sum += done[i] ? sq[i] : ops.sum_squares(s.trained[i].grad);
+    r.grad_norm = std::sqrt(sum);
     r.skipped = !std::isfinite(r.loss) || !std::isfinite(r.grad_norm);
     if (r.skipped) {
       ++s.nonfinite_run, ++s.nonfinite_total;
     } else {
       s.nonfinite_run = 0;
-      if (c.clip > 0) clip_grads(*s.e.ops, s.trained, c.clip, r.grad_norm);
-      s.opt->step(*s.e.ops, s.trained, r.lr, r.step - s.nonfinite_total);
+      // Tensors backward has not stepped: all of them, or (--step-in-backward) those it never reached.
+      std::vector<size_t> rest;
+      for (size_t i = 0; i < s.trained.size(); ++i)
+        if (!c.step_in_backward || !done[i]) rest.push_back(i);
+      if (!rest.empty()) {
+        if (c.clip > 0 && c.clip_norm == "current") {
+          clip_grads(ops, s.trained, c.clip, r.grad_norm);
+        } else if (clip_prev != 1.0) {
+          for (size_t i : rest) ops.scale(s.trained[i].grad, clip_prev);
+        }
+        s.opt->step_tensors(ops, s.trained, rest, r.lr, opt_step);
+      }
+      s.prev_norm = r.grad_norm;
     }
   } catch (const OutOfBudget& e) {
     // Setup reserves everything a step needs; reaching this is a bug in that reservation.
@@ -1013,6 +1085,7 @@ std::string Trainer::save() {
   st.set("step", json::Value::integer(s.step));
   st.set("total_steps", json::Value::integer(s.total));
   st.set("nonfinite_total", json::Value::integer(s.nonfinite_total));
+  if (std::isfinite(s.prev_norm)) st.set("prev_grad_norm", json::Value::number(s.prev_norm));
   st.set("data", s.data ? s.data->state() : json::Value());
   st.set("config", s.c.to_json());
   st.set("threads", json::Value::integer(get_threads()));

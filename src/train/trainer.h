@@ -45,6 +45,8 @@ struct TrainConfig {
   std::string galore_refresh = "all";  // all | staggered
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double clip = 1.0;
+  std::string clip_norm = "current";  // current | previous: the norm --clip scales by
+  bool step_in_backward = false;      // each layer stepped as its gradient is final
   std::string eval_data;       // empty: the bundled eval text when training on the bundled corpus
   int64_t eval_every = 100;    // 0: only at the end
   int64_t save_every = 200;    // 0: only at the end
