@@ -485,7 +485,7 @@ void write_safetensors_stream(const std::vector<StWrite>& tensors, const std::ma
     if (__builtin_mul_overflow(numel, static_cast<uint64_t>(info->size), &nbytes)) {
       fail("[safetensors] ", path, ": tensor '", w.name, "': shape ", shape_str(w.shape), " is too large");
     }
-    if (nbytes > 0 && !w.data) fail("[safetensors] ", path, ": tensor '", w.name, "' has no data");
+    if (nbytes > 0 && !w.data && !w.read) fail("[safetensors] ", path, ": tensor '", w.name, "' has no data");
     items.push_back({&w, info, nbytes});
   }
   std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
@@ -524,8 +524,20 @@ void write_safetensors_stream(const std::vector<StWrite>& tensors, const std::ma
 
   sink(len, 8);
   sink(text.data(), text.size());
+  std::vector<char> piece;
   for (const auto& it : items) {
-    if (it.nbytes) sink(it.w->data, it.nbytes);
+    if (!it.nbytes) continue;
+    if (it.w->data) {
+      sink(it.w->data, it.nbytes);
+      continue;
+    }
+    constexpr uint64_t kPiece = 4 << 20;
+    piece.resize(static_cast<size_t>(std::min(kPiece, it.nbytes)));
+    for (uint64_t o = 0; o < it.nbytes; o += kPiece) {
+      const size_t n = static_cast<size_t>(std::min(kPiece, it.nbytes - o));
+      it.w->read(piece.data(), static_cast<size_t>(o), n);
+      sink(piece.data(), n);
+    }
   }
 }
 

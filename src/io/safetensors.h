@@ -99,7 +99,10 @@ struct StWrite {
   std::string name;
   DType dtype;                  // f32, f64, bf16, f16, i32, i8, f8_e4m3 or f8_e5m2
   std::vector<int64_t> shape;   // empty for a 0-d tensor
-  const void* data = nullptr;   // numel elements; may be null when numel is 0
+  const void* data = nullptr;   // numel elements; may be null when numel is 0 or `read` is given
+  // Instead of data: fills dst with the tensor's bytes [offset, offset + n), called in order over the
+  // tensor in pieces of at most a few MiB (a tensor streamed from disk, never whole in memory).
+  std::function<void(void* dst, size_t offset, size_t n)> read = {};
 };
 
 // Writes a .safetensors file that the reference (Python/Rust) library reads and writes identically:

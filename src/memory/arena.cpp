@@ -241,9 +241,32 @@ size_t Arena::used() const {
   return used_;
 }
 
+Arena::Arena(void* base, size_t bytes, Tier tier, Ledger& ledger)
+    : tier_(tier), budget_(bytes), ledger_(ledger), shared_(nullptr), region_(static_cast<char*>(base)) {
+  OOM_CHECK(base && reinterpret_cast<uintptr_t>(base) % kAlign == 0, "[arena] a sub-arena needs a ", kAlign,
+            "-byte aligned region");
+}
+
 Buffer Arena::alloc(size_t bytes, Category cat, std::string_view what) {
   Buffer b;
   if (bytes == 0) return b;
+  if (region_) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const size_t need = (bytes + kAlign - 1) / kAlign * kAlign;
+    if (need > budget_ - region_next_)
+      throw OutOfBudget("[arena] a sub-arena of " + format_bytes(budget_) + " has no room for " + format_bytes(bytes) +
+                        " of " + category_name(cat) + (what.empty() ? std::string() : " (" + std::string(what) + ")") +
+                        " after " + format_bytes(region_next_));
+    b.ptr_ = region_ + region_next_;
+    region_next_ += need;
+    ++region_live_;
+    used_ += bytes;
+    ledger_.on_alloc(tier_, cat, bytes);
+    b.arena_ = this;
+    b.bytes_ = bytes;
+    b.cat_ = cat;
+    return b;
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     bool over_own = bytes > budget_ - std::min(used_, budget_);
@@ -290,6 +313,13 @@ Buffer Arena::alloc(size_t bytes, Category cat, std::string_view what) {
 }
 
 void Arena::release(void* p, size_t bytes, Category c) {
+  if (region_) {
+    ledger_.on_free(tier_, c, bytes);
+    std::lock_guard<std::mutex> lock(mu_);
+    used_ -= bytes;
+    if (--region_live_ == 0) region_next_ = 0;
+    return;
+  }
   if (bytes >= kMapThreshold)
     munmap(p, bytes);
   else

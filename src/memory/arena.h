@@ -103,6 +103,10 @@ class Arena {
   // A tier arena with its own budget, recorded in `ledger`. `shared`, if given, is a second limit that
   // this arena's allocations also count against (and must outlive the arena).
   Arena(Tier tier, size_t budget, Ledger& ledger, Budget* shared = nullptr);
+  // A sub-arena over `bytes` at `base`, memory another arena holds and already counts: allocations are
+  // carved from it in order (64-byte aligned) and the region is reused from its start once none is live.
+  // Recorded in `ledger`, which should be a private one so that no byte is counted twice.
+  Arena(void* base, size_t bytes, Tier tier, Ledger& ledger);
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
   ~Arena();
@@ -124,6 +128,9 @@ class Arena {
   Budget* shared_;
   mutable std::mutex mu_;
   size_t used_ = 0;
+  char* region_ = nullptr;  // sub-arena: its memory, the next free offset and the live allocations
+  size_t region_next_ = 0;
+  int64_t region_live_ = 0;
 };
 
 // The memory of one CPU run: a ledger and Device + Host arenas that share one budget.

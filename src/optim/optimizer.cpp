@@ -1,6 +1,7 @@
 #include "optim/optimizer.h"
 
 #include <cmath>
+#include <cstring>
 
 #include "optim/adamw.h"
 #include "optim/adamw8bit.h"
@@ -33,6 +34,43 @@ void Optimizer::check_step(const TrainableSet& params, const std::vector<size_t>
   for (size_t k = 0; k < which.size(); ++k)
     OOM_CHECK(which[k] < built && (k == 0 || which[k] > which[k - 1]), "[optim] ", name(),
               ": the tensors of a partial step must be ascending indices below ", built);
+}
+
+std::vector<StWrite> Optimizer::state_entries() {
+  std::vector<StWrite> w;
+  for (const NamedTensor& t : state()) w.push_back({t.name, t.t.dtype, std::vector<int64_t>(t.t.dims, t.t.dims + t.t.ndim), t.t.data, {}});
+  return w;
+}
+
+void check_state_file(const SafetensorsFile& f, const std::vector<StWrite>& want, const char* optimizer) {
+  auto bytes = [](const StWrite& w) {
+    int64_t n = 1;
+    for (int64_t d : w.shape) n *= d;
+    return static_cast<uint64_t>(dtype_bytes(w.dtype, n));
+  };
+  for (const StWrite& w : want) {
+    const StTensor* st = f.find(w.name);
+    OOM_CHECK(st, "[train] ", f.path(), " holds no optimizer tensor '", w.name, "' that ", optimizer, " needs: the "
+              "checkpoint's optimizer state is another optimizer's or another model's, or the file is damaged; resume "
+              "from another checkpoint, or start a new run from its weights");
+    OOM_CHECK(st->dtype && *st->dtype == w.dtype && st->nbytes == bytes(w), "[train] ", f.path(), ": optimizer tensor '", w.name,
+              "' is ", st->dtype_name, " of ", st->nbytes, " bytes where ", optimizer, " keeps ",
+              dtype_name(w.dtype), " of ", bytes(w), " bytes: the state was saved with other settings, or the file is "
+              "damaged; resume from another checkpoint, or start a new run from its weights");
+  }
+  OOM_CHECK(f.tensors().size() == want.size(), "[train] ", f.path(), " holds ", f.tensors().size(), " optimizer "
+            "tensors where ", optimizer, " has ", want.size(), ": the state was saved by another optimizer or with other "
+            "settings; resume from another checkpoint, or start a new run from its weights");
+}
+
+void Optimizer::load_state(const SafetensorsFile& f) {
+  const std::vector<NamedTensor> mine = state();
+  const std::vector<StWrite> want = state_entries();
+  check_state_file(f, want, name());
+  for (const NamedTensor& t : mine) {
+    const StTensor* st = f.find(t.name);
+    std::memcpy(t.t.data, st->data, st->nbytes);
+  }
 }
 
 void parse_optimizer(std::string_view name) {

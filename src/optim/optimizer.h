@@ -9,6 +9,7 @@
 
 #include "backend/ops.h"
 #include "io/json.h"
+#include "io/safetensors.h"
 #include "memory/arena.h"
 #include "model/trainable.h"
 
@@ -26,8 +27,14 @@ class Optimizer {
   // of one step, together covering every tensor once, give step()'s result bit for bit.
   virtual void step_tensors(Ops& ops, const TrainableSet& params, const std::vector<size_t>& which, double lr,
                             int64_t step) = 0;
-  // The state, named for checkpoints (e.g. "m.NAME", "v.NAME"); load_state reads them back in place.
+  // The state in memory, named for checkpoints (e.g. "m.NAME", "v.NAME"), in a fixed order.
   virtual std::vector<NamedTensor> state() = 0;
+  // The state as a checkpoint writes it (an entry may stream its bytes from disk: StWrite::read), and read
+  // back from a checkpoint's optimizer file, which must hold exactly these tensors with their dtypes and
+  // shapes (else an error naming the first that differs, before anything is changed). The defaults go
+  // through state(); an optimizer whose state is not in memory overrides both.
+  virtual std::vector<StWrite> state_entries();
+  virtual void load_state(const SafetensorsFile& f);
   // The settings that define the run (fixed on resume), as JSON.
   virtual json::Value settings_json() const = 0;
 
@@ -36,6 +43,10 @@ class Optimizer {
   void check_step(const TrainableSet& params, const std::vector<size_t>& which, size_t built, double lr,
                   int64_t step) const;
 };
+
+// Checks that a checkpoint's optimizer file holds exactly `want` (names, dtypes, sizes); throws naming the
+// first difference and what to do.
+void check_state_file(const SafetensorsFile& f, const std::vector<StWrite>& want, const char* optimizer);
 
 struct AdamWSettings;
 struct GaLoreSettings;

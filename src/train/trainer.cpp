@@ -28,6 +28,7 @@
 #include "model/paged_kv.h"
 #include "optim/adamw.h"
 #include "optim/clip.h"
+#include "optim/disk_state.h"
 #include "optim/galore.h"
 #include "optim/schedule.h"
 #include "train/checkpoint.h"
@@ -95,6 +96,14 @@ CheckpointFile tensors_file(const std::string& name, const std::vector<NamedTens
               }
             }
             write_safetensors_stream(w, {{"format", "pt"}}, [fd](const void* d, size_t n) { checkpoint_write(fd, d, n); },
+                                     name);
+          }};
+}
+
+// The optimizer's state file: its entries as the optimizer gives them (some may stream from disk).
+CheckpointFile state_file(const std::string& name, std::vector<StWrite> entries) {
+  return {name, "", [entries = std::move(entries), name](int fd) {
+            write_safetensors_stream(entries, {{"format", "pt"}}, [fd](const void* d, size_t n) { checkpoint_write(fd, d, n); },
                                      name);
           }};
 }
@@ -188,6 +197,10 @@ const std::vector<TrainOption>& train_options() {
            "all: every projector refreshed at the same step; staggered: layer l's at the\nsteps s with (s-1) mod "
            "gap = l mod gap, spreading the SVDs (default all)",
            &C::galore_refresh),
+      text("optim-state", false, "T",
+           "where the optimizer state lives: device, host, or disk (a file in --spill-dir,\nstreamed through a window "
+           "of three tensors' state while the threads update)\n(default host; on a CPU run Device and Host are both RAM)",
+           &C::optim_state),
       real("beta1", true, "b", "AdamW beta1 (default 0.9)", &C::beta1),
       real("beta2", true, "b", "AdamW beta2 (default 0.95)", &C::beta2),
       real("eps", true, "e", "AdamW epsilon (default 1e-8)", &C::eps),
@@ -402,8 +415,11 @@ void validate_config(const TrainConfig& c) {
             "chunk-recurrent training keeps earlier chunks' K/V pages that could live elsewhere");
   OOM_CHECK(c.page == 0 || c.chunk > 0, "[train] --page ", c.page, " needs --chunk C: pages are the K/V store of "
             "chunk-recurrent training");
-  OOM_CHECK(c.spill_dir.empty() || c.kv_offload == "disk", "[train] --spill-dir ", c.spill_dir,
-            " is the folder of --kv-offload disk's spill file; add --kv-offload disk or drop --spill-dir");
+  OOM_CHECK(c.optim_state == "device" || c.optim_state == "host" || c.optim_state == "disk", "[train] --optim-state ",
+            c.optim_state, " is not a place oomless keeps optimizer state; use device, host or disk");
+  OOM_CHECK(c.spill_dir.empty() || c.kv_offload == "disk" || c.optim_state == "disk", "[train] --spill-dir ",
+            c.spill_dir, " is the folder of the spill files of --kv-offload disk and --optim-state disk; add "
+            "--kv-offload disk or --optim-state disk, or drop --spill-dir");
   {
     const int cpus = detect_cpu().logical_cpus;
     OOM_CHECK(c.threads >= 0 && (cpus <= 0 || c.threads <= cpus), "[train] --threads ", c.threads, " is more than this "
@@ -708,9 +724,27 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
   if (c.step_in_backward && !s.e.adapters) model.share_layer_grads();
   s.trained = model.trainable();
   for (size_t i = 0; i < s.trained.size(); ++i) s.groups[s.trained[i].group].push_back(i);
-  s.opt = make_optimizer(c.optim, s.trained, s.e.mem->host, AdamWSettings{c.lr, c.beta1, c.beta2, c.eps, c.weight_decay},
-                         GaLoreSettings{c.galore_rank > 0 ? c.galore_rank : std::max<int64_t>(cfg.E / 4, 1), c.galore_gap,
-                                        c.galore_scale, false, c.galore_refresh == "staggered"});
+  {
+    const AdamWSettings adam{c.lr, c.beta1, c.beta2, c.eps, c.weight_decay};
+    const GaLoreSettings galore{c.galore_rank > 0 ? c.galore_rank : std::max<int64_t>(cfg.E / 4, 1), c.galore_gap,
+                                c.galore_scale, false, c.galore_refresh == "staggered"};
+    if (c.optim_state == "disk") {
+      const std::string dir = c.spill_dir.empty() ? out : c.spill_dir;
+      OOM_CHECK(!dir.empty(), "[train] --optim-state disk needs a folder for its file: give --spill-dir DIR or --out DIR");
+      if (c.spill_dir.empty()) fs::create_directories(out);
+      s.opt = std::make_unique<DiskState>(
+          s.trained,
+          [name = c.optim, adam, galore](const TrainableSet& one, Arena& arena) {
+            return make_optimizer(name, one, arena, adam, galore);
+          },
+          // AdamW and AdamW8bit update element by element (in whole blocks); GaLore projects its matrices whole
+          [galore_run = c.optim.rfind("galore", 0) == 0](const Trainable& t) { return !galore_run || !galore_projects(t); },
+          dir, s.e.mem->device);
+    } else {
+      s.opt = make_optimizer(c.optim, s.trained, c.optim_state == "device" ? s.e.mem->device : s.e.mem->host, adam,
+                             galore);
+    }
+  }
   say("oomless train: %s trainable parameters (%s)%s%s%s\n", format_count(trainable_params()).c_str(),
       format_bytes(static_cast<size_t>(trainable_bytes())).c_str(), s.e.adapters ? "; frozen base " : "",
       s.e.adapters ? format_count(frozen_params()).c_str() : "",
@@ -897,7 +931,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
     if (rounded)
       warn("the checkpoint's weights are bf16 (--save-dtype bf16): the run continues from the rounded weights, not "
            "bit-exactly as an uninterrupted run would");
-    read_tensors(SafetensorsFile::open(ck->path + "/optimizer.safetensors"), s.opt->state());
+    s.opt->load_state(SafetensorsFile::open(ck->path + "/optimizer.safetensors"));
     OOM_CHECK(s.data, "[train] --resume needs the run's --data");
     s.data->restore(st.at("data"));
     s.step = st.at("step").as_int();
@@ -1078,7 +1112,7 @@ std::string Trainer::save() {
     files.push_back({"config.json", json::dump(src.cfg.to_json(), 2) + "\n", {}});
     files.push_back({"generation_config.json", json::dump(generation_config(src), 2) + "\n", {}});
   }
-  if (s.c.save_optimizer == "yes") files.push_back(tensors_file("optimizer.safetensors", s.opt->state()));
+  if (s.c.save_optimizer == "yes") files.push_back(state_file("optimizer.safetensors", s.opt->state_entries()));
   if (src.tokenizer_json.size()) files.push_back({"tokenizer.json", src.tokenizer_json, {}});
   if (!src.tokenizer_config.is_null()) files.push_back({"tokenizer_config.json", json::dump(src.tokenizer_config, 2) + "\n", {}});
   json::Value st = json::Value::object();

@@ -43,6 +43,7 @@ struct TrainConfig {
   int64_t galore_gap = 200;     // steps between projector refreshes
   double galore_scale = 0.25;
   std::string galore_refresh = "all";  // all | staggered
+  std::string optim_state = "host";    // device | host | disk: where the optimizer state lives
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double clip = 1.0;
   std::string clip_norm = "current";  // current | previous: the norm --clip scales by
