@@ -55,6 +55,39 @@ TEST(ChunkedTraining, BitwiseAcrossOffloadModesAndSavePolicies) {
   }
 }
 
+// --kv-dtype bf16: the history's keys and values stored as bf16 in every tier. Bitwise the same across
+// offload modes and SavePolicies, half the key/value bytes in each tier (gradients stay fp32), and close to
+// the fp32 store: loss within 1e-3 and gradients within 2e-2 (relative L2), and not equal to it.
+TEST(ChunkedTraining, Bf16KeyValuePagesHalveTheStoreAndStayClose) {
+  const int64_t T = 150;
+  for (const Variant& v : {variants()[0], variants()[3]}) {
+    SCOPED_TRACE(v.name);
+    const std::vector<int32_t> ids = tokens(T, v.cfg.V, 12);
+    RunSetup f32{v.cfg};
+    RunSetup b16{v.cfg};
+    b16.kv_dtype = DType::bf16;
+    for (KvOffload mode : {KvOffload::none, KvOffload::host, KvOffload::disk}) {
+      SCOPED_TRACE(kv_offload_name(mode));
+      const Result a = run(f32, ids, 32, 8, mode), b = run(b16, ids, 32, 8, mode);
+      EXPECT_EQ(b.peak_kv * 2, a.peak_kv);
+      EXPECT_EQ(b.peak_kv_grad, a.peak_kv_grad);
+      EXPECT_GT(b.peak_kv_grad, 0u);
+      EXPECT_LE(std::abs(b.loss_sum - a.loss_sum) / std::abs(a.loss_sum), 1e-3);
+      EXPECT_NE(b.loss_sum, a.loss_sum) << "the pages were not rounded";
+      for (size_t i = 0; i < a.grads.size(); ++i) EXPECT_LE(rel_l2(b.grads[i], a.grads[i]), 2e-2) << a.names[i];
+      if (mode == KvOffload::none) {
+        for (SavePolicy pol : {SavePolicy::selective, SavePolicy::none}) {
+          RunSetup p = b16;
+          p.policy = pol;
+          EXPECT_TRUE(same_bits(run(p, ids, 32, 8, KvOffload::none), b)) << save_policy_name(pol);
+        }
+      } else {
+        EXPECT_TRUE(same_bits(b, run(b16, ids, 32, 8, KvOffload::none)));
+      }
+    }
+  }
+}
+
 TEST(ChunkedEval, EqualsTheFullForward) {
   const ModelConfig cfg = variants()[0].cfg;
   CpuMemory mem(size_t{1} << 32);

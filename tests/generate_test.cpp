@@ -8,7 +8,9 @@
 
 #include "data/chat.h"
 #include "io/json.h"
+#include "memory/arena.h"
 #include "model/generate.h"
+#include "model/model.h"
 #include "tokenizer/tokenizer.h"
 #include "util/harness.h"
 
@@ -25,6 +27,73 @@ std::vector<ChatMessage> messages_of(const json::Value& a) {
   std::vector<ChatMessage> m;
   for (const json::Value& x : a.as_array()) m.push_back({x.at("role").as_string(), x.at("content").as_string()});
   return m;
+}
+
+// generate --kv-dtype bf16: the cache holds each key and value rounded to bf16 from the fp32 the model made
+// (bit for bit, in layer 0, whose keys depend on the tokens alone), half the cache's bytes, and logits close
+// to the fp32 cache's (within 5%) but not equal.
+TEST(Generate, Bf16KvCacheHoldsTheRoundedKeysInHalfTheBytes) {
+  ModelConfig cfg = preset_config("micro");
+  CpuMemory mem(size_t{1} << 32);
+  auto ops = make_ops("cpu", &mem.device);
+  ParamSet params(cfg, DType::f32, mem.device, Category::weights);
+  init_random(params, 5, 0.3);
+  Model m(cfg, *ops, params, mem.device);
+  const int64_t P = 24, steps = 6, cap = P + steps;
+  std::vector<int32_t> ids(static_cast<size_t>(cap));
+  for (int64_t t = 0; t < cap; ++t) ids[static_cast<size_t>(t)] = static_cast<int32_t>((t * 977 + 5) % cfg.V);
+  m.reserve(P, false);
+  struct Cache {
+    std::vector<Buffer> bufs;
+    std::vector<KvSlots> slots;
+  };
+  auto make = [&](DType dt) {
+    Cache c;
+    const size_t bytes = static_cast<size_t>(dtype_bytes(dt, cfg.Hkv * cap * cfg.D));
+    for (int64_t l = 0; l < cfg.L; ++l) {
+      c.bufs.push_back(mem.device.alloc(bytes, Category::kv));
+      c.bufs.push_back(mem.device.alloc(bytes, Category::kv));
+      c.slots.push_back({c.bufs[c.bufs.size() - 2].view(dt, {cfg.Hkv, cap, cfg.D}), c.bufs.back().view(dt, {cfg.Hkv, cap, cfg.D}), 0});
+    }
+    return c;
+  };
+  Cache f = make(DType::f32), b = make(DType::bf16);
+  std::vector<float> lf(static_cast<size_t>(cfg.V)), lb(lf.size());
+  for (int64_t s = 0; s <= steps; ++s) {
+    const int64_t t0 = s == 0 ? 0 : P + s - 1, n = s == 0 ? P : 1;
+    Tensor in(ids.data() + t0, DType::i32, {n});
+    m.decode_forward(in, t0, f.slots, Tensor::of(lf.data(), {cfg.V}));
+    m.decode_forward(in, t0, b.slots, Tensor::of(lb.data(), {cfg.V}));
+    double num = 0, den = 0;
+    bool same = true;
+    for (size_t v = 0; v < lf.size(); ++v) {
+      num += (lf[v] - lb[v]) * (lf[v] - lb[v]);
+      den += lf[v] * lf[v];
+      same &= lf[v] == lb[v];
+    }
+    EXPECT_LE(std::sqrt(num / den), 5e-2) << "step " << s;  // large weights (std 0.3): sharp attention
+    EXPECT_FALSE(same) << "step " << s << ": the cache was not rounded";
+  }
+  const int64_t n = cfg.Hkv * cap * cfg.D;
+  for (const Tensor* t : {&f.slots[0].k, &f.slots[0].v}) {
+    const Tensor& r = t == &f.slots[0].k ? b.slots[0].k : b.slots[0].v;
+    std::vector<uint16_t> want(static_cast<size_t>(n));
+    convert(want.data(), DType::bf16, t->data, DType::f32, n);
+    EXPECT_EQ(std::memcmp(want.data(), r.data, static_cast<size_t>(n) * 2), 0);
+  }
+  // generate() keeps the cache in the dtype asked: the ledger's kv bytes halve
+  auto kv_bytes = [&](DType dt) {
+    CpuMemory m2(size_t{1} << 32);
+    GenerateOptions o;
+    o.max_new = 4;
+    o.kv_dtype = dt;
+    generate(m, m2.device, std::vector<int32_t>(ids.begin(), ids.begin() + 8), o);
+    return m2.ledger.peak(Tier::Device, Category::kv);
+  };
+  EXPECT_EQ(2 * kv_bytes(DType::bf16), kv_bytes(DType::f32));
+  GenerateOptions bad;
+  bad.kv_dtype = DType::f8_e4m3;
+  EXPECT_THROW(generate(m, mem.device, {1, 2, 3}, bad), Error);
 }
 
 // SmolLM2's chat prompt for generation is transformers' apply_chat_template(add_generation_prompt=True)

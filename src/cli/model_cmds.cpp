@@ -231,7 +231,7 @@ int eval(const std::vector<std::string>& argv) {
 namespace {
 const char* kGenerateHelp =
     "usage: oomless generate --model M [--adapter DIR] [--prompt S | --prompt-ids \"1 2 3\"] [--max-new N]\n"
-    "                        [--chat [--system S] [--messages FILE.jsonl]] [--dtype fp32|bf16]\n"
+    "                        [--chat [--system S] [--messages FILE.jsonl]] [--dtype fp32|bf16] [--kv-dtype fp32|bf16]\n"
     "                        [--temperature t] [--top-k k] [--top-p p] [--repetition-penalty r] [--seed s]\n"
     "                        [--ignore-eos] [--json]\n"
     "\n"
@@ -253,6 +253,8 @@ const char* kGenerateHelp =
     "  --system S       with --chat: a system message first\n"
     "  --messages F     with --chat: continue the conversation in F's first line\n"
     "  --max-new N      new tokens (default 64; with --chat 256)\n"
+    "  --kv-dtype D     KV-cache storage: fp32 (default) or bf16 (half the bytes; keys and values rounded as\n"
+    "                   they are stored)\n"
     "  --temperature t  (default 0: greedy)\n"
     "  --top-k k        sample among the k most likely tokens (default 0: all)\n"
     "  --top-p p        nucleus sampling mass (default 1)\n"
@@ -267,7 +269,7 @@ int generate(const std::vector<std::string>& argv) {
          {{"model", true}, {"prompt", true}, {"prompt-ids", true}, {"max-new", true}, {"dtype", true},
           {"temperature", true}, {"top-p", true}, {"top-k", true}, {"repetition-penalty", true}, {"seed", true},
           {"ignore-eos", false}, {"json", false}, {"threads", true}, {"adapter", true}, {"base-dtype", true},
-          {"embed-dtype", true}, {"chat", false}, {"system", true}, {"messages", true}},
+          {"embed-dtype", true}, {"chat", false}, {"system", true}, {"messages", true}, {"kv-dtype", true}},
          "generate", kGenerateHelp);
   if (a.help_requested()) return std::fputs(kGenerateHelp, stdout), 0;
   apply_threads(a);
@@ -288,6 +290,14 @@ int generate(const std::vector<std::string>& argv) {
   opt.repetition_penalty = a.number("repetition-penalty", 1.0, 1e-3, 1e3);
   opt.seed = static_cast<uint64_t>(a.integer("seed", 0, 0, INT64_MAX));
   if (!a.has("ignore-eos")) opt.stop_id = cfg.eos_id;
+  {
+    const std::string kv = a.str("kv-dtype", "fp32");
+    OOM_CHECK(kv == "fp32" || kv == "bf16", "[generate] --kv-dtype ", kv, " is not a KV-cache storage oomless has; use "
+              "fp32 or bf16");
+    OOM_CHECK(kv == "fp32" || l.model->params().dtype() == DType::f32, "[generate] --kv-dtype bf16 needs the f32 "
+              "backend");
+    opt.kv_dtype = kv == "bf16" ? DType::bf16 : DType::f32;
+  }
   const bool stream_text = !a.has("json") && l.src.tokenizer.has_value();
   // One generation from `prompt`, streamed as text (stop tokens are not printed); returns the new ids.
   auto run = [&](const std::vector<int32_t>& prompt) {

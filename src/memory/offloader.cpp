@@ -47,23 +47,26 @@ Offloader::Ticket Offloader::copy(void* dst, const void* src, size_t n, Tier fro
   OOM_CHECK(from != Tier::Disk && to != Tier::Disk, "[offload] copy() moves bytes between RAM buffers (",
             tier_name(from), " -> ", tier_name(to), "): use to_disk/from_disk for the disk tier");
   OOM_CHECK((dst && src) || n == 0, "[offload] copy() of ", n, " bytes without a buffer");
-  return issue(Job{0, Kind::copy, dst, src, n, -1, 0, from, to});
+  return issue(Job{0, Kind::copy, dst, src, n, -1, 0, from, to, nullptr});
 }
 
-Offloader::Ticket Offloader::to_disk(int64_t slot, const void* src, size_t n, size_t offset, Tier from) {
-  OOM_CHECK(disk_, "[offload] to_disk() needs a spill file: construct the Offloader with one");
+Offloader::Ticket Offloader::to_disk(int64_t slot, const void* src, size_t n, size_t offset, Tier from,
+                                     SpillFile* file) {
+  SpillFile* f = file ? file : disk_;
+  OOM_CHECK(f, "[offload] to_disk() needs a spill file: construct the Offloader with one");
   OOM_CHECK(from != Tier::Disk, "[offload] to_disk() from the disk tier: the source must be a RAM buffer");
-  OOM_CHECK(n <= disk_->slot_bytes() && offset <= disk_->slot_bytes() - n, "[offload] to_disk() of ", n,
-            " bytes at offset ", offset, " runs past the spill file's ", disk_->slot_bytes(), "-byte slot");
-  return issue(Job{0, Kind::write, nullptr, src, n, slot, offset, from, Tier::Disk});
+  OOM_CHECK(n <= f->slot_bytes() && offset <= f->slot_bytes() - n, "[offload] to_disk() of ", n,
+            " bytes at offset ", offset, " runs past the spill file's ", f->slot_bytes(), "-byte slot");
+  return issue(Job{0, Kind::write, nullptr, src, n, slot, offset, from, Tier::Disk, f});
 }
 
-Offloader::Ticket Offloader::from_disk(void* dst, int64_t slot, size_t n, size_t offset, Tier to) {
-  OOM_CHECK(disk_, "[offload] from_disk() needs a spill file: construct the Offloader with one");
+Offloader::Ticket Offloader::from_disk(void* dst, int64_t slot, size_t n, size_t offset, Tier to, SpillFile* file) {
+  SpillFile* f = file ? file : disk_;
+  OOM_CHECK(f, "[offload] from_disk() needs a spill file: construct the Offloader with one");
   OOM_CHECK(to != Tier::Disk, "[offload] from_disk() to the disk tier: the destination must be a RAM buffer");
-  OOM_CHECK(n <= disk_->slot_bytes() && offset <= disk_->slot_bytes() - n, "[offload] from_disk() of ", n,
-            " bytes at offset ", offset, " runs past the spill file's ", disk_->slot_bytes(), "-byte slot");
-  return issue(Job{0, Kind::read, dst, nullptr, n, slot, offset, Tier::Disk, to});
+  OOM_CHECK(n <= f->slot_bytes() && offset <= f->slot_bytes() - n, "[offload] from_disk() of ", n,
+            " bytes at offset ", offset, " runs past the spill file's ", f->slot_bytes(), "-byte slot");
+  return issue(Job{0, Kind::read, dst, nullptr, n, slot, offset, Tier::Disk, to, f});
 }
 
 void Offloader::wait(Ticket t) {
@@ -141,6 +144,7 @@ void Offloader::work() {
       // the FIFO order observable by the caller. A different kind of job ends the batch.
       if (batch.front().kind != Kind::copy) {
         while (!queue_.empty() && batch.size() < kMaxBatch && queue_.front().kind == batch.front().kind &&
+               queue_.front().file == batch.front().file &&
                std::none_of(batch.begin(), batch.end(), [&](const Job& j) { return j.slot == queue_.front().slot; })) {
           batch.push_back(queue_.front());
           queue_.pop_front();
@@ -183,8 +187,8 @@ void Offloader::run(const std::vector<Job>& batch, std::vector<std::string>& err
         case Kind::copy:
           if (j.n) std::memcpy(j.dst, j.src, j.n);
           break;
-        case Kind::write: disk_->write(j.slot, j.src, j.n, j.offset); break;
-        case Kind::read: disk_->read(j.slot, j.dst, j.n, j.offset); break;
+        case Kind::write: j.file->write(j.slot, j.src, j.n, j.offset); break;
+        case Kind::read: j.file->read(j.slot, j.dst, j.n, j.offset); break;
       }
       return;
     }
@@ -193,9 +197,9 @@ void Offloader::run(const std::vector<Job>& batch, std::vector<std::string>& err
     for (const Job& j : batch)
       ops.push_back(IoOp{j.slot, j.kind == Kind::write ? const_cast<void*>(j.src) : j.dst, j.n, j.offset});
     if (batch[0].kind == Kind::write)
-      disk_->write_batch(ops, &errors);
+      batch[0].file->write_batch(ops, &errors);
     else
-      disk_->read_batch(ops, &errors);
+      batch[0].file->read_batch(ops, &errors);
   } catch (const std::exception& e) {
     for (std::string& err : errors)
       if (err.empty()) err = message(e.what());

@@ -7,8 +7,8 @@
 //
 // Guarantees:
 // - Jobs run in issue order (FIFO): a from_disk issued after a to_disk of the same slot reads what
-//   that to_disk wrote. Consecutive disk jobs of one direction on distinct slots that are waiting in
-//   the queue go to the spill file as one batch (one io_uring submission); that changes nothing the
+//   that to_disk wrote. Consecutive disk jobs of one direction on distinct slots of one file that are
+//   waiting in the queue go to the spill file as one batch (one io_uring submission); that changes nothing the
 //   caller can observe except speed.
 // - Every buffer a job reads or writes must stay valid, and untouched by the caller, until its ticket
 //   has been waited on (or wait_all() or the destructor has returned).
@@ -56,10 +56,12 @@ class Offloader {
 
   // n bytes between RAM buffers (neither tier may be Disk); the tiers are recorded for the counters.
   Ticket copy(void* dst, const void* src, size_t n, Tier from, Tier to);
-  // n bytes at `offset` within a slot of the spill file; the range is checked against the slot size now,
-  // the slot itself when the job runs.
-  Ticket to_disk(int64_t slot, const void* src, size_t n, size_t offset = 0, Tier from = Tier::Host);
-  Ticket from_disk(void* dst, int64_t slot, size_t n, size_t offset = 0, Tier to = Tier::Device);
+  // n bytes at `offset` within a slot of the spill file (or of `file`, another one that outlives the
+  // Offloader); the range is checked against the slot size now, the slot itself when the job runs.
+  Ticket to_disk(int64_t slot, const void* src, size_t n, size_t offset = 0, Tier from = Tier::Host,
+                 SpillFile* file = nullptr);
+  Ticket from_disk(void* dst, int64_t slot, size_t n, size_t offset = 0, Tier to = Tier::Device,
+                   SpillFile* file = nullptr);
 
   void wait(Ticket t);
   bool done(Ticket t) const;  // true too for a ticket already waited on
@@ -81,6 +83,7 @@ class Offloader {
     int64_t slot;
     size_t offset;
     Tier from, to;
+    SpillFile* file;  // disk jobs
   };
   struct State {
     bool done = false;

@@ -57,14 +57,22 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
   const Linear K = lin(Proj::k), V = lin(Proj::v);
   if (K.lora()) lora_down(K, u_of(Proj::k), a.h1, h1);
   if (V.lora()) lora_down(V, u_of(Proj::v), a.h1, h1);
+  // A cache in a narrower dtype (generate --kv-dtype bf16): the keys and values are made in a.k / a.v and
+  // stored rounded; attention then reads every position, this pass's too, from the cache.
+  const bool staged = kv.k.dtype != act_;
   for (int64_t h = 0; h < Hkv; ++h) {
-    Tensor kh = head(kv.k, h, Pk, t0, T, D);
+    Tensor kh = staged ? head(a.k, h, T, 0, T, D) : head(kv.k, h, Pk, t0, T, D);
+    Tensor vh = staged ? head(a.v, h, T, 0, T, D) : head(kv.v, h, Pk, t0, T, D);
     Tensor klin = cfg_.qk_norm ? head(a.k_pre, h, T, 0, T, D) : kh;
     project(K.rows(h * D, D), klin, a.h1, h1, u_of(Proj::k), z_head(z_of(Proj::k), h, T, D));
     if (cfg_.qk_norm) ops_.rmsnorm_forward(kh, span_of(a.k_rstd, h * T, T), klin, P.k_norm, eps);
     Tensor kh3(kh.data, kh.dtype, {T, int64_t{1}, D});
     ops_.rope_forward(kh3, kh3, pos, cfg_.rope);
-    project(V.rows(h * D, D), head(kv.v, h, Pk, t0, T, D), a.h1, h1, u_of(Proj::v), z_head(z_of(Proj::v), h, T, D));
+    project(V.rows(h * D, D), vh, a.h1, h1, u_of(Proj::v), z_head(z_of(Proj::v), h, T, D));
+    if (staged) {
+      convert(head(kv.k, h, Pk, t0, T, D).data, kv.k.dtype, kh.data, act_, T * D);
+      convert(head(kv.v, h, Pk, t0, T, D).data, kv.v.dtype, vh.data, act_, T * D);
+    }
   }
 
   if (pass == Pass::kv_only) return;

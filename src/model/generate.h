@@ -24,6 +24,9 @@ struct GenerateOptions {
   uint64_t seed = 0;
   std::optional<int32_t> stop_id;  // stop after emitting it (end of sequence); none: run max_new
   std::vector<int32_t> stop_ids;   // more tokens that stop it (a chat's end of turn)
+  // Storage of the KV cache: the model's compute dtype (f32), or bf16 (half the bytes; keys and values
+  // rounded as they are stored, attention reading the cache as it is).
+  DType kv_dtype = DType::f32;
   bool stops_at(int32_t id) const {
     return (stop_id && id == *stop_id) || std::find(stop_ids.begin(), stop_ids.end(), id) != stop_ids.end();
   }

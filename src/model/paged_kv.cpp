@@ -71,7 +71,12 @@ PagedKvStore::PagedKvStore(const ModelConfig& cfg, Ops& ops, Arena& device, Aren
   const DType act = ops.act_dtype();
   OOM_CHECK(act == DType::f32 || act == DType::f64, "[kv] the paged store needs an f32 or f64 backend, not ",
             ops.name());
-  shape_ = PageShape{cfg.Hkv, opt.P, cfg.D, act};
+  OOM_CHECK(opt.kv_dtype == DType::f32 || opt.kv_dtype == DType::bf16, "[kv] --kv-dtype ", dtype_name(opt.kv_dtype),
+            " is not a storage the paged store has; use fp32 or bf16");
+  OOM_CHECK(opt.kv_dtype == DType::f32 || act == DType::f32, "[kv] bf16 key/value pages need the f32 (cpu) backend, not ",
+            ops.name());
+  shape_ = PageShape{cfg.Hkv, opt.P, cfg.D, opt.kv_dtype == DType::bf16 ? DType::bf16 : act};
+  gshape_ = PageShape{cfg.Hkv, opt.P, cfg.D, act};
   const int64_t ppc = pages_per_chunk();
   max_T_ = max_T;
   max_chunks_ = (max_T + opt.C - 1) / opt.C;
@@ -84,11 +89,12 @@ PagedKvStore::PagedKvStore(const ModelConfig& cfg, Ops& ops, Arena& device, Aren
     home_ = std::make_unique<PagePool>(a, KV, shape_, hist_pages, "key/value pages");
     home_->reserve(hist_pages);
     if (backward) {
-      ghome_ = std::make_unique<PagePool>(a, G, shape_, hist_pages, "key-gradient pages");
+      ghome_ = std::make_unique<PagePool>(a, G, gshape_, hist_pages, "key-gradient pages");
       ghome_->reserve(hist_pages);
     }
   } else {
     spill_ = SpillFile::open(opt.spill_dir, shape_.page_bytes(), device.ledger(), KV, opt.io);
+    if (backward) gspill_ = SpillFile::open(opt.spill_dir, gshape_.page_bytes(), device.ledger(), G, opt.io);
   }
   auto windows = [&](std::vector<std::unique_ptr<Window>>& ws, int n, PagePool* pool) {
     for (int i = 0; i < n; ++i) {
@@ -101,7 +107,7 @@ PagedKvStore::PagedKvStore(const ModelConfig& cfg, Ops& ops, Arena& device, Aren
     win_ = std::make_unique<PagePool>(device, KV, shape_, 4 * ppc, "key/value window");
     win_->reserve(4 * ppc);
     if (backward) {
-      gwin_ = std::make_unique<PagePool>(device, G, shape_, 4 * ppc, "key-gradient window");
+      gwin_ = std::make_unique<PagePool>(device, G, gshape_, 4 * ppc, "key-gradient window");
       gwin_->reserve(4 * ppc);
     }
     off_ = std::make_unique<Offloader>(spill_.get());
@@ -212,8 +218,13 @@ void PagedKvStore::store(int64_t layer, Tensor k, Tensor v) {
       dst = static_cast<char*>(win_->k(s.dev[static_cast<size_t>(i)]));
     }
     for (int64_t h = 0; h < Hkv; ++h) {
-      std::memcpy(dst + static_cast<size_t>(h) * row, at_row(k, h, i * P), row);
-      std::memcpy(dst + half + static_cast<size_t>(h) * row, at_row(v, h, i * P), row);
+      if (shape_.dtype == k.dtype) {
+        std::memcpy(dst + static_cast<size_t>(h) * row, at_row(k, h, i * P), row);
+        std::memcpy(dst + half + static_cast<size_t>(h) * row, at_row(v, h, i * P), row);
+      } else {  // rounded to the storage dtype
+        convert(dst + static_cast<size_t>(h) * row, shape_.dtype, at_row(k, h, i * P), k.dtype, P * D);
+        convert(dst + half + static_cast<size_t>(h) * row, shape_.dtype, at_row(v, h, i * P), v.dtype, P * D);
+      }
     }
     if (opt_.offload == KvOffload::host) {
       ref.tier = Tier::Host;
@@ -366,7 +377,7 @@ void PagedKvStore::start_fetch(Window& w, int64_t layer, const std::vector<int64
       PageRef nr{Tier::Device, 0, static_cast<int32_t>(lp * opt_.P), static_cast<int32_t>(opt_.P)};
       if (opt_.offload == KvOffload::disk) {
         nr.tier = Tier::Disk;
-        nr.slot = spill_->alloc_slot();
+        nr.slot = gspill_->alloc_slot();
       } else {
         nr.tier = opt_.offload == KvOffload::none ? Tier::Device : Tier::Host;
         nr.slot = ghome_->alloc();
@@ -386,10 +397,11 @@ void PagedKvStore::start_fetch(Window& w, int64_t layer, const std::vector<int64
     } else {
       PagePool* pool = grads ? gwin_.get() : win_.get();
       void* dst = pool->k(w.dev[i]);
+      const size_t bytes = (grads ? gshape_ : shape_).page_bytes();
       // FIFO: this runs after any write-back still reading the window.
       w.pending.push_back(ref->tier == Tier::Disk
-                              ? off_->from_disk(dst, ref->slot, shape_.page_bytes(), 0, Tier::Device)
-                              : off_->copy(dst, home->k(ref->slot), shape_.page_bytes(), Tier::Host, Tier::Device));
+                              ? off_->from_disk(dst, ref->slot, bytes, 0, Tier::Device, grads ? gspill_.get() : nullptr)
+                              : off_->copy(dst, home->k(ref->slot), bytes, Tier::Host, Tier::Device));
     }
   }
 }
@@ -412,7 +424,8 @@ KvBlocks PagedKvStore::blocks_of(Window& w, bool grads, const std::vector<int32_
       w.blocks.push_back(pool.block(w.dev[u], start, static_cast<int32_t>(P)));
     }
   }
-  return KvBlocks{w.blocks.data(), static_cast<int64_t>(idx.size()), cfg_.Hkv, P, cfg_.D, shape_.dtype};
+  return KvBlocks{w.blocks.data(), static_cast<int64_t>(idx.size()), cfg_.Hkv, P, cfg_.D,
+                  grads ? gshape_.dtype : shape_.dtype};
 }
 
 void PagedKvStore::write_back_grads(Window& w) {
@@ -421,8 +434,8 @@ void PagedKvStore::write_back_grads(Window& w) {
     const PageRef& ref = table_.at(kGrad, static_cast<int32_t>(w.layer), w.lps[i]);
     void* src = gwin_->k(w.dev[i]);
     w.pending.push_back(ref.tier == Tier::Disk
-                            ? off_->to_disk(ref.slot, src, shape_.page_bytes(), 0, Tier::Device)
-                            : off_->copy(ghome_->k(ref.slot), src, shape_.page_bytes(), Tier::Device, Tier::Host));
+                            ? off_->to_disk(ref.slot, src, gshape_.page_bytes(), 0, Tier::Device, gspill_.get())
+                            : off_->copy(ghome_->k(ref.slot), src, gshape_.page_bytes(), Tier::Device, Tier::Host));
   }
 }
 
@@ -523,7 +536,7 @@ void PagedKvStore::release(int64_t seq, int32_t layer, int64_t lpage) {
   const PageRef* ref = table_.find(seq, layer, lpage);
   if (!ref) return;
   if (ref->tier == Tier::Disk) {
-    spill_->free_slot(ref->slot);
+    (seq == kGrad ? *gspill_ : *spill_).free_slot(ref->slot);
   } else {
     (seq == kGrad ? *ghome_ : *home_).free(ref->slot);
   }
@@ -550,7 +563,7 @@ void PagedKvStore::end() {
   for (int64_t seq : {kKv, kGrad})
     for (const PageRef& ref : table_.drop_sequence(seq)) {
       if (ref.tier == Tier::Disk) {
-        spill_->free_slot(ref.slot);
+        (seq == kGrad ? *gspill_ : *spill_).free_slot(ref.slot);
       } else {
         (seq == kGrad ? *ghome_ : *home_).free(ref.slot);
       }

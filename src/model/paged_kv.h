@@ -4,7 +4,10 @@
 // --kv-offload:
 //   none  Device (on a CPU run: the working-set RAM);
 //   host  Host RAM; attention streams them through a fixed double-buffered window on Device;
-//   disk  a spill file (SpillFile, O_TMPFILE under --spill-dir); the same Device window.
+//   disk  spill files (SpillFile, O_TMPFILE under --spill-dir: one for keys and values, one for their
+//         gradients); the same Device window.
+// --kv-dtype bf16 stores the history's keys and values as bf16 in every tier (half the bytes and the
+// traffic); the attention kernels read bf16 pages as they are, and the gradients stay fp32.
 // A chunk's history is streamed one window (at most C/P pages) at a time: attention over its own keys
 // first, then over each window in order, merged with attention_merge; the backward runs per window with
 // the merged O and LSE, accumulating dK/dV into the window's gradient pages, which then go back to their
@@ -62,6 +65,10 @@ struct PagedKvOptions {
   int64_t sparse_pages = 0;      // k: each query page reads its k best earlier pages (0: all, dense)
   int64_t sink_pages = 1;        // with sparse_pages: the first pages every query page reads
   PageSummary summary = PageSummary::minmax;
+  // Storage of the history's keys and values in every tier: f32 (the act dtype) or bf16 (rounded to
+  // nearest even when a chunk is stored; the attention kernels read bf16 pages as they are). Their
+  // gradients stay in the act dtype.
+  DType kv_dtype = DType::f32;
   // Selections outlive the sequence: a later one replays the first one's (same length). For finite
   // differences with the selection fixed, and for analysis.
   bool keep_selection = false;
@@ -126,10 +133,10 @@ class PagedKvStore final : public ChunkKv {
   Ops& ops_;
   PagedKvOptions opt_;
   bool backward_;
-  PageShape shape_;
+  PageShape shape_, gshape_;  // key/value pages; their gradients' pages
   std::unique_ptr<PagePool> home_, ghome_;  // none: Device, host: Host; null in disk mode
   std::unique_ptr<PagePool> win_, gwin_;    // host/disk: the Device windows (keys, gradients) and staging
-  std::unique_ptr<SpillFile> spill_;
+  std::unique_ptr<SpillFile> spill_, gspill_;  // disk: key/value pages (category kv), gradients (kv_grad)
   std::unique_ptr<Offloader> off_;
   PageTable table_;
   std::vector<std::unique_ptr<Window>> kv_win_, grad_win_, own_win_, stage_;

@@ -63,6 +63,7 @@ struct Result {
   std::vector<std::vector<float>> grads;  // per parameter tensor
   std::vector<std::string> names;
   size_t peak_activations = 0, peak_device = 0, peak_host = 0;
+  size_t peak_kv = 0, peak_kv_grad = 0;  // every tier
   OffloadStats stats;
   std::vector<uint64_t> fetched;  // per chunk: bytes moved to Device from Host or Disk (both passes)
   std::vector<std::vector<int64_t>> selections;  // sparse: every (layer, chunk, query page) selection, in order
@@ -77,6 +78,7 @@ struct RunSetup {
   int64_t lora_r = 0;  // > 0: a LoRA of this rank on every projection (random A and B), base frozen
   double lora_dropout = 0;
   bool dora = false;    // the LoRA is a DoRA
+  DType kv_dtype = DType::f32;  // storage of the history's keys and values
 };
 
 // LoRA settings on every projection of a block, alpha = 2r.
@@ -202,6 +204,7 @@ inline Result run(const RunSetup& s, std::vector<int32_t> ids, int64_t C, int64_
     m.reserve(C, true, true);
     PagedKvOptions o{C, P, mode, spill_dir()};
     o.sparse_pages = s.sparse_pages, o.sink_pages = s.sink_pages, o.summary = s.summary;
+    o.kv_dtype = s.kv_dtype;
     PagedKvStore kv(s.cfg, *ops, mem.device, mem.host, o, T, true);
     RecordingKv rec(kv);
     const CeResult ce = m.chunked_step(id_t, tg_t, C, rec, 1.0 / static_cast<double>(N));
@@ -221,6 +224,10 @@ inline Result run(const RunSetup& s, std::vector<int32_t> ids, int64_t C, int64_
   r.peak_activations = mem.ledger.peak(Tier::Device, Category::activations);
   r.peak_device = mem.ledger.peak_total(Tier::Device);
   r.peak_host = mem.ledger.peak_total(Tier::Host);
+  for (Tier t : {Tier::Device, Tier::Host, Tier::Disk}) {
+    r.peak_kv += mem.ledger.peak(t, Category::kv);
+    r.peak_kv_grad += mem.ledger.peak(t, Category::kv_grad);
+  }
   return r;
 }
 
