@@ -237,6 +237,10 @@ const std::vector<TrainOption>& train_options() {
             &C::page),
       text("kv-offload", false, "M", "none, host or disk: where earlier chunks' K/V pages live (default none)",
            &C::kv_offload),
+      text("kv-dtype", true, "D",
+           "fp32 or bf16: storage of earlier chunks' keys and values in every tier (bf16: half\nthe bytes and the "
+           "transfers; their gradients stay fp32) (default fp32)",
+           &C::kv_dtype),
       text("spill-dir", false, "DIR", "disk: folder of the spill file, not tmpfs (default --out)", &C::spill_dir),
       whole("sparse-pages", true, "k",
             "page-sparse attention: each query page reads its own chunk, the first --sink-pages\npages and its k "
@@ -413,6 +417,10 @@ void validate_config(const TrainConfig& c) {
   // Flags that would do nothing in this mode are errors, not silently ignored.
   OOM_CHECK(c.kv_offload == "none" || c.chunk > 0, "[train] --kv-offload ", c.kv_offload, " needs --chunk C: only "
             "chunk-recurrent training keeps earlier chunks' K/V pages that could live elsewhere");
+  OOM_CHECK(c.kv_dtype == "fp32" || c.kv_dtype == "bf16", "[train] --kv-dtype ", c.kv_dtype,
+            " is not a key/value storage oomless has; use fp32 or bf16");
+  OOM_CHECK(c.kv_dtype == "fp32" || c.chunk > 0, "[train] --kv-dtype ", c.kv_dtype, " needs --chunk C: it is the "
+            "storage of chunk-recurrent training's key/value pages");
   OOM_CHECK(c.page == 0 || c.chunk > 0, "[train] --page ", c.page, " needs --chunk C: pages are the K/V store of "
             "chunk-recurrent training");
   OOM_CHECK(c.optim_state == "device" || c.optim_state == "host" || c.optim_state == "disk", "[train] --optim-state ",
@@ -766,6 +774,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
       ko.sparse_pages = c.sparse_pages;
       ko.sink_pages = c.sink_pages;
       ko.summary = parse_page_summary(c.page_summary);
+      ko.kv_dtype = c.kv_dtype == "bf16" ? DType::bf16 : DType::f32;
       if (ko.offload == KvOffload::disk) fs::create_directories(out);
       model.reserve(C, true, true);
       s.kv = std::make_unique<PagedKvStore>(cfg, *s.e.ops, s.e.mem->device, s.e.mem->host, ko, c.seq, true);
@@ -976,6 +985,7 @@ double Trainer::epochs_trained() const {
   return static_cast<double>(s_->step * s_->c.batch * s_->c.grad_accum) / static_cast<double>(s_->per_epoch);
 }
 Engine& Trainer::engine() { return s_->e; }
+Optimizer* Trainer::optimizer() { return s_->opt.get(); }
 PagedKvStore* Trainer::kv() { return s_->kv.get(); }
 int64_t Trainer::chunk() const { return s_->C; }
 int64_t Trainer::trainable_params() const { return trainable_numel(s_->trained); }

@@ -17,6 +17,7 @@
 #include "model/engine.h"
 #include "model/eval.h"
 #include "model/paged_kv.h"
+#include "optim/optimizer.h"
 
 namespace oomless {
 
@@ -43,7 +44,8 @@ struct TrainConfig {
   int64_t galore_gap = 200;     // steps between projector refreshes
   double galore_scale = 0.25;
   std::string galore_refresh = "all";  // all | staggered
-  std::string optim_state = "host";    // device | host | disk: where the optimizer state lives
+  std::string optim_state = "host";
+  std::string kv_dtype = "fp32";       // fp32 | bf16: the chunk-recurrent K/V history's storage    // device | host | disk: where the optimizer state lives
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double clip = 1.0;
   std::string clip_norm = "current";  // current | previous: the norm --clip scales by
@@ -173,6 +175,7 @@ class Trainer {
   int64_t nonfinite_total() const;     // steps skipped in the whole run
   double epochs_trained() const;       // passes over the data so far (NaN when the data was not counted)
   Engine& engine();
+  Optimizer* optimizer();
   PagedKvStore* kv();  // null unless chunk-recurrent
   int64_t chunk() const;  // chunk length of chunk-recurrent training (0: off)
   // Trainable and frozen parameters (count, bytes as held).
