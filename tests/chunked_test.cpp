@@ -6,6 +6,10 @@
 // with the disk tier, Device + Host memory that does not grow with T beyond bookkeeping.
 #include "util/chunked_run.h"
 
+#include <cstdio>
+#include <limits>
+#include <random>
+
 namespace oomless::test {
 namespace {
 
@@ -86,6 +90,89 @@ TEST(ChunkedTraining, Bf16KeyValuePagesHalveTheStoreAndStayClose) {
       }
     }
   }
+}
+
+// --kv-dtype fp8: E4M3 pages with delayed scaling. Bitwise the same across offload modes and SavePolicies,
+// a quarter of the key/value bytes (gradients stay fp32), and near the fp32 store (printed; bounds below).
+TEST(ChunkedTraining, Fp8KeyValuePagesQuarterTheStoreAndStayNear) {
+  const int64_t T = 150;
+  for (const Variant& v : {variants()[0], variants()[3]}) {
+    SCOPED_TRACE(v.name);
+    const std::vector<int32_t> ids = tokens(T, v.cfg.V, 12);
+    RunSetup f32{v.cfg};
+    RunSetup f8{v.cfg};
+    f8.kv_dtype = DType::f8_e4m3;
+    const Result a = run(f32, ids, 32, 8, KvOffload::none), b = run(f8, ids, 32, 8, KvOffload::none);
+    EXPECT_EQ(b.peak_kv * 4, a.peak_kv);
+    EXPECT_EQ(b.peak_kv_grad, a.peak_kv_grad);
+    const double dl = std::abs(b.loss_sum - a.loss_sum) / std::abs(a.loss_sum);
+    double dg = 0;
+    for (size_t i = 0; i < a.grads.size(); ++i) dg = std::max(dg, rel_l2(b.grads[i], a.grads[i]));
+    std::printf("fp8 K/V, %s: loss %.3e relative, largest gradient difference %.3e (relative L2)\n", v.name, dl, dg);
+    EXPECT_LE(dl, 1e-2);
+    EXPECT_GT(dl, 0.0) << "the pages were not quantised";
+    EXPECT_LE(dg, 0.25);
+    for (KvOffload mode : {KvOffload::host, KvOffload::disk})
+      EXPECT_TRUE(same_bits(run(f8, ids, 32, 8, mode), b)) << kv_offload_name(mode);
+    for (SavePolicy pol : {SavePolicy::selective, SavePolicy::none}) {
+      RunSetup p = f8;
+      p.policy = pol;
+      EXPECT_TRUE(same_bits(run(p, ids, 32, 8, KvOffload::none), b)) << save_policy_name(pol);
+    }
+  }
+}
+
+// Delayed scaling in the store itself: the first chunk is scaled by its own amax (nothing saturates), a
+// later chunk twice as large by the history's (exactly the values scaled past 464 saturate), a chunk with a
+// non-finite value is counted and kept out of the history, and the history survives amax_state/restore.
+TEST(ChunkedKv, Fp8DelayedScalingCountsSaturationAndKeepsNonFiniteOut) {
+  ModelConfig cfg = variants()[0].cfg;
+  CpuMemory mem(size_t{1} << 32);
+  auto ops = make_ops("cpu", &mem.device);
+  const int64_t C = 16, P = 8, T = 4 * C, Hkv = cfg.Hkv, D = cfg.D;
+  PagedKvOptions o{C, P, KvOffload::none, ""};
+  o.kv_dtype = DType::f8_e4m3;
+  PagedKvStore kv(cfg, *ops, mem.device, mem.host, o, T, false);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> k(static_cast<size_t>(Hkv * C * D)), v(k.size());
+  kv.begin(T, C);
+  auto store = [&](int64_t c, float mul) {
+    for (size_t i = 0; i < k.size(); ++i) k[i] = nd(rng) * mul, v[i] = nd(rng);
+    kv.set_chunk(c);
+    for (int64_t l = 0; l < cfg.L; ++l)
+      kv.store(l, Tensor(k.data(), DType::f32, {Hkv, C, D}), Tensor(v.data(), DType::f32, {Hkv, C, D}));
+  };
+  store(0, 1.0f);
+  float amax0 = 0;
+  for (float x : k) amax0 = std::max(amax0, std::fabs(x));
+  Fp8Stats s = kv.fp8_stats();
+  EXPECT_EQ(s.k.values, static_cast<uint64_t>(cfg.L) * k.size());
+  EXPECT_EQ(s.k.saturated, 0u);
+  store(1, 2.0f);
+  uint64_t want = 0;
+  for (float x : k) want += std::fabs(x * (448.0f / amax0)) > 464.0f;
+  EXPECT_GT(want, 0u);
+  s = kv.fp8_stats();
+  EXPECT_EQ(s.k.saturated, static_cast<uint64_t>(cfg.L) * want);
+  EXPECT_EQ(s.k.nonfinite_chunks, 0u);
+  const json::Value before = kv.amax_state();
+  for (size_t i = 0; i < k.size(); ++i) k[i] = nd(rng);
+  k[5] = std::numeric_limits<float>::infinity();
+  kv.set_chunk(2);
+  for (int64_t l = 0; l < cfg.L; ++l)
+    kv.store(l, Tensor(k.data(), DType::f32, {Hkv, C, D}), Tensor(v.data(), DType::f32, {Hkv, C, D}));
+  s = kv.fp8_stats();
+  EXPECT_EQ(s.k.nonfinite_chunks, static_cast<uint64_t>(cfg.L));
+  EXPECT_EQ(s.v.nonfinite_chunks, 0u);
+  const json::Value after = kv.amax_state();
+  for (int64_t l = 0; l < cfg.L; ++l)  // the keys' history did not take the infinite chunk; the values' did grow
+    EXPECT_EQ(json::dump(after.as_array()[static_cast<size_t>(2 * l)]), json::dump(before.as_array()[static_cast<size_t>(2 * l)]));
+  kv.end();
+  PagedKvStore other(cfg, *ops, mem.device, mem.host, o, T, false);
+  other.restore_amax(after);
+  EXPECT_EQ(json::dump(other.amax_state()), json::dump(after));
+  EXPECT_THROW(other.restore_amax(json::parse("[[1]]")), Error);
 }
 
 TEST(ChunkedEval, EqualsTheFullForward) {

@@ -127,6 +127,41 @@ TEST(Train, AdamW8bitResumesBitExactAndOptimIsFixed) {
   }
 }
 
+// --kv-dtype fp8 in a chunk-recurrent run: each step's metrics count the stored keys and values, the
+// report draws them, and a resumed run (the amax history restored from trainer_state.json) is bit-exact.
+TEST(Train, Fp8KeyValueRunCountsAndResumesBitExact) {
+  const std::string whole = testing::TempDir() + "/oomless_train_fp8_whole", split = testing::TempDir() + "/oomless_train_fp8_split";
+  TrainConfig c = micro(whole);
+  c.chunk = 16;
+  c.kv_dtype = "fp8";
+  ASSERT_EQ(run_training(c), 0);
+  TrainConfig s = c;
+  s.out = split;
+  fs::remove_all(split);
+  ASSERT_EQ(run_training(s), 0);
+  fs::remove_all(split + "/checkpoint-4");
+  s.resume = true;
+  ASSERT_EQ(run_training(s), 0);
+  EXPECT_TRUE(slurp(whole + "/checkpoint-4/model.safetensors") == slurp(split + "/checkpoint-4/model.safetensors"));
+  EXPECT_EQ(losses(whole), losses(split));
+  std::ifstream f(whole + "/metrics.jsonl");
+  int counted = 0;
+  for (std::string line; std::getline(f, line);) {
+    const json::Value o = json::parse(line);
+    if (!o.find("kv_fp8")) continue;
+    // 3 earlier chunks of 16 per sequence, 2 sequences, 2 layers, Hkv 2 x D 16 values each
+    EXPECT_EQ(o.at("kv_fp8").at("k").at("values").as_int(), 3 * 16 * 2 * 2 * 2 * 16);
+    ++counted;
+  }
+  EXPECT_EQ(counted, 4);
+  EXPECT_NE(slurp(whole + "/report.html").find("FP8 keys and values"), std::string::npos);
+  // and the run differs from fp32's
+  TrainConfig p = micro(testing::TempDir() + "/oomless_train_fp8_plain");
+  p.chunk = 16;
+  ASSERT_EQ(run_training(p), 0);
+  EXPECT_NE(losses(p.out).back(), losses(whole).back());
+}
+
 TEST(Train, ResumeRefusesChangedSettings) {
   const std::string out = testing::TempDir() + "/oomless_train_changed";
   TrainConfig c = micro(out);

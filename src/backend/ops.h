@@ -51,6 +51,8 @@ struct KvBlock {
   void* v = nullptr;
   int32_t start = 0;
   int32_t len = 0;
+  // f8_e4m3 blocks: the value of code c is f8e4m3_to_f32(c) * k_scale (v_scale for V); unused otherwise.
+  float k_scale = 1.0f, v_scale = 1.0f;
 };
 struct KvBlocks {
   const KvBlock* blocks = nullptr;

@@ -101,6 +101,7 @@ struct PageRef {
   int64_t slot = 0;
   int32_t start = 0;
   int32_t len = 0;
+  float k_scale = 1.0f, v_scale = 1.0f;  // f8_e4m3 pages: what a code's value is multiplied by (KvBlock's)
 };
 
 // (sequence id, layer, logical page) -> PageRef, ordered by that key. Not thread-safe: the owner

@@ -1,5 +1,7 @@
 #include "model/paged_kv.h"
 
+#include <array>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -53,6 +55,7 @@ const char* kv_offload_name(KvOffload m) {
 // pool ids), otherwise fixed Device pages (dev) that transfers fill and empty.
 struct PagedKvStore::Window {
   std::vector<int64_t> dev;                 // Device page ids in the window pool (host/disk)
+  std::vector<std::array<float, 2>> scales; // fp8: each held page's K and V scales
   std::vector<int64_t> lps;                 // the logical pages held, in order
   std::vector<int64_t> pages;               // none: the home page ids read in place
   std::vector<Offloader::Ticket> pending;   // transfers into or out of dev not yet waited on
@@ -71,11 +74,12 @@ PagedKvStore::PagedKvStore(const ModelConfig& cfg, Ops& ops, Arena& device, Aren
   const DType act = ops.act_dtype();
   OOM_CHECK(act == DType::f32 || act == DType::f64, "[kv] the paged store needs an f32 or f64 backend, not ",
             ops.name());
-  OOM_CHECK(opt.kv_dtype == DType::f32 || opt.kv_dtype == DType::bf16, "[kv] --kv-dtype ", dtype_name(opt.kv_dtype),
-            " is not a storage the paged store has; use fp32 or bf16");
-  OOM_CHECK(opt.kv_dtype == DType::f32 || act == DType::f32, "[kv] bf16 key/value pages need the f32 (cpu) backend, not ",
-            ops.name());
-  shape_ = PageShape{cfg.Hkv, opt.P, cfg.D, opt.kv_dtype == DType::bf16 ? DType::bf16 : act};
+  OOM_CHECK(opt.kv_dtype == DType::f32 || opt.kv_dtype == DType::bf16 || opt.kv_dtype == DType::f8_e4m3, "[kv] --kv-dtype ",
+            dtype_name(opt.kv_dtype), " is not a storage the paged store has; use fp32, bf16 or fp8");
+  OOM_CHECK(opt.kv_dtype == DType::f32 || act == DType::f32, "[kv] ", dtype_name(opt.kv_dtype), " key/value pages need "
+            "the f32 (cpu) backend, not ", ops.name());
+  shape_ = PageShape{cfg.Hkv, opt.P, cfg.D, opt.kv_dtype == DType::f32 ? act : opt.kv_dtype};
+  if (opt.kv_dtype == DType::f8_e4m3) amax_.assign(static_cast<size_t>(2 * cfg.L), {});
   gshape_ = PageShape{cfg.Hkv, opt.P, cfg.D, act};
   const int64_t ppc = pages_per_chunk();
   max_T_ = max_T;
@@ -196,6 +200,29 @@ void PagedKvStore::summarize(int64_t layer, int64_t lp, const Tensor& k, int64_t
 }
 
 // Scatter rows: page i of a chunk holds positions [i P, (i + 1) P) of every kv head.
+float PagedKvStore::quantize_chunk(int64_t layer, int kind, const Tensor& x) {
+  // The largest |x| of the chunk (NaN when any element is not finite)
+  const int64_t n = x.numel();
+  float amax = 0;
+  bool finite = true;
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = std::fabs(static_cast<float>(at(x.data, x.dtype, i)));
+    finite &= std::isfinite(a);
+    amax = std::max(amax, a);
+  }
+  std::vector<float>& hist = amax_[static_cast<size_t>(2 * layer + kind)];
+  Fp8Counts& cnt = kind == 0 ? fp8_.k : fp8_.v;
+  float ref = amax;
+  if (!hist.empty()) ref = *std::max_element(hist.begin(), hist.end());
+  if (finite) {
+    hist.push_back(amax);
+    if (hist.size() > static_cast<size_t>(kAmaxHistory)) hist.erase(hist.begin());
+  } else {
+    ++cnt.nonfinite_chunks;
+  }
+  return ref > 0 && std::isfinite(ref) ? 448.0f / ref : 1.0f;
+}
+
 void PagedKvStore::store(int64_t layer, Tensor k, Tensor v) {
   const int64_t Hkv = cfg_.Hkv, D = cfg_.D, P = opt_.P, Tc = k.dims[1], ppc = pages_per_chunk();
   OOM_CHECK(Tc == opt_.C, "[kv] only whole chunks are kept (", Tc, " tokens given, chunks are ", opt_.C, ")");
@@ -206,10 +233,25 @@ void PagedKvStore::store(int64_t layer, Tensor k, Tensor v) {
   const auto at_row = [&](const Tensor& t, int64_t h, int64_t r) {
     return static_cast<const char*>(t.data) + dtype_bytes(t.dtype, (h * Tc + r) * D);
   };
+  const bool fp8 = shape_.dtype == DType::f8_e4m3;
+  const float ks = fp8 ? quantize_chunk(layer, 0, k) : 1.0f, vs = fp8 ? quantize_chunk(layer, 1, v) : 1.0f;
+  // x * scale rounded to E4M3 (saturating), counted
+  const auto to_fp8 = [&](uint8_t* dst, const char* src, float scale, Fp8Counts& cnt) {
+    const float* x = reinterpret_cast<const float*>(src);
+    for (int64_t i = 0; i < P * D; ++i) {
+      const float y = x[i] * scale;
+      const uint8_t c = f32_to_f8e4m3(y, true);
+      cnt.saturated += std::fabs(y) > 464.0f;  // past the midpoint above 448: clamped
+      cnt.flushed += x[i] != 0.0f && (c & 0x7f) == 0;
+      dst[i] = c;
+    }
+    cnt.values += static_cast<uint64_t>(P * D);
+  };
   for (int64_t i = 0; i < ppc; ++i) {
     const int64_t lp = chunk_ * ppc + i;
     if (sparse()) summarize(layer, lp, k, i * P);
     PageRef ref{Tier::Device, 0, static_cast<int32_t>(lp * P), static_cast<int32_t>(P)};
+    ref.k_scale = 1.0f / ks, ref.v_scale = 1.0f / vs;
     char* dst;
     if (opt_.offload == KvOffload::none) {
       ref.slot = home_->alloc();
@@ -218,12 +260,18 @@ void PagedKvStore::store(int64_t layer, Tensor k, Tensor v) {
       dst = static_cast<char*>(win_->k(s.dev[static_cast<size_t>(i)]));
     }
     for (int64_t h = 0; h < Hkv; ++h) {
+      char* kd = dst + static_cast<size_t>(h) * row;
+      char* vd = dst + half + static_cast<size_t>(h) * row;
       if (shape_.dtype == k.dtype) {
-        std::memcpy(dst + static_cast<size_t>(h) * row, at_row(k, h, i * P), row);
-        std::memcpy(dst + half + static_cast<size_t>(h) * row, at_row(v, h, i * P), row);
+        std::memcpy(kd, at_row(k, h, i * P), row);
+        std::memcpy(vd, at_row(v, h, i * P), row);
+      } else if (fp8) {
+        OOM_CHECK(k.dtype == DType::f32, "[kv] fp8 pages are made from f32 keys and values");
+        to_fp8(reinterpret_cast<uint8_t*>(kd), at_row(k, h, i * P), ks, fp8_.k);
+        to_fp8(reinterpret_cast<uint8_t*>(vd), at_row(v, h, i * P), vs, fp8_.v);
       } else {  // rounded to the storage dtype
-        convert(dst + static_cast<size_t>(h) * row, shape_.dtype, at_row(k, h, i * P), k.dtype, P * D);
-        convert(dst + half + static_cast<size_t>(h) * row, shape_.dtype, at_row(v, h, i * P), v.dtype, P * D);
+        convert(kd, shape_.dtype, at_row(k, h, i * P), k.dtype, P * D);
+        convert(vd, shape_.dtype, at_row(v, h, i * P), v.dtype, P * D);
       }
     }
     if (opt_.offload == KvOffload::host) {
@@ -236,6 +284,30 @@ void PagedKvStore::store(int64_t layer, Tensor k, Tensor v) {
       s.pending.push_back(off_->to_disk(ref.slot, dst, shape_.page_bytes(), 0, Tier::Device));
     }
     table_.set(kKv, static_cast<int32_t>(layer), lp, ref);
+  }
+}
+
+json::Value PagedKvStore::amax_state() const {
+  json::Value a = json::Value::array();
+  for (const std::vector<float>& h : amax_) {
+    json::Value x = json::Value::array();
+    for (float f : h) x.push_back(json::Value::number(f));
+    a.push_back(std::move(x));
+  }
+  return a;
+}
+
+void PagedKvStore::restore_amax(const json::Value& state) {
+  OOM_CHECK(state.is_array() && state.as_array().size() == amax_.size(), "[kv] the saved fp8 amax history holds ",
+            state.is_array() ? state.as_array().size() : 0, " entries where this model has ", amax_.size(),
+            " (2 per layer): the checkpoint is another run's");
+  for (size_t i = 0; i < amax_.size(); ++i) {
+    amax_[i].clear();
+    for (const json::Value& f : state.as_array()[i].as_array()) {
+      const double d = f.as_number();
+      OOM_CHECK(std::isfinite(d) && d >= 0, "[kv] the saved fp8 amax history holds ", d, ": the checkpoint is damaged");
+      amax_[i].push_back(static_cast<float>(d));
+    }
   }
 }
 
@@ -367,6 +439,7 @@ void PagedKvStore::start_fetch(Window& w, int64_t layer, const std::vector<int64
   w.layer = layer;
   w.lps = lps;
   w.pages.clear();
+  w.scales.assign(lps.size(), {1.0f, 1.0f});
   PagePool* home = grads ? ghome_.get() : home_.get();
   for (size_t i = 0; i < lps.size(); ++i) {
     const int64_t lp = lps[i];
@@ -392,6 +465,7 @@ void PagedKvStore::start_fetch(Window& w, int64_t layer, const std::vector<int64
       table_.set(seq, static_cast<int32_t>(layer), lp, nr);
       continue;
     }
+    w.scales[i] = {ref->k_scale, ref->v_scale};
     if (opt_.offload == KvOffload::none) {
       w.pages.push_back(ref->slot);
     } else {
@@ -423,6 +497,7 @@ KvBlocks PagedKvStore::blocks_of(Window& w, bool grads, const std::vector<int32_
       PagePool& pool = grads ? *gwin_ : *win_;
       w.blocks.push_back(pool.block(w.dev[u], start, static_cast<int32_t>(P)));
     }
+    w.blocks.back().k_scale = w.scales[u][0], w.blocks.back().v_scale = w.scales[u][1];
   }
   return KvBlocks{w.blocks.data(), static_cast<int64_t>(idx.size()), cfg_.Hkv, P, cfg_.D,
                   grads ? gshape_.dtype : shape_.dtype};

@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "backend/ops.h"
+#include "io/json.h"
 #include "memory/offloader.h"
 #include "memory/page_pool.h"
 #include "memory/spill_file.h"
@@ -65,14 +66,28 @@ struct PagedKvOptions {
   int64_t sparse_pages = 0;      // k: each query page reads its k best earlier pages (0: all, dense)
   int64_t sink_pages = 1;        // with sparse_pages: the first pages every query page reads
   PageSummary summary = PageSummary::minmax;
-  // Storage of the history's keys and values in every tier: f32 (the act dtype) or bf16 (rounded to
-  // nearest even when a chunk is stored; the attention kernels read bf16 pages as they are). Their
-  // gradients stay in the act dtype.
+  // Storage of the history's keys and values in every tier: f32 (the act dtype), bf16 (rounded to
+  // nearest even when a chunk is stored) or f8_e4m3 (scaled, see Fp8Stats); the attention kernels read
+  // narrow pages as they are. Their gradients stay in the act dtype.
   DType kv_dtype = DType::f32;
   // Selections outlive the sequence: a later one replays the first one's (same length). For finite
   // differences with the selection fixed, and for analysis.
   bool keep_selection = false;
 };
+
+// f8_e4m3 pages, with delayed scaling as Transformer Engine does it: a chunk's keys (values) of a layer
+// are multiplied by 448 / the largest |x| of that layer's keys (values) over the last kAmaxHistory chunks
+// stored (its own amax when the history is empty) and rounded to E4M3, saturating; each page keeps the
+// inverse as its scale. Counted per kind: values stored, saturated (|x| scaled past 448), flushed to zero
+// (x != 0 stored as 0), and chunks whose amax was not finite (not put into the history; their pages hold
+// NaN, so the step's loss is not finite and the trainer skips the step).
+struct Fp8Counts {
+  uint64_t values = 0, saturated = 0, flushed = 0, nonfinite_chunks = 0;
+};
+struct Fp8Stats {
+  Fp8Counts k, v;
+};
+inline constexpr int kAmaxHistory = 16;
 
 class PagedKvStore final : public ChunkKv {
  public:
@@ -100,6 +115,11 @@ class PagedKvStore final : public ChunkKv {
   // The earlier pages query page qp of chunk c reads in `layer` (ascending), once selected; empty when
   // dense or not selected yet.
   std::vector<int64_t> selection(int64_t layer, int64_t c, int64_t qp) const;
+  // f8_e4m3 pages: the counts so far, and the amax history (JSON, exact) for checkpoints: a resumed run
+  // scales as the uninterrupted one did.
+  Fp8Stats fp8_stats() const { return fp8_; }
+  json::Value amax_state() const;
+  void restore_amax(const json::Value& state);
 
  private:
   struct Window;
@@ -147,6 +167,9 @@ class PagedKvStore final : public ChunkKv {
   Buffer summ_;                 // sparse: (L, hist_pages_, 1 or 2, Hkv, D) f32 summaries
   Buffer sel_, sel_n_;          // sparse: (L, max_chunks_, C/P, sel_width()) page ids; (L, max_chunks_, C/P) counts
   std::vector<uint8_t> made_;   // sparse: (L, max_chunks_) selection made
+  std::vector<std::vector<float>> amax_;  // fp8: per (layer, K | V), the last kAmaxHistory chunks' amax
+  Fp8Stats fp8_;
+  float quantize_chunk(int64_t layer, int kind, const Tensor& x);  // fp8: the chunk's scale (and counts)
   int64_t T_ = 0, chunk_ = 0;
 };
 

@@ -76,7 +76,7 @@ void MetricsWriter::append(const std::string& line) {
 }
 
 void MetricsWriter::write_step(int64_t step, double loss, double lr, double grad_norm, double tokens_per_s,
-                               bool skipped, const Ledger& ledger) {
+                               bool skipped, const Ledger& ledger, const json::Value& kv_fp8) {
   json::Value o = json::Value::object();
   o.set("type", json::Value::string("train"));
   o.set("step", json::Value::integer(step));
@@ -87,6 +87,7 @@ void MetricsWriter::write_step(int64_t step, double loss, double lr, double grad
   o.set("skipped", json::Value::boolean(skipped));
   if (!params_.is_null()) o.set("params", params_);
   o.set("memory", memory_json(ledger));
+  if (!kv_fp8.is_null()) o.set("kv_fp8", kv_fp8);
   append(json::dump(o));
 }
 
@@ -165,9 +166,8 @@ void MetricsWriter::truncate_after(const std::string& path, int64_t step) {
     fail("[metrics] cannot replace ", path, ": ", std::strerror(err));
   }
   // The rename is durable only once the folder is synced.
-  std::string dir = std::filesystem::path(path).parent_path().string();
-  if (dir.empty()) dir = ".";
-  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+  const int dfd = ::open(parent.empty() ? "." : parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dfd >= 0) {
     ::fsync(dfd);
     ::close(dfd);

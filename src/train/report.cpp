@@ -195,6 +195,9 @@ std::string render_report(const std::string& metrics_jsonl, const json::Value& c
   Series gnorm{"gradient norm (before clipping)", kColors[4], {}};
   double seconds = 0;  // sum of the steps' times (tokens / tokens_per_s)
   std::map<std::string, Series> mem;  // "tier category" -> current bytes (MiB)
+  // --kv-dtype fp8: per step, the share (%) of stored keys / values saturated and flushed to zero
+  Series ksat{"keys saturated", kColors[0], {}}, kflush{"keys flushed to zero", kColors[1], {}},
+      vsat{"values saturated", kColors[2], {}}, vflush{"values flushed to zero", kColors[3], {}};
   int64_t steps = 0, skipped = 0;
   json::Value params;  // the last train line's "params"
   std::istringstream in(metrics_jsonl);
@@ -223,6 +226,15 @@ std::string render_report(const std::string& metrics_jsonl, const json::Value& c
     tps.pts.push_back({s, val("tokens_per_s")});
     gnorm.pts.push_back({s, val("grad_norm")});
     if (const double t = val("tokens_per_s"); t > 0) seconds += 1.0 / t;  // times tokens per step below
+    if (const json::Value* f = o.find("kv_fp8"); f && f->is_object())
+      for (const char* kind : {"k", "v"}) {
+        const json::Value* c = f->find(kind);
+        if (!c || !c->is_object() || !c->find("values") || !c->find("saturated") || !c->find("flushed")) continue;
+        const double n = c->at("values").as_number();
+        if (!(n > 0)) continue;
+        (kind[0] == 'k' ? ksat : vsat).pts.push_back({s, 100.0 * c->at("saturated").as_number() / n});
+        (kind[0] == 'k' ? kflush : vflush).pts.push_back({s, 100.0 * c->at("flushed").as_number() / n});
+      }
     if (const json::Value* m = o.find("memory"); m && m->is_object())
       for (const auto& [tier, cats] : m->as_object()) {
         if (!cats.is_object()) continue;
@@ -288,8 +300,11 @@ std::string render_report(const std::string& metrics_jsonl, const json::Value& c
   h << "<div>\n"
     << chart("Loss", "cross-entropy (nats)", {loss, eval}) << chart("Learning rate", "lr", {lr})
     << chart("Gradient norm", "global L2 norm", {gnorm}, zero) << chart("Throughput", "tokens/s", {tps}, zero)
-    << chart("Memory held by category (ledger, stacked; device and host)", "MiB", mem_series, memo)
-    << "</div>\n<h2>Configuration</h2>\n<table>\n";
+    << chart("Memory held by category (ledger, stacked; device and host)", "MiB", mem_series, memo);
+  if (!ksat.pts.empty())
+    h << chart("FP8 keys and values: saturated and flushed to zero (share of the step's stored values)", "%",
+               {ksat, kflush, vsat, vflush}, zero);
+  h << "</div>\n<h2>Configuration</h2>\n<table>\n";
   if (config.is_object())
     for (const auto& [k, v] : config.as_object())
       h << "<tr><td>" << esc(k) << "</td><td>" << esc(v.is_string() ? v.as_string() : json::dump(v)) << "</td></tr>\n";

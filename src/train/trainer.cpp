@@ -238,8 +238,9 @@ const std::vector<TrainOption>& train_options() {
       text("kv-offload", false, "M", "none, host or disk: where earlier chunks' K/V pages live (default none)",
            &C::kv_offload),
       text("kv-dtype", true, "D",
-           "fp32 or bf16: storage of earlier chunks' keys and values in every tier (bf16: half\nthe bytes and the "
-           "transfers; their gradients stay fp32) (default fp32)",
+           "fp32, bf16 or fp8: storage of earlier chunks' keys and values in every tier (bf16:\nhalf the bytes and "
+           "the transfers; fp8: E4M3 with delayed scaling, a quarter, saturated\nand flushed values counted in "
+           "metrics.jsonl; their gradients stay fp32) (default fp32)",
            &C::kv_dtype),
       text("spill-dir", false, "DIR", "disk: folder of the spill file, not tmpfs (default --out)", &C::spill_dir),
       whole("sparse-pages", true, "k",
@@ -417,8 +418,8 @@ void validate_config(const TrainConfig& c) {
   // Flags that would do nothing in this mode are errors, not silently ignored.
   OOM_CHECK(c.kv_offload == "none" || c.chunk > 0, "[train] --kv-offload ", c.kv_offload, " needs --chunk C: only "
             "chunk-recurrent training keeps earlier chunks' K/V pages that could live elsewhere");
-  OOM_CHECK(c.kv_dtype == "fp32" || c.kv_dtype == "bf16", "[train] --kv-dtype ", c.kv_dtype,
-            " is not a key/value storage oomless has; use fp32 or bf16");
+  OOM_CHECK(c.kv_dtype == "fp32" || c.kv_dtype == "bf16" || c.kv_dtype == "fp8", "[train] --kv-dtype ", c.kv_dtype,
+            " is not a key/value storage oomless has; use fp32, bf16 or fp8");
   OOM_CHECK(c.kv_dtype == "fp32" || c.chunk > 0, "[train] --kv-dtype ", c.kv_dtype, " needs --chunk C: it is the "
             "storage of chunk-recurrent training's key/value pages");
   OOM_CHECK(c.page == 0 || c.chunk > 0, "[train] --page ", c.page, " needs --chunk C: pages are the K/V store of "
@@ -774,7 +775,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
       ko.sparse_pages = c.sparse_pages;
       ko.sink_pages = c.sink_pages;
       ko.summary = parse_page_summary(c.page_summary);
-      ko.kv_dtype = c.kv_dtype == "bf16" ? DType::bf16 : DType::f32;
+      ko.kv_dtype = c.kv_dtype == "bf16" ? DType::bf16 : c.kv_dtype == "fp8" ? DType::f8_e4m3 : DType::f32;
       if (ko.offload == KvOffload::disk) fs::create_directories(out);
       model.reserve(C, true, true);
       s.kv = std::make_unique<PagedKvStore>(cfg, *s.e.ops, s.e.mem->device, s.e.mem->host, ko, c.seq, true);
@@ -946,6 +947,11 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
     s.step = st.at("step").as_int();
     s.nonfinite_total = st.at("nonfinite_total").as_int();
     if (st.find("prev_grad_norm") && st.at("prev_grad_norm").is_number()) s.prev_norm = st.at("prev_grad_norm").as_number();
+    if (s.kv && s.kv->options().kv_dtype == DType::f8_e4m3) {
+      OOM_CHECK(st.find("kv_amax"), "[train] --resume: ", ck->path, "/trainer_state.json has no fp8 amax history "
+                "(kv_amax) for --kv-dtype fp8; the checkpoint is damaged or another run's");
+      s.kv->restore_amax(st.at("kv_amax"));
+    }
     MetricsWriter::truncate_after(MetricsWriter::path_in(out), s.step);
     say("oomless train: resumed from %s (step %lld of %lld)\n", ck->path.c_str(), static_cast<long long>(s.step),
         static_cast<long long>(s.total));
@@ -1049,6 +1055,7 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
     Model& m;
     ~Disarm() { m.on_grads_final(nullptr); }
   } disarm{model};
+  const Fp8Stats fp8_before = s.kv ? s.kv->fp8_stats() : Fp8Stats{};
   try {
     model.zero_grads();
     double loss_sum = 0;
@@ -1098,6 +1105,20 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
   }
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   r.tokens_per_s = static_cast<double>(n * c.seq) / r.seconds;
+  if (s.kv && s.kv->options().kv_dtype == DType::f8_e4m3) {
+    const Fp8Stats now = s.kv->fp8_stats();
+    auto part = [](const Fp8Counts& a, const Fp8Counts& b) {
+      json::Value o = json::Value::object();
+      o.set("values", json::Value::integer(static_cast<int64_t>(a.values - b.values)));
+      o.set("saturated", json::Value::integer(static_cast<int64_t>(a.saturated - b.saturated)));
+      o.set("flushed", json::Value::integer(static_cast<int64_t>(a.flushed - b.flushed)));
+      o.set("nonfinite_chunks", json::Value::integer(static_cast<int64_t>(a.nonfinite_chunks - b.nonfinite_chunks)));
+      return o;
+    };
+    r.kv_fp8 = json::Value::object();
+    r.kv_fp8.set("k", part(now.k, fp8_before.k));
+    r.kv_fp8.set("v", part(now.v, fp8_before.v));
+  }
   return r;
 }
 
@@ -1130,6 +1151,7 @@ std::string Trainer::save() {
   st.set("total_steps", json::Value::integer(s.total));
   st.set("nonfinite_total", json::Value::integer(s.nonfinite_total));
   if (std::isfinite(s.prev_norm)) st.set("prev_grad_norm", json::Value::number(s.prev_norm));
+  if (s.kv && s.kv->options().kv_dtype == DType::f8_e4m3) st.set("kv_amax", s.kv->amax_state());
   st.set("data", s.data ? s.data->state() : json::Value());
   st.set("config", s.c.to_json());
   st.set("threads", json::Value::integer(get_threads()));
@@ -1222,7 +1244,7 @@ int train_run(const TrainConfig& c, const std::string& out) {
     } else {
       last_loss = r.loss;
     }
-    metrics.write_step(step, r.loss, r.lr, r.grad_norm, r.tokens_per_s, r.skipped, e.mem->ledger);
+    metrics.write_step(step, r.loss, r.lr, r.grad_norm, r.tokens_per_s, r.skipped, e.mem->ledger, r.kv_fp8);
     OOM_CHECK(tr.nonfinite_in_a_row() <= c.max_nonfinite, "[train] ", tr.nonfinite_in_a_row(),
               " steps in a row had a non-finite loss or gradient (more than --max-nonfinite ", c.max_nonfinite,
               "); lower --lr, check the data, or use fp32; the last checkpoint is in ", out);

@@ -45,7 +45,7 @@ struct TrainConfig {
   double galore_scale = 0.25;
   std::string galore_refresh = "all";  // all | staggered
   std::string optim_state = "host";
-  std::string kv_dtype = "fp32";       // fp32 | bf16: the chunk-recurrent K/V history's storage    // device | host | disk: where the optimizer state lives
+  std::string kv_dtype = "fp32";       // fp32 | bf16 | fp8: the chunk-recurrent K/V history's storage    // device | host | disk: where the optimizer state lives
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double clip = 1.0;
   std::string clip_norm = "current";  // current | previous: the norm --clip scales by
@@ -139,6 +139,9 @@ struct StepResult {
   int64_t targets = 0;     // supervised targets of the step
   double seconds = 0;
   double tokens_per_s = 0;
+  // --kv-dtype fp8: this step's counts of the keys' and values' storage (values stored, saturated,
+  // flushed to zero, chunks with a non-finite amax); null otherwise.
+  json::Value kv_fp8;
 };
 
 // A training run (setup, step, evaluate, save, resume), shared by `oomless train`, the tests and the

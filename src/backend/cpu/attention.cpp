@@ -24,12 +24,13 @@
 // no atomics, and results are bitwise identical for any thread count. Tasks are dealt round-robin
 // (schedule(static, 1)) so the causal triangle's uneven task costs spread evenly.
 //
-// K/V may be f32 or bf16; bf16 key tiles are widened to f32 per tile. dK/dV blocks are f32 and
+// K/V may be f32, bf16 or f8_e4m3 (scaled per block); narrow key tiles are widened to f32 per tile. dK/dV blocks are f32 and
 // accumulate (+=). Scratch (per-thread tiles, tile tables, D and lse in base 2) is one workspace
 // allocation per call, sized by omp_get_max_threads().
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -251,7 +252,7 @@ void tile_gemm(int64_t M, int64_t N, int64_t K, bool ta, bool tb, const float* a
 }
 
 // The K and V rows (n, D) of key tile kt under kv head g: pointers into the block when f32, else
-// widened from bf16 into kbuf and vbuf.
+// widened (bf16, or f8_e4m3 times the block's scales) into kbuf and vbuf.
 void key_rows(const Ctx& x, const KeyTile& kt, int64_t g, int64_t n, const float** K, const float** V, float* kbuf,
               float* vbuf) {
   const KvBlock& blk = x.kv->blocks[kt.block];
@@ -261,11 +262,25 @@ void key_rows(const Ctx& x, const KeyTile& kt, int64_t g, int64_t n, const float
     *V = static_cast<const float*>(blk.v) + off;
     return;
   }
-  const uint16_t* k16 = static_cast<const uint16_t*>(blk.k) + off;
-  const uint16_t* v16 = static_cast<const uint16_t*>(blk.v) + off;
-  for (int64_t i = 0; i < n * x.D; ++i) {
-    kbuf[i] = bf16_to_f32(k16[i]);
-    vbuf[i] = bf16_to_f32(v16[i]);
+  if (x.kv->dtype == DType::f8_e4m3) {
+    static const std::array<float, 256> lut = [] {
+      std::array<float, 256> t{};
+      for (int c = 0; c < 256; ++c) t[static_cast<size_t>(c)] = f8e4m3_to_f32(static_cast<uint8_t>(c));
+      return t;
+    }();
+    const uint8_t* k8 = static_cast<const uint8_t*>(blk.k) + off;
+    const uint8_t* v8 = static_cast<const uint8_t*>(blk.v) + off;
+    for (int64_t i = 0; i < n * x.D; ++i) {
+      kbuf[i] = lut[k8[i]] * blk.k_scale;
+      vbuf[i] = lut[v8[i]] * blk.v_scale;
+    }
+  } else {
+    const uint16_t* k16 = static_cast<const uint16_t*>(blk.k) + off;
+    const uint16_t* v16 = static_cast<const uint16_t*>(blk.v) + off;
+    for (int64_t i = 0; i < n * x.D; ++i) {
+      kbuf[i] = bf16_to_f32(k16[i]);
+      vbuf[i] = bf16_to_f32(v16[i]);
+    }
   }
   *K = kbuf;
   *V = vbuf;
@@ -447,10 +462,10 @@ void q_grad_task(const Ctx& x, int64_t h, const QueryTile& qt, const Tiles& w) {
 }  // namespace
 
 void CpuOps::attention_forward(Tensor o, Tensor lse, Tensor q, const KvBlocks& kv, Tensor q_pos, double scale) {
-  const AttentionDims dims = check_attention(kOp, o, lse, q, kv, q_pos, kAct, {DType::f32, DType::bf16});
+  const AttentionDims dims = check_attention(kOp, o, lse, q, kv, q_pos, kAct, {DType::f32, DType::bf16, DType::f8_e4m3});
   if (dims.T == 0 || dims.H == 0) return;
   Ctx x = make_ctx(dims, q, o, lse, kv, q_pos, scale);
-  const bool widen = kv.dtype == DType::bf16;
+  const bool widen = kv.dtype != DType::f32;
   x.n_kt = count_key_tiles(kv);
   x.n_qt = (x.T + kBq - 1) / kBq;
   Scratch s = make_scratch(*this, x.n_kt, x.n_qt, 0, tiles_floats(x.D, widen));
@@ -469,14 +484,14 @@ void CpuOps::attention_forward(Tensor o, Tensor lse, Tensor q, const KvBlocks& k
 
 void CpuOps::attention_backward(Tensor dq, const KvBlocks& dkv, Tensor dout, Tensor q, const KvBlocks& kv, Tensor o,
                                 Tensor lse, Tensor q_pos, double scale) {
-  const AttentionDims dims = check_attention(kOp, o, lse, q, kv, q_pos, kAct, {DType::f32, DType::bf16});
+  const AttentionDims dims = check_attention(kOp, o, lse, q, kv, q_pos, kAct, {DType::f32, DType::bf16, DType::f8_e4m3});
   check_attention_backward(kOp, dims, dq, dout, dkv, kv, kAct);
   if (dims.T == 0 || dims.H == 0) return;
   Ctx x = make_ctx(dims, q, o, lse, kv, q_pos, scale);
   x.dkv = &dkv;
   x.dout = static_cast<const float*>(dout.data);
   x.dq = static_cast<float*>(dq.data);
-  const bool widen = kv.dtype == DType::bf16;
+  const bool widen = kv.dtype != DType::f32;
   x.n_kt = count_key_tiles(kv);
   x.n_qt = (x.T + kBq - 1) / kBq;
   const int64_t HT = x.H * x.T;
