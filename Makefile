@@ -104,6 +104,8 @@ test-smoke: build
 	$(BUILD)/bench_kernels --quick --reps 1
 	$(BUILD)/bench_model --quick --reps 1
 	$(BUILD)/bench_optim_step --quick --reps 1 --spill $(SMOKE)
+	@if [ -f "$$HOME/.cache/oomless/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then \
+	  $(BUILD)/bench_kv_cache --tokens 24 --prompts 1 --new 4; else echo "bench_kv_cache: no SmolLM2 GGUF (scripts/fetch_smollm2.sh): skipped"; fi
 	$(BUILD)/bench_sparse speed --T 256,512 --chunk 128 --page 32 --k 2 --time-box 0 --json $(SMOKE)/sparse-speed.json
 	$(BUILD)/bench_sparse retrieval --T 512 --chunk 128 --page 32 --k 2 --pairs 4 --queries 8 --steps 2 --eval 2 \
 	  --warm-T 128,256 --warm-steps 2,1 --warm-batch 2,1 --warm-pairs 2 --warm-queries 4 --ids $(SMOKE)/retrieval \

@@ -1,0 +1,139 @@
+// The decode KV cache in bf16 against fp32 on a real model (generate --kv-dtype), side by side in one
+// process: the cache's bytes; the loss of a text decoded token by token through the cache (teacher forcing:
+// every position's logits come from the cache of the positions before it) and at how many positions the
+// most likely next token is the fp32 cache's; and for greedy continuations of prompts cut from the same
+// text, where the first token differs.
+//
+//   build/release/bench_kv_cache --model ~/.cache/oomless/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+//       [--ids tests/golden/smollm2/eval.ids] [--tokens 512] [--prompts 8] [--new 64]
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "core/cpu_info.h"
+#include "model/engine.h"
+#include "model/generate.h"
+
+using namespace oomless;
+
+namespace {
+
+struct Cache {
+  std::vector<Buffer> bufs;
+  std::vector<KvSlots> slots;
+  size_t bytes = 0;
+};
+
+Cache make_cache(Arena& arena, const ModelConfig& cfg, int64_t cap, DType dt) {
+  Cache c;
+  const size_t bytes = static_cast<size_t>(dtype_bytes(dt, cfg.Hkv * cap * cfg.D));
+  for (int64_t l = 0; l < cfg.L; ++l) {
+    c.bufs.push_back(arena.alloc(bytes, Category::kv, "kv cache"));
+    c.bufs.push_back(arena.alloc(bytes, Category::kv, "kv cache"));
+    c.slots.push_back({c.bufs[c.bufs.size() - 2].view(dt, {cfg.Hkv, cap, cfg.D}), c.bufs.back().view(dt, {cfg.Hkv, cap, cfg.D}), 0});
+    c.bytes += 2 * bytes;
+  }
+  return c;
+}
+
+double log_softmax_at(const std::vector<float>& z, int32_t t) {
+  const float m = *std::max_element(z.begin(), z.end());
+  double s = 0;
+  for (float x : z) s += std::exp(static_cast<double>(x - m));
+  return static_cast<double>(z[static_cast<size_t>(t)] - m) - std::log(s);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const char* home = std::getenv("HOME");
+  std::string model = std::string(home ? home : "") + "/.cache/oomless/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+  std::string ids_path = "tests/golden/smollm2/eval.ids";
+  int64_t n_tokens = 512, prompts = 8, n_new = 64;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--model" && i + 1 < argc) model = argv[++i];
+    else if (a == "--ids" && i + 1 < argc) ids_path = argv[++i];
+    else if (a == "--tokens" && i + 1 < argc) n_tokens = std::atoll(argv[++i]);
+    else if (a == "--prompts" && i + 1 < argc) prompts = std::atoll(argv[++i]);
+    else if (a == "--new" && i + 1 < argc) n_new = std::atoll(argv[++i]);
+    else {
+      std::fprintf(stderr, "usage: bench_kv_cache [--model M] [--ids FILE] [--tokens N] [--prompts K] [--new N]\n");
+      return 2;
+    }
+  }
+  std::vector<int32_t> text;
+  {
+    std::ifstream f(ids_path);
+    for (int64_t x; f >> x && static_cast<int64_t>(text.size()) < n_tokens;) text.push_back(static_cast<int32_t>(x));
+  }
+  if (text.size() < 16) {
+    std::fprintf(stderr, "bench_kv_cache: %s holds fewer than 16 ids\n", ids_path.c_str());
+    return 2;
+  }
+  EngineOptions eo;
+  eo.model = model;
+  eo.keep_quantised = true;
+  Engine e = build_engine(eo);
+  const ModelConfig& cfg = e.src.cfg;
+  Model& m = *e.model;
+  const CpuInfo cpu = detect_cpu();
+  std::printf("cpu: %s; isa %s; %d threads\nmodel %s; %zu tokens of %s\n\n", cpu.model.c_str(), cpu.isa_summary().c_str(),
+              get_threads(), model.c_str(), text.size(), ids_path.c_str());
+  m.reserve(std::max<int64_t>(static_cast<int64_t>(text.size()), 64), false);
+  const int64_t T = static_cast<int64_t>(text.size());
+
+  // Teacher-forced loss through the cache, one token at a time.
+  double loss[2] = {0, 0};
+  size_t cache_bytes[2] = {0, 0};
+  std::vector<float> logits(static_cast<size_t>(cfg.V));
+  std::vector<int64_t> top(static_cast<size_t>(T), -1);
+  int64_t top_agree = 0;
+  for (int k = 0; k < 2; ++k) {
+    Cache c = make_cache(e.mem->device, cfg, T, k == 0 ? DType::f32 : DType::bf16);
+    cache_bytes[k] = c.bytes;
+    for (int64_t t = 0; t + 1 < T; ++t) {
+      m.decode_forward(Tensor(text.data() + t, DType::i32, {1}), t, c.slots, Tensor::of(logits.data(), {cfg.V}));
+      loss[k] -= log_softmax_at(logits, text[static_cast<size_t>(t + 1)]);
+      const int64_t best = std::max_element(logits.begin(), logits.end()) - logits.begin();
+      if (k == 0) top[static_cast<size_t>(t)] = best;
+      else top_agree += best == top[static_cast<size_t>(t)];
+    }
+    loss[k] /= static_cast<double>(T - 1);
+  }
+  std::printf("cache for %lld positions: fp32 %.2f MiB, bf16 %.2f MiB\n", static_cast<long long>(T),
+              cache_bytes[0] / 1048576.0, cache_bytes[1] / 1048576.0);
+  std::printf("teacher-forced loss through the cache: fp32 %.6f, bf16 %.6f (%+.4f%%)\n", loss[0], loss[1],
+              100.0 * (loss[1] - loss[0]) / loss[0]);
+  std::printf("most likely next token equal to the fp32 cache's: %lld of %lld positions (%.2f%%)\n\n",
+              static_cast<long long>(top_agree), static_cast<long long>(T - 1), 100.0 * static_cast<double>(top_agree) / static_cast<double>(T - 1));
+
+  // Greedy continuations of prompts cut from the text.
+  int64_t same_runs = 0;
+  std::printf("prompt  first disagreement (of %lld new)\n", static_cast<long long>(n_new));
+  for (int64_t p = 0; p < prompts; ++p) {
+    const int64_t start = (T / 2) * p / std::max<int64_t>(prompts, 1), len = 32;
+    if (start + len > T) break;
+    const std::vector<int32_t> prompt(text.begin() + start, text.begin() + start + len);
+    GenerateOptions o;
+    o.max_new = n_new;
+    std::vector<int32_t> out[2];
+    for (int k = 0; k < 2; ++k) {
+      o.kv_dtype = k == 0 ? DType::f32 : DType::bf16;
+      out[k] = generate(m, e.mem->device, prompt, o);
+    }
+    int64_t first = -1;
+    for (size_t i = 0; i < out[0].size() && i < out[1].size(); ++i)
+      if (first < 0 && out[0][i] != out[1][i]) first = static_cast<int64_t>(i);
+    if (first < 0 && out[0].size() != out[1].size()) first = static_cast<int64_t>(std::min(out[0].size(), out[1].size()));
+    same_runs += first < 0;
+    std::printf("%6lld  %s\n", static_cast<long long>(p), first < 0 ? "none" : std::to_string(first).c_str());
+  }
+  std::printf("greedy continuations identical to the fp32 cache's: %lld of %lld\n", static_cast<long long>(same_runs),
+              static_cast<long long>(prompts));
+  return 0;
+}
