@@ -6,6 +6,7 @@
 #include <omp.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <tuple>
@@ -124,7 +125,8 @@ TEST_P(GemmRun, BlockBoundaries) {
 
 INSTANTIATE_TEST_SUITE_P(Gemm, GemmRun,
                          testing::Combine(testing::Bool(), testing::Bool(), testing::Values(DType::f32, DType::bf16),
-                                          testing::Values(GemmIsa::generic, GemmIsa::avx2, GemmIsa::avx512)),
+                                          testing::Values(GemmIsa::generic, GemmIsa::avx2, GemmIsa::avx512,
+                                                          GemmIsa::amx)),
                          param_name);
 
 // The eight-lane f32 -> bf16 rounding of the packing equals the scalar conversion bit for bit: ties to
@@ -220,9 +222,28 @@ TEST(GemmPaths, EveryPathGivesTheAvx2Bits) {
             gemm.run(s, a.ptr<void>(), b.ptr<void>(), got.ptr<float>());
           }
           ++compared;
-          EXPECT_EQ(std::memcmp(want.ptr<float>(), got.ptr<float>(), sizeof(float) * d.M * d.N), 0)
-              << gemm_isa_name(isa) << " mode " << mode << " M=" << d.M << " N=" << d.N << " K=" << d.K
-              << " ta=" << s.ta << " tb=" << s.tb;
+          const std::string what = std::string(gemm_isa_name(isa)) + " mode " + std::to_string(mode) +
+                                   " M=" + std::to_string(d.M) + " N=" + std::to_string(d.N) +
+                                   " K=" + std::to_string(d.K) + " ta=" + std::to_string(s.ta) +
+                                   " tb=" + std::to_string(s.tb);
+          if (isa == GemmIsa::amx && mode != 0 && d.M > 24) {
+            // bf16 on AMX tiles: the tile instruction's own sum order, so within the rounding of an fp32
+            // sum of K products (|c| + sum |a b| bounds it), not the same bits.
+            const std::vector<double> a64 = a.to_f64(), b64 = b.to_f64();
+            int64_t far = 0;
+            for (int64_t i = 0; i < d.M; ++i)
+              for (int64_t j = 0; j < d.N; ++j) {
+                double mag = std::fabs(c0.get(i * d.N + j)) * s.accumulate;
+                for (int64_t k = 0; k < d.K; ++k)
+                  mag += std::fabs(a64[s.ta ? k * d.M + i : i * d.K + k] *
+                                   round_to_bf16(static_cast<float>(b64[s.tb ? j * d.K + k : k * d.N + j])));
+                const double diff = std::fabs(double(want.get(i * d.N + j)) - got.get(i * d.N + j));
+                far += diff > 2.0 * d.K * eps_of(DType::f32) * mag;
+              }
+            EXPECT_EQ(far, 0) << what << ": outputs further from the avx2 path's than fp32 rounding allows";
+            continue;
+          }
+          EXPECT_EQ(std::memcmp(want.ptr<float>(), got.ptr<float>(), sizeof(float) * d.M * d.N), 0) << what;
           if (mode == 0) {
             HostTensor tw = c0.clone(), tg = c0.clone();
             {
@@ -251,13 +272,65 @@ void expect_error(const std::function<void()>& f, const std::string& part) {
   }
 }
 
-TEST(GemmPaths, NamesParseAndAmxIsRefused) {
-  for (GemmIsa isa : {GemmIsa::generic, GemmIsa::avx2, GemmIsa::avx512})
+TEST(GemmPaths, NamesParseAndAMissingPathIsRefused) {
+  for (GemmIsa isa : {GemmIsa::generic, GemmIsa::avx2, GemmIsa::avx512, GemmIsa::amx})
     EXPECT_EQ(parse_gemm_isa(gemm_isa_name(isa)), isa);
-  expect_error([] { parse_gemm_isa("amx"); }, "no AMX path");
-  expect_error([] { parse_gemm_isa("sse"); }, "use generic, avx2 or avx512");
+  expect_error([] { parse_gemm_isa("sse"); }, "use generic, avx2, avx512 or amx");
   EXPECT_TRUE(gemm_isa_supported(GemmIsa::generic));
   EXPECT_EQ(supported_gemm_isas().front(), GemmIsa::generic);
+  for (GemmIsa isa : {GemmIsa::avx512, GemmIsa::amx}) {
+    if (!gemm_isa_supported(isa)) expect_error([isa] { set_gemm_isa(isa); }, "this CPU has no");
+  }
+  // The path in use is the best one unless OOMLESS_ISA names another.
+  if (!std::getenv("OOMLESS_ISA")) EXPECT_EQ(gemm_isa(), supported_gemm_isas().back());
+}
+
+// The AMX micro-kernel alone against a scalar sum of the same pair words: every tile count (1 or 2 row
+// tiles, 1 or 2 column tiles), partial tiles, accumulate, and a k depth of several tiles. Pair words from
+// random bf16 values; the rows of A past m are zero, as the packing leaves them.
+TEST(GemmAmx, MicroKernelAgainstScalarSums) {
+  if (!gemm_isa_supported(GemmIsa::amx)) GTEST_SKIP() << "this CPU has no AMX-BF16 path";
+  std::mt19937_64 rng(17);
+  std::normal_distribution<float> nd;
+  const int64_t kpp = 48;  // three tiles of 16 pairs
+  for (int m : {1, 15, 16, 17, 32})
+    for (int n : {1, 16, 17, 32})
+      for (bool acc : {false, true}) {
+        std::vector<uint32_t> a(32 * kpp, 0), b(2 * 16 * kpp);
+        auto word = [&] { return (uint32_t(f32_to_bf16(nd(rng))) << 16) | f32_to_bf16(nd(rng)); };
+        for (int i = 0; i < m; ++i)
+          for (int64_t p = 0; p < kpp; ++p) a[i * kpp + p] = word();
+        for (auto& w : b) w = word();
+        const int64_t ldc = 40;
+        std::vector<float> c(32 * ldc), c0;
+        for (auto& x : c) x = nd(rng);
+        c0 = c;
+        gemm_detail::AmxMicro u{};
+        u.a = a.data(), u.lda = kpp, u.b = b.data(), u.b_second = 16 * kpp, u.c = c.data(), u.ldc = ldc;
+        u.kpp = kpp, u.m = m, u.n = n, u.acc = acc;
+        gemm_detail::amx_begin();
+        gemm_detail::micro_amx(u);
+        gemm_detail::amx_end();
+        auto hi = [](uint32_t w) { return double(bf16_to_f32(uint16_t(w >> 16))); };
+        auto lo = [](uint32_t w) { return double(bf16_to_f32(uint16_t(w & 0xffff))); };
+        int64_t bad = 0, outside = 0;
+        for (int i = 0; i < 32; ++i)
+          for (int j = 0; j < ldc; ++j) {
+            if (i >= m || j >= n) {
+              outside += c[i * ldc + j] != c0[i * ldc + j];
+              continue;
+            }
+            double sum = acc ? c0[i * ldc + j] : 0.0, mag = std::fabs(sum);
+            for (int64_t p = 0; p < kpp; ++p) {
+              const uint32_t x = a[i * kpp + p], y = j < 16 ? b[p * 16 + j] : b[16 * kpp + p * 16 + j - 16];
+              sum += hi(x) * hi(y) + lo(x) * lo(y);
+              mag += std::fabs(hi(x) * hi(y)) + std::fabs(lo(x) * lo(y));
+            }
+            bad += std::fabs(c[i * ldc + j] - sum) > 2.0 * 2 * kpp * eps_of(DType::f32) * mag;
+          }
+        EXPECT_EQ(bad, 0) << "m=" << m << " n=" << n << " acc=" << acc;
+        EXPECT_EQ(outside, 0) << "m=" << m << " n=" << n << ": wrote outside the tile";
+      }
 }
 
 }  // namespace

@@ -25,13 +25,17 @@ class Arena;
 //   generic  portable C++ (no vector intrinsics);
 //   avx2     AVX2 + FMA, 6x16 tiles of 8-wide vectors; bf16 operands widened to f32 while packing;
 //   avx512   AVX-512F 6x16 tiles of 16-wide vectors (the same f32 bits as avx2), and with AVX512-BF16
-//            bf16 operands multiplied as they are (vdpbf16ps on k pairs; see gemm_avx512.cpp).
+//            bf16 operands multiplied as they are (vdpbf16ps on k pairs; see gemm_avx512.cpp);
+//   amx      avx512's kernels, and bf16 products of more than 24 rows on AMX-BF16 tiles (32 x 32 outputs
+//            from tdpbf16ps on the same k pairs; gemm_amx.cpp): not the other paths' bf16 bits, but
+//            bitwise the same for any thread count.
 // Chosen at first use: the best the CPU and the OS's saved register state (XCR0) allow, or the one
-// OOMLESS_ISA names (generic, avx2, avx512; a path the CPU lacks is an error). Every path computes each
-// output's sum in ascending k, so results are bitwise the same for any thread count on each path.
-enum class GemmIsa { generic, avx2, avx512 };
+// OOMLESS_ISA names (generic, avx2, avx512, amx; a path the CPU lacks is an error). Every path computes
+// each output's sum in a fixed order (ascending k, or the tile instruction's over fixed k slices), so
+// results are bitwise the same for any thread count on each path.
+enum class GemmIsa { generic, avx2, avx512, amx };
 const char* gemm_isa_name(GemmIsa isa);
-// "avx2", ... ; an unknown name or "amx" (no AMX path exists) is an error naming the accepted ones.
+// "avx2", ... ; an unknown name is an error naming the accepted ones.
 GemmIsa parse_gemm_isa(std::string_view name);
 bool gemm_isa_supported(GemmIsa isa);
 std::vector<GemmIsa> supported_gemm_isas();  // lowest first

@@ -69,16 +69,17 @@ struct Plan {
   bool skinny = false;             // few rows: the skinny loop nest (run_skinny)
 };
 
-Plan make_plan(const GemmShape& s) {
+// mr: rows of a strip (kMr, or kMrAmx for the AMX nest); the skinny test counts 6-row strips either way.
+Plan make_plan(const GemmShape& s, int64_t mr = kMr) {
   Plan p;
   p.nk = cdiv(s.K, kKcMax);
   p.kc = cdiv(s.K, p.nk);
   p.nj = cdiv(s.N, kNcMax);
   p.nc = cdiv(cdiv(s.N, p.nj), kNr) * kNr;
-  p.strips = cdiv(s.M, kMr);
+  p.strips = cdiv(s.M, mr);
   p.nbm = std::min(p.strips, cdiv(cdiv(s.M, kMcMax), kUnits) * kUnits);
   p.max_strips = cdiv(p.strips, p.nbm);
-  p.skinny = p.strips <= kSkinnyStrips;
+  p.skinny = cdiv(s.M, kMr) <= kSkinnyStrips;
   return p;
 }
 
@@ -303,6 +304,51 @@ __attribute__((target("avx512f,avx512bw"))) void pair_row_avx512(uint32_t* dst, 
   _mm512_storeu_si512(dst, w);
 }
 
+// ---- the A block of the AMX nest -------------------------------------------------------------------
+
+// Rows [0, m) of a bf16 a(i, k) = src[i * ld + k] (ta: src[k * ld + i]), k < kc, as rows of pair words
+// (pair_word order): row i at dst + i * kpp, pair p at [p], zero from pair (kc + 1) / 2 to kpp and in the
+// rows from m to m rounded up to 16 (the micro-kernel loads whole 16-row tiles).
+__attribute__((target("avx512f,avx512bw"))) void pack_a_amx(uint32_t* dst, const uint16_t* src, int64_t ld, bool ta,
+                                                             int64_t kc, int64_t m, int64_t kpp) {
+  const int64_t whole = kc / 2, p32 = kc / 32 * 16;  // pairs; pairs in whole groups of 32 k
+  auto at = [&](int64_t i, int64_t k) { return ta ? src[k * ld + i] : src[i * ld + k]; };
+  auto rest = [&](int64_t i, int64_t p) {  // row i from pair p on, one word at a time
+    uint32_t* d = dst + i * kpp;
+    for (; p < whole; ++p) d[p] = pair_word(at(i, 2 * p), at(i, 2 * p + 1));
+    if (kc % 2) d[p++] = pair_word(at(i, kc - 1), 0);
+    for (; p < kpp; ++p) d[p] = 0;
+  };
+  int64_t i = 0;
+  if (!ta) {
+    // Sixteen words of a row as they lie (k in the low half), halves swapped.
+    for (; i < m; ++i) {
+      const uint16_t* row = src + i * ld;
+      uint32_t* d = dst + i * kpp;
+      for (int64_t p = 0; p < p32; p += 16)
+        _mm512_storeu_si512(d + p, _mm512_rol_epi32(_mm512_loadu_si512(row + 2 * p), 16));
+      rest(i, p32);
+    }
+  } else {
+    // Sixteen rows at a time: the words of pairs p..p+15 as vectors over the rows (two k rows of the stored
+    // (K, M) a each), then transposed.
+    for (; i + 16 <= m; i += 16) {
+      for (int64_t p = 0; p < p32; p += 16) {
+        __m512i r[16];
+        for (int q = 0; q < 16; ++q) {
+          const uint16_t* k0 = src + 2 * (p + q) * ld + i;
+          r[q] = _mm512_or_si512(_mm512_slli_epi32(bf16x16(k0), 16), bf16x16(k0 + ld));
+        }
+        transpose16(r);
+        for (int t = 0; t < 16; ++t) _mm512_storeu_si512(dst + (i + t) * kpp + p, r[t]);
+      }
+      for (int t = 0; t < 16; ++t) rest(i + t, p32);
+    }
+    for (; i < m; ++i) rest(i, 0);
+  }
+  for (; i < cdiv(m, 16) * 16; ++i) std::memset(dst + i * kpp, 0, sizeof(uint32_t) * kpp);
+}
+
 #pragma GCC diagnostic pop
 
 // One pair panel of B (16 columns, zero past n) from b(k, j) = src[k * ld + j] (tb false) or src[j * ld + k].
@@ -510,6 +556,79 @@ void run_row(const GemmShape& s, const float* af, BP b, float* c, float* work) {
   }
 }
 
+// ---- the AMX nest ------------------------------------------------------------------------------------
+
+// bf16 products on the amx path that are not skinny: the blocked nest above with 32-row strips, A packed in
+// rows of pair words (pack_a_amx), the B pair panels of the vdpbf16ps kernels, k slices padded with zero
+// pairs to whole tiles (16 pairs), and 32 x 32 AMX micro tiles (two panels at a time).
+inline int64_t amx_depth(int64_t kc) { return cdiv(depth(kc, true), 16) * 16; }
+bool use_amx(const GemmShape& s) { return kernels().amx && use_pairs(s) && !make_plan(s).skinny; }
+
+template <class BP>
+void run_blocked_amx(const GemmShape& s, const uint16_t* a, BP b, float* c, float* bpack, float* apack) {
+  const Plan p = make_plan(s, kMrAmx);
+  const int64_t kpp = amx_depth(p.kc);
+  const size_t a_stride = static_cast<size_t>(p.max_strips * kMrAmx * kpp);
+  uint32_t* const bw = reinterpret_cast<uint32_t*>(bpack);
+#pragma omp parallel
+  {
+    uint32_t* ap = reinterpret_cast<uint32_t*>(apack) + static_cast<size_t>(omp_get_thread_num()) * a_stride;
+    amx_begin();
+    for (int64_t jp = 0; jp < p.nj; ++jp) {
+      const int64_t j0 = jp * p.nc;
+      if (j0 >= s.N) break;
+      const int64_t nc = std::min(p.nc, s.N - j0);
+      const int64_t panels = cdiv(nc, kNr);
+      const int64_t nbn = std::min(panels, cdiv(kUnits, p.nbm));
+      const int64_t units = p.nbm * nbn;
+      for (int64_t kp = 0; kp < p.nk; ++kp) {
+        const int64_t k0 = kp * p.kc;
+        const int64_t kc = std::min(p.kc, s.K - k0), kd = depth(kc, true);
+#pragma omp for schedule(static)
+        for (int64_t q = 0; q < panels; ++q) {
+          const int64_t jq = j0 + q * kNr;
+          uint32_t* d = bw + q * kNr * kpp;
+          pack_b_pairs(d, s.tb ? b + jq * s.ldb + k0 : b + k0 * s.ldb + jq, s.ldb, s.tb, kc,
+                       std::min<int64_t>(kNr, s.N - jq));
+          std::memset(d + kd * kNr, 0, sizeof(uint32_t) * (kpp - kd) * kNr);
+        }
+        int64_t packed_bm = -1;
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; ++u) {
+          const int64_t bm = u / nbn, bn = u % nbn;
+          const int64_t s0 = bm * p.strips / p.nbm, s1 = (bm + 1) * p.strips / p.nbm;
+          const int64_t r0 = s0 * kMrAmx, r1 = std::min(s.M, s1 * kMrAmx);
+          if (bm != packed_bm) {
+            pack_a_amx(ap, s.ta ? a + k0 * s.lda + r0 : a + r0 * s.lda + k0, s.lda, s.ta, kc, r1 - r0, kpp);
+            packed_bm = bm;
+          }
+          const int64_t q0 = bn * panels / nbn, q1 = (bn + 1) * panels / nbn;
+          AmxMicro m{};
+          m.lda = kpp;
+          m.b_second = kNr * kpp;
+          m.ldc = s.ldc;
+          m.kpp = kpp;
+          m.acc = s.accumulate || kp > 0;
+          for (int64_t q = q0; q < q1;) {
+            const int64_t jq = j0 + q * kNr;
+            const int64_t w = q + 1 < q1 ? 2 : 1;
+            m.n = static_cast<int>(std::min<int64_t>(w * kNr, s.N - jq));
+            m.b = bw + q * kNr * kpp;
+            for (int64_t r = r0; r < r1; r += kMrAmx) {
+              m.a = ap + (r - r0) * kpp;
+              m.c = c + r * s.ldc + jq;
+              m.m = static_cast<int>(std::min<int64_t>(kMrAmx, r1 - r));
+              micro_amx(m);
+            }
+            q += w;
+          }
+        }
+      }
+    }
+    amx_end();
+  }
+}
+
 template <class TA, class BP>
 void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, float* apack) {
   if constexpr (std::is_same_v<BP, const float*> || std::is_same_v<BP, QuantB>) {
@@ -517,6 +636,9 @@ void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, 
       for (int64_t k = 0; k < s.K; ++k) bpack[k] = widen(a[s.ta ? k * s.lda : k]);
       return run_row(s, bpack, b, c, apack);
     }
+  }
+  if constexpr (std::is_same_v<TA, uint16_t>) {
+    if (use_amx(s)) return run_blocked_amx(s, a, b, c, bpack, apack);
   }
   const Plan p = make_plan(s);
   if (p.skinny) return run_skinny(s, p, a, b, c, apack);
@@ -591,6 +713,13 @@ BlockedSizes blocked_sizes(const GemmShape& s) {
   if (one_row(s)) {
     z.b_floats = static_cast<size_t>(s.K);
     z.a_floats_per_thread = static_cast<size_t>(kRowGroup * kRowSeg);
+    return z;
+  }
+  if (use_amx(s)) {
+    const Plan p = make_plan(s, kMrAmx);
+    const int64_t kpp = amx_depth(p.kc);
+    z.b_floats = static_cast<size_t>(kpp * cdiv(p.nc, kNr) * kNr);
+    z.a_floats_per_thread = static_cast<size_t>(p.max_strips * kMrAmx * kpp);
     return z;
   }
   const Plan p = make_plan(s);

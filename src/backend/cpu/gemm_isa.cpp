@@ -32,8 +32,9 @@ Kernels build(GemmIsa isa) {
   }
   k.avx2 = true;
   k.pack_bt = &pack_bt_avx2<float>;
-  if (isa == GemmIsa::avx512) {
+  if (isa == GemmIsa::avx512 || isa == GemmIsa::amx) {
     fill_avx512_kernels(k, cpu().avx512_bf16);
+    k.amx = isa == GemmIsa::amx;
     return k;
   }
   fill_avx2<false, false>(k.micro[0], std::make_integer_sequence<int, kMr>{});
@@ -46,10 +47,12 @@ const Kernels& table(GemmIsa isa) {
   static const Kernels generic = build(GemmIsa::generic);
   static const Kernels avx2 = gemm_isa_supported(GemmIsa::avx2) ? build(GemmIsa::avx2) : generic;
   static const Kernels avx512 = gemm_isa_supported(GemmIsa::avx512) ? build(GemmIsa::avx512) : generic;
+  static const Kernels amx = gemm_isa_supported(GemmIsa::amx) ? build(GemmIsa::amx) : generic;
   switch (isa) {
     case GemmIsa::generic: return generic;
     case GemmIsa::avx2: return avx2;
     case GemmIsa::avx512: return avx512;
+    case GemmIsa::amx: return amx;
   }
   return generic;
 }
@@ -86,6 +89,7 @@ const char* gemm_isa_name(GemmIsa isa) {
     case GemmIsa::generic: return "generic";
     case GemmIsa::avx2: return "avx2";
     case GemmIsa::avx512: return "avx512";
+    case GemmIsa::amx: return "amx";
   }
   return "?";
 }
@@ -94,8 +98,8 @@ GemmIsa parse_gemm_isa(std::string_view name) {
   if (name == "generic") return GemmIsa::generic;
   if (name == "avx2") return GemmIsa::avx2;
   if (name == "avx512") return GemmIsa::avx512;
-  if (name == "amx") fail("[gemm] ISA 'amx': this build has no AMX path; use generic, avx2 or avx512");
-  fail("[gemm] unknown ISA '", name, "'; use generic, avx2 or avx512");
+  if (name == "amx") return GemmIsa::amx;
+  fail("[gemm] unknown ISA '", name, "'; use generic, avx2, avx512 or amx");
 }
 
 bool gemm_isa_supported(GemmIsa isa) {
@@ -103,13 +107,16 @@ bool gemm_isa_supported(GemmIsa isa) {
     case GemmIsa::generic: return true;
     case GemmIsa::avx2: return cpu().avx2 && cpu().fma;
     case GemmIsa::avx512: return cpu().avx2 && cpu().fma && cpu().avx512f;
+    case GemmIsa::amx:  // the bf16 pair kernels serve the products too small for tiles
+      return cpu().avx2 && cpu().fma && cpu().avx512f && cpu().avx512bw && cpu().avx512_bf16 && cpu().amx_tile &&
+             cpu().amx_bf16 && amx_os_permits();
   }
   return false;
 }
 
 std::vector<GemmIsa> supported_gemm_isas() {
   std::vector<GemmIsa> out;
-  for (GemmIsa i : {GemmIsa::generic, GemmIsa::avx2, GemmIsa::avx512})
+  for (GemmIsa i : {GemmIsa::generic, GemmIsa::avx2, GemmIsa::avx512, GemmIsa::amx})
     if (gemm_isa_supported(i)) out.push_back(i);
   return out;
 }
@@ -126,7 +133,8 @@ void set_gemm_isa(GemmIsa isa) {
 std::string gemm_path() {
   const Kernels& k = current_kernels();
   std::string s = gemm_isa_name(k.isa);
-  if (k.isa == GemmIsa::avx512) s += k.packed_pairs[1] ? " (f32 zmm, bf16 vdpbf16ps)" : " (f32 zmm, bf16 widened)";
+  if (k.isa == GemmIsa::amx) s += " (f32 zmm, bf16 amx tiles; vdpbf16ps under 25 rows)";
+  else if (k.isa == GemmIsa::avx512) s += k.packed_pairs[1] ? " (f32 zmm, bf16 vdpbf16ps)" : " (f32 zmm, bf16 widened)";
   else if (k.isa == GemmIsa::avx2) s += " (f32 ymm, bf16 widened)";
   return s;
 }

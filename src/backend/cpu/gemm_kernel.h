@@ -268,6 +268,7 @@ struct Kernels {
   MicroFn packed_pairs_wide[kMr + 1];  // the same over two adjacent pair panels
   void (*pack_bt)(float*, const float*, int64_t, int64_t, int64_t);
   bool avx2;                  // the AVX2 packing routines may run
+  bool amx;                   // bf16 products of more than 24 rows take the AMX loop nest (micro_amx)
   GemmIsa isa;
 };
 
@@ -281,6 +282,31 @@ void fill_generic(MicroFn* f, std::integer_sequence<int, M...>) {
 }
 // The AVX-512 f32 kernels, and with bf16 the AVX512-BF16 pair kernels (gemm_avx512.cpp).
 void fill_avx512_kernels(Kernels& k, bool bf16);
+
+// ---- AMX-BF16 (gemm_amx.cpp) ------------------------------------------------------------------------
+
+constexpr int kMrAmx = 32;  // rows of the AMX micro tile (two 16-row tiles); columns: two 16-column panels
+
+// Up to 32 x 32 outputs: c(i, j) (+)= sum over pairs p < kpp (a multiple of 16) of the pair products of
+// a[i * lda + p] and b[p * 16 + j] (j < 16) or b[b_second + p * 16 + j - 16]; rows i < m, columns j < n.
+// The A block holds 16 (m <= 16) or 32 rows, zero past m.
+struct AmxMicro {
+  const uint32_t* a;
+  int64_t lda;  // words
+  const uint32_t* b;
+  int64_t b_second;  // words from the first B panel to the second
+  float* c;
+  int64_t ldc;
+  int64_t kpp;
+  int m, n;
+  bool acc;
+};
+// Between amx_begin and amx_end on the calling thread (which configure and release the tiles).
+void micro_amx(const AmxMicro& u);
+void amx_begin();
+void amx_end();
+// Whether the OS lets this process use AMX tile data (asks it once; Linux 5.16 and later).
+bool amx_os_permits();
 
 // The kernels of the current GemmIsa (gemm_isa(); set_gemm_isa switches them between products).
 const Kernels& kernels();
