@@ -53,8 +53,8 @@ std::vector<float> randn(int64_t n, uint64_t seed) {
 
 TEST(QuantGemm, BitwiseTheProductWithTheDequantisedMatrix) {
   auto ops = make_ops("cpu");
-  // (T, N, K) with W (N, K): small, odd, and past a k slice (384) and a column panel.
-  const int64_t shapes[][3] = {{5, 7, 9}, {33, 48, 70}, {13, 130, 400}, {64, 520, 777}, {1, 7, 9}, {1, 1030, 777}};
+  // (T, N, K) with W (N, K): small, odd, and past a k slice (384; 1024 on amx) and a column panel.
+  const int64_t shapes[][3] = {{5, 7, 9}, {33, 48, 70}, {13, 130, 400}, {64, 520, 777}, {1, 7, 9}, {1, 1030, 777}, {40, 70, 1300}};
   for (const auto& sh : shapes) {
     const int64_t T = sh[0], N = sh[1], K = sh[2];
     Q8 w(N + 5, K, static_cast<uint64_t>(N));  // 5 extra rows: the view starts at row 3

@@ -26,7 +26,7 @@ class Arena;
 //   avx2     AVX2 + FMA, 6x16 tiles of 8-wide vectors; bf16 operands widened to f32 while packing;
 //   avx512   AVX-512F 6x16 tiles of 16-wide vectors (the same f32 bits as avx2), and with AVX512-BF16
 //            bf16 operands multiplied as they are (vdpbf16ps on k pairs; see gemm_avx512.cpp);
-//   amx      avx512's kernels, and bf16 products of more than 24 rows on AMX-BF16 tiles (32 x 32 outputs
+//   amx      avx512's kernels, and bf16 products of two rows or more on AMX-BF16 tiles (32 x 32 outputs
 //            from tdpbf16ps on the same k pairs; gemm_amx.cpp): not the other paths' bf16 bits, but
 //            bitwise the same for any thread count.
 // Chosen at first use: the best the CPU and the OS's saved register state (XCR0) allow, or the one

@@ -27,7 +27,10 @@
 // happen in the packing, so neither a transposed A nor bf16 operands cost an extra pass over memory. On the
 // avx512 path with AVX512-BF16, bf16 operands are packed in k pairs instead (pack_a_pairs, pack_b_pairs:
 // strips and panels of 32-bit pair words, half the depth) for the pair kernels of gemm_avx512.cpp, and where
-// the ISA has wide kernels a unit's micro-panels are taken two at a time (6 x 32 tiles).
+// the ISA has wide kernels a unit's micro-panels are taken two at a time (6 x 32 tiles). On the amx path,
+// bf16 products of two rows or more take the same nest with 32-row strips, A in rows of pair words
+// (pack_a_amx), k slices of up to 1024 padded to whole tiles, and the 32 x 32 AMX micro tile of gemm_amx.cpp
+// (run_blocked_amx).
 //
 // One row (M = 1: decoding, a GEMV) with an f32 or block-quantised B takes run_row instead: nothing in B is
 // reused, so packing it would only add passes over memory. B is streamed once (quantised rows dequantised in
@@ -49,6 +52,13 @@ namespace oomless::gemm_detail {
 namespace {
 
 constexpr int64_t kKcMax = 384;       // k slice
+// The AMX nest: deeper k slices (C is read and written once per slice, and the tiles' arithmetic is so fast
+// that those passes cost more than on the vector paths; measured 384 / 768 / 1024 / 1536), narrower column
+// panels (the packed B panel at most 1024 x 2048 bf16, 4 MiB), and every bf16 product of two rows or more
+// (a 16-row tile with a few live rows still beats the vector kernels).
+constexpr int64_t kKcAmx = 1024;
+constexpr int64_t kNcAmx = 2048;
+constexpr int64_t kAmxMinRows = 2;
 constexpr int64_t kMcMax = 192;       // rows of an A block (a multiple of 6)
 constexpr int64_t kNcMax = 4096;      // columns of a B panel (a multiple of 16)
 constexpr int64_t kUnits = 6;         // units per panel at least, where the shape allows
@@ -70,11 +80,11 @@ struct Plan {
 };
 
 // mr: rows of a strip (kMr, or kMrAmx for the AMX nest); the skinny test counts 6-row strips either way.
-Plan make_plan(const GemmShape& s, int64_t mr = kMr) {
+Plan make_plan(const GemmShape& s, int64_t mr = kMr, int64_t kc_max = kKcMax, int64_t nc_max = kNcMax) {
   Plan p;
-  p.nk = cdiv(s.K, kKcMax);
+  p.nk = cdiv(s.K, kc_max);
   p.kc = cdiv(s.K, p.nk);
-  p.nj = cdiv(s.N, kNcMax);
+  p.nj = cdiv(s.N, nc_max);
   p.nc = cdiv(cdiv(s.N, p.nj), kNr) * kNr;
   p.strips = cdiv(s.M, mr);
   p.nbm = std::min(p.strips, cdiv(cdiv(s.M, kMcMax), kUnits) * kUnits);
@@ -375,7 +385,7 @@ void pack_b_pairs(uint32_t* dst, const T* src, int64_t ld, bool tb, int64_t kc, 
 // A quantised B read as bf16: its rows dequantised into a small buffer (as pack_b_micro does), then paired
 // with the rounding.
 void pack_b_pairs(uint32_t* dst, const QuantB& src, int64_t ld, bool tb, int64_t kc, int64_t n) {
-  float tmp[kNr * kKcMax];
+  float tmp[kNr * std::max(kKcMax, kKcAmx)];
   const int64_t row = src.qrow0 + src.off / ld, col = src.off % ld;
   const int64_t len = tb ? kc : n, count = tb ? n : kc;
   for (int64_t i = 0; i < count; ++i) src.q->dequant_row(*src.q, row + i, col, len, tmp + i * len);
@@ -562,11 +572,11 @@ void run_row(const GemmShape& s, const float* af, BP b, float* c, float* work) {
 // rows of pair words (pack_a_amx), the B pair panels of the vdpbf16ps kernels, k slices padded with zero
 // pairs to whole tiles (16 pairs), and 32 x 32 AMX micro tiles (two panels at a time).
 inline int64_t amx_depth(int64_t kc) { return cdiv(depth(kc, true), 16) * 16; }
-bool use_amx(const GemmShape& s) { return kernels().amx && use_pairs(s) && !make_plan(s).skinny; }
+bool use_amx(const GemmShape& s) { return kernels().amx && use_pairs(s) && s.M >= kAmxMinRows; }
 
 template <class BP>
 void run_blocked_amx(const GemmShape& s, const uint16_t* a, BP b, float* c, float* bpack, float* apack) {
-  const Plan p = make_plan(s, kMrAmx);
+  const Plan p = make_plan(s, kMrAmx, kKcAmx, kNcAmx);
   const int64_t kpp = amx_depth(p.kc);
   const size_t a_stride = static_cast<size_t>(p.max_strips * kMrAmx * kpp);
   uint32_t* const bw = reinterpret_cast<uint32_t*>(bpack);
@@ -716,7 +726,7 @@ BlockedSizes blocked_sizes(const GemmShape& s) {
     return z;
   }
   if (use_amx(s)) {
-    const Plan p = make_plan(s, kMrAmx);
+    const Plan p = make_plan(s, kMrAmx, kKcAmx, kNcAmx);
     const int64_t kpp = amx_depth(p.kc);
     z.b_floats = static_cast<size_t>(kpp * cdiv(p.nc, kNr) * kNr);
     z.a_floats_per_thread = static_cast<size_t>(p.max_strips * kMrAmx * kpp);

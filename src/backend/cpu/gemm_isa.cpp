@@ -133,7 +133,7 @@ void set_gemm_isa(GemmIsa isa) {
 std::string gemm_path() {
   const Kernels& k = current_kernels();
   std::string s = gemm_isa_name(k.isa);
-  if (k.isa == GemmIsa::amx) s += " (f32 zmm, bf16 amx tiles; vdpbf16ps under 25 rows)";
+  if (k.isa == GemmIsa::amx) s += " (f32 zmm, bf16 amx tiles; one-row bf16 vdpbf16ps)";
   else if (k.isa == GemmIsa::avx512) s += k.packed_pairs[1] ? " (f32 zmm, bf16 vdpbf16ps)" : " (f32 zmm, bf16 widened)";
   else if (k.isa == GemmIsa::avx2) s += " (f32 ymm, bf16 widened)";
   return s;

@@ -268,7 +268,7 @@ struct Kernels {
   MicroFn packed_pairs_wide[kMr + 1];  // the same over two adjacent pair panels
   void (*pack_bt)(float*, const float*, int64_t, int64_t, int64_t);
   bool avx2;                  // the AVX2 packing routines may run
-  bool amx;                   // bf16 products of more than 24 rows take the AMX loop nest (micro_amx)
+  bool amx;                   // bf16 products of two rows or more take the AMX loop nest (micro_amx)
   GemmIsa isa;
 };
 
