@@ -211,9 +211,13 @@ TEST(CrossEntropy, BitwiseIdenticalAcrossThreadCounts) {
     }
 }
 
-// A float head read as bf16 (Tensor::as_bf16) gives the bits of a bf16 copy of it, forward and backward,
-// on every backend: the LM head of bf16 training reads the fp32 master weights without a copy.
-TEST(CrossEntropy, HeadReadAsBf16EqualsABf16Copy) {
+// bf16 compute: a float head read as bf16 (Tensor::as_bf16: the LM head of bf16 training reads the fp32
+// master weights without a copy) gives the bits of a float head holding the rounded values, read the same
+// way, forward, backward and fused.
+// Every product then takes bf16 operands (h and the dlogits are rounded as well, as the model's other
+// products round theirs), so the result is within bf16 rounding of the fp32 computation with the rounded
+// head, not its bits.
+TEST(CrossEntropy, HeadReadAsBf16IsBf16Compute) {
   for (const std::string& be : backends_under_test()) {
     auto ops = make_ops(be);
     const DType act = ops->act_dtype();
@@ -226,20 +230,31 @@ TEST(CrossEntropy, HeadReadAsBf16EqualsABf16Copy) {
       ops->linear_cross_entropy_backward(o.dh, o.dw, h, w, p.targets, o.lse, kIgnore, 0.5);
       return o;
     };
-    HostTensor w_act = p.w.as(act), w_copy = p.w.as(DType::bf16);
-    Outputs read = once(w_act.t().read_as_bf16()), copy = once(w_copy), plain = once(w_act);
+    HostTensor w_act = p.w.as(act), w_copy = p.w.as(DType::bf16), w_round = w_copy.as(act);
+    Outputs read = once(w_act.t().read_as_bf16()), copy = once(w_round.t().read_as_bf16());
+    Outputs rounded = once(w_copy), plain = once(w_act);  // fp32 compute: the rounded head, the head itself
     EXPECT_EQ(std::memcmp(&read.r.loss_sum, &copy.r.loss_sum, sizeof(double)), 0) << be;
     for (auto m : {&Outputs::lse, &Outputs::dh, &Outputs::dw})
       EXPECT_EQ(std::memcmp((read.*m).t().data, (copy.*m).t().data, (read.*m).t().nbytes()), 0) << be;
     EXPECT_NE(read.r.loss_sum, plain.r.loss_sum) << be << ": the head was not rounded";
+    EXPECT_NE(read.r.loss_sum, rounded.r.loss_sum) << be << ": h was not rounded";
+    EXPECT_NEAR(read.r.loss_sum, rounded.r.loss_sum, 2e-3 * std::fabs(rounded.r.loss_sum)) << be;
+    EXPECT_LT(rel_l2(read.dh, rounded.dh), 2e-2) << be;
+    HostTensor dw_read = read.dw.clone(), dw_rounded = rounded.dw.clone();  // the gradients alone (dw0 added)
+    for (int64_t i = 0; i < dw_read.numel(); ++i) {
+      dw_read.set(i, dw_read.get(i) - p.dw0.get(i));
+      dw_rounded.set(i, dw_rounded.get(i) - p.dw0.get(i));
+    }
+    EXPECT_LT(rel_l2(dw_read, dw_rounded), 2e-2) << be;
     auto fused = [&](Tensor w) {
       const int64_t T = p.h.t().dims[0], E = p.h.t().dims[1];
       HostTensor h = p.h.as(act), lse(act, {T}), dh(act, {T, E});
       ops->linear_cross_entropy_fused(lse, dh, h, w, p.targets, kIgnore, 0.5);
       return dh;
     };
-    const HostTensor dh_read = fused(w_act.t().read_as_bf16()), dh_copy = fused(w_copy);
+    const HostTensor dh_read = fused(w_act.t().read_as_bf16()), dh_copy = fused(w_round.t().read_as_bf16());
     EXPECT_EQ(std::memcmp(dh_read.t().data, dh_copy.t().data, dh_read.t().nbytes()), 0) << be << " fused";
+    EXPECT_LT(rel_l2(dh_read, read.dh), 2e-2) << be << " fused against two-pass";
   }
 }
 

@@ -30,10 +30,12 @@
 // smallest ones a little slower):
 //   logits tile       Tc * Vc * 4 bytes   <= kTileBytes (8 MiB)
 //   w chunk in f32    Vc * E * 4 bytes    <= kWChunkBytes (16 MiB) unless E > 16384, only when w is bf16
-//                                            or read as bf16 (widened or rounded once per vocab chunk:
-//                                            the GEMMs stay f32)
+//                                            or quantised under fp32 compute (widened or dequantised once
+//                                            per vocab chunk: the GEMMs stay f32)
+//   bf16 operands     T * E * 2 + Tc * Vc * 2 bytes, only under bf16 compute (w read as bf16): h and the
+//                                            (d)logits tile rounded, so every GEMM takes bf16 operands
 //   row state         T * 16 bytes        forward only (running max, running sum, target logit)
-// so at most 24 MiB + 16 T bytes, plus the GEMM scratchpads that Gemm charges to the same arena.
+// so at most 28 MiB + 18 T + 2 T E bytes, plus the GEMM scratchpads that Gemm charges to the same arena.
 //
 // Determinism: chunk sizes depend on (T, E, V) only; each row is handled by one thread; per-row sums use
 // a fixed lane pattern; partial results across tiles combine in loop order; the loss is summed over
@@ -162,14 +164,33 @@ const float* w_chunk(const Tensor& w, int64_t v0, int64_t nv, int64_t E, float* 
   return dst;
 }
 
-// logits (nt, nv) = h (nt, E) . wv (nv, E)^T
-void tile_logits(Gemm& g, float* logits, const float* h, const float* wv, int64_t nt, int64_t nv, int64_t E) {
+// bf16 compute (the head read as bf16, Tensor::as_bf16): every GEMM takes bf16 operands, as the model's other
+// products do. h, and each (d)logits or P tile before it is a GEMM operand, are rounded to bf16 once; w is
+// read by the GEMM's packing as it is stored (f32 rounded, bf16, or dequantised then rounded), with no f32
+// chunk. On the amx path these GEMMs run on tiles.
+bool bf16_operands(const Tensor& w) { return w.as_bf16; }
+
+void round_rows(uint16_t* dst, const float* src, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+}
+
+// c (M, N) (+)= a (M, K) . op(rows [v0, ..) of w): the logits (tb: a = h, N = nv, K = E) or dh (a = the
+// dlogits or P tile, N = E, K = nv). f32: wv holds the chunk's rows (w_chunk); bf16: a is bf16 and w is read
+// in place.
+void gemm_w(Gemm& g, const Tensor& w, bool bf16, int64_t v0, const float* wv, const void* a, float* c, int64_t M,
+            int64_t N, int64_t K, bool tb, bool acc, int64_t E) {
   GemmShape s;
-  s.M = nt;
-  s.N = nv;
-  s.K = E;
-  s.tb = true;
-  g.run(s, h, wv, logits);
+  s.M = M, s.N = N, s.K = K, s.tb = tb, s.accumulate = acc;
+  if (!bf16) return g.run(s, a, wv, c);
+  s.ab = DType::bf16;
+  if (w.quant) {
+    s.b_quant = w.quant, s.b_qrow0 = w.qrow0 + v0, s.b_as_bf16 = true, s.ldb = E;
+    return g.run(s, a, nullptr, c);
+  }
+  if (w.dtype == DType::bf16) return g.run(s, a, static_cast<const uint16_t*>(w.data) + v0 * E, c);
+  s.b_as_bf16 = true;
+  g.run(s, a, static_cast<const float*>(w.data) + v0 * E, c);
 }
 
 int64_t supervised_rows(const int32_t* tg, int64_t T, int32_t ignore_index) {
@@ -222,12 +243,14 @@ CeResult CpuOps::linear_cross_entropy_forward(Tensor lse, Tensor h, Tensor w, Te
     return res;
   }
   const Plan pl = plan_for(T, E, V);
-  const bool widen = w.dtype == DType::bf16 || w.as_bf16 || w.quant;
-  const size_t tile_n = padded(pl.Tc * pl.Vc), wc_n = widen ? padded(pl.Vc * E) : 0;
-  Buffer buf = scratch(4 * (tile_n + wc_n) + 16 * padded(T), "cross_entropy");
+  const bool bf16 = bf16_operands(w);
+  const bool widen = !bf16 && (w.dtype == DType::bf16 || w.as_bf16 || w.quant);
+  const size_t tile_n = padded(pl.Tc * pl.Vc), wc_n = widen ? padded(pl.Vc * E) : 0, hb_n = bf16 ? padded(T * E) / 2 : 0;
+  Buffer buf = scratch(4 * (tile_n + wc_n + hb_n) + 16 * padded(T), "cross_entropy");
   float* tile = buf.as<float>();                                 // (Tc, Vc)
-  float* wc = tile + tile_n;                                     // (Vc, E) when w is (read as) bf16
-  float* rmax = wc + wc_n;                                       // (T) running max
+  float* wc = tile + tile_n;                                     // (Vc, E) when w is bf16 or quantised (f32 GEMMs)
+  uint16_t* hb = reinterpret_cast<uint16_t*>(wc + wc_n);        // (T, E) h in bf16 (bf16 GEMMs)
+  float* rmax = wc + wc_n + hb_n;                                // (T) running max
   double* rsum = reinterpret_cast<double*>(rmax + padded(T));    // (T) running sum of exp(logit - rmax)
   float* tlogit = reinterpret_cast<float*>(rsum + padded(T));    // (T) the target's logit
   for (int64_t t = 0; t < T; ++t) {
@@ -235,13 +258,15 @@ CeResult CpuOps::linear_cross_entropy_forward(Tensor lse, Tensor h, Tensor w, Te
     rmax[t] = -std::numeric_limits<float>::infinity();
     tlogit[t] = 0.0f;
   }
+  if (bf16) round_rows(hb, hp, T * E);
 
   for (int64_t v0 = 0; v0 < V; v0 += pl.Vc) {
     const int64_t nv = std::min(pl.Vc, V - v0);
-    const float* wv = w_chunk(w, v0, nv, E, wc);
+    const float* wv = bf16 ? nullptr : w_chunk(w, v0, nv, E, wc);
     for (int64_t t0 = 0; t0 < T; t0 += pl.Tc) {
       const int64_t nt = std::min(pl.Tc, T - t0);
-      tile_logits(gemm(), tile, hp + t0 * E, wv, nt, nv, E);
+      gemm_w(gemm(), w, bf16, v0, wv, bf16 ? static_cast<const void*>(hb + t0 * E) : hp + t0 * E, tile, nt, nv, E,
+             true, false, E);
 #pragma omp parallel for schedule(static)
       for (int64_t i = 0; i < nt; ++i) {
         const int64_t t = t0 + i;
@@ -273,19 +298,25 @@ void CpuOps::linear_cross_entropy_backward(Tensor dh, Tensor dw, Tensor h, Tenso
     return;
   }
   const Plan pl = plan_for(T, E, V);
-  const bool widen = w.dtype == DType::bf16 || w.as_bf16 || w.quant;
+  const bool bf16 = bf16_operands(w);
+  const bool widen = !bf16 && (w.dtype == DType::bf16 || w.as_bf16 || w.quant);
   const size_t tile_n = padded(pl.Tc * pl.Vc), wc_n = widen ? padded(pl.Vc * E) : 0;
-  Buffer buf = scratch(4 * (tile_n + wc_n), "cross_entropy");
+  const size_t hb_n = bf16 ? padded(T * E) / 2 : 0, tb_n = bf16 ? tile_n / 2 : 0;
+  Buffer buf = scratch(4 * (tile_n + wc_n + hb_n + tb_n), "cross_entropy");
   float* tile = buf.as<float>();     // (Tc, Vc) logits, then dlogits in place
-  float* wc = tile + tile_n;         // (Vc, E) when w is (read as) bf16
+  float* wc = tile + tile_n;         // (Vc, E) when w is bf16 or quantised (f32 GEMMs)
+  uint16_t* hb = reinterpret_cast<uint16_t*>(wc + wc_n);               // (T, E) h in bf16 (bf16 GEMMs)
+  uint16_t* tb = reinterpret_cast<uint16_t*>(wc + wc_n + hb_n);        // (Tc, Vc) dlogits in bf16
   const float gs = static_cast<float>(grad_scale);
+  if (bf16) round_rows(hb, hp, T * E);
 
   for (int64_t v0 = 0; v0 < V; v0 += pl.Vc) {
     const int64_t nv = std::min(pl.Vc, V - v0);
-    const float* wv = w_chunk(w, v0, nv, E, wc);
+    const float* wv = bf16 ? nullptr : w_chunk(w, v0, nv, E, wc);
     for (int64_t t0 = 0; t0 < T; t0 += pl.Tc) {
       const int64_t nt = std::min(pl.Tc, T - t0);
-      tile_logits(gemm(), tile, hp + t0 * E, wv, nt, nv, E);
+      gemm_w(gemm(), w, bf16, v0, wv, bf16 ? static_cast<const void*>(hb + t0 * E) : hp + t0 * E, tile, nt, nv, E,
+             true, false, E);
       // dlogits in place, row by row.
 #pragma omp parallel for schedule(static)
       for (int64_t i = 0; i < nt; ++i) {
@@ -301,10 +332,16 @@ void CpuOps::linear_cross_entropy_backward(Tensor dh, Tensor dw, Tensor h, Tenso
         for (int64_t j = 0; j < nv; ++j) x[j] = gs * exp_f32(x[j] - l);
         if (jt >= 0) x[jt] = gs * (pt - 1.0f);
       }
+      if (bf16) round_rows(tb, tile, nt * nv);
       // dh (nt, E) = / += dlogits (nt, nv) . wv (nv, E)
-      gemm().run(GemmShape{.M = nt, .N = E, .K = nv, .accumulate = v0 > 0}, tile, wv, dhp + t0 * E);
+      gemm_w(gemm(), w, bf16, v0, wv, bf16 ? static_cast<const void*>(tb) : tile, dhp + t0 * E, nt, E, nv, false,
+             v0 > 0, E);
       // dw (nv, E) += dlogits^T (nv, nt) . h (nt, E); the GEMM transposes dlogits while packing.
-      if (dwp) gemm().run(GemmShape{.M = nv, .N = E, .K = nt, .ta = true, .accumulate = true}, tile, hp + t0 * E, dwp + v0 * E);
+      if (dwp && bf16)
+        gemm().run(GemmShape{.M = nv, .N = E, .K = nt, .ta = true, .ab = DType::bf16, .accumulate = true}, tb,
+                   hb + t0 * E, dwp + v0 * E);
+      else if (dwp)
+        gemm().run(GemmShape{.M = nv, .N = E, .K = nt, .ta = true, .accumulate = true}, tile, hp + t0 * E, dwp + v0 * E);
     }
   }
 }
@@ -328,13 +365,17 @@ CeResult CpuOps::linear_cross_entropy_fused(Tensor lse, Tensor dh, Tensor h, Ten
     return res;
   }
   const Plan pl = plan_for(T, E, V);
-  const bool widen = w.dtype == DType::bf16 || w.as_bf16 || w.quant;
+  const bool bf16 = bf16_operands(w);
+  const bool widen = !bf16 && (w.dtype == DType::bf16 || w.as_bf16 || w.quant);
   const int64_t threads = omp_get_max_threads();
   const size_t tile_n = padded(pl.Tc * pl.Vc), wc_n = widen ? padded(pl.Vc * E) : 0, row_n = padded(threads * E);
-  Buffer buf = scratch(4 * (tile_n + wc_n + row_n) + 24 * padded(T), "cross_entropy");
+  const size_t hb_n = bf16 ? padded(T * E) / 2 : 0, tb_n = bf16 ? tile_n / 2 : 0;
+  Buffer buf = scratch(4 * (tile_n + wc_n + hb_n + tb_n + row_n) + 24 * padded(T), "cross_entropy");
   float* tile = buf.as<float>();                                 // (Tc, Vc) logits, then P in place
-  float* wc = tile + tile_n;                                     // (Vc, E) when w is (read as) bf16
-  float* wrow = wc + wc_n;                                       // (threads, E) a target row of w
+  float* wc = tile + tile_n;                                     // (Vc, E) when w is bf16 or quantised (f32 GEMMs)
+  uint16_t* hb = reinterpret_cast<uint16_t*>(wc + wc_n);        // (T, E) h in bf16 (bf16 GEMMs)
+  uint16_t* tb = reinterpret_cast<uint16_t*>(wc + wc_n + hb_n); // (Tc, Vc) P in bf16
+  float* wrow = wc + wc_n + hb_n + tb_n;                         // (threads, E) a target row of w
   float* rmax = wrow + row_n;                                    // (T) running max
   double* rsum = reinterpret_cast<double*>(rmax + padded(T));    // (T) running sum of exp(logit - rmax)
   double* rsum_x = rsum + padded(T);                             // (T) the same without the target's term
@@ -344,13 +385,15 @@ CeResult CpuOps::linear_cross_entropy_fused(Tensor lse, Tensor dh, Tensor h, Ten
     rmax[t] = -std::numeric_limits<float>::infinity();
     tlogit[t] = 0.0f;
   }
+  if (bf16) round_rows(hb, hp, T * E);
 
   for (int64_t v0 = 0; v0 < V; v0 += pl.Vc) {
     const int64_t nv = std::min(pl.Vc, V - v0);
-    const float* wv = w_chunk(w, v0, nv, E, wc);
+    const float* wv = bf16 ? nullptr : w_chunk(w, v0, nv, E, wc);
     for (int64_t t0 = 0; t0 < T; t0 += pl.Tc) {
       const int64_t nt = std::min(pl.Tc, T - t0);
-      tile_logits(gemm(), tile, hp + t0 * E, wv, nt, nv, E);
+      gemm_w(gemm(), w, bf16, v0, wv, bf16 ? static_cast<const void*>(hb + t0 * E) : hp + t0 * E, tile, nt, nv, E,
+             true, false, E);
 #pragma omp parallel for schedule(static)
       for (int64_t i = 0; i < nt; ++i) {
         const int64_t t = t0 + i;
@@ -370,8 +413,10 @@ CeResult CpuOps::linear_cross_entropy_fused(Tensor lse, Tensor dh, Tensor h, Ten
           for (int64_t e = 0; e < E; ++e) d[e] *= a;
         }
       }
+      if (bf16) round_rows(tb, tile, nt * nv);
       // acc (nt, E) = / += P (nt, nv) . wv (nv, E)
-      gemm().run(GemmShape{.M = nt, .N = E, .K = nv, .accumulate = v0 > 0}, tile, wv, dhp + t0 * E);
+      gemm_w(gemm(), w, bf16, v0, wv, bf16 ? static_cast<const void*>(tb) : tile, dhp + t0 * E, nt, E, nv, false,
+             v0 > 0, E);
     }
   }
 
