@@ -18,8 +18,8 @@ const char* kProbeHelp =
     "  --json        print one JSON object instead of a table\n"
     "  --quick       small sizes (under a second), for smoke tests; figures are less representative\n"
     "  --threads N   OpenMP threads (default: all logical CPUs, or OMP_NUM_THREADS)\n"
-    "  --isa PATH    GEMM kernels to measure: generic, avx2 or avx512, at most what the CPU has (default: the\n"
-    "                best it has, or OOMLESS_ISA, which every command honours)\n";
+    "  --isa PATH    GEMM kernels to measure: generic, avx2, avx512 or amx, at most what the CPU has (default:\n"
+    "                the best it has, or OOMLESS_ISA, which every command honours)\n";
 }
 
 int probe(const std::vector<std::string>& args) {
@@ -38,7 +38,7 @@ int probe(const std::vector<std::string>& args) {
       }
       set_threads(n);
     } else if (a == "--isa") {
-      OOM_CHECK(i + 1 < args.size(), "[probe] --isa needs a path: generic, avx2 or avx512");
+      OOM_CHECK(i + 1 < args.size(), "[probe] --isa needs a path: generic, avx2, avx512 or amx");
       set_gemm_isa(parse_gemm_isa(args[++i]));
     } else if (a == "--help" || a == "-h") {
       std::fputs(kProbeHelp, stdout);

@@ -171,8 +171,10 @@ const float* w_chunk(const Tensor& w, int64_t v0, int64_t nv, int64_t E, float* 
 bool bf16_operands(const Tensor& w) { return w.as_bf16; }
 
 void round_rows(uint16_t* dst, const float* src, int64_t n) {
+  constexpr int64_t kChunk = 1 << 14;
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+  for (int64_t c = 0; c < (n + kChunk - 1) / kChunk; ++c)
+    convert(dst + c * kChunk, DType::bf16, src + c * kChunk, DType::f32, std::min(kChunk, n - c * kChunk));
 }
 
 // c (M, N) (+)= a (M, K) . op(rows [v0, ..) of w): the logits (tb: a = h, N = nv, K = E) or dh (a = the
