@@ -2,11 +2,16 @@
 // process: the cache's bytes; the loss of a text decoded token by token through the cache (teacher forcing:
 // every position's logits come from the cache of the positions before it) and at how many positions the
 // most likely next token is the fp32 cache's; and for greedy continuations of prompts cut from the same
-// text, where the first token differs.
+// text, where the first token differs. Also the decode step's time at the end of the text (median of the last
+// 32 positions; --tokens 1024 gives a cache of about 1K) against the bytes it must read (the weights as the
+// ledger holds them plus the cache up to that position) over this machine's triad bandwidth (measured here).
 //
 //   build/release/bench_kv_cache --model ~/.cache/oomless/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 //       [--ids tests/golden/smollm2/eval.ids] [--tokens 512] [--prompts 8] [--new 64]
+#include <omp.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -38,6 +43,23 @@ Cache make_cache(Arena& arena, const ModelConfig& cfg, int64_t cap, DType dt) {
     c.bytes += 2 * bytes;
   }
   return c;
+}
+
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+// a[i] = b[i] + s c[i] over three 64 MiB arrays: bytes read and written per second, median of 5 after a warm-up.
+double triad_bytes_per_s() {
+  const int64_t n = int64_t{16} << 20;
+  std::vector<float> a(static_cast<size_t>(n)), b(static_cast<size_t>(n), 1.0f), c(static_cast<size_t>(n), 2.0f);
+  std::vector<double> t;
+  for (int r = 0; r < 6; ++r) {
+    const double t0 = now();
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) a[static_cast<size_t>(i)] = b[static_cast<size_t>(i)] + 0.5f * c[static_cast<size_t>(i)];
+    if (r > 0) t.push_back(now() - t0);
+  }
+  std::sort(t.begin(), t.end());
+  return 3.0 * 4.0 * static_cast<double>(n) / t[t.size() / 2];
 }
 
 double log_softmax_at(const std::vector<float>& z, int32_t t) {
@@ -88,7 +110,7 @@ int main(int argc, char** argv) {
   const int64_t T = static_cast<int64_t>(text.size());
 
   // Teacher-forced loss through the cache, one token at a time.
-  double loss[2] = {0, 0};
+  double loss[2] = {0, 0}, step_s[2] = {0, 0};
   size_t cache_bytes[2] = {0, 0};
   std::vector<float> logits(static_cast<size_t>(cfg.V));
   std::vector<int64_t> top(static_cast<size_t>(T), -1);
@@ -96,21 +118,39 @@ int main(int argc, char** argv) {
   for (int k = 0; k < 2; ++k) {
     Cache c = make_cache(e.mem->device, cfg, T, k == 0 ? DType::f32 : DType::bf16);
     cache_bytes[k] = c.bytes;
+    std::vector<double> times;
     for (int64_t t = 0; t + 1 < T; ++t) {
+      const double t0 = now();
       m.decode_forward(Tensor(text.data() + t, DType::i32, {1}), t, c.slots, Tensor::of(logits.data(), {cfg.V}));
+      if (t + 33 >= T) times.push_back(now() - t0);
       loss[k] -= log_softmax_at(logits, text[static_cast<size_t>(t + 1)]);
       const int64_t best = std::max_element(logits.begin(), logits.end()) - logits.begin();
       if (k == 0) top[static_cast<size_t>(t)] = best;
       else top_agree += best == top[static_cast<size_t>(t)];
     }
     loss[k] /= static_cast<double>(T - 1);
+    std::sort(times.begin(), times.end());
+    step_s[k] = times.empty() ? 0 : times[times.size() / 2];
   }
+  size_t weight_bytes = 0;
+  for (int i = 0; i < kTierCount; ++i) weight_bytes += e.mem->device.ledger().current(static_cast<Tier>(i), Category::weights);
+  const double triad = triad_bytes_per_s();
   std::printf("cache for %lld positions: fp32 %.2f MiB, bf16 %.2f MiB\n", static_cast<long long>(T),
               cache_bytes[0] / 1048576.0, cache_bytes[1] / 1048576.0);
   std::printf("teacher-forced loss through the cache: fp32 %.6f, bf16 %.6f (%+.4f%%)\n", loss[0], loss[1],
               100.0 * (loss[1] - loss[0]) / loss[0]);
   std::printf("most likely next token equal to the fp32 cache's: %lld of %lld positions (%.2f%%)\n\n",
               static_cast<long long>(top_agree), static_cast<long long>(T - 1), 100.0 * static_cast<double>(top_agree) / static_cast<double>(T - 1));
+
+  for (int k = 0; k < 2; ++k) {
+    const double kv_read = static_cast<double>(cache_bytes[k]) * static_cast<double>(T - 17) / static_cast<double>(T);
+    const double ideal = (static_cast<double>(weight_bytes) + kv_read) / triad;
+    std::printf("decode step at position ~%lld, %s cache: %.2f ms (median of the last 32); weights %.1f MiB + cache "
+                "read %.1f MiB over triad %.1f GB/s = %.2f ms: %.2fx\n",
+                static_cast<long long>(T - 17), k == 0 ? "fp32" : "bf16", 1e3 * step_s[k], weight_bytes / 1048576.0,
+                kv_read / 1048576.0, triad / 1e9, 1e3 * ideal, step_s[k] / ideal);
+  }
+  std::printf("\n");
 
   // Greedy continuations of prompts cut from the text.
   int64_t same_runs = 0;

@@ -1,11 +1,12 @@
 """Full fine-tuning with each optimizer side by side: `oomless train --optim NAME` and PyTorch + transformers
-(bench/peers/train_torch.py --optim NAME: torch.optim.AdamW fused, or bitsandbytes.optim.AdamW8bit) on
+(bench/peers/train_torch.py --optim NAME: torch.optim.AdamW fused, bitsandbytes.optim.AdamW8bit or
+galore_torch.GaLoreAdamW) on
 SmolLM2-135M-Instruct (the f32 Hugging Face folder lora.py makes), the same token stream (oomless's
 --dump-tokens), fp32, at --seq T. Per optimizer, --pairs runs of each system in alternating order: tokens/s
 (median over the steps after the first), peak RSS (/usr/bin/time -v) and, for oomless, the ledger's peak
 bytes per category from metrics.jsonl; ratios are medians over the pairs.
 
-usage: tools/golden/.venv/bin/python bench/peers/optim.py [--optims adamw,adamw8bit] [--seq 1024] [--pairs 2]
+usage: tools/golden/.venv/bin/python bench/peers/optim.py [--optims adamw,adamw8bit,galore] [--seq 1024] [--pairs 2]
 """
 import argparse
 import json

@@ -9,7 +9,7 @@ and biases), torch.optim.AdamW(fused=True). attn_implementation="sdpa"; --dtype 
 under torch.autocast("cpu", torch.bfloat16) with fp32 master weights. --lora R trains a PEFT LoRA of rank R
 on all-linear instead (the base frozen; AdamW over the adapter, decay on its matrices as on oomless's);
 --optim adamw8bit uses bitsandbytes.optim.AdamW8bit
-instead (the same groups). --qlora loads the base through bitsandbytes 4-bit (nf4, double quantisation, compute dtype fp32 or bf16 as
+instead (the same groups), --optim galore galore_torch's GaLoreAdamW on the decoder layers' matrices. --qlora loads the base through bitsandbytes 4-bit (nf4, double quantisation, compute dtype fp32 or bf16 as
 --dtype) and PEFT's prepare_model_for_kbit_training (without gradient checkpointing: oomless keeps every
 activation too), the QLoRA recipe.
 """
@@ -52,8 +52,11 @@ def main():
     ap.add_argument("--lora", type=int, default=0, help="PEFT LoRA of this rank on all-linear (0: full training)")
     ap.add_argument("--lora-alpha", type=float, default=0, help="default 2 x rank, as oomless")
     ap.add_argument("--qlora", action="store_true", help="the base in bitsandbytes NF4 (double quantised)")
-    ap.add_argument("--optim", choices=["adamw", "adamw8bit"], default="adamw",
-                    help="torch.optim.AdamW (fused) or bitsandbytes.optim.AdamW8bit")
+    ap.add_argument("--optim", choices=["adamw", "adamw8bit", "galore"], default="adamw",
+                    help="torch.optim.AdamW (fused), bitsandbytes.optim.AdamW8bit or galore_torch.GaLoreAdamW")
+    ap.add_argument("--galore-rank", type=int, default=0, help="default hidden size / 4, as oomless")
+    ap.add_argument("--galore-gap", type=int, default=200)
+    ap.add_argument("--galore-scale", type=float, default=0.25)
     a = ap.parse_args()
 
     import torch
@@ -81,7 +84,19 @@ def main():
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": a.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if a.optim == "adamw8bit":
+    if a.optim == "galore":
+        # galore_torch's GaLoreAdamW on the 2-D tensors of the decoder layers (oomless's --optim galore), its
+        # AdamW for the rest; the same decay groups.
+        from galore_torch import GaLoreAdamW
+        proj = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim == 2 and ".layers." in n]
+        ids = {id(p) for p in proj}
+        rank = a.galore_rank or model.config.hidden_size // 4
+        groups = [{"params": [p for p in decay if id(p) not in ids], "weight_decay": a.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0},
+                  {"params": proj, "weight_decay": a.weight_decay, "rank": rank, "update_proj_gap": a.galore_gap,
+                   "scale": a.galore_scale, "proj_type": "std"}]
+        opt = GaLoreAdamW(groups, lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps)
+    elif a.optim == "adamw8bit":
         import bitsandbytes as bnb
         opt = bnb.optim.AdamW8bit(groups, lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps)
     else:

@@ -93,6 +93,27 @@ Plan make_plan(const GemmShape& s, int64_t mr = kMr, int64_t kc_max = kKcMax, in
   return p;
 }
 
+// Column panel jp of a plan: its first column, its 16-column micro-panels and its (row block x column range)
+// units (none past N).
+struct PanelUnits {
+  int64_t j0, panels, nbn, units;
+};
+PanelUnits panel_units(const Plan& p, int64_t N, int64_t jp) {
+  const int64_t j0 = jp * p.nc;
+  const int64_t panels = j0 < N ? cdiv(std::min(p.nc, N - j0), kNr) : 0;
+  const int64_t nbn = std::min(panels, cdiv(kUnits, p.nbm));
+  return {j0, panels, nbn, p.nbm * nbn};
+}
+// Unit u of a panel: row block bm, rows [r0, r1) in strips of mr rows, micro-panels [q0, q1).
+struct Unit {
+  int64_t bm, r0, r1, q0, q1;
+};
+Unit unit_of(const Plan& p, const PanelUnits& pu, int64_t u, int64_t mr, int64_t M) {
+  const int64_t bm = u / pu.nbn, bn = u % pu.nbn;
+  const int64_t s0 = bm * p.strips / p.nbm, s1 = (bm + 1) * p.strips / p.nbm;
+  return {bm, s0 * mr, std::min(M, s1 * mr), bn * pu.panels / pu.nbn, (bn + 1) * pu.panels / pu.nbn};
+}
+
 // Sixteen bf16 (or f32-as-bf16) values of each of kc rows, widened into one kc x 16 panel.
 template <class T>
 __attribute__((target("avx2,fma"))) void widen_rows_avx2(float* dst, const T* src, int64_t ld, int64_t kc) {
@@ -585,12 +606,9 @@ void run_blocked_amx(const GemmShape& s, const uint16_t* a, BP b, float* c, floa
     uint32_t* ap = reinterpret_cast<uint32_t*>(apack) + static_cast<size_t>(omp_get_thread_num()) * a_stride;
     amx_begin();
     for (int64_t jp = 0; jp < p.nj; ++jp) {
-      const int64_t j0 = jp * p.nc;
-      if (j0 >= s.N) break;
-      const int64_t nc = std::min(p.nc, s.N - j0);
-      const int64_t panels = cdiv(nc, kNr);
-      const int64_t nbn = std::min(panels, cdiv(kUnits, p.nbm));
-      const int64_t units = p.nbm * nbn;
+      const PanelUnits pu = panel_units(p, s.N, jp);
+      if (pu.j0 >= s.N) break;
+      const int64_t j0 = pu.j0, panels = pu.panels, units = pu.units;
       for (int64_t kp = 0; kp < p.nk; ++kp) {
         const int64_t k0 = kp * p.kc;
         const int64_t kc = std::min(p.kc, s.K - k0), kd = depth(kc, true);
@@ -605,14 +623,13 @@ void run_blocked_amx(const GemmShape& s, const uint16_t* a, BP b, float* c, floa
         int64_t packed_bm = -1;
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < units; ++u) {
-          const int64_t bm = u / nbn, bn = u % nbn;
-          const int64_t s0 = bm * p.strips / p.nbm, s1 = (bm + 1) * p.strips / p.nbm;
-          const int64_t r0 = s0 * kMrAmx, r1 = std::min(s.M, s1 * kMrAmx);
+          const Unit un = unit_of(p, pu, u, kMrAmx, s.M);
+          const int64_t bm = un.bm, r0 = un.r0, r1 = un.r1;
           if (bm != packed_bm) {
             pack_a_amx(ap, s.ta ? a + k0 * s.lda + r0 : a + r0 * s.lda + k0, s.lda, s.ta, kc, r1 - r0, kpp);
             packed_bm = bm;
           }
-          const int64_t q0 = bn * panels / nbn, q1 = (bn + 1) * panels / nbn;
+          const int64_t q0 = un.q0, q1 = un.q1;
           AmxMicro m{};
           m.lda = kpp;
           m.b_second = kNr * kpp;
@@ -661,12 +678,9 @@ void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, 
   {
     float* ap = apack + static_cast<size_t>(omp_get_thread_num()) * a_stride;
     for (int64_t jp = 0; jp < p.nj; ++jp) {
-      const int64_t j0 = jp * p.nc;
-      if (j0 >= s.N) break;
-      const int64_t nc = std::min(p.nc, s.N - j0);
-      const int64_t panels = cdiv(nc, kNr);
-      const int64_t nbn = std::min(panels, cdiv(kUnits, p.nbm));
-      const int64_t units = p.nbm * nbn;
+      const PanelUnits pu = panel_units(p, s.N, jp);
+      if (pu.j0 >= s.N) break;
+      const int64_t j0 = pu.j0, panels = pu.panels, units = pu.units;
       for (int64_t kp = 0; kp < p.nk; ++kp) {
         const int64_t k0 = kp * p.kc;
         const int64_t kc = std::min(p.kc, s.K - k0), kd = depth(kc, pairs);
@@ -680,15 +694,14 @@ void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, 
         int64_t packed_bm = -1;  // the row block now in ap (units of one block are consecutive)
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < units; ++u) {
-          const int64_t bm = u / nbn, bn = u % nbn;
-          const int64_t s0 = bm * p.strips / p.nbm, s1 = (bm + 1) * p.strips / p.nbm;
-          const int64_t r0 = s0 * kMr, r1 = std::min(s.M, s1 * kMr);
+          const Unit un = unit_of(p, pu, u, kMr, s.M);
+          const int64_t bm = un.bm, r0 = un.r0, r1 = un.r1;
           if (bm != packed_bm) {
             const TA* src = s.ta ? a + k0 * s.lda + r0 : a + r0 * s.lda + k0;
             pack_a_any(ap, src, s.lda, s.ta, kc, r1 - r0, avx2, pairs);
             packed_bm = bm;
           }
-          const int64_t q0 = bn * panels / nbn, q1 = (bn + 1) * panels / nbn;
+          const int64_t q0 = un.q0, q1 = un.q1;
           Micro m{};
           m.ras = 1;
           m.cas = kMr;
