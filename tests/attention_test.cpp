@@ -109,7 +109,7 @@ struct Outputs {
 // Forward then backward on `ops`. Floats are converted to the backend's act dtype; K/V stay in their
 // dtype on a backend that takes it (bf16 on cpu) and are widened exactly to f64 for ref. Outputs start
 // as garbage so that every element must be written; dk and dv start as dk0 and dv0.
-Outputs run(Ops& ops, const Problem& p, double scale) {
+Outputs run(Ops& ops, const Problem& p, double scale, bool bf16_products = false) {
   const DType act = ops.act_dtype();
   const Shape& s = p.s;
   HostTensor q = p.q.as(act), dout = p.dout.as(act);
@@ -121,6 +121,7 @@ Outputs run(Ops& ops, const Problem& p, double scale) {
   out.lse.fill(12345.0);
   out.dq.fill(-3.0);
   Table kv = make_table(p, k, v), dkv = make_table(p, out.dk, out.dv);
+  kv.kv.bf16_products = bf16_products;
   ops.attention_forward(out.o, out.lse, q, kv.kv, p.pos, scale);
   ops.attention_backward(out.dq, dkv.kv, dout, q, kv.kv, out.o, out.lse, p.pos, scale);
   EXPECT_TRUE(q.guards_intact() && dout.guards_intact() && k.guards_intact() && v.guards_intact()) << ops.name();
@@ -305,6 +306,53 @@ TEST(Attention, BitwiseIdenticalAcrossThreadCounts) {
               << what << ": " << name << " differs";
       }
     }
+}
+
+// bf16 products (KvBlocks::bf16_products, bf16 compute): on every GEMM path the result is within bf16
+// rounding of the reference (which takes the operands as they are); the avx2 and avx512 paths give the same
+// bits (f32 tile kernels over the rounded values), amx runs the products on tiles; the flag changes the
+// result; 1, 2 and 3 threads give the same bits. f32 and bf16 K/V, GQA, paged, shuffled and contiguous.
+TEST(Attention, Bf16ProductsOnEveryPath) {
+  const GemmIsa saved = gemm_isa();
+  const int max_threads = omp_get_max_threads();
+  RefOps ref;
+  for (const auto& [s, kvt] : {std::pair{Shape{257, 8, 2, 64, 64, 64, false}, DType::f32},
+                               std::pair{Shape{200, 4, 2, 128, 200, 0, false}, DType::bf16},
+                               std::pair{Shape{100, 6, 2, 16, 16, 48, true}, DType::f32}}) {
+    const Problem p = make_problem(s, kvt, 7);
+    const std::string what = std::string(dtype_name(kvt)) + " T=" + std::to_string(s.T) + " D=" + std::to_string(s.D);
+    const Outputs want = run(ref, p, scale_for(s.D));
+    std::vector<std::pair<GemmIsa, Outputs>> outs;
+    for (GemmIsa isa : supported_gemm_isas()) {
+      if (isa == GemmIsa::generic) continue;
+      set_gemm_isa(isa);
+      auto ops = make_ops("cpu");
+      outs.emplace_back(isa, run(*ops, p, scale_for(s.D), true));
+      expect_matches(outs.back().second, want, p, 2e-2, what + " " + gemm_isa_name(isa));
+      const Outputs plain = run(*ops, p, scale_for(s.D), false);
+      EXPECT_NE(std::memcmp(plain.o.t().data, outs.back().second.o.t().data, plain.o.t().nbytes()), 0)
+          << what << " " << gemm_isa_name(isa) << ": bf16 products changed nothing";
+    }
+    for (size_t i = 1; i < outs.size(); ++i) {
+      if (outs[i].first == GemmIsa::amx) continue;
+      for (auto m : {&Outputs::o, &Outputs::lse, &Outputs::dq, &Outputs::dk, &Outputs::dv})
+        EXPECT_EQ(std::memcmp((outs[0].second.*m).t().data, (outs[i].second.*m).t().data,
+                              (outs[0].second.*m).t().nbytes()), 0)
+            << what << ": " << gemm_isa_name(outs[i].first) << " differs from " << gemm_isa_name(outs[0].first);
+    }
+    set_gemm_isa(saved);
+    std::vector<Outputs> threads;
+    for (int n : {1, 2, 3}) {
+      omp_set_num_threads(n);
+      auto ops = make_ops("cpu");
+      threads.push_back(run(*ops, p, scale_for(s.D), true));
+    }
+    omp_set_num_threads(max_threads);
+    for (size_t n = 1; n < threads.size(); ++n)
+      for (auto m : {&Outputs::o, &Outputs::lse, &Outputs::dq, &Outputs::dk, &Outputs::dv})
+        EXPECT_EQ(std::memcmp((threads[0].*m).t().data, (threads[n].*m).t().data, (threads[0].*m).t().nbytes()), 0)
+            << what << " on " << gemm_isa_name(saved) << ": threads 1 vs " << n + 1;
+  }
 }
 
 // Queries before every key (keys start at position 10, queries at 4..) and an empty block table:

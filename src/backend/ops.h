@@ -59,6 +59,10 @@ struct KvBlocks {
   int64_t n_blocks = 0;
   int64_t Hkv = 0, P = 0, D = 0;
   DType dtype = DType::f32;
+  // bf16 compute: attention's products take bf16 operands (q, k, v, the probabilities, dout and the score
+  // gradients rounded to bf16 where a product reads them; sums and softmax in fp32), as the model's other
+  // products do. The cpu backend runs them on AMX tiles where the GEMM path is amx; ref ignores it.
+  bool bf16_products = false;
 };
 
 struct CeResult {

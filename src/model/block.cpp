@@ -80,7 +80,7 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
     if (pass != Pass::recompute_keep_attention) chunk_kv_->forward(layer, a.o, a.lse, a.q, a.k, a.v, pos);
   } else {
     KvBlock blk{kv.k.data, kv.v.data, 0, static_cast<int32_t>(t0 + T)};
-    KvBlocks blocks{&blk, 1, Hkv, Pk, D, kv.k.dtype};
+    KvBlocks blocks{&blk, 1, Hkv, Pk, D, kv.k.dtype, opt_.dtype == ComputeDType::bf16};
     ops_.attention_forward(a.o, a.lse, a.q, blocks, pos, 1.0 / std::sqrt(static_cast<double>(D)));
   }
 
@@ -176,7 +176,7 @@ void Model::block_backward(int64_t layer, Acts& a, Tensor pos, Tensor dx) {
     chunk_kv_->backward(layer, dq, dk, dv, d_o, a.q, a.k, a.v, a.o, a.lse, pos);
   } else {
     KvBlock kb{a.k.data, a.v.data, 0, static_cast<int32_t>(T)};
-    KvBlocks kv{&kb, 1, Hkv, T, D, a.k.dtype};
+    KvBlocks kv{&kb, 1, Hkv, T, D, a.k.dtype, opt_.dtype == ComputeDType::bf16};
     KvBlock dkb{dk.data, dv.data, 0, static_cast<int32_t>(T)};
     KvBlocks dkv{&dkb, 1, Hkv, T, D, act_};
     ops_.attention_backward(dq, dkv, d_o, a.q, kv, a.o, a.lse, pos, 1.0 / std::sqrt(static_cast<double>(D)));

@@ -18,6 +18,9 @@ class ChunkKv {
  public:
   virtual ~ChunkKv() = default;
 
+  // bf16 compute: attention's products take bf16 operands (KvBlocks::bf16_products). The model sets it
+  // before each sequence.
+  virtual void set_bf16_products(bool on) = 0;
   // A new sequence of T tokens in chunks of C (the last one T - (n-1) C tokens).
   virtual void begin(int64_t T, int64_t C) = 0;
   // The chunk the next calls are about; its queries and keys are at positions c*C ...

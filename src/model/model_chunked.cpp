@@ -92,6 +92,7 @@ CeResult Model::chunked_step(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv,
   training_ = true;
   refresh_dora();
   ChunkScope scope(chunk_kv_, kv);
+  kv.set_bf16_products(opt_.dtype == ComputeDType::bf16);
   kv.begin(T, C);
   // Pass 1: every chunk but the last, keys and values only.
   for (int64_t c = 0; c + 1 < n; ++c) {
@@ -121,6 +122,7 @@ CeResult Model::chunked_eval(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv,
   training_ = false;
   refresh_dora();
   ChunkScope scope(chunk_kv_, kv);
+  kv.set_bf16_products(opt_.dtype == ComputeDType::bf16);
   kv.begin(T, C);
   CeResult total;
   if (token_losses) token_losses->clear();

@@ -500,7 +500,7 @@ KvBlocks PagedKvStore::blocks_of(Window& w, bool grads, const std::vector<int32_
     w.blocks.back().k_scale = w.scales[u][0], w.blocks.back().v_scale = w.scales[u][1];
   }
   return KvBlocks{w.blocks.data(), static_cast<int64_t>(idx.size()), cfg_.Hkv, P, cfg_.D,
-                  grads ? gshape_.dtype : shape_.dtype};
+                  grads ? gshape_.dtype : shape_.dtype, bf16_products_};
 }
 
 void PagedKvStore::write_back_grads(Window& w) {
@@ -518,7 +518,7 @@ void PagedKvStore::forward(int64_t layer, Tensor o, Tensor lse, Tensor q, Tensor
   const int64_t Tc = q.dims[0], H = cfg_.H, D = cfg_.D;
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   KvBlock own{k.data, v.data, static_cast<int32_t>(chunk_ * opt_.C), static_cast<int32_t>(Tc)};
-  ops_.attention_forward(o, lse, q, KvBlocks{&own, 1, cfg_.Hkv, Tc, D, k.dtype}, pos, scale);
+  ops_.attention_forward(o, lse, q, KvBlocks{&own, 1, cfg_.Hkv, Tc, D, k.dtype, bf16_products_}, pos, scale);
   if (chunk_ == 0) return;
   if (sparse()) select(layer, q);
   const std::vector<Step> steps = plan(layer, Tc);
@@ -568,7 +568,7 @@ void PagedKvStore::backward(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Tens
   }
   KvBlock own{k.data, v.data, static_cast<int32_t>(chunk_ * opt_.C), static_cast<int32_t>(Tc)};
   KvBlock down{dk.data, dv.data, own.start, own.len};
-  ops_.attention_backward(dq, KvBlocks{&down, 1, Hkv, Tc, D, dk.dtype}, dout, q, KvBlocks{&own, 1, Hkv, Tc, D, k.dtype},
+  ops_.attention_backward(dq, KvBlocks{&down, 1, Hkv, Tc, D, dk.dtype}, dout, q, KvBlocks{&own, 1, Hkv, Tc, D, k.dtype, bf16_products_},
                           o, lse, pos, scale);
   if (chunk_ == 0) return;
   const std::vector<Step> steps = plan(layer, Tc);

@@ -98,6 +98,8 @@ class PagedKvStore final : public ChunkKv {
   PagedKvStore(const PagedKvStore&) = delete;
   PagedKvStore& operator=(const PagedKvStore&) = delete;
 
+  void set_bf16_products(bool on) override { bf16_products_ = on; }
+
   void begin(int64_t T, int64_t C) override;
   void set_chunk(int64_t c) override;
   void store(int64_t layer, Tensor k, Tensor v) override;
@@ -152,6 +154,7 @@ class PagedKvStore final : public ChunkKv {
   ModelConfig cfg_;
   Ops& ops_;
   PagedKvOptions opt_;
+  bool bf16_products_ = false;
   bool backward_;
   PageShape shape_, gshape_;  // key/value pages; their gradients' pages
   std::unique_ptr<PagePool> home_, ghome_;  // none: Device, host: Host; null in disk mode

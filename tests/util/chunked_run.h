@@ -114,6 +114,7 @@ inline std::unique_ptr<AdapterSet> random_adapters(const ModelConfig& cfg, const
 class RecordingKv final : public ChunkKv {
  public:
   explicit RecordingKv(PagedKvStore& s) : s_(s) {}
+  void set_bf16_products(bool on) override { s_.set_bf16_products(on); }
   void begin(int64_t T, int64_t C) override {
     s_.begin(T, C);
     fetched.assign(static_cast<size_t>((T + C - 1) / C), 0);

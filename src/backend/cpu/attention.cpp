@@ -24,6 +24,12 @@
 // no atomics, and results are bitwise identical for any thread count. Tasks are dealt round-robin
 // (schedule(static, 1)) so the causal triangle's uneven task costs spread evenly.
 //
+// bf16 products (KvBlocks::bf16_products, bf16 compute): every tile product takes bf16 operands: q and dout
+// rounded once per call, key tiles per tile, P and dS per tile after the fp32 softmax and score gradients.
+// On the amx GEMM path they are bf16 (bf16 K/V pages read as they are) and the products run on AMX tiles
+// (gemm_detail::tile_bf16_amx); on the other paths the rounded values stay in f32 and the f32 tile kernels
+// multiply them (the same sums as bf16 operands widened). Deterministic either way.
+//
 // K/V may be f32, bf16 or f8_e4m3 (scaled per block); narrow key tiles are widened to f32 per tile. dK/dV blocks are f32 and
 // accumulate (+=). Scratch (per-thread tiles, tile tables, D and lse in base 2) is one workspace
 // allocation per call, sized by omp_get_max_threads().
@@ -40,6 +46,7 @@
 #include "backend/checks.h"
 #include "backend/cpu/cpu_ops.h"
 #include "backend/cpu/gemm.h"
+#include "backend/cpu/gemm_kernel.h"
 
 namespace oomless {
 
@@ -76,6 +83,12 @@ struct Ctx {
   const float* dsum;  // (H, T) D = rowsum(dout * o), backward only
   float c;            // scale log2(e)
   float scale;
+  bool bf16 = false;           // bf16 products
+  bool amx = false;            // ... as bf16 operands on AMX tiles
+  const float* qr = nullptr;   // bf16 products off amx: q and dout rounded, in f32 (T, ldq)
+  const float* dr = nullptr;
+  const uint16_t* qh = nullptr;  // bf16 products on amx: q and dout in bf16 (T, ldq)
+  const uint16_t* dh = nullptr;
   const KeyTile* kt;
   int64_t n_kt;
   const QueryTile* qt;
@@ -243,12 +256,29 @@ void finish_rows(float* O, int64_t ldo, int64_t D, int64_t nq, const float* m, c
   }
 }
 
-// c (M, N) [+]= op(a) . op(b) with explicit leading dimensions, single-threaded.
-void tile_gemm(int64_t M, int64_t N, int64_t K, bool ta, bool tb, const float* a, int64_t lda, const float* b,
-               int64_t ldb, float* c, int64_t ldc, bool accumulate) {
-  Gemm::tile(GemmShape{.M = M, .N = N, .K = K, .ta = ta, .tb = tb, .lda = lda, .ldb = ldb, .ldc = ldc,
-                       .accumulate = accumulate},
-             a, b, c);
+// A tile product's operand: f32 rows (f), or bf16 rows (h) when the products run on AMX tiles.
+struct Opnd {
+  const float* f = nullptr;
+  const uint16_t* h = nullptr;
+  int64_t ld = 0;
+};
+
+// c (M, N) [+]= op(a) . op(b) with explicit leading dimensions, single-threaded: AMX tiles for bf16 operands,
+// else the f32 tile kernels. work: the AMX packing buffer.
+void tile_gemm(int64_t M, int64_t N, int64_t K, bool ta, bool tb, Opnd a, Opnd b, float* c, int64_t ldc,
+               bool accumulate, uint32_t* work) {
+  GemmShape s{.M = M, .N = N, .K = K, .ta = ta, .tb = tb, .lda = a.ld, .ldb = b.ld, .ldc = ldc, .accumulate = accumulate};
+  if (a.h) {
+    s.ab = DType::bf16;
+    return gemm_detail::tile_bf16_amx(s, a.h, b.h, c, work);
+  }
+  Gemm::tile(s, a.f, b.f, c);
+}
+
+// x[0, n) rounded to bf16 in place (bf16 products off amx) or into h (on amx).
+void round_tile(float* x, int64_t n, uint16_t* h) {
+  if (h) return convert(h, DType::bf16, x, DType::f32, n);
+  for (int64_t i = 0; i < n; ++i) x[i] = round_to_bf16(x[i]);
 }
 
 // The K and V rows (n, D) of key tile kt under kv head g: pointers into the block when f32, else
@@ -292,23 +322,95 @@ struct Tiles {
   float* ds;  // (kBq, kBk) dP, then dS (backward)
   float* m;   // (kBq) running max (forward)
   float* l;   // (kBq) running sum (forward)
-  float* k;   // (kBk, D) widened keys (bf16 K/V)
+  float* k;   // (kBk, D) widened keys (narrow K/V, or rounded for bf16 products)
   float* v;   // (kBk, D) widened values
+  uint16_t* kh;    // on amx: (kBk, D) keys in bf16 (K/V not bf16)
+  uint16_t* vh;    // values
+  uint16_t* sh;    // (kBq, kBk) P in bf16
+  uint16_t* dsh;   // (kBq, kBk) dS in bf16
+  uint32_t* work;  // tile_bf16_amx's packing buffer
 };
 
-int64_t tiles_floats(int64_t D, bool widen) {
-  return 2 * padded(kBq * kBk) + 2 * padded(kBq) + (widen ? 2 * padded(kBk * D) : 0);
+int64_t amx_work_floats(int64_t D) {
+  const int64_t big = std::max<int64_t>(kBk, D);
+  return padded(static_cast<int64_t>(gemm_detail::amx_tile_words(std::max(kBq, kBk), big, big)));
 }
 
-Tiles carve_tiles(float* base, int64_t D, bool widen) {
+int64_t tiles_floats(int64_t D, bool widen, bool amx) {
+  return 2 * padded(kBq * kBk) + 2 * padded(kBq) + (widen ? 2 * padded(kBk * D) : 0) +
+         (amx ? padded(kBk * D) + padded(kBq * kBk) + amx_work_floats(D) : 0);
+}
+
+Tiles carve_tiles(float* base, int64_t D, bool widen, bool amx) {
   Tiles t{};
   t.s = base;
   t.ds = t.s + padded(kBq * kBk);
   t.m = t.ds + padded(kBq * kBk);
   t.l = t.m + padded(kBq);
-  t.k = widen ? t.l + padded(kBq) : nullptr;
-  t.v = widen ? t.k + padded(kBk * D) : nullptr;
+  float* p = t.l + padded(kBq);
+  if (widen) {
+    t.k = p;
+    t.v = t.k + padded(kBk * D);
+    p = t.v + padded(kBk * D);
+  }
+  if (amx) {  // halves of floats: two bf16 key/value tiles, two bf16 score tiles, then the packing buffer
+    t.kh = reinterpret_cast<uint16_t*>(p);
+    t.vh = t.kh + padded(kBk * D);
+    p += padded(kBk * D);
+    t.sh = reinterpret_cast<uint16_t*>(p);
+    t.dsh = t.sh + padded(kBq * kBk);
+    p += padded(kBq * kBk);
+    t.work = reinterpret_cast<uint32_t*>(p);
+  }
   return t;
+}
+
+// The K and V operands (n, D) of key tile kt under kv head g: f32 as key_rows gives them; with bf16 products
+// rounded (off amx, in w.k / w.v) or in bf16 (on amx: bf16 pages as they are, else rounded into w.kh / w.vh).
+void key_operands(const Ctx& x, const KeyTile& kt, int64_t g, int64_t n, const Tiles& w, Opnd* K, Opnd* V) {
+  K->ld = V->ld = x.D;
+  const int64_t off = (g * x.P + kt.j0) * x.D;
+  if (x.amx && x.kv->dtype == DType::bf16) {
+    const KvBlock& blk = x.kv->blocks[kt.block];
+    K->h = static_cast<const uint16_t*>(blk.k) + off;
+    V->h = static_cast<const uint16_t*>(blk.v) + off;
+    return;
+  }
+  key_rows(x, kt, g, n, &K->f, &V->f, w.k, w.v);
+  if (!x.bf16 || x.kv->dtype == DType::bf16) return;  // bf16 pages widen exactly
+  if (x.amx) {
+    convert(w.kh, DType::bf16, K->f, DType::f32, n * x.D);
+    convert(w.vh, DType::bf16, V->f, DType::f32, n * x.D);
+    K->h = w.kh, V->h = w.vh, K->f = V->f = nullptr;
+    return;
+  }
+  if (K->f != w.k) {  // f32 pages: copied before rounding
+    std::memcpy(w.k, K->f, sizeof(float) * n * x.D);
+    std::memcpy(w.v, V->f, sizeof(float) * n * x.D);
+  }
+  round_tile(w.k, n * x.D, nullptr);
+  round_tile(w.v, n * x.D, nullptr);
+  K->f = w.k, V->f = w.v;
+}
+
+// The rows of q or dout at row r0 under head h, as the products read them.
+Opnd q_rows(const Ctx& x, const float* f32, const float* rounded, const uint16_t* h16, int64_t r0, int64_t h) {
+  const int64_t off = r0 * x.ldq + h * x.D;
+  Opnd o;
+  o.ld = x.ldq;
+  if (x.amx) o.h = h16 + off;
+  else o.f = (x.bf16 ? rounded : f32) + off;
+  return o;
+}
+
+// A score tile (n elements, row stride nk) as a product's operand: as it is, rounded in place, or in bf16.
+Opnd score_operand(const Ctx& x, float* t, uint16_t* h, int64_t n, int64_t nk) {
+  Opnd o;
+  o.ld = nk;
+  if (x.bf16) round_tile(t, n, x.amx ? h : nullptr);
+  if (x.amx) o.h = h;
+  else o.f = t;
+  return o;
 }
 
 int64_t count_key_tiles(const KvBlocks& kv) {
@@ -379,7 +481,34 @@ Ctx make_ctx(const AttentionDims& dims, const Tensor& q, const Tensor& o, const 
   x.kv = &kv;
   x.c = static_cast<float>(scale * kLog2e);
   x.scale = static_cast<float>(scale);
+  x.bf16 = kv.bf16_products;
+  x.amx = x.bf16 && gemm_isa() == GemmIsa::amx;
   return x;
+}
+
+// Floats of scratch for one (T, ldq) operand copy under bf16 products (none without).
+int64_t operand_floats(const Ctx& x) {
+  if (!x.bf16) return 0;
+  return padded(x.amx ? (x.T * x.ldq + 1) / 2 : x.T * x.ldq);
+}
+
+// Under bf16 products, src (T, ldq) rounded into dst: bf16 values in f32 (*rounded) or bf16 (*h16, on amx).
+void round_rows(Ctx* x, const float* src, float* dst, const float** rounded, const uint16_t** h16) {
+  if (!x->bf16) return;
+  const int64_t n = x->T * x->ldq;
+  constexpr int64_t kChunk = 1 << 14;
+  uint16_t* h = reinterpret_cast<uint16_t*>(dst);
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < (n + kChunk - 1) / kChunk; ++c) {
+    const int64_t i0 = c * kChunk, len = std::min(kChunk, n - i0);
+    if (x->amx) {
+      convert(h + i0, DType::bf16, src + i0, DType::f32, len);
+    } else {
+      for (int64_t i = i0; i < i0 + len; ++i) dst[i] = round_to_bf16(src[i]);
+    }
+  }
+  if (x->amx) *h16 = h;
+  else *rounded = dst;
 }
 
 // ---- tasks ------------------------------------------------------------------------------------------
@@ -391,7 +520,7 @@ int64_t visible_keys(const KeyTile& kt, const QueryTile& qt) {
 
 void forward_task(const Ctx& x, int64_t h, const QueryTile& qt, const Tiles& w) {
   const int64_t g = h / x.group, nq = qt.n;
-  const float* Q = x.q + qt.r0 * x.ldq + h * x.D;
+  const Opnd Q = q_rows(x, x.q, x.qr, x.qh, qt.r0, h);
   float* O = x.o + qt.r0 * x.ldq + h * x.D;
   const int32_t* qpos = x.pos + qt.r0;
   for (int64_t r = 0; r < nq; ++r) {
@@ -403,24 +532,27 @@ void forward_task(const Ctx& x, int64_t h, const QueryTile& qt, const Tiles& w) 
     const KeyTile& kt = x.kt[i];
     const int64_t nk = visible_keys(kt, qt);
     if (nk == 0) continue;
-    const float *K, *V;
-    key_rows(x, kt, g, nk, &K, &V, w.k, w.v);
-    tile_gemm(nq, nk, x.D, false, true, Q, x.ldq, K, x.D, w.s, nk, false);  // S = Q K^T
+    Opnd K, V;
+    key_operands(x, kt, g, nk, w, &K, &V);
+    tile_gemm(nq, nk, x.D, false, true, Q, K, w.s, nk, false, w.work);  // S = Q K^T
     online_softmax(w.s, nq, nk, x.c, qpos, kt.lo, w.m, w.l, O, x.ldq, x.D);
-    tile_gemm(nq, x.D, nk, false, false, w.s, nk, V, x.D, O, x.ldq, true);  // O += P V
+    tile_gemm(nq, x.D, nk, false, false, score_operand(x, w.s, w.sh, nq * nk, nk), V, O, x.ldq, true, w.work);  // O += P V
   }
   finish_rows(O, x.ldq, x.D, nq, w.m, w.l, x.lse + h * x.T + qt.r0);
 }
 
 // S, P and dS of one (query tile, key tile) pair under head h into w.s (P) and w.ds (dS).
-void recompute_scores(const Ctx& x, int64_t h, const QueryTile& qt, const KeyTile& kt, int64_t nk, const float* K,
-                      const float* V, const Tiles& w) {
-  const float* Q = x.q + qt.r0 * x.ldq + h * x.D;
-  const float* dO = x.dout + qt.r0 * x.ldq + h * x.D;
-  tile_gemm(qt.n, nk, x.D, false, true, Q, x.ldq, K, x.D, w.s, nk, false);    // S = Q K^T
+// With bf16 products, P and dS are rounded after dS is computed from the fp32 P; *P and *dS are the operands.
+void recompute_scores(const Ctx& x, int64_t h, const QueryTile& qt, const KeyTile& kt, int64_t nk, Opnd K, Opnd V,
+                      const Tiles& w, Opnd* P, Opnd* dS) {
+  const Opnd Q = q_rows(x, x.q, x.qr, x.qh, qt.r0, h);
+  const Opnd dO = q_rows(x, x.dout, x.dr, x.dh, qt.r0, h);
+  tile_gemm(qt.n, nk, x.D, false, true, Q, K, w.s, nk, false, w.work);    // S = Q K^T
   probabilities(w.s, qt.n, nk, x.c, x.pos + qt.r0, kt.lo, x.lse2 + h * x.T + qt.r0);
-  tile_gemm(qt.n, nk, x.D, false, true, dO, x.ldq, V, x.D, w.ds, nk, false);  // dP = dO V^T
+  tile_gemm(qt.n, nk, x.D, false, true, dO, V, w.ds, nk, false, w.work);  // dP = dO V^T
   score_grads(w.ds, w.s, qt.n, nk, x.dsum + h * x.T + qt.r0, x.scale);
+  *P = score_operand(x, w.s, w.sh, qt.n * nk, nk);
+  *dS = score_operand(x, w.ds, w.dsh, qt.n * nk, nk);
 }
 
 void kv_grad_task(const Ctx& x, int64_t g, const KeyTile& kt, const Tiles& w) {
@@ -428,18 +560,19 @@ void kv_grad_task(const Ctx& x, int64_t g, const KeyTile& kt, const Tiles& w) {
   const int64_t off = (g * x.P + kt.j0) * x.D;
   float* dK = static_cast<float*>(dblk.k) + off;
   float* dV = static_cast<float*>(dblk.v) + off;
-  const float *K, *V;
-  key_rows(x, kt, g, kt.n, &K, &V, w.k, w.v);
+  Opnd K, V;
+  key_operands(x, kt, g, kt.n, w, &K, &V);
   for (int64_t h = g * x.group; h < (g + 1) * x.group; ++h) {
     for (int64_t i = 0; i < x.n_qt; ++i) {
       const QueryTile& qt = x.qt[i];
       const int64_t nk = visible_keys(kt, qt);
       if (nk == 0) continue;
-      const float* Q = x.q + qt.r0 * x.ldq + h * x.D;
-      const float* dO = x.dout + qt.r0 * x.ldq + h * x.D;
-      recompute_scores(x, h, qt, kt, nk, K, V, w);
-      tile_gemm(nk, x.D, qt.n, true, false, w.s, nk, dO, x.ldq, dV, x.D, true);  // dV += P^T dO
-      tile_gemm(nk, x.D, qt.n, true, false, w.ds, nk, Q, x.ldq, dK, x.D, true);  // dK += dS^T Q
+      const Opnd Q = q_rows(x, x.q, x.qr, x.qh, qt.r0, h);
+      const Opnd dO = q_rows(x, x.dout, x.dr, x.dh, qt.r0, h);
+      Opnd P, dS;
+      recompute_scores(x, h, qt, kt, nk, K, V, w, &P, &dS);
+      tile_gemm(nk, x.D, qt.n, true, false, P, dO, dV, x.D, true, w.work);   // dV += P^T dO
+      tile_gemm(nk, x.D, qt.n, true, false, dS, Q, dK, x.D, true, w.work);   // dK += dS^T Q
     }
   }
 }
@@ -452,10 +585,11 @@ void q_grad_task(const Ctx& x, int64_t h, const QueryTile& qt, const Tiles& w) {
     const KeyTile& kt = x.kt[i];
     const int64_t nk = visible_keys(kt, qt);
     if (nk == 0) continue;
-    const float *K, *V;
-    key_rows(x, kt, g, nk, &K, &V, w.k, w.v);
-    recompute_scores(x, h, qt, kt, nk, K, V, w);
-    tile_gemm(qt.n, x.D, nk, false, false, w.ds, nk, K, x.D, dQ, x.ldq, true);  // dQ += dS K
+    Opnd K, V;
+    key_operands(x, kt, g, nk, w, &K, &V);
+    Opnd P, dS;
+    recompute_scores(x, h, qt, kt, nk, K, V, w, &P, &dS);
+    tile_gemm(qt.n, x.D, nk, false, false, dS, K, dQ, x.ldq, true, w.work);  // dQ += dS K
   }
 }
 
@@ -465,18 +599,20 @@ void CpuOps::attention_forward(Tensor o, Tensor lse, Tensor q, const KvBlocks& k
   const AttentionDims dims = check_attention(kOp, o, lse, q, kv, q_pos, kAct, {DType::f32, DType::bf16, DType::f8_e4m3});
   if (dims.T == 0 || dims.H == 0) return;
   Ctx x = make_ctx(dims, q, o, lse, kv, q_pos, scale);
-  const bool widen = kv.dtype != DType::f32;
+  const bool widen = kv.dtype != DType::f32 || (x.bf16 && !x.amx);
   x.n_kt = count_key_tiles(kv);
   x.n_qt = (x.T + kBq - 1) / kBq;
-  Scratch s = make_scratch(*this, x.n_kt, x.n_qt, 0, tiles_floats(x.D, widen));
+  const int64_t rows = operand_floats(x);
+  Scratch s = make_scratch(*this, x.n_kt, x.n_qt, rows, tiles_floats(x.D, widen, x.amx));
   fill_key_tiles(s.kt, kv);
   fill_query_tiles(s.qt, x.pos, x.T);
   x.kt = s.kt;
   x.qt = s.qt;
+  round_rows(&x, x.q, s.extra, &x.qr, &x.qh);
   const int64_t tasks = x.n_qt * x.H;
 #pragma omp parallel
   {
-    const Tiles w = carve_tiles(s.tiles + omp_get_thread_num() * s.tile_floats, x.D, widen);
+    const Tiles w = carve_tiles(s.tiles + omp_get_thread_num() * s.tile_floats, x.D, widen, x.amx);
 #pragma omp for schedule(static, 1)
     for (int64_t t = 0; t < tasks; ++t) forward_task(x, t % x.H, x.qt[t / x.H], w);
   }
@@ -491,23 +627,25 @@ void CpuOps::attention_backward(Tensor dq, const KvBlocks& dkv, Tensor dout, Ten
   x.dkv = &dkv;
   x.dout = static_cast<const float*>(dout.data);
   x.dq = static_cast<float*>(dq.data);
-  const bool widen = kv.dtype != DType::f32;
+  const bool widen = kv.dtype != DType::f32 || (x.bf16 && !x.amx);
   x.n_kt = count_key_tiles(kv);
   x.n_qt = (x.T + kBq - 1) / kBq;
-  const int64_t HT = x.H * x.T;
-  Scratch s = make_scratch(*this, x.n_kt, x.n_qt, 2 * padded(HT), tiles_floats(x.D, widen));
+  const int64_t HT = x.H * x.T, rows = operand_floats(x);
+  Scratch s = make_scratch(*this, x.n_kt, x.n_qt, 2 * padded(HT) + 2 * rows, tiles_floats(x.D, widen, x.amx));
   fill_key_tiles(s.kt, kv);
   fill_query_tiles(s.qt, x.pos, x.T);
   x.kt = s.kt;
   x.qt = s.qt;
   float* lse2 = s.extra;
   float* dsum = s.extra + padded(HT);
+  round_rows(&x, x.q, dsum + padded(HT), &x.qr, &x.qh);
+  round_rows(&x, x.dout, dsum + padded(HT) + rows, &x.dr, &x.dh);
   x.lse2 = lse2;
   x.dsum = dsum;
   const int64_t kv_tasks = x.n_kt * x.Hkv, q_tasks = x.n_qt * x.H;
 #pragma omp parallel
   {
-    const Tiles w = carve_tiles(s.tiles + omp_get_thread_num() * s.tile_floats, x.D, widen);
+    const Tiles w = carve_tiles(s.tiles + omp_get_thread_num() * s.tile_floats, x.D, widen, x.amx);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < HT; ++i) {  // i = h * T + t
       const int64_t h = i / x.T, t = i % x.T;

@@ -731,6 +731,45 @@ void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, 
 
 }  // namespace
 
+size_t amx_tile_words(int64_t M, int64_t N, int64_t K) {
+  const int64_t kpp = amx_depth(std::min(K, kKcAmx));
+  return static_cast<size_t>((cdiv(M, 16) * 16 + cdiv(N, 32) * 32) * kpp);
+}
+
+void tile_bf16_amx(const GemmShape& s, const uint16_t* a, const uint16_t* b, float* c, uint32_t* work) {
+  const int64_t M = s.M, N = s.N, K = s.K, panels = cdiv(N, kNr);
+  amx_begin();
+  for (int64_t k0 = 0; k0 < K; k0 += kKcAmx) {
+    const int64_t kc = std::min(kKcAmx, K - k0), kd = depth(kc, true), kpp = amx_depth(kc);
+    uint32_t* ap = work;
+    uint32_t* bp = work + cdiv(M, 16) * 16 * kpp;
+    pack_a_amx(ap, s.ta ? a + k0 * s.lda : a + k0, s.lda, s.ta, kc, M, kpp);
+    for (int64_t q = 0; q < panels; ++q) {
+      uint32_t* d = bp + q * kNr * kpp;
+      const int64_t jq = q * kNr;
+      pack_b_pairs(d, s.tb ? b + jq * s.ldb + k0 : b + k0 * s.ldb + jq, s.ldb, s.tb, kc, std::min<int64_t>(kNr, N - jq));
+      std::memset(d + kd * kNr, 0, sizeof(uint32_t) * (kpp - kd) * kNr);
+    }
+    AmxMicro m{};
+    m.lda = kpp;
+    m.b_second = kNr * kpp;
+    m.ldc = s.ldc;
+    m.kpp = kpp;
+    m.acc = s.accumulate || k0 > 0;
+    for (int64_t q = 0; q < panels; q += 2) {
+      m.n = static_cast<int>(std::min<int64_t>(2 * kNr, N - q * kNr));
+      m.b = bp + q * kNr * kpp;
+      for (int64_t r = 0; r < M; r += kMrAmx) {
+        m.a = ap + r * kpp;
+        m.c = c + r * s.ldc + q * kNr;
+        m.m = static_cast<int>(std::min<int64_t>(kMrAmx, M - r));
+        micro_amx(m);
+      }
+    }
+  }
+  amx_end();
+}
+
 BlockedSizes blocked_sizes(const GemmShape& s) {
   BlockedSizes z;
   if (one_row(s)) {

@@ -305,6 +305,11 @@ struct AmxMicro {
 void micro_amx(const AmxMicro& u);
 void amx_begin();
 void amx_end();
+// A single-threaded bf16 product on AMX tiles (the attention tiles under bf16 compute): c (M, N) (+)= op(a)
+// op(b), a and b bf16 with the leading dimensions of `s` (all given), k slices of up to 1024 added in order.
+// work: amx_tile_words(M, N, K) 32-bit words (the packed operands). Configures and releases the tiles.
+size_t amx_tile_words(int64_t M, int64_t N, int64_t K);
+void tile_bf16_amx(const GemmShape& s, const uint16_t* a, const uint16_t* b, float* c, uint32_t* work);
 // Whether the OS lets this process use AMX tile data (asks it once; Linux 5.16 and later).
 bool amx_os_permits();
 
