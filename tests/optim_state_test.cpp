@@ -15,46 +15,15 @@
 #include "train/checkpoint.h"
 #include "train/trainer.h"
 #include "util/harness.h"
+#include "util/train_fixture.h"
 
 namespace oomless {
 namespace {
 
 namespace fs = std::filesystem;
-
-std::string slurp(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::stringstream s;
-  s << f.rdbuf();
-  return s.str();
-}
-
-TrainConfig micro(const std::string& out) {
-  TrainConfig c;
-  c.model = "preset:micro";
-  c.data = test::source_path("data/kjv/eval.txt");
-  c.out = out;
-  c.seq = 64;
-  c.batch = 2;
-  c.steps = 4;
-  c.warmup = 1;
-  c.lr = 3e-3;
-  c.save_every = 2;
-  c.keep = 0;
-  c.eval_every = 0;
-  fs::remove_all(out);
-  return c;
-}
-
-std::vector<std::string> losses(const std::string& out) {
-  std::vector<std::string> v;
-  std::ifstream f(out + "/metrics.jsonl");
-  for (std::string line; std::getline(f, line);) {
-    json::Value o = json::parse(line);
-    if (o.find("type") && o.at("type").as_string() == "eval") continue;
-    v.push_back(json::dump(o.at("loss")));
-  }
-  return v;
-}
+using test::slurp;
+using test::micro;
+using test::losses;
 
 struct Opt {
   std::string name;

@@ -16,18 +16,13 @@
 #include "optim/clip.h"
 #include "train/trainer.h"
 #include "util/harness.h"
+#include "util/train_fixture.h"
 
 namespace oomless {
 namespace {
 
 namespace fs = std::filesystem;
-
-std::string slurp(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::stringstream s;
-  s << f.rdbuf();
-  return s.str();
-}
+using test::slurp;
 
 TrainConfig micro(const std::string& out) {
   TrainConfig c;
