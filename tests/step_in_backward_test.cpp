@@ -24,20 +24,10 @@ namespace {
 namespace fs = std::filesystem;
 using test::slurp;
 
+// The shared micro config with batch 1 (--step-in-backward refuses batch x accumulation > 1).
 TrainConfig micro(const std::string& out) {
-  TrainConfig c;
-  c.model = "preset:micro";
-  c.data = test::source_path("data/kjv/eval.txt");
-  c.out = out;
-  c.seq = 64;
+  TrainConfig c = test::micro(out);
   c.batch = 1;
-  c.steps = 4;
-  c.warmup = 1;
-  c.lr = 3e-3;
-  c.save_every = 2;
-  c.keep = 0;
-  c.eval_every = 0;
-  fs::remove_all(out);
   return c;
 }
 
