@@ -131,6 +131,60 @@ TEST(Train, Fp8KeyValueRunCountsAndResumesBitExact) {
   EXPECT_NE(losses(p.out).back(), losses(whole).back());
 }
 
+// --act-dtype fp8: each step's metrics count the narrowed saved activations per kind, the report draws
+// them, a resumed run (their amax history restored from trainer_state.json) is bit-exact, and the run
+// differs from fp32's. --act-dtype with --save-policy none and no --chunk narrows nothing: refused.
+TEST(Train, Fp8ActivationRunCountsAndResumesBitExact) {
+  const std::string whole = testing::TempDir() + "/oomless_train_act8_whole", split = testing::TempDir() + "/oomless_train_act8_split";
+  TrainConfig c = micro(whole);
+  c.act_dtype = "fp8";
+  ASSERT_EQ(run_training(c), 0);
+  TrainConfig s = c;
+  s.out = split;
+  fs::remove_all(split);
+  ASSERT_EQ(run_training(s), 0);
+  fs::remove_all(split + "/checkpoint-4");
+  s.resume = true;
+  ASSERT_EQ(run_training(s), 0);
+  EXPECT_TRUE(slurp(whole + "/checkpoint-4/model.safetensors") == slurp(split + "/checkpoint-4/model.safetensors"));
+  EXPECT_EQ(losses(whole), losses(split));
+  std::ifstream f(whole + "/metrics.jsonl");
+  int counted = 0;
+  for (std::string line; std::getline(f, line);) {
+    const json::Value o = json::parse(line);
+    if (!o.find("act_fp8")) continue;
+    const json::Value& a = o.at("act_fp8");
+    int64_t sum = 0;
+    for (const auto& [k, v] : a.as_object())
+      if (k != "all") sum += v.at("values").as_int();
+    EXPECT_EQ(a.at("all").at("values").as_int(), sum);
+    EXPECT_GT(a.at("gate").at("values").as_int(), 0);
+    ++counted;
+  }
+  EXPECT_EQ(counted, 4);
+  EXPECT_NE(slurp(whole + "/report.html").find("FP8 saved activations"), std::string::npos);
+  TrainConfig p = micro(testing::TempDir() + "/oomless_train_act8_plain");
+  ASSERT_EQ(run_training(p), 0);
+  EXPECT_NE(losses(p.out).back(), losses(whole).back());
+  TrainConfig none = micro(testing::TempDir() + "/oomless_train_act8_none");
+  none.act_dtype = "bf16";
+  none.save_policy = "none";
+  try {
+    run_training(none);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--save-policy none"), std::string::npos) << e.what();
+  }
+  none.act_dtype = "int4";
+  none.save_policy = "all";
+  try {
+    run_training(none);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("fp32, bf16 or fp8"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Train, ResumeRefusesChangedSettings) {
   const std::string out = testing::TempDir() + "/oomless_train_changed";
   TrainConfig c = micro(out);

@@ -65,6 +65,16 @@ struct KvBlocks {
   bool bf16_products = false;
 };
 
+// What a scaled narrowing (Ops::cast_scaled) saw: the largest |src| (NaN when an element is not finite),
+// elements saturated (|src * scale| past the format's largest finite value: clamped for f8_e4m3, inf for
+// bf16 and f8_e5m2) and flushed (src != 0 stored as zero).
+struct CastStats {
+  double amax = 0.0;
+  int64_t saturated = 0, flushed = 0;
+};
+// Delayed fp8 scaling (K/V pages, saved activations): how many earlier amax values a scale looks back on.
+inline constexpr int kAmaxHistory = 16;
+
 struct CeResult {
   double loss_sum = 0.0;   // sum of -log softmax(logits)[target] over supervised rows
   int64_t count = 0;       // supervised rows (target != ignore_index)
@@ -143,6 +153,9 @@ class Ops {
   virtual double sum_squares(Tensor x) = 0;
   // dst = src converted element-wise (float dtypes; rounding to nearest even).
   virtual void convert(Tensor dst, Tensor src) = 0;
+  // dst (bf16, f8_e4m3 or f8_e5m2) = src * scale rounded to nearest even as convert rounds (f8_e4m3
+  // saturating at 448), for storage with a per-tensor scale; the reverse is convert then scale by 1 / scale.
+  virtual CastStats cast_scaled(Tensor dst, Tensor src, double scale) = 0;
 
   // DoRA (weight-decomposed LoRA, model/lora.h), whose weight norm is a constant of the step.
   // out (N) = ||w[j, :]||_2 of w (N, K): act dtype or block-quantised (as matmul's b), summed in double.

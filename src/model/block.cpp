@@ -50,6 +50,9 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
     if (cfg_.qk_norm)
       ops_.rmsnorm_forward(mat(a.q, T * H, D), a.q_rstd, mat(a.q_pre, T * H, D), P.q_norm, eps);
     ops_.rope_forward(a.q, a.q, pos, cfg_.rope);
+    // --act-dtype: attention's inputs are rounded to their stored copies before it runs, so the backward
+    // reads the q, k, v the forward's LSE was taken over.
+    if (pass == Pass::full) stash_in_place(layer, ActKind::q, a.q);
   }
 
   // Keys and values, one kv head (D rows of each projection) at a time, into (Hkv, P, D); an adapter's
@@ -73,6 +76,11 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
       convert(head(kv.k, h, Pk, t0, T, D).data, kv.k.dtype, kh.data, act_, T * D);
       convert(head(kv.v, h, Pk, t0, T, D).data, kv.v.dtype, vh.data, act_, T * D);
     }
+  }
+
+  if (pass == Pass::full || pass == Pass::kv_only) {
+    stash_in_place(layer, ActKind::k, a.k);
+    stash_in_place(layer, ActKind::v, a.v);
   }
 
   if (pass == Pass::kv_only) return;

@@ -42,7 +42,7 @@ Engine build_engine(const EngineOptions& o) {
     load_adapter(o.adapter, e.src.cfg, *e.adapters, *e.params);
   }
   e.model = std::make_unique<Model>(e.src.cfg, *e.ops, *e.params, e.mem->device,
-                                    ModelOptions{o.dtype, o.save_policy, e.adapters.get()});
+                                    ModelOptions{o.dtype, o.save_policy, e.adapters.get(), o.act_store});
   return e;
 }
 

@@ -34,6 +34,7 @@ struct EngineOptions {
   std::string adapter;               // an adapter folder (oomless's or PEFT's)
   ComputeDType dtype = ComputeDType::f32;
   SavePolicy save_policy = SavePolicy::all;
+  DType act_store = DType::f32;      // --act-dtype: storage of saved activations (ModelOptions::act_store)
 };
 
 // Members are declared in destruction order: memory last, after everything holding its buffers.

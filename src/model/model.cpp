@@ -2,6 +2,7 @@
 #include "model/model_detail.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 
@@ -36,6 +37,8 @@ Model::Model(const ModelConfig& cfg, Ops& ops, ParamSet& params, Arena& arena, M
   if (opt_.dtype == ComputeDType::bf16) {
     OOM_CHECK(act_ == DType::f32, "[model] bf16 compute needs an fp32 backend (cpu), not ", ops.name());
   }
+  if (opt_.act_store != DType::f32 && opt_.act_store != act_)
+    act_storage_ = std::make_unique<ActStorage>(opt_.act_store, cfg_.L);
   const bool bf16 = opt_.dtype == ComputeDType::bf16;
   auto read = [bf16](const Tensor& t) { return bf16 && (t.data || t.quant) ? t.read_as_bf16() : t; };
   for (const LayerParams& p : params_.layers) {
@@ -207,37 +210,40 @@ void Model::reserve(int64_t T, bool for_backward, bool chunked) {
 
   // A set of block activations: the full recompute set, or per layer what the policy keeps. `recomputed`
   // marks what selective recompute rebuilds (norms and the SwiGLU product): kept only with SavePolicy all.
+  // Saved per-layer copies are narrow with --act-dtype (model/act_store.h), but for the row statistics.
+  const DType nd = act_storage_ && for_backward ? act_storage_->storage() : act_;
   auto act_set = [&](Category cat, bool everything) {
     const bool all = everything || opt_.save == SavePolicy::all;
-    auto maybe = [&](bool keep, std::initializer_list<int64_t> shape, const char* what) {
-      return keep ? alloc(act_, shape, cat, what) : Tensor();
+    const DType dt = cat == A ? nd : act_;
+    auto maybe = [&](bool keep, std::initializer_list<int64_t> shape, const char* what, DType t) {
+      return keep ? alloc(t, shape, cat, what) : Tensor();
     };
     Acts a;  // x_in is always the residual stream state, layer_in[l]
-    a.h1 = maybe(all, {T, E}, "h1");
-    a.rstd1 = maybe(all, {T}, "rstd1");
-    a.q_pre = maybe(cfg_.qk_norm, {T, H, D}, "q_pre");
-    a.q_rstd = maybe(cfg_.qk_norm && all, {T * H}, "q_rstd");
-    a.k_pre = maybe(cfg_.qk_norm, {Hkv, T, D}, "k_pre");
-    a.k_rstd = maybe(cfg_.qk_norm && all, {Hkv * T}, "k_rstd");
-    a.q = alloc(act_, {T, H, D}, cat, "q");
-    a.k = alloc(act_, {Hkv, T, D}, cat, "k");
-    a.v = alloc(act_, {Hkv, T, D}, cat, "v");
-    a.o = alloc(act_, {T, H, D}, cat, "o");
+    a.h1 = maybe(all, {T, E}, "h1", dt);
+    a.rstd1 = maybe(all, {T}, "rstd1", act_);
+    a.q_pre = maybe(cfg_.qk_norm, {T, H, D}, "q_pre", dt);
+    a.q_rstd = maybe(cfg_.qk_norm && all, {T * H}, "q_rstd", act_);
+    a.k_pre = maybe(cfg_.qk_norm, {Hkv, T, D}, "k_pre", dt);
+    a.k_rstd = maybe(cfg_.qk_norm && all, {Hkv * T}, "k_rstd", act_);
+    a.q = alloc(dt, {T, H, D}, cat, "q");
+    a.k = alloc(dt, {Hkv, T, D}, cat, "k");
+    a.v = alloc(dt, {Hkv, T, D}, cat, "v");
+    a.o = alloc(dt, {T, H, D}, cat, "o");
     a.lse = alloc(act_, {H, T}, cat, "lse");
-    a.x_mid = alloc(act_, {T, E}, cat, "x_mid");
-    a.h2 = maybe(all, {T, E}, "h2");
-    a.rstd2 = maybe(all, {T}, "rstd2");
-    a.gate = alloc(act_, {T, F}, cat, "gate");
-    a.up = alloc(act_, {T, F}, cat, "up");
-    a.act = maybe(all, {T, F}, "act");
+    a.x_mid = alloc(dt, {T, E}, cat, "x_mid");
+    a.h2 = maybe(all, {T, E}, "h2", dt);
+    a.rstd2 = maybe(all, {T}, "rstd2", act_);
+    a.gate = alloc(dt, {T, F}, cat, "gate");
+    a.up = alloc(dt, {T, F}, cat, "up");
+    a.act = maybe(all, {T, F}, "act", dt);
     for (int p = 0; p < kProjCount; ++p)
-      if (lora_on(0, static_cast<Proj>(p))) a.u[p] = alloc(act_, {T, lora_r_}, cat, "lora_u");
+      if (lora_on(0, static_cast<Proj>(p))) a.u[p] = alloc(dt, {T, lora_r_}, cat, "lora_u");
     // DoRA's unscaled projection outputs: what the magnitude's gradient needs (training only).
     for (int p = 0; p < kProjCount && for_backward; ++p) {
       const Proj x = static_cast<Proj>(p);
       if (!dora_on(0, x)) continue;
-      a.z[p] = x == Proj::k || x == Proj::v ? alloc(act_, {Hkv, T, D}, cat, "dora_z")
-                                            : alloc(act_, {T, proj_out(cfg_, x)}, cat, "dora_z");
+      a.z[p] = x == Proj::k || x == Proj::v ? alloc(dt, {Hkv, T, D}, cat, "dora_z")
+                                            : alloc(dt, {T, proj_out(cfg_, x)}, cat, "dora_z");
     }
     return a;
   };
@@ -253,7 +259,7 @@ void Model::reserve(int64_t T, bool for_backward, bool chunked) {
     // recompute never sweeps the history again.
     for (int64_t l = 0; l < L; ++l) {
       Acts a;
-      a.o = alloc(act_, {T, H, D}, A, "o");
+      a.o = alloc(nd, {T, H, D}, A, "o");
       a.lse = alloc(act_, {H, T}, A, "lse");
       s->saved.push_back(a);
     }
@@ -308,8 +314,10 @@ Model::Acts Model::acts_for_layer(int64_t layer) {
   Acts a = s_->work;
   if (!s_->saved.empty()) {
     const Acts& sv = s_->saved[static_cast<size_t>(layer)];
-    auto pick = [](Tensor& dst, const Tensor& src) {
-      if (src.data) dst = src;
+    // Narrow copies (--act-dtype) stay where they are: the layer computes in the work set, and
+    // stash_layer / unstash_layer move the values.
+    auto pick = [&](Tensor& dst, const Tensor& src) {
+      if (src.data && src.dtype == act_) dst = src;
     };
     pick(a.h1, sv.h1), pick(a.rstd1, sv.rstd1), pick(a.q_pre, sv.q_pre), pick(a.q_rstd, sv.q_rstd);
     pick(a.k_pre, sv.k_pre), pick(a.k_rstd, sv.k_rstd), pick(a.q, sv.q), pick(a.k, sv.k), pick(a.v, sv.v);
@@ -334,6 +342,56 @@ Model::Acts Model::acts_for_layer(int64_t layer) {
     else re(a.z[p], {T, proj_out(cfg_, x)});
   }
   return a;
+}
+
+namespace {
+
+// x's values as a flat vector, and the same number of elements of c's buffer.
+Tensor flat(const Tensor& x) { return Tensor(x.data, x.dtype, {x.numel()}); }
+Tensor flat_like(const Tensor& c, const Tensor& x) { return Tensor(c.data, c.dtype, {x.numel()}); }
+
+}  // namespace
+
+std::array<Tensor*, kActSlots> Model::slots_of(Acts& a) {
+  std::array<Tensor*, kActSlots> r{&a.h1, &a.q_pre, &a.k_pre, &a.q, &a.k, &a.v, &a.o, &a.x_mid, &a.h2, &a.gate, &a.up, &a.act};
+  for (int p = 0; p < kProjCount; ++p) {
+    r[static_cast<size_t>(12 + p)] = &a.u[p];
+    r[static_cast<size_t>(12 + kProjCount + p)] = &a.z[p];
+  }
+  return r;
+}
+
+bool Model::narrow_saved() const { return act_storage_ && s_ && !s_->saved.empty(); }
+
+void Model::stash_layer(int64_t layer, const Acts& a) {
+  Acts w = a;
+  const auto cs = slots_of(s_->saved[static_cast<size_t>(layer)]), xs = slots_of(w);
+  for (int i = 0; i < kActSlots; ++i) {
+    const Tensor& c = *cs[static_cast<size_t>(i)];
+    const ActKind k = act_kind_of_slot(i);
+    if (!c.data || c.dtype == act_ || k == ActKind::q || k == ActKind::k || k == ActKind::v) continue;
+    const Tensor& x = *xs[static_cast<size_t>(i)];
+    act_storage_->narrow(ops_, layer, i, flat_like(c, x), flat(x));
+  }
+}
+
+void Model::stash_in_place(int64_t layer, ActKind kind, Tensor x) {
+  if (!stash_ && !round_qkv_) return;
+  Acts& sv = s_->saved[static_cast<size_t>(layer)];
+  const Tensor& c = kind == ActKind::q ? sv.q : kind == ActKind::k ? sv.k : sv.v;
+  if (!c.data || c.dtype == act_) return;
+  act_storage_->narrow_in_place(ops_, layer, static_cast<int>(kind), flat_like(c, x), flat(x));
+}
+
+void Model::unstash_layer(int64_t layer, Acts& a) {
+  if (!narrow_saved()) return;
+  const auto cs = slots_of(s_->saved[static_cast<size_t>(layer)]), xs = slots_of(a);
+  for (int i = 0; i < kActSlots; ++i) {
+    const Tensor& c = *cs[static_cast<size_t>(i)];
+    if (!c.data || c.dtype == act_) continue;
+    const Tensor& x = *xs[static_cast<size_t>(i)];
+    act_storage_->widen(ops_, layer, i, flat(x), flat_like(c, x));
+  }
 }
 
 Tensor Model::as_operand(Tensor x, int slot) {

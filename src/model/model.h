@@ -35,6 +35,7 @@
 
 #include "backend/ops.h"
 #include "memory/arena.h"
+#include "model/act_store.h"
 #include "model/chunk_kv.h"
 #include "model/config.h"
 #include "model/linear.h"
@@ -57,6 +58,9 @@ struct ModelOptions {
   // LoRA adapters on the projections (in the act dtype; the model keeps a reference). With adapters the
   // base is frozen: no base weight gradient is computed or stored, only the adapters' gradients.
   AdapterSet* adapters = nullptr;
+  // Storage of the activations a training forward keeps for backward (model/act_store.h): f32 = as
+  // computed (the act dtype), bf16, or f8_e4m3 with delayed scaling.
+  DType act_store = DType::f32;
 };
 
 // Where one block reads and writes its keys and values: (Hkv, P, D) each, the chunk's T tokens going
@@ -113,6 +117,9 @@ class Model {
   // must have the pass it arms be the step's last accumulation into the gradients.
   using GradHook = std::function<void(int64_t group)>;
   void on_grads_final(GradHook hook) { grad_hook_ = std::move(hook); }
+  // --act-dtype bf16 / fp8: the narrow storage of saved activations (its counts and amax history); null
+  // when they are kept as computed.
+  ActStorage* act_storage() { return act_storage_.get(); }
   // Logits (T, V) of the last forward (act dtype), for tests and small T.
   void logits(Tensor out);
   // Per-token cross-entropy of the last forward (T values; 0 for unsupervised rows), in double.
@@ -148,6 +155,14 @@ class Model {
   void block_backward(int64_t layer, Acts& a, Tensor pos, Tensor dx);
   void recompute_for_backward(int64_t layer, Acts& a, Tensor pos);
   Acts acts_for_layer(int64_t layer);
+  // Narrow saved activations: after a training forward of `layer`, its work tensors into the layer's
+  // narrow copies (q, k, v were stored in place before attention: stash_in_place); before its backward,
+  // back.
+  bool narrow_saved() const;
+  void stash_layer(int64_t layer, const Acts& a);
+  void stash_in_place(int64_t layer, ActKind kind, Tensor x);
+  void unstash_layer(int64_t layer, Acts& a);
+  static std::array<Tensor*, kActSlots> slots_of(Acts& a);  // by slot (model/act_store.h)
   // Embedding + all blocks for ids (T) at positions pos; K/V into `cache` at t0 when given. Returns the
   // last residual state (T, E).
   Tensor run_blocks(Tensor ids, Tensor pos, std::vector<KvSlots>* cache, int64_t t0);
@@ -256,6 +271,11 @@ class Model {
   bool hook_this_backward_ = true;  // chunked_step: only chunk 0's backward fires the hook
   void grads_final(int64_t group);
   std::optional<double> fused_scale_;  // the last forward left dh for this grad_scale
+  std::unique_ptr<ActStorage> act_storage_;
+  bool stash_ = false;  // the current forward keeps narrow copies for backward
+  // Pass 1 of chunked_step (no copies kept): q, k, v rounded all the same, so that the history's keys and
+  // values, and each layer's output, are those of the full sequence.
+  bool round_qkv_ = false;
 };
 
 }  // namespace oomless

@@ -40,6 +40,8 @@ CeResult Model::chunk_forward(Tensor ids, Tensor targets, int64_t t0, ChunkKv& k
   const int64_t T = ids.dims[0];
   T_ = T;
   row0_ = t0;
+  stash_ = for_backward && narrow_saved();
+  round_qkv_ = training_ && !for_backward && narrow_saved();
   Scratch& s = *s_;
   std::memcpy(s.ids.data, ids.data, static_cast<size_t>(T) * 4);
   std::memcpy(s.targets.data, targets.data, static_cast<size_t>(T) * 4);
@@ -55,6 +57,7 @@ CeResult Model::chunk_forward(Tensor ids, Tensor targets, int64_t t0, ChunkKv& k
     // Without a loss (pass 1) the last layer only has to leave its keys and values for later chunks.
     const Pass pass = !loss && l == cfg_.L - 1 ? Pass::kv_only : Pass::full;
     block_forward(l, a, KvSlots{a.k, a.v, 0}, pos, state(l + 1), pass);
+    if (stash_) stash_layer(l, a);
     if (store) kv.store(l, a.k, a.v);
   }
   have_forward_ = false;

@@ -25,6 +25,7 @@ Tensor Model::run_blocks(Tensor ids, Tensor pos, std::vector<KvSlots>* cache, in
     KvSlots kv = cache ? (*cache)[static_cast<size_t>(l)] : KvSlots{a.k, a.v, 0};
     kv.t0 = t0;
     block_forward(l, a, kv, pos, state(l + 1), Pass::full);
+    if (stash_) stash_layer(l, a);
   }
   return state(cfg_.L);
 }
@@ -50,6 +51,8 @@ CeResult Model::forward(Tensor ids, Tensor targets, bool for_backward, std::opti
   if (for_backward) ensure_grads();
   T_ = T;
   training_ = for_backward;
+  stash_ = for_backward && narrow_saved();
+  round_qkv_ = false;
   row0_ = 0;
   refresh_dora();
   Scratch& s = *s_;
@@ -96,6 +99,7 @@ void Model::backward(double grad_scale) {
   grads_final(kHeadGroup);
   for (int64_t l = cfg_.L - 1; l >= 0; --l) {
     Acts a = acts_for_layer(l);
+    unstash_layer(l, a);
     recompute_for_backward(l, a, pos);
     block_backward(l, a, pos, dx);
     grads_final(l);
@@ -151,6 +155,7 @@ void Model::decode_forward(Tensor ids, int64_t t0, std::vector<KvSlots>& cache, 
   check_shape("[model] decode", "logits_last", logits_last, {cfg_.V});
   T_ = T;
   training_ = false;
+  stash_ = round_qkv_ = false;
   if (t0 == 0) refresh_dora();  // a new sequence
   Scratch& s = *s_;
   Tensor pos(s.pos.data, DType::i32, {T});

@@ -87,7 +87,6 @@ struct Fp8Counts {
 struct Fp8Stats {
   Fp8Counts k, v;
 };
-inline constexpr int kAmaxHistory = 16;
 
 class PagedKvStore final : public ChunkKv {
  public:

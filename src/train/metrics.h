@@ -33,7 +33,7 @@ class MetricsWriter {
 
   void write_step(int64_t step, double loss, double lr, double grad_norm, double tokens_per_s, bool skipped,
                   const Ledger& ledger,
-                  const json::Value& kv_fp8 = json::Value());
+                  const json::Value& kv_fp8 = json::Value(), const json::Value& act_fp8 = json::Value());
   void write_eval(int64_t step, double loss, double ppl);
   // Written with every train line as "params": what trains and what is frozen, counts and bytes.
   void set_params(int64_t trainable, int64_t trainable_bytes, int64_t frozen, int64_t frozen_bytes);

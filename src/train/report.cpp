@@ -198,6 +198,8 @@ std::string render_report(const std::string& metrics_jsonl, const json::Value& c
   // --kv-dtype fp8: per step, the share (%) of stored keys / values saturated and flushed to zero
   Series ksat{"keys saturated", kColors[0], {}}, kflush{"keys flushed to zero", kColors[1], {}},
       vsat{"values saturated", kColors[2], {}}, vflush{"values flushed to zero", kColors[3], {}};
+  // --act-dtype fp8: the same shares over every saved activation of the step
+  Series asat{"saturated", kColors[4], {}}, aflush{"flushed to zero", kColors[5], {}};
   int64_t steps = 0, skipped = 0;
   json::Value params;  // the last train line's "params"
   std::istringstream in(metrics_jsonl);
@@ -235,6 +237,13 @@ std::string render_report(const std::string& metrics_jsonl, const json::Value& c
         (kind[0] == 'k' ? ksat : vsat).pts.push_back({s, 100.0 * c->at("saturated").as_number() / n});
         (kind[0] == 'k' ? kflush : vflush).pts.push_back({s, 100.0 * c->at("flushed").as_number() / n});
       }
+    if (const json::Value* f = o.find("act_fp8"); f && f->is_object())
+      if (const json::Value* c = f->find("all");
+          c && c->is_object() && c->find("values") && c->find("saturated") && c->find("flushed"))
+        if (const double n = c->at("values").as_number(); n > 0) {
+          asat.pts.push_back({s, 100.0 * c->at("saturated").as_number() / n});
+          aflush.pts.push_back({s, 100.0 * c->at("flushed").as_number() / n});
+        }
     if (const json::Value* m = o.find("memory"); m && m->is_object())
       for (const auto& [tier, cats] : m->as_object()) {
         if (!cats.is_object()) continue;
@@ -304,6 +313,9 @@ std::string render_report(const std::string& metrics_jsonl, const json::Value& c
   if (!ksat.pts.empty())
     h << chart("FP8 keys and values: saturated and flushed to zero (share of the step's stored values)", "%",
                {ksat, kflush, vsat, vflush}, zero);
+  if (!asat.pts.empty())
+    h << chart("FP8 saved activations: saturated and flushed to zero (share of the step's stored values)", "%",
+               {asat, aflush}, zero);
   h << "</div>\n<h2>Configuration</h2>\n<table>\n";
   if (config.is_object())
     for (const auto& [k, v] : config.as_object())

@@ -242,6 +242,11 @@ const std::vector<TrainOption>& train_options() {
            "the transfers; fp8: E4M3 with delayed scaling, a quarter, saturated\nand flushed values counted in "
            "metrics.jsonl; their gradients stay fp32) (default fp32)",
            &C::kv_dtype),
+      text("act-dtype", true, "D",
+           "fp32, bf16 or fp8: storage of the activations kept for backward (the\n--save-policy's per-layer "
+           "tensors; the residual stream and per-row statistics stay\nfp32). bf16: half their bytes; fp8: E4M3 with "
+           "delayed scaling, a quarter, counted\nin metrics.jsonl (default fp32)",
+           &C::act_dtype),
       text("spill-dir", false, "DIR", "disk: folder of the spill file, not tmpfs (default --out)", &C::spill_dir),
       whole("sparse-pages", true, "k",
             "page-sparse attention: each query page reads its own chunk, the first --sink-pages\npages and its k "
@@ -422,6 +427,10 @@ void validate_config(const TrainConfig& c) {
             " is not a key/value storage oomless has; use fp32, bf16 or fp8");
   OOM_CHECK(c.kv_dtype == "fp32" || c.chunk > 0, "[train] --kv-dtype ", c.kv_dtype, " needs --chunk C: it is the "
             "storage of chunk-recurrent training's key/value pages");
+  parse_act_dtype(c.act_dtype);
+  OOM_CHECK(c.act_dtype == "fp32" || c.save_policy != "none" || c.chunk > 0, "[train] --act-dtype ", c.act_dtype,
+            " with --save-policy none keeps nothing to narrow: only each layer's input is kept (fp32, the checkpoint "
+            "the recompute starts from); use --save-policy all or selective, or drop --act-dtype");
   OOM_CHECK(c.page == 0 || c.chunk > 0, "[train] --page ", c.page, " needs --chunk C: pages are the K/V store of "
             "chunk-recurrent training");
   OOM_CHECK(c.optim_state == "device" || c.optim_state == "host" || c.optim_state == "disk", "[train] --optim-state ",
@@ -566,6 +575,7 @@ EngineOptions engine_options(const TrainConfig& c) {
   }
   o.dtype = parse_compute_dtype(c.dtype);
   o.save_policy = parse_save_policy(c.save_policy);
+  o.act_store = parse_act_dtype(c.act_dtype);
   return o;
 }
 
@@ -673,6 +683,8 @@ int64_t default_page(int64_t C) {
     msg += ", --chunk 512 (activations for 512 tokens at a time instead of --seq " + std::to_string(c.seq) +
            "; with --kv-offload host or disk for long sequences)";
   if (c.save_policy != "none") msg += ", --save-policy none (keep each layer's input only, recompute in backward)";
+  if (c.act_dtype == "fp32" && (c.save_policy != "none" || c.chunk > 0))
+    msg += ", --act-dtype bf16 (the activations kept for backward in half the bytes; fp8: a quarter)";
   if (c.batch > 1) msg += ", --batch 1 --grad-accum " + std::to_string(c.batch * c.grad_accum) + " (the same step)";
   if (!c.budget.empty()) msg += ", or a larger --budget";
   fail(msg);
@@ -799,6 +811,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
       model.backward(0.0);
     }
     model.zero_grads();
+    if (ActStorage* as = model.act_storage()) as->reset();  // the dry run's zeros are no scaling history
   }
   } catch (const OutOfBudget& e) {
     out_of_budget(c, e.what(), s.e.mem ? &s.e.mem->ledger : nullptr);
@@ -952,6 +965,11 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
                 "(kv_amax) for --kv-dtype fp8; the checkpoint is damaged or another run's");
       s.kv->restore_amax(st.at("kv_amax"));
     }
+    if (ActStorage* as = s.e.model->act_storage(); as && as->storage() == DType::f8_e4m3) {
+      OOM_CHECK(st.find("act_amax"), "[train] --resume: ", ck->path, "/trainer_state.json has no fp8 amax history "
+                "(act_amax) for --act-dtype fp8; the checkpoint is damaged or another run's");
+      as->restore_amax(st.at("act_amax"));
+    }
     MetricsWriter::truncate_after(MetricsWriter::path_in(out), s.step);
     say("oomless train: resumed from %s (step %lld of %lld)\n", ck->path.c_str(), static_cast<long long>(s.step),
         static_cast<long long>(s.total));
@@ -1056,6 +1074,8 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
     ~Disarm() { m.on_grads_final(nullptr); }
   } disarm{model};
   const Fp8Stats fp8_before = s.kv ? s.kv->fp8_stats() : Fp8Stats{};
+  ActStorage* act_st = model.act_storage();
+  const std::array<ActCounts, kActKinds> act_before = act_st ? act_st->counts() : std::array<ActCounts, kActKinds>{};
   try {
     model.zero_grads();
     double loss_sum = 0;
@@ -1119,6 +1139,27 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
     r.kv_fp8.set("k", part(now.k, fp8_before.k));
     r.kv_fp8.set("v", part(now.v, fp8_before.v));
   }
+  if (act_st && act_st->storage() == DType::f8_e4m3) {
+    r.act_fp8 = json::Value::object();
+    ActCounts total;
+    auto entry = [](const ActCounts& c) {
+      json::Value o = json::Value::object();
+      o.set("values", json::Value::integer(static_cast<int64_t>(c.values)));
+      o.set("saturated", json::Value::integer(static_cast<int64_t>(c.saturated)));
+      o.set("flushed", json::Value::integer(static_cast<int64_t>(c.flushed)));
+      o.set("nonfinite", json::Value::integer(static_cast<int64_t>(c.nonfinite)));
+      return o;
+    };
+    for (int k = 0; k < kActKinds; ++k) {
+      const ActCounts& a = act_st->counts()[static_cast<size_t>(k)];
+      const ActCounts& b = act_before[static_cast<size_t>(k)];
+      const ActCounts d{a.values - b.values, a.saturated - b.saturated, a.flushed - b.flushed, a.nonfinite - b.nonfinite};
+      if (d.values == 0) continue;
+      total.values += d.values, total.saturated += d.saturated, total.flushed += d.flushed, total.nonfinite += d.nonfinite;
+      r.act_fp8.set(act_kind_name(static_cast<ActKind>(k)), entry(d));
+    }
+    r.act_fp8.set("all", entry(total));
+  }
   return r;
 }
 
@@ -1152,6 +1193,8 @@ std::string Trainer::save() {
   st.set("nonfinite_total", json::Value::integer(s.nonfinite_total));
   if (std::isfinite(s.prev_norm)) st.set("prev_grad_norm", json::Value::number(s.prev_norm));
   if (s.kv && s.kv->options().kv_dtype == DType::f8_e4m3) st.set("kv_amax", s.kv->amax_state());
+  if (ActStorage* as = s.e.model->act_storage(); as && as->storage() == DType::f8_e4m3)
+    st.set("act_amax", as->amax_state());
   st.set("data", s.data ? s.data->state() : json::Value());
   st.set("config", s.c.to_json());
   st.set("threads", json::Value::integer(get_threads()));
@@ -1244,7 +1287,7 @@ int train_run(const TrainConfig& c, const std::string& out) {
     } else {
       last_loss = r.loss;
     }
-    metrics.write_step(step, r.loss, r.lr, r.grad_norm, r.tokens_per_s, r.skipped, e.mem->ledger, r.kv_fp8);
+    metrics.write_step(step, r.loss, r.lr, r.grad_norm, r.tokens_per_s, r.skipped, e.mem->ledger, r.kv_fp8, r.act_fp8);
     OOM_CHECK(tr.nonfinite_in_a_row() <= c.max_nonfinite, "[train] ", tr.nonfinite_in_a_row(),
               " steps in a row had a non-finite loss or gradient (more than --max-nonfinite ", c.max_nonfinite,
               "); lower --lr, check the data, or use fp32; the last checkpoint is in ", out);

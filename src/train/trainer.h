@@ -44,8 +44,9 @@ struct TrainConfig {
   int64_t galore_gap = 200;     // steps between projector refreshes
   double galore_scale = 0.25;
   std::string galore_refresh = "all";  // all | staggered
-  std::string optim_state = "host";
-  std::string kv_dtype = "fp32";       // fp32 | bf16 | fp8: the chunk-recurrent K/V history's storage    // device | host | disk: where the optimizer state lives
+  std::string optim_state = "host";    // device | host | disk: where the optimizer state lives
+  std::string kv_dtype = "fp32";       // fp32 | bf16 | fp8: the chunk-recurrent K/V history's storage
+  std::string act_dtype = "fp32";      // fp32 | bf16 | fp8: storage of the activations kept for backward
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double clip = 1.0;
   std::string clip_norm = "current";  // current | previous: the norm --clip scales by
@@ -142,6 +143,9 @@ struct StepResult {
   // --kv-dtype fp8: this step's counts of the keys' and values' storage (values stored, saturated,
   // flushed to zero, chunks with a non-finite amax); null otherwise.
   json::Value kv_fp8;
+  // --act-dtype fp8: this step's counts per kind of saved activation (values, saturated, flushed, stashes
+  // with a non-finite amax), and their totals; null otherwise.
+  json::Value act_fp8;
 };
 
 // A training run (setup, step, evaluate, save, resume), shared by `oomless train`, the tests and the

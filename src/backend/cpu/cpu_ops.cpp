@@ -383,6 +383,69 @@ void CpuOps::convert(Tensor dst, Tensor src) {
   }
 }
 
+CastStats CpuOps::cast_scaled(Tensor dst, Tensor src, double scale) {
+  OOM_CHECK(dst.numel() == src.numel(), "[cast_scaled] dst ", dst.str(), " and src ", src.str(), " differ in size");
+  OOM_CHECK(src.dtype == DType::f32, "[cast_scaled] src must be f32, got ", src.str());
+  const DType dt = dst.dtype;
+  OOM_CHECK(dt == DType::bf16 || dt == DType::f8_e4m3 || dt == DType::f8_e5m2,
+            "[cast_scaled] dst must be bf16, f8_e4m3 or f8_e5m2, got ", dst.str());
+  const int64_t n = src.numel();
+  constexpr int64_t kChunk = 1 << 15;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  const float* x = f32p(src);
+  const float s = static_cast<float>(scale);
+  struct Part {
+    float amax = 0;
+    bool finite = true;
+    int64_t sat = 0, flush = 0;
+  };
+  std::vector<Part> part(static_cast<size_t>(chunks));
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t i0 = c * kChunk, i1 = std::min(n, i0 + kChunk);
+    Part p;
+    if (dt == DType::bf16) {
+      uint16_t* d = static_cast<uint16_t*>(dst.data);
+      if (s == 1.0f) {
+        oomless::convert(d + i0, dt, x + i0, DType::f32, i1 - i0);
+      } else {
+        for (int64_t i = i0; i < i1; ++i) d[i] = f32_to_bf16(x[i] * s);
+      }
+      for (int64_t i = i0; i < i1; ++i) {
+        const float a = std::fabs(x[i]), v = bf16_to_f32(d[i]);
+        p.finite &= std::isfinite(a);
+        p.amax = std::max(p.amax, a);
+        p.sat += std::isinf(v) && std::isfinite(x[i] * s);
+        p.flush += x[i] != 0.0f && v == 0.0f;
+      }
+    } else {
+      uint8_t* d = static_cast<uint8_t*>(dst.data);
+      const bool e4m3 = dt == DType::f8_e4m3;
+      for (int64_t i = i0; i < i1; ++i) {
+        const float y = x[i] * s, a = std::fabs(x[i]);
+        const uint8_t code = e4m3 ? f32_to_f8e4m3(y, true) : f32_to_f8e5m2(y, false);
+        d[i] = code;
+        p.finite &= std::isfinite(a);
+        p.amax = std::max(p.amax, a);
+        // E4M3 saturates past the midpoint above 448; E5M2 overflows to inf.
+        p.sat += e4m3 ? std::fabs(y) > 464.0f : std::isinf(f8e5m2_to_f32(code)) && std::isfinite(y);
+        p.flush += x[i] != 0.0f && (code & 0x7f) == 0;
+      }
+    }
+    part[static_cast<size_t>(c)] = p;
+  }
+  CastStats r;
+  bool finite = true;
+  for (const Part& p : part) {
+    finite &= p.finite;
+    r.amax = std::max(r.amax, static_cast<double>(p.amax));
+    r.saturated += p.sat;
+    r.flushed += p.flush;
+  }
+  if (!finite) r.amax = NAN;
+  return r;
+}
+
 void CpuOps::adamw_step(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamWConfig& cfg) {
   check_adamw(param, grad, m, v, cfg, kAct);
   float b1 = static_cast<float>(cfg.beta1), b2 = static_cast<float>(cfg.beta2);

@@ -298,6 +298,30 @@ void RefOps::convert(Tensor dst, Tensor src) {
   oomless::convert(dst.data, dst.dtype, src.data, src.dtype, src.numel());
 }
 
+CastStats RefOps::cast_scaled(Tensor dst, Tensor src, double scale) {
+  OOM_CHECK(dst.numel() == src.numel(), "[cast_scaled] dst ", dst.str(), " and src ", src.str(), " differ in size");
+  OOM_CHECK(src.dtype == kAct, "[cast_scaled] src must be f64, got ", src.str());
+  const DType dt = dst.dtype;
+  OOM_CHECK(dt == DType::bf16 || dt == DType::f8_e4m3 || dt == DType::f8_e5m2,
+            "[cast_scaled] dst must be bf16, f8_e4m3 or f8_e5m2, got ", dst.str());
+  CastStats r;
+  bool finite = true;
+  const size_t w = static_cast<size_t>(dtype_bytes(dt, 1));
+  for (int64_t i = 0; i < src.numel(); ++i) {
+    const double x = f64(src)[i], y = x * scale;
+    void* d = static_cast<char*>(dst.data) + static_cast<size_t>(i) * w;
+    oomless::convert(d, dt, &y, DType::f64, 1);
+    double v = 0;
+    oomless::convert(&v, DType::f64, d, dt, 1);
+    finite &= std::isfinite(x);
+    r.amax = std::max(r.amax, std::fabs(x));
+    r.saturated += dt == DType::f8_e4m3 ? std::fabs(y) > 464.0 : std::isinf(v) && std::isfinite(y);
+    r.flushed += x != 0.0 && v == 0.0;
+  }
+  if (!finite) r.amax = NAN;
+  return r;
+}
+
 void RefOps::adamw_step(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamWConfig& cfg) {
   check_adamw(param, grad, m, v, cfg, kAct);
   double bc1 = 1.0 - std::pow(cfg.beta1, static_cast<double>(cfg.step));
