@@ -10,6 +10,9 @@
 
 #include "core/error.h"
 #include "io/gguf.h"
+#include "io/gguf_model.h"
+#include "memory/arena.h"
+#include "model/quant_base.h"
 
 namespace oomless {
 namespace {
@@ -269,6 +272,46 @@ TEST(Gguf, DequantizeMatchesGgufPyBitExactly) {
                       << ", gguf-py " << want[i];
     }
     EXPECT_EQ(bad, 0) << name;
+  }
+}
+
+// A projection kept in GGUF blocks (QuantBase): any span of a row the GEMM asks for (starting inside a
+// block, ending inside one, or whole blocks) holds the values of the whole tensor's dequantisation, for
+// the 32-element formats (with and without their vector forms) and a K format.
+TEST(Gguf, QuantisedRowSpansEqualTheWholeDequantisation) {
+  GgufFile g = GgufFile::open(golden("blocks.gguf"));
+  ModelConfig cfg;
+  cfg.L = 1, cfg.E = 256, cfg.F = 64, cfg.H = 4, cfg.Hkv = 4, cfg.D = 64, cfg.V = 16;
+  const std::string name = "model.layers.0.self_attn.o_proj.weight";
+  const int64_t rows = cfg.E, cols = cfg.H * cfg.D;
+  for (const char* type : {"Q4_0", "Q4_1", "Q8_0", "Q5_1", "Q4_K"}) {
+    SCOPED_TRACE(type);
+    const GgufTensor* raw = g.tensor(std::string(type) + ".raw");
+    ASSERT_TRUE(raw);
+    const GgmlTypeInfo* ti = ggml_type_info(static_cast<uint32_t>(raw->type));
+    const size_t bytes = static_cast<size_t>(rows * cols / ti->block_size * ti->type_size);
+    std::vector<uint8_t> data(bytes);
+    for (size_t i = 0; i < bytes; ++i) data[i] = raw->data[i % raw->nbytes];  // the golden blocks, repeated
+    GgufTensor t;
+    t.name = "blk.0.attn_output.weight", t.ne = {cols, rows}, t.type = raw->type, t.data = data.data(), t.nbytes = bytes;
+    GgufHfTensor h;
+    h.hf_name = name, h.shape = {rows, cols}, h.src = &t;
+    CpuMemory mem(size_t{1} << 28);
+    ParamSet slot(cfg, DType::f32, mem.device, Category::weights, [&](const ParamSpec& s) { return s.name != name; });
+    QuantBase qb({h}, slot, mem.device);
+    const Tensor& w = *slot.find(name);
+    ASSERT_TRUE(w.quant);
+    std::vector<float> whole(static_cast<size_t>(rows * cols));
+    dequantize(raw->type, data.data(), rows * cols, whole.data());
+    for (int64_t r = 0; r < rows; r += 37)
+      for (int64_t col = 0; col < cols; col += 5)
+        for (int64_t n : {int64_t{1}, int64_t{31}, int64_t{32}, int64_t{33}, int64_t{64}, int64_t{100}, cols - col}) {
+          if (col + n > cols) continue;
+          std::vector<float> got(static_cast<size_t>(n));
+          w.quant->dequant_row(*w.quant, r, col, n, got.data());
+          ASSERT_EQ(std::memcmp(got.data(), whole.data() + r * cols + col, static_cast<size_t>(n) * 4), 0)
+              << "row " << r << " col " << col << " n " << n;
+        }
   }
 }
 

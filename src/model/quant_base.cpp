@@ -23,13 +23,26 @@ void dequant_gguf_row(const QuantMatrix& q, int64_t r, int64_t col, int64_t n, f
     gr = h * g.D + 2 * i + s;
   }
   const char* row = static_cast<const char*>(q.data) + gr * g.row_bytes;
+  // Partial blocks at either end through a block's worth of scratch; the whole blocks between in one call.
   float tmp[256];
-  for (int64_t c = col; c < col + n;) {
-    const int64_t b = c / g.block, off = c - b * g.block, take = std::min(g.block - off, col + n - c);
+  const int64_t end = col + n;
+  auto partial = [&](int64_t c, int64_t take) {
+    const int64_t b = c / g.block;
     dequantize(g.type, row + b * g.block_bytes, g.block, tmp);
-    std::memcpy(out + (c - col), tmp + off, static_cast<size_t>(take) * sizeof(float));
+    std::memcpy(out + (c - col), tmp + (c - b * g.block), static_cast<size_t>(take) * sizeof(float));
+  };
+  int64_t c = col;
+  if (c % g.block) {
+    const int64_t take = std::min(g.block - c % g.block, end - c);
+    partial(c, take);
     c += take;
   }
+  const int64_t whole = (end - c) / g.block;
+  if (whole > 0) {
+    dequantize(g.type, row + c / g.block * g.block_bytes, whole * g.block, out + (c - col));
+    c += whole * g.block;
+  }
+  if (c < end) partial(c, end - c);
 }
 
 // 16 NF4 elements from 8 bytes (the first of each pair in the high nibble): a 16-entry table lookup as
