@@ -85,6 +85,37 @@ TEST(CastScaled, MatchesTheScalarRoundingOnBothBackends) {
   EXPECT_TRUE(std::isnan(cpu->cast_scaled(Tensor(c8.data(), DType::f8_e4m3, {n}), Tensor::of(x.data(), {n}), 1.0).amax));
 }
 
+// The vector E4M3 rounding against the scalar one over a sweep of every 4099th f32 bit pattern (every
+// exponent, subnormals, ties, 448..464 and past it, inf, NaN) and both signs, with its counts.
+TEST(CastScaled, E4m3SweepOfBitPatterns) {
+  std::vector<float> x;
+  for (uint64_t b = 0; b < (uint64_t{1} << 32); b += 4099) {
+    const uint32_t u = static_cast<uint32_t>(b);
+    float f;
+    std::memcpy(&f, &u, 4);
+    x.push_back(f);
+  }
+  for (float f : {0.0f, -0.0f, 448.0f, 464.0f, 464.00003f, 463.99997f, 0x1p-6f, 0x1p-7f, 0x1.8p-9f, 0x1p-10f,
+                  0x1.00001p-10f, INFINITY, -INFINITY, NAN})
+    x.push_back(f);
+  const int64_t n = static_cast<int64_t>(x.size());
+  auto cpu = make_ops("cpu");
+  for (double scale : {1.0, 0.125}) {
+    std::vector<uint8_t> c(x.size());
+    const CastStats st = cpu->cast_scaled(Tensor(c.data(), DType::f8_e4m3, {n}), Tensor::of(x.data(), {n}), scale);
+    int64_t sat = 0, flush = 0;
+    for (size_t i = 0; i < x.size(); ++i) {
+      const float y = x[i] * static_cast<float>(scale);
+      ASSERT_EQ(c[i], f32_to_f8e4m3(y, true)) << "x " << x[i] << " scale " << scale;
+      sat += std::fabs(y) > 464.0f;
+      flush += x[i] != 0.0f && (c[i] & 0x7f) == 0;
+    }
+    EXPECT_EQ(st.saturated, sat);
+    EXPECT_EQ(st.flushed, flush);
+    EXPECT_TRUE(std::isnan(st.amax));
+  }
+}
+
 // Delayed scaling: the first stash of a (layer, tensor) is scaled by its own amax (the largest value lands
 // on 448, nothing saturates); a later one twice as large is scaled by the history's, so exactly its values
 // scaled past 464 saturate; widen() returns code / scale; a non-finite stash is counted and kept out of
