@@ -50,6 +50,11 @@ bool ggml_can_dequantize(GgmlType t);
 // float operations, in the same order, as ggml's reference dequantisers (and gguf-py's), so results are
 // bit-identical to theirs.
 void dequantize(GgmlType t, const void* src, int64_t n, float* dst);
+// The loop dequantize() runs for a type: `blocks` consecutive blocks at src (one element each for F32, F16,
+// BF16, F64) into dst, no checks, the same bits (the fastest form this CPU has); nullptr for a type without
+// a dequantiser. For callers that decode many short runs (rows of a quantised matrix).
+using GgmlBlockDecoder = void (*)(const uint8_t* src, int64_t blocks, float* dst);
+GgmlBlockDecoder ggml_block_decoder(GgmlType t);
 
 enum class GgufValueType : uint32_t {
   u8 = 0, i8 = 1, u16 = 2, i16 = 3, u32 = 4, i32 = 5, f32 = 6, boolean = 7, string = 8, array = 9,

@@ -26,9 +26,10 @@ void dequant_gguf_row(const QuantMatrix& q, int64_t r, int64_t col, int64_t n, f
   // Partial blocks at either end through a block's worth of scratch; the whole blocks between in one call.
   float tmp[256];
   const int64_t end = col + n;
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(row);
   auto partial = [&](int64_t c, int64_t take) {
     const int64_t b = c / g.block;
-    dequantize(g.type, row + b * g.block_bytes, g.block, tmp);
+    g.decode(bytes + b * g.block_bytes, 1, tmp);
     std::memcpy(out + (c - col), tmp + (c - b * g.block), static_cast<size_t>(take) * sizeof(float));
   };
   int64_t c = col;
@@ -39,7 +40,7 @@ void dequant_gguf_row(const QuantMatrix& q, int64_t r, int64_t col, int64_t n, f
   }
   const int64_t whole = (end - c) / g.block;
   if (whole > 0) {
-    dequantize(g.type, row + c / g.block * g.block_bytes, whole * g.block, out + (c - col));
+    g.decode(bytes + c / g.block * g.block_bytes, whole, out + (c - col));
     c += whole * g.block;
   }
   if (c < end) partial(c, end - c);
@@ -186,6 +187,8 @@ QuantBase::QuantBase(const std::vector<GgufHfTensor>& tensors, ParamSet& params,
     const int64_t rows = t.shape[0], cols = t.shape[1];
     Blocks& b = info_.emplace_back();
     b.type = t.src->type;
+    b.decode = ggml_block_decoder(t.src->type);
+    OOM_CHECK(b.decode, "[model] ", t.hf_name, ": GGUF type ", ggml_type_name(t.src->type), " has no block decoder");
     b.block = ti->block_size;
     b.block_bytes = ti->type_size;
     b.row_bytes = cols / ti->block_size * ti->type_size;

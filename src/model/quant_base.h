@@ -49,6 +49,7 @@ class QuantBase {
   // One matrix: its GGUF type, block geometry and the llama.cpp Q/K row interleave to undo.
   struct Blocks {
     GgmlType type{};
+    GgmlBlockDecoder decode = nullptr;  // the type's run-of-blocks loop (io/gguf.h)
     int64_t block = 1, block_bytes = 0, row_bytes = 0;
     int64_t heads = 0, D = 0;  // 0 heads: rows as stored
   };
