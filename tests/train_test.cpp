@@ -24,6 +24,8 @@ namespace fs = std::filesystem;
 using test::slurp;
 using test::micro;
 using test::losses;
+using test::run_interrupted;
+using test::expect_same_run;
 
 TEST(Train, BatchTwoEqualsTwoAccumulatedMicroBatches) {
   const std::string a = testing::TempDir() + "/oomless_train_b2", b = testing::TempDir() + "/oomless_train_a2";
@@ -43,15 +45,8 @@ TEST(Train, ResumeIsBitExact) {
   ASSERT_EQ(run_training(cw), 0);
   // The same run stopped after its step-2 checkpoint (as if killed there), then resumed: --steps is the
   // run's total, so the schedule is the same.
-  TrainConfig c1 = micro(split);
-  ASSERT_EQ(run_training(c1), 0);
-  fs::remove_all(split + "/checkpoint-4");
-  TrainConfig c2 = c1;
-  c2.resume = true;
-  ASSERT_EQ(run_training(c2), 0);
-  EXPECT_TRUE(slurp(whole + "/checkpoint-4/model.safetensors") == slurp(split + "/checkpoint-4/model.safetensors"));
-  EXPECT_TRUE(slurp(whole + "/checkpoint-4/optimizer.safetensors") == slurp(split + "/checkpoint-4/optimizer.safetensors"));
-  EXPECT_EQ(losses(whole), losses(split));
+  run_interrupted(cw, split);
+  expect_same_run(whole, split);
   EXPECT_EQ(losses(whole).size(), 4u);
 }
 
@@ -62,16 +57,8 @@ TEST(Train, AdamW8bitResumesBitExactAndOptimIsFixed) {
   TrainConfig cw = micro(whole);
   cw.optim = "adamw8bit";
   ASSERT_EQ(run_training(cw), 0);
-  TrainConfig c1 = micro(split);
-  c1.optim = "adamw8bit";
-  ASSERT_EQ(run_training(c1), 0);
-  fs::remove_all(split + "/checkpoint-4");
-  TrainConfig c2 = c1;
-  c2.resume = true;
-  ASSERT_EQ(run_training(c2), 0);
-  EXPECT_TRUE(slurp(whole + "/checkpoint-4/model.safetensors") == slurp(split + "/checkpoint-4/model.safetensors"));
-  EXPECT_TRUE(slurp(whole + "/checkpoint-4/optimizer.safetensors") == slurp(split + "/checkpoint-4/optimizer.safetensors"));
-  EXPECT_EQ(losses(whole), losses(split));
+  const TrainConfig c1 = run_interrupted(cw, split);
+  expect_same_run(whole, split);
   // the 8-bit codes are in the file, and the run differs from fp32 AdamW's
   const SafetensorsFile f = SafetensorsFile::open(whole + "/checkpoint-4/optimizer.safetensors");
   bool codes = false;
@@ -86,7 +73,6 @@ TEST(Train, AdamW8bitResumesBitExactAndOptimIsFixed) {
   // a resume may not change the optimizer
   fs::remove_all(split + "/checkpoint-4");
   TrainConfig c3 = c1;
-  c3.resume = true;
   c3.optim = "adamw";
   try {
     run_training(c3);
@@ -104,15 +90,8 @@ TEST(Train, Fp8KeyValueRunCountsAndResumesBitExact) {
   c.chunk = 16;
   c.kv_dtype = "fp8";
   ASSERT_EQ(run_training(c), 0);
-  TrainConfig s = c;
-  s.out = split;
-  fs::remove_all(split);
-  ASSERT_EQ(run_training(s), 0);
-  fs::remove_all(split + "/checkpoint-4");
-  s.resume = true;
-  ASSERT_EQ(run_training(s), 0);
-  EXPECT_TRUE(slurp(whole + "/checkpoint-4/model.safetensors") == slurp(split + "/checkpoint-4/model.safetensors"));
-  EXPECT_EQ(losses(whole), losses(split));
+  run_interrupted(c, split);
+  expect_same_run(whole, split);
   std::ifstream f(whole + "/metrics.jsonl");
   int counted = 0;
   for (std::string line; std::getline(f, line);) {
@@ -139,15 +118,8 @@ TEST(Train, Fp8ActivationRunCountsAndResumesBitExact) {
   TrainConfig c = micro(whole);
   c.act_dtype = "fp8";
   ASSERT_EQ(run_training(c), 0);
-  TrainConfig s = c;
-  s.out = split;
-  fs::remove_all(split);
-  ASSERT_EQ(run_training(s), 0);
-  fs::remove_all(split + "/checkpoint-4");
-  s.resume = true;
-  ASSERT_EQ(run_training(s), 0);
-  EXPECT_TRUE(slurp(whole + "/checkpoint-4/model.safetensors") == slurp(split + "/checkpoint-4/model.safetensors"));
-  EXPECT_EQ(losses(whole), losses(split));
+  run_interrupted(c, split);
+  expect_same_run(whole, split);
   std::ifstream f(whole + "/metrics.jsonl");
   int counted = 0;
   for (std::string line; std::getline(f, line);) {

@@ -287,29 +287,9 @@ void PagedKvStore::store(int64_t layer, Tensor k, Tensor v) {
   }
 }
 
-json::Value PagedKvStore::amax_state() const {
-  json::Value a = json::Value::array();
-  for (const std::vector<float>& h : amax_) {
-    json::Value x = json::Value::array();
-    for (float f : h) x.push_back(json::Value::number(f));
-    a.push_back(std::move(x));
-  }
-  return a;
-}
+json::Value PagedKvStore::amax_state() const { return amax_history_json(amax_); }
 
-void PagedKvStore::restore_amax(const json::Value& state) {
-  OOM_CHECK(state.is_array() && state.as_array().size() == amax_.size(), "[kv] the saved fp8 amax history holds ",
-            state.is_array() ? state.as_array().size() : 0, " entries where this model has ", amax_.size(),
-            " (2 per layer): the checkpoint is another run's");
-  for (size_t i = 0; i < amax_.size(); ++i) {
-    amax_[i].clear();
-    for (const json::Value& f : state.as_array()[i].as_array()) {
-      const double d = f.as_number();
-      OOM_CHECK(std::isfinite(d) && d >= 0, "[kv] the saved fp8 amax history holds ", d, ": the checkpoint is damaged");
-      amax_[i].push_back(static_cast<float>(d));
-    }
-  }
-}
+void PagedKvStore::restore_amax(const json::Value& state) { restore_amax_history(amax_, state, "[kv]", "2 per layer"); }
 
 // The selections of the current chunk in `layer` from its queries q (Tc, H, D), unless made already (a
 // recompute or backward of a chunk whose forward selected, or keep_selection).

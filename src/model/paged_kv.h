@@ -44,6 +44,7 @@
 #include "memory/offloader.h"
 #include "memory/page_pool.h"
 #include "memory/spill_file.h"
+#include "model/act_store.h"
 #include "model/chunk_kv.h"
 #include "model/config.h"
 

@@ -48,4 +48,24 @@ inline std::vector<std::string> losses(const std::string& out) {
   return v;
 }
 
+// The run `c` once more into `split` (emptied), stopped after its step-2 checkpoint as if killed there (the
+// step-4 one removed), then resumed: returns the resumed config (resume = true, out = split).
+inline TrainConfig run_interrupted(TrainConfig c, const std::string& split) {
+  c.out = split;
+  std::filesystem::remove_all(split);
+  EXPECT_EQ(run_training(c), 0);
+  std::filesystem::remove_all(split + "/checkpoint-4");
+  c.resume = true;
+  EXPECT_EQ(run_training(c), 0);
+  return c;
+}
+
+// Two runs' step-4 weights (and optimizer state) and training losses are the same bytes.
+inline void expect_same_run(const std::string& a, const std::string& b, bool optimizer = true) {
+  EXPECT_TRUE(slurp(a + "/checkpoint-4/model.safetensors") == slurp(b + "/checkpoint-4/model.safetensors"));
+  if (optimizer)
+    EXPECT_TRUE(slurp(a + "/checkpoint-4/optimizer.safetensors") == slurp(b + "/checkpoint-4/optimizer.safetensors"));
+  EXPECT_EQ(losses(a), losses(b));
+}
+
 }  // namespace oomless::test
