@@ -36,12 +36,16 @@ CpuInfo detect_cpu() {
   }
   info.model = brand;
   while (!info.model.empty() && info.model.back() == ' ') info.model.pop_back();
-  if (__get_cpuid(1, &a, &b, &c, &d)) info.fma = c & (1u << 12);
+  if (__get_cpuid(1, &a, &b, &c, &d)) {
+    info.fma = c & (1u << 12);
+    info.f16c = c & (1u << 29);
+  }
   if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
     info.avx2 = b & (1u << 5);
     bool zmm = os_saves_avx512();
     info.avx512f = zmm && (b & (1u << 16));
     info.avx512bw = zmm && (b & (1u << 30));
+    info.avx512vl = zmm && (b & (1u << 31));
     info.amx_bf16 = d & (1u << 22);
     info.amx_tile = d & (1u << 24);
   }

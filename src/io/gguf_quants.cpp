@@ -11,6 +11,7 @@
 #include <cstring>
 #include <string>
 
+#include "core/cpu_info.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "io/gguf.h"
@@ -340,14 +341,14 @@ bool isa_allows(const char* level) {
 }
 
 bool have_avx512() {
-  static const bool yes = isa_allows("avx512") && __builtin_cpu_supports("avx512f") &&
-                          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-                          __builtin_cpu_supports("f16c");
+  static const CpuInfo c = detect_cpu();
+  static const bool yes = isa_allows("avx512") && c.avx512f && c.avx512bw && c.avx512vl && c.f16c;
   return yes;
 }
 
 bool have_avx2() {
-  static const bool yes = isa_allows("avx2") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  static const CpuInfo c = detect_cpu();
+  static const bool yes = isa_allows("avx2") && c.avx2 && c.f16c;
   return yes;
 }
 
