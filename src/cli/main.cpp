@@ -29,7 +29,7 @@ const char* kUsage =
     "  probe      measure this machine: CPU, ISA, GEMM and attention GFLOP/s, memory bandwidth\n"
     "\n"
     "Run `oomless <command> --help` for a command's options, `oomless --version` for the build.\n"
-    "OOMLESS_ISA=generic|avx2|avx512 runs the CPU kernels on a lower path than the best this CPU has.\n";
+    "OOMLESS_ISA=generic|avx2|avx512|amx runs the CPU kernels on a lower path than the best this CPU has.\n";
 
 // OpenMP's waiting threads: libgomp's default (spin a while, then sleep) is the fastest on an idle machine
 // but runs about 3x slower beside one busy process, while sleeping at once (passive) keeps its speed there
