@@ -123,6 +123,11 @@ AttentionDims check_attention(const char* op, const Tensor& o, const Tensor& lse
     OOM_CHECK(blk.len >= 0 && blk.len <= kv.P, op, " block ", b, " holds ", blk.len, " keys, outside [0, P = ", kv.P, "]");
     OOM_CHECK(blk.len == 0 || (blk.k != nullptr && blk.v != nullptr), op, " block ", b, " has no key/value data");
     OOM_CHECK(blk.start >= 0, op, " block ", b, " starts at negative position ", blk.start);
+    OOM_CHECK((blk.k_rows == nullptr) == (blk.v_rows == nullptr), op, " block ", b, " has row scales for one of K, V only");
+    OOM_CHECK(blk.len == 0 || kv.dtype != DType::i8 || blk.k_rows != nullptr, op, " block ", b,
+              " is i8 without row scales");
+    OOM_CHECK(blk.k_rows == nullptr || kv.dtype == DType::i8 || kv.dtype == DType::f8_e4m3, op, " block ", b,
+              " has row scales but is ", dtype_name(kv.dtype), " (row scales are for f8_e4m3 and i8 blocks)");
   }
   return {T, H, kv.Hkv, D};
 }
@@ -260,6 +265,16 @@ RowsCols check_scale_rows(const char* op, const Tensor& x, const Tensor& g, DTyp
   check_dtype(op, "g", g, {act});
   check_shape(op, "g", g, {x.dims[0]});
   return {x.dims[0], x.dims[1]};
+}
+
+RowsCols check_cast_rows(const char* op, const Tensor& dst, const Tensor& scales, const Tensor& src, DType act) {
+  OOM_CHECK(src.ndim == 2, op, " src must be (N, K), got ", src.str());
+  check_dtype(op, "src", src, {act});
+  check_dtype(op, "dst", dst, {DType::f8_e4m3, DType::i8});
+  check_shape(op, "dst", dst, {src.dims[0], src.dims[1]});
+  check_dtype(op, "scales", scales, {act});
+  check_shape(op, "scales", scales, {src.dims[0]});
+  return {src.dims[0], src.dims[1]};
 }
 
 void check_adamw(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWConfig& cfg,

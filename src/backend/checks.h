@@ -38,6 +38,8 @@ RowsCols check_dora_forward(const char* op, const Tensor& y, const Tensor& z, co
 RowsCols check_dora_backward(const char* op, const Tensor& dz, const Tensor& dm, const Tensor& dy, const Tensor& z,
                              const Tensor& g, const Tensor& n, DType act);
 RowsCols check_scale_rows(const char* op, const Tensor& x, const Tensor& g, DType act);
+// dst (N, K) f8_e4m3 or i8, scales (N) and src (N, K) act.
+RowsCols check_cast_rows(const char* op, const Tensor& dst, const Tensor& scales, const Tensor& src, DType act);
 
 struct AttentionDims {
   int64_t T, H, Hkv, D;

@@ -53,6 +53,11 @@ struct KvBlock {
   int32_t len = 0;
   // f8_e4m3 blocks: the value of code c is f8e4m3_to_f32(c) * k_scale (v_scale for V); unused otherwise.
   float k_scale = 1.0f, v_scale = 1.0f;
+  // f8_e4m3 or i8 blocks with a scale per (kv head, position) row, (Hkv, P) f32 as Ops::cast_rows_scaled
+  // writes them (the decode cache of generate --kv-dtype fp8|int8): when set, the value of code c in row
+  // (g, j) is c's value times k_rows[g * P + j] (v_rows for V), and k_scale / v_scale are unused.
+  const float* k_rows = nullptr;
+  const float* v_rows = nullptr;
 };
 struct KvBlocks {
   const KvBlock* blocks = nullptr;
@@ -156,6 +161,13 @@ class Ops {
   // dst (bf16, f8_e4m3 or f8_e5m2) = src * scale rounded to nearest even as convert rounds (f8_e4m3
   // saturating at 448), for storage with a per-tensor scale; the reverse is convert then scale by 1 / scale.
   virtual CastStats cast_scaled(Tensor dst, Tensor src, double scale) = 0;
+  // Row-scaled narrowing for storage written a row at a time (the decode cache): for each row n of src
+  // (N, K) in the act dtype, scales[n] = amax(|row|) / qmax (qmax 448 for f8_e4m3, 127 for i8; 0 for an
+  // all-zero row) and dst[n, :] = the row times 1 / scales[n], rounded to nearest even (f8_e4m3
+  // saturating, i8 clamped to [-127, 127]; an all-zero row gives zero codes). dst (N, K) f8_e4m3 or i8,
+  // scales (N) in the act dtype. The value of a code is its value times its row's scale; a row with a
+  // non-finite element gets a non-finite scale (its values are lost, as they would be in any dtype).
+  virtual void cast_rows_scaled(Tensor dst, Tensor scales, Tensor src) = 0;
 
   // DoRA (weight-decomposed LoRA, model/lora.h), whose weight norm is a constant of the step.
   // out (N) = ||w[j, :]||_2 of w (N, K): act dtype or block-quantised (as matmul's b), summed in double.

@@ -231,7 +231,8 @@ int eval(const std::vector<std::string>& argv) {
 namespace {
 const char* kGenerateHelp =
     "usage: oomless generate --model M [--adapter DIR] [--prompt S | --prompt-ids \"1 2 3\"] [--max-new N]\n"
-    "                        [--chat [--system S] [--messages FILE.jsonl]] [--dtype fp32|bf16] [--kv-dtype fp32|bf16]\n"
+    "                        [--chat [--system S] [--messages FILE.jsonl]] [--dtype fp32|bf16]\n"
+    "                        [--kv-dtype fp32|bf16|fp8|int8]\n"
     "                        [--temperature t] [--top-k k] [--top-p p] [--repetition-penalty r] [--seed s]\n"
     "                        [--ignore-eos] [--json]\n"
     "\n"
@@ -253,8 +254,9 @@ const char* kGenerateHelp =
     "  --system S       with --chat: a system message first\n"
     "  --messages F     with --chat: continue the conversation in F's first line\n"
     "  --max-new N      new tokens (default 64; with --chat 256)\n"
-    "  --kv-dtype D     KV-cache storage: fp32 (default) or bf16 (half the bytes; keys and values rounded as\n"
-    "                   they are stored)\n"
+    "  --kv-dtype D     KV-cache storage: fp32 (default); bf16 (half the bytes; keys and values rounded as\n"
+    "                   they are stored); fp8 (E4M3) or int8 (a quarter of the bytes plus a 4-byte scale per\n"
+    "                   head and position: each key and value row scaled by its own absolute max)\n"
     "  --temperature t  (default 0: greedy)\n"
     "  --top-k k        sample among the k most likely tokens (default 0: all)\n"
     "  --top-p p        nucleus sampling mass (default 1)\n"
@@ -292,11 +294,11 @@ int generate(const std::vector<std::string>& argv) {
   if (!a.has("ignore-eos")) opt.stop_id = cfg.eos_id;
   {
     const std::string kv = a.str("kv-dtype", "fp32");
-    OOM_CHECK(kv == "fp32" || kv == "bf16", "[generate] --kv-dtype ", kv, " is not a KV-cache storage oomless has; use "
-              "fp32 or bf16");
-    OOM_CHECK(kv == "fp32" || l.model->params().dtype() == DType::f32, "[generate] --kv-dtype bf16 needs the f32 "
-              "backend");
-    opt.kv_dtype = kv == "bf16" ? DType::bf16 : DType::f32;
+    OOM_CHECK(kv == "fp32" || kv == "bf16" || kv == "fp8" || kv == "int8", "[generate] --kv-dtype ", kv,
+              " is not a KV-cache storage oomless has; use fp32, bf16, fp8 or int8");
+    OOM_CHECK(kv == "fp32" || l.model->params().dtype() == DType::f32, "[generate] --kv-dtype ", kv,
+              " needs the f32 backend");
+    opt.kv_dtype = kv == "bf16" ? DType::bf16 : kv == "fp8" ? DType::f8_e4m3 : kv == "int8" ? DType::i8 : DType::f32;
   }
   const bool stream_text = !a.has("json") && l.src.tokenizer.has_value();
   // One generation from `prompt`, streamed as text (stop tokens are not printed); returns the new ids.

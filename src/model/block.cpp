@@ -60,8 +60,9 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
   const Linear K = lin(Proj::k), V = lin(Proj::v);
   if (K.lora()) lora_down(K, u_of(Proj::k), a.h1, h1);
   if (V.lora()) lora_down(V, u_of(Proj::v), a.h1, h1);
-  // A cache in a narrower dtype (generate --kv-dtype bf16): the keys and values are made in a.k / a.v and
-  // stored rounded; attention then reads every position, this pass's too, from the cache.
+  // A cache in a narrower dtype (generate --kv-dtype bf16|fp8|int8): the keys and values are made in a.k / a.v
+  // and stored rounded (fp8 / int8 with a scale per head and position); attention then reads every
+  // position, this pass's too, from the cache.
   const bool staged = kv.k.dtype != act_;
   for (int64_t h = 0; h < Hkv; ++h) {
     Tensor kh = staged ? head(a.k, h, T, 0, T, D) : head(kv.k, h, Pk, t0, T, D);
@@ -72,7 +73,10 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
     Tensor kh3(kh.data, kh.dtype, {T, int64_t{1}, D});
     ops_.rope_forward(kh3, kh3, pos, cfg_.rope);
     project(V.rows(h * D, D), vh, a.h1, h1, u_of(Proj::v), z_head(z_of(Proj::v), h, T, D));
-    if (staged) {
+    if (staged && kv.k_scale.data) {
+      ops_.cast_rows_scaled(head(kv.k, h, Pk, t0, T, D), span_of(kv.k_scale, h * Pk + t0, T), kh);
+      ops_.cast_rows_scaled(head(kv.v, h, Pk, t0, T, D), span_of(kv.v_scale, h * Pk + t0, T), vh);
+    } else if (staged) {
       convert(head(kv.k, h, Pk, t0, T, D).data, kv.k.dtype, kh.data, act_, T * D);
       convert(head(kv.v, h, Pk, t0, T, D).data, kv.v.dtype, vh.data, act_, T * D);
     }
@@ -88,6 +92,8 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
     if (pass != Pass::recompute_keep_attention) chunk_kv_->forward(layer, a.o, a.lse, a.q, a.k, a.v, pos);
   } else {
     KvBlock blk{kv.k.data, kv.v.data, 0, static_cast<int32_t>(t0 + T)};
+    blk.k_rows = static_cast<const float*>(kv.k_scale.data);
+    blk.v_rows = static_cast<const float*>(kv.v_scale.data);
     KvBlocks blocks{&blk, 1, Hkv, Pk, D, kv.k.dtype, opt_.dtype == ComputeDType::bf16};
     ops_.attention_forward(a.o, a.lse, a.q, blocks, pos, 1.0 / std::sqrt(static_cast<double>(D)));
   }

@@ -49,19 +49,33 @@ std::vector<int32_t> generate(Model& model, Arena& arena, const std::vector<int3
   OOM_CHECK(!prompt.empty(), "[generate] the prompt has no tokens");
   const int64_t P = static_cast<int64_t>(prompt.size()), cap = P + std::max<int64_t>(opt.max_new, 1);
   cfg.check_sequence(cap);
-  // (Hkv, cap, D) keys and values per layer, in the compute dtype of the backend or --kv-dtype.
+  // (Hkv, cap, D) keys and values per layer, in the compute dtype of the backend or --kv-dtype; fp8 and
+  // int8 caches also keep a scale per kv head and position, (Hkv, cap) f32.
   const DType dt = model.params().dtype();
-  OOM_CHECK(opt.kv_dtype == DType::f32 || opt.kv_dtype == DType::bf16, "[generate] --kv-dtype ",
-            dtype_name(opt.kv_dtype), " is not a KV-cache storage oomless has; use fp32 or bf16");
-  OOM_CHECK(opt.kv_dtype == DType::f32 || dt == DType::f32, "[generate] a bf16 KV cache needs the f32 (cpu) backend");
-  const DType kvt = opt.kv_dtype == DType::bf16 ? DType::bf16 : dt;
+  const DType want = opt.kv_dtype;
+  OOM_CHECK(want == DType::f32 || want == DType::bf16 || want == DType::f8_e4m3 || want == DType::i8, "[generate] --kv-dtype ",
+            dtype_name(want), " is not a KV-cache storage oomless has; use fp32, bf16, fp8 or int8");
+  OOM_CHECK(want == DType::f32 || dt == DType::f32, "[generate] a ", dtype_name(want),
+            " KV cache needs the f32 (cpu) backend");
+  const DType kvt = want == DType::f32 ? dt : want;
+  const bool rows = kvt == DType::f8_e4m3 || kvt == DType::i8;
   std::vector<Buffer> bufs;
   std::vector<KvSlots> cache;
   const size_t bytes = static_cast<size_t>(dtype_bytes(kvt, cfg.Hkv * cap * cfg.D));
+  const size_t sbytes = static_cast<size_t>(dtype_bytes(DType::f32, cfg.Hkv * cap));
   for (int64_t l = 0; l < cfg.L; ++l) {
-    bufs.push_back(arena.alloc(bytes, Category::kv, "kv cache"));
-    bufs.push_back(arena.alloc(bytes, Category::kv, "kv cache"));
-    cache.push_back({bufs[bufs.size() - 2].view(kvt, {cfg.Hkv, cap, cfg.D}), bufs.back().view(kvt, {cfg.Hkv, cap, cfg.D}), 0});
+    KvSlots s;
+    for (Tensor* t : {&s.k, &s.v}) {
+      bufs.push_back(arena.alloc(bytes, Category::kv, "kv cache"));
+      *t = bufs.back().view(kvt, {cfg.Hkv, cap, cfg.D});
+    }
+    if (rows) {
+      for (Tensor* t : {&s.k_scale, &s.v_scale}) {
+        bufs.push_back(arena.alloc(sbytes, Category::kv, "kv cache scales"));
+        *t = bufs.back().view(DType::f32, {cfg.Hkv, cap});
+      }
+    }
+    cache.push_back(s);
   }
   model.reserve(P, false);
   std::vector<float> logits(static_cast<size_t>(cfg.V));

@@ -24,8 +24,10 @@ struct GenerateOptions {
   uint64_t seed = 0;
   std::optional<int32_t> stop_id;  // stop after emitting it (end of sequence); none: run max_new
   std::vector<int32_t> stop_ids;   // more tokens that stop it (a chat's end of turn)
-  // Storage of the KV cache: the model's compute dtype (f32), or bf16 (half the bytes; keys and values
-  // rounded as they are stored, attention reading the cache as it is).
+  // Storage of the KV cache: the model's compute dtype (f32), bf16 (half the bytes; keys and values rounded
+  // as they are stored, attention reading the cache as it is), or f8_e4m3 / i8 (a quarter of the bytes plus
+  // an f32 scale per kv head and position: each key and value row scaled by its own absolute max as it is
+  // stored, Ops::cast_rows_scaled).
   DType kv_dtype = DType::f32;
   bool stops_at(int32_t id) const {
     return (stop_id && id == *stop_id) || std::find(stop_ids.begin(), stop_ids.end(), id) != stop_ids.end();

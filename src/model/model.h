@@ -69,6 +69,8 @@ struct ModelOptions {
 struct KvSlots {
   Tensor k, v;      // (Hkv, P, D)
   int64_t t0 = 0;
+  // f8_e4m3 / i8 caches (generate --kv-dtype fp8|int8): a scale per (kv head, position), (Hkv, P) f32.
+  Tensor k_scale, v_scale;
 };
 
 class Model {

@@ -30,7 +30,8 @@
 // (gemm_detail::tile_bf16_amx); on the other paths the rounded values stay in f32 and the f32 tile kernels
 // multiply them (the same sums as bf16 operands widened). Deterministic either way.
 //
-// K/V may be f32, bf16 or f8_e4m3 (scaled per block); narrow key tiles are widened to f32 per tile. dK/dV blocks are f32 and
+// K/V may be f32, bf16, f8_e4m3 (scaled per block or per row) or, forward only, i8 (scaled per row); narrow
+// key tiles are widened to f32 per tile. dK/dV blocks are f32 and
 // accumulate (+=). Scratch (per-thread tiles, tile tables, D and lse in base 2) is one workspace
 // allocation per call, sized by omp_get_max_threads().
 #include <omp.h>
@@ -300,10 +301,30 @@ void key_rows(const Ctx& x, const KeyTile& kt, int64_t g, int64_t n, const float
     }();
     const uint8_t* k8 = static_cast<const uint8_t*>(blk.k) + off;
     const uint8_t* v8 = static_cast<const uint8_t*>(blk.v) + off;
-    for (int64_t i = 0; i < n * x.D; ++i) {
-      kbuf[i] = lut[k8[i]] * blk.k_scale;
-      vbuf[i] = lut[v8[i]] * blk.v_scale;
+    if (blk.k_rows) {
+      const float* ks = blk.k_rows + g * x.P + kt.j0;
+      const float* vs = blk.v_rows + g * x.P + kt.j0;
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t d = 0; d < x.D; ++d) {
+          kbuf[i * x.D + d] = lut[k8[i * x.D + d]] * ks[i];
+          vbuf[i * x.D + d] = lut[v8[i * x.D + d]] * vs[i];
+        }
+    } else {
+      for (int64_t i = 0; i < n * x.D; ++i) {
+        kbuf[i] = lut[k8[i]] * blk.k_scale;
+        vbuf[i] = lut[v8[i]] * blk.v_scale;
+      }
     }
+  } else if (x.kv->dtype == DType::i8) {
+    const int8_t* k8 = static_cast<const int8_t*>(blk.k) + off;
+    const int8_t* v8 = static_cast<const int8_t*>(blk.v) + off;
+    const float* ks = blk.k_rows + g * x.P + kt.j0;
+    const float* vs = blk.v_rows + g * x.P + kt.j0;
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t d = 0; d < x.D; ++d) {
+        kbuf[i * x.D + d] = static_cast<float>(k8[i * x.D + d]) * ks[i];
+        vbuf[i * x.D + d] = static_cast<float>(v8[i * x.D + d]) * vs[i];
+      }
   } else {
     const uint16_t* k16 = static_cast<const uint16_t*>(blk.k) + off;
     const uint16_t* v16 = static_cast<const uint16_t*>(blk.v) + off;
@@ -596,7 +617,8 @@ void q_grad_task(const Ctx& x, int64_t h, const QueryTile& qt, const Tiles& w) {
 }  // namespace
 
 void CpuOps::attention_forward(Tensor o, Tensor lse, Tensor q, const KvBlocks& kv, Tensor q_pos, double scale) {
-  const AttentionDims dims = check_attention(kOp, o, lse, q, kv, q_pos, kAct, {DType::f32, DType::bf16, DType::f8_e4m3});
+  const AttentionDims dims =
+      check_attention(kOp, o, lse, q, kv, q_pos, kAct, {DType::f32, DType::bf16, DType::f8_e4m3, DType::i8});
   if (dims.T == 0 || dims.H == 0) return;
   Ctx x = make_ctx(dims, q, o, lse, kv, q_pos, scale);
   const bool widen = kv.dtype != DType::f32 || (x.bf16 && !x.amx);

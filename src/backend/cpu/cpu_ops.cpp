@@ -505,6 +505,30 @@ CastStats CpuOps::cast_scaled(Tensor dst, Tensor src, double scale) {
   return r;
 }
 
+void CpuOps::cast_rows_scaled(Tensor dst, Tensor scales, Tensor src) {
+  const auto [N, K] = check_cast_rows("[cast_rows_scaled]", dst, scales, src, kAct);
+  const bool e4m3 = dst.dtype == DType::f8_e4m3;
+  const float qmax = e4m3 ? 448.0f : 127.0f;
+#pragma omp parallel for schedule(static) if (N * K >= 16384)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* x = f32p(src) + n * K;
+    float amax = 0;
+    for (int64_t k = 0; k < K; ++k) amax = std::isnan(x[k]) || std::isnan(amax) ? NAN : std::max(amax, std::fabs(x[k]));
+    const float s = amax / qmax, inv = s == 0.0f ? 0.0f : 1.0f / s;
+    f32p(scales)[n] = s;
+    if (e4m3) {
+      uint8_t* d = static_cast<uint8_t*>(dst.data) + n * K;
+      for (int64_t k = 0; k < K; ++k) d[k] = f32_to_f8e4m3(x[k] * inv, true);
+    } else {
+      int8_t* d = static_cast<int8_t*>(dst.data) + n * K;
+      for (int64_t k = 0; k < K; ++k) {
+        const float y = x[k] * inv;
+        d[k] = std::isfinite(y) ? static_cast<int8_t>(std::clamp(std::nearbyint(y), -127.0f, 127.0f)) : int8_t{0};
+      }
+    }
+  }
+}
+
 void CpuOps::adamw_step(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamWConfig& cfg) {
   check_adamw(param, grad, m, v, cfg, kAct);
   float b1 = static_cast<float>(cfg.beta1), b2 = static_cast<float>(cfg.beta2);

@@ -43,6 +43,7 @@ class CpuOps final : public Ops {
   double sum_squares(Tensor x) override;
   void convert(Tensor dst, Tensor src) override;
   CastStats cast_scaled(Tensor dst, Tensor src, double scale) override;
+  void cast_rows_scaled(Tensor dst, Tensor scales, Tensor src) override;
   void attention_forward(Tensor o, Tensor lse, Tensor q, const KvBlocks& kv, Tensor q_pos, double scale) override;
   void attention_backward(Tensor dq, const KvBlocks& dkv, Tensor dout, Tensor q, const KvBlocks& kv, Tensor o,
                           Tensor lse, Tensor q_pos, double scale) override;

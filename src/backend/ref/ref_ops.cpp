@@ -322,6 +322,28 @@ CastStats RefOps::cast_scaled(Tensor dst, Tensor src, double scale) {
   return r;
 }
 
+void RefOps::cast_rows_scaled(Tensor dst, Tensor scales, Tensor src) {
+  const auto [N, K] = check_cast_rows("[cast_rows_scaled]", dst, scales, src, kAct);
+  const bool e4m3 = dst.dtype == DType::f8_e4m3;
+  const double qmax = e4m3 ? 448.0 : 127.0;
+  for (int64_t n = 0; n < N; ++n) {
+    const double* x = f64(src) + n * K;
+    double amax = 0;
+    for (int64_t k = 0; k < K; ++k) amax = std::isnan(x[k]) || std::isnan(amax) ? NAN : std::max(amax, std::fabs(x[k]));
+    const double s = amax / qmax, inv = s == 0.0 ? 0.0 : 1.0 / s;
+    f64(scales)[n] = s;
+    for (int64_t k = 0; k < K; ++k) {
+      const double y = x[k] * inv;
+      if (e4m3) {
+        oomless::convert(static_cast<uint8_t*>(dst.data) + n * K + k, DType::f8_e4m3, &y, DType::f64, 1);
+      } else {
+        static_cast<int8_t*>(dst.data)[n * K + k] =
+            std::isfinite(y) ? static_cast<int8_t>(std::clamp(std::nearbyint(y), -127.0, 127.0)) : int8_t{0};
+      }
+    }
+  }
+}
+
 void RefOps::adamw_step(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamWConfig& cfg) {
   check_adamw(param, grad, m, v, cfg, kAct);
   double bc1 = 1.0 - std::pow(cfg.beta1, static_cast<double>(cfg.step));
