@@ -1,16 +1,12 @@
 // Row-scaled fp8 / int8 K/V (the decode cache of generate --kv-dtype fp8|int8): Ops::cast_rows_scaled on
-// both backends against a scalar model of its definition; attention over row-scaled blocks equal, bit for
-// bit, to attention over f32 blocks holding the decoded values; and a model's decode cache in fp8 and int8
-// holding the row-scaled codes of the fp32 cache's keys, in a quarter of the bytes plus the scales.
+// both backends against a scalar model of its definition, and attention over row-scaled blocks equal, bit
+// for bit, to attention over f32 blocks holding the decoded values. (The model's cache: generate_test.)
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
 #include <random>
 
-#include "model/generate.h"
-#include "model/model.h"
-#include "memory/arena.h"
 #include "util/harness.h"
 
 namespace oomless::test {
@@ -153,85 +149,6 @@ TEST(CastRowsScaled, AttentionOverRowScaledBlocksIsItsDecodedValues) {
                    Error);
     }
   }
-}
-
-// generate --kv-dtype fp8|int8: layer 0's cache (whose keys depend on the tokens alone) holds the row-scaled
-// codes of the fp32 cache's keys and values; logits stay close to the fp32 cache's; the ledger's kv bytes are
-// a quarter of fp32's plus 4 bytes per head and position for K and V each.
-TEST(CastRowsScaled, DecodeCacheInFp8AndInt8) {
-  ModelConfig cfg = preset_config("micro");
-  CpuMemory mem(size_t{1} << 32);
-  auto ops = make_ops("cpu", &mem.device);
-  ParamSet params(cfg, DType::f32, mem.device, Category::weights);
-  init_random(params, 5, 0.1);
-  Model m(cfg, *ops, params, mem.device);
-  const int64_t P = 24, steps = 6, cap = P + steps;
-  std::vector<int32_t> ids(static_cast<size_t>(cap));
-  for (int64_t t = 0; t < cap; ++t) ids[static_cast<size_t>(t)] = static_cast<int32_t>((t * 977 + 5) % cfg.V);
-  m.reserve(P, false);
-  struct Cache {
-    std::vector<Buffer> bufs;
-    std::vector<KvSlots> slots;
-  };
-  auto make = [&](DType dt) {
-    Cache c;
-    for (int64_t l = 0; l < cfg.L; ++l) {
-      KvSlots s;
-      for (Tensor* t : {&s.k, &s.v}) {
-        c.bufs.push_back(mem.device.alloc(static_cast<size_t>(dtype_bytes(dt, cfg.Hkv * cap * cfg.D)), Category::kv));
-        *t = c.bufs.back().view(dt, {cfg.Hkv, cap, cfg.D});
-      }
-      if (dt != DType::f32)
-        for (Tensor* t : {&s.k_scale, &s.v_scale}) {
-          c.bufs.push_back(mem.device.alloc(static_cast<size_t>(4 * cfg.Hkv * cap), Category::kv));
-          *t = c.bufs.back().view(DType::f32, {cfg.Hkv, cap});
-        }
-      c.slots.push_back(s);
-    }
-    return c;
-  };
-  double worst_of[2] = {0, 0};
-  for (DType t : {DType::f8_e4m3, DType::i8}) {
-    SCOPED_TRACE(dtype_name(t));
-    Cache f = make(DType::f32), n = make(t);
-    std::vector<float> lf(static_cast<size_t>(cfg.V)), ln(lf.size());
-    double worst = 0;
-    for (int64_t s = 0; s <= steps; ++s) {
-      const int64_t t0 = s == 0 ? 0 : P + s - 1, cnt = s == 0 ? P : 1;
-      Tensor in(ids.data() + t0, DType::i32, {cnt});
-      m.decode_forward(in, t0, f.slots, Tensor::of(lf.data(), {cfg.V}));
-      m.decode_forward(in, t0, n.slots, Tensor::of(ln.data(), {cfg.V}));
-      double num = 0, den = 0;
-      for (size_t v = 0; v < lf.size(); ++v) num += (lf[v] - ln[v]) * (lf[v] - ln[v]), den += lf[v] * lf[v];
-      worst = std::max(worst, std::sqrt(num / den));
-    }
-    EXPECT_GT(worst, 0.0) << "the cache was not narrowed";
-    // (Random micro weights: logits near zero, so their relative error is large; SmolLM2's is measured in
-    // bench_kv_cache.) int8's step is finer than E4M3's 3 mantissa bits.
-    EXPECT_LT(worst, t == DType::i8 ? 2.5e-2 : 1e-1);
-    worst_of[t == DType::i8] = worst;
-    const int64_t rows = cfg.Hkv * cap;
-    for (int kv = 0; kv < 2; ++kv) {
-      const Tensor& src = kv == 0 ? f.slots[0].k : f.slots[0].v;
-      std::vector<uint8_t> want(static_cast<size_t>(rows * cfg.D));
-      std::vector<float> want_s(static_cast<size_t>(rows));
-      ops->cast_rows_scaled(Tensor(want.data(), t, {rows, cfg.D}), Tensor::of(want_s.data(), {rows}),
-                            Tensor(src.data, DType::f32, {rows, cfg.D}));
-      EXPECT_EQ(std::memcmp(want.data(), (kv == 0 ? n.slots[0].k : n.slots[0].v).data, want.size()), 0);
-      EXPECT_EQ(std::memcmp(want_s.data(), (kv == 0 ? n.slots[0].k_scale : n.slots[0].v_scale).data, 4 * want_s.size()), 0);
-    }
-  }
-  EXPECT_LT(worst_of[1], worst_of[0]);
-  auto kv_bytes = [&](DType dt) {
-    CpuMemory m2(size_t{1} << 32);
-    GenerateOptions o;
-    o.max_new = 4;
-    o.kv_dtype = dt;
-    generate(m, m2.device, std::vector<int32_t>(ids.begin(), ids.begin() + 8), o);
-    return m2.ledger.peak(Tier::Device, Category::kv);
-  };
-  const size_t f32 = kv_bytes(DType::f32);
-  for (DType t : {DType::f8_e4m3, DType::i8}) EXPECT_EQ(kv_bytes(t), f32 / 4 + f32 / static_cast<size_t>(cfg.D)) << dtype_name(t);
 }
 
 }  // namespace
