@@ -27,21 +27,15 @@ using namespace oomless;
 
 namespace {
 
+// The generate() cache and its bytes (keys and values; the bench compares fp32 and bf16, which have no scales).
 struct Cache {
-  std::vector<Buffer> bufs;
-  std::vector<KvSlots> slots;
+  DecodeCache dc;
   size_t bytes = 0;
 };
 
 Cache make_cache(Arena& arena, const ModelConfig& cfg, int64_t cap, DType dt) {
-  Cache c;
-  const size_t bytes = static_cast<size_t>(dtype_bytes(dt, cfg.Hkv * cap * cfg.D));
-  for (int64_t l = 0; l < cfg.L; ++l) {
-    c.bufs.push_back(arena.alloc(bytes, Category::kv, "kv cache"));
-    c.bufs.push_back(arena.alloc(bytes, Category::kv, "kv cache"));
-    c.slots.push_back({c.bufs[c.bufs.size() - 2].view(dt, {cfg.Hkv, cap, cfg.D}), c.bufs.back().view(dt, {cfg.Hkv, cap, cfg.D}), 0});
-    c.bytes += 2 * bytes;
-  }
+  Cache c{make_decode_cache(arena, cfg, cap, dt)};
+  c.bytes = static_cast<size_t>(2 * cfg.L * dtype_bytes(dt, cfg.Hkv * cap * cfg.D));
   return c;
 }
 
@@ -121,7 +115,7 @@ int main(int argc, char** argv) {
     std::vector<double> times;
     for (int64_t t = 0; t + 1 < T; ++t) {
       const double t0 = now();
-      m.decode_forward(Tensor(text.data() + t, DType::i32, {1}), t, c.slots, Tensor::of(logits.data(), {cfg.V}));
+      m.decode_forward(Tensor(text.data() + t, DType::i32, {1}), t, c.dc.slots, Tensor::of(logits.data(), {cfg.V}));
       if (t + 33 >= T) times.push_back(now() - t0);
       loss[k] -= log_softmax_at(logits, text[static_cast<size_t>(t + 1)]);
       const int64_t best = std::max_element(logits.begin(), logits.end()) - logits.begin();

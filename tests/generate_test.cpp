@@ -41,10 +41,7 @@ struct DecodeRig {
   ParamSet params{cfg, DType::f32, mem.device, Category::weights};
   std::unique_ptr<Model> model;
   std::vector<int32_t> ids;
-  struct Cache {
-    std::vector<Buffer> bufs;
-    std::vector<KvSlots> slots;
-  };
+  using Cache = DecodeCache;
   explicit DecodeRig(double init_std) {
     init_random(params, 5, init_std);
     model = std::make_unique<Model>(cfg, *ops, params, mem.device);
@@ -52,23 +49,7 @@ struct DecodeRig {
     for (int64_t t = 0; t < cap; ++t) ids[static_cast<size_t>(t)] = static_cast<int32_t>((t * 977 + 5) % cfg.V);
     model->reserve(P, false);
   }
-  Cache make(DType dt) {
-    Cache c;
-    for (int64_t l = 0; l < cfg.L; ++l) {
-      KvSlots s;
-      for (Tensor* t : {&s.k, &s.v}) {
-        c.bufs.push_back(mem.device.alloc(static_cast<size_t>(dtype_bytes(dt, cfg.Hkv * cap * cfg.D)), Category::kv));
-        *t = c.bufs.back().view(dt, {cfg.Hkv, cap, cfg.D});
-      }
-      if (dt == DType::f8_e4m3 || dt == DType::i8)
-        for (Tensor* t : {&s.k_scale, &s.v_scale}) {
-          c.bufs.push_back(mem.device.alloc(static_cast<size_t>(4 * cfg.Hkv * cap), Category::kv));
-          *t = c.bufs.back().view(DType::f32, {cfg.Hkv, cap});
-        }
-      c.slots.push_back(s);
-    }
-    return c;
-  }
+  Cache make(DType dt) { return make_decode_cache(mem.device, cfg, cap, dt); }
   // The ledger's peak kv bytes of generate() with the cache in `dt`.
   size_t kv_bytes(DType dt) {
     CpuMemory m2(size_t{1} << 32);

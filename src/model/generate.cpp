@@ -43,6 +43,27 @@ int32_t sample_next(std::vector<float> logits, const GenerateOptions& opt, const
   return pr[keep - 1].second;
 }
 
+DecodeCache make_decode_cache(Arena& arena, const ModelConfig& cfg, int64_t cap, DType dt) {
+  DecodeCache c;
+  const size_t bytes = static_cast<size_t>(dtype_bytes(dt, cfg.Hkv * cap * cfg.D));
+  const size_t sbytes = static_cast<size_t>(dtype_bytes(DType::f32, cfg.Hkv * cap));
+  for (int64_t l = 0; l < cfg.L; ++l) {
+    KvSlots s;
+    for (Tensor* t : {&s.k, &s.v}) {
+      c.bufs.push_back(arena.alloc(bytes, Category::kv, "kv cache"));
+      *t = c.bufs.back().view(dt, {cfg.Hkv, cap, cfg.D});
+    }
+    if (dt == DType::f8_e4m3 || dt == DType::i8) {
+      for (Tensor* t : {&s.k_scale, &s.v_scale}) {
+        c.bufs.push_back(arena.alloc(sbytes, Category::kv, "kv cache scales"));
+        *t = c.bufs.back().view(DType::f32, {cfg.Hkv, cap});
+      }
+    }
+    c.slots.push_back(s);
+  }
+  return c;
+}
+
 std::vector<int32_t> generate(Model& model, Arena& arena, const std::vector<int32_t>& prompt,
                               const GenerateOptions& opt, const std::function<void(int32_t)>& on_token) {
   const ModelConfig& cfg = model.config();
@@ -58,25 +79,8 @@ std::vector<int32_t> generate(Model& model, Arena& arena, const std::vector<int3
   OOM_CHECK(want == DType::f32 || dt == DType::f32, "[generate] a ", dtype_name(want),
             " KV cache needs the f32 (cpu) backend");
   const DType kvt = want == DType::f32 ? dt : want;
-  const bool rows = kvt == DType::f8_e4m3 || kvt == DType::i8;
-  std::vector<Buffer> bufs;
-  std::vector<KvSlots> cache;
-  const size_t bytes = static_cast<size_t>(dtype_bytes(kvt, cfg.Hkv * cap * cfg.D));
-  const size_t sbytes = static_cast<size_t>(dtype_bytes(DType::f32, cfg.Hkv * cap));
-  for (int64_t l = 0; l < cfg.L; ++l) {
-    KvSlots s;
-    for (Tensor* t : {&s.k, &s.v}) {
-      bufs.push_back(arena.alloc(bytes, Category::kv, "kv cache"));
-      *t = bufs.back().view(kvt, {cfg.Hkv, cap, cfg.D});
-    }
-    if (rows) {
-      for (Tensor* t : {&s.k_scale, &s.v_scale}) {
-        bufs.push_back(arena.alloc(sbytes, Category::kv, "kv cache scales"));
-        *t = bufs.back().view(DType::f32, {cfg.Hkv, cap});
-      }
-    }
-    cache.push_back(s);
-  }
+  DecodeCache dc = make_decode_cache(arena, cfg, cap, kvt);
+  std::vector<KvSlots>& cache = dc.slots;
   model.reserve(P, false);
   std::vector<float> logits(static_cast<size_t>(cfg.V));
   std::vector<double> logits64(dt == DType::f64 ? static_cast<size_t>(cfg.V) : 0);

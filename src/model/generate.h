@@ -35,6 +35,14 @@ struct GenerateOptions {
 };
 
 // The KV cache (category kv) comes from `arena`. on_token is called after each new token.
+// A decode cache for `cap` positions: per layer (Hkv, cap, D) keys and values in `dt` (f32, bf16, f8_e4m3 or
+// i8), and for f8_e4m3 / i8 a scale per kv head and position, (Hkv, cap) f32; all in Category::kv.
+struct DecodeCache {
+  std::vector<Buffer> bufs;
+  std::vector<KvSlots> slots;
+};
+DecodeCache make_decode_cache(Arena& arena, const ModelConfig& cfg, int64_t cap, DType dt);
+
 std::vector<int32_t> generate(Model& model, Arena& arena, const std::vector<int32_t>& prompt,
                               const GenerateOptions& opt, const std::function<void(int32_t)>& on_token = {});
 
