@@ -506,7 +506,8 @@ CastStats CpuOps::cast_scaled(Tensor dst, Tensor src, double scale) {
 }
 
 void CpuOps::cast_rows_scaled(Tensor dst, Tensor scales, Tensor src) {
-  const auto [N, K] = check_cast_rows("[cast_rows_scaled]", dst, scales, src, kAct);
+  const RowsCols rc = check_cast_rows("[cast_rows_scaled]", dst, scales, src, kAct);
+  const int64_t N = rc.rows, K = rc.cols;  // (named, not bound: clang's OpenMP takes no structured bindings)
   const bool e4m3 = dst.dtype == DType::f8_e4m3;
   const float qmax = e4m3 ? 448.0f : 127.0f;
 #pragma omp parallel for schedule(static) if (N * K >= 16384)
