@@ -1,5 +1,5 @@
-// The decode KV cache in bf16 against fp32 on a real model (generate --kv-dtype), side by side in one
-// process: the cache's bytes; the loss of a text decoded token by token through the cache (teacher forcing:
+// The decode KV cache in bf16, fp8 (E4M3) and int8 against fp32 on a real model (generate --kv-dtype), side
+// by side in one process: the cache's bytes (fp8 and int8 with their per-row scales); the loss of a text decoded token by token through the cache (teacher forcing:
 // every position's logits come from the cache of the positions before it) and at how many positions the
 // most likely next token is the fp32 cache's; and for greedy continuations of prompts cut from the same
 // text, where the first token differs. Also the decode step's time at the end of the text (median of the last
@@ -7,7 +7,7 @@
 // ledger holds them plus the cache up to that position) over this machine's triad bandwidth (measured here).
 //
 //   build/release/bench_kv_cache --model ~/.cache/oomless/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-//       [--ids tests/golden/smollm2/eval.ids] [--tokens 512] [--prompts 8] [--new 64]
+//       [--ids tests/golden/smollm2/eval.ids] [--tokens 512] [--prompts 8] [--new 64] [--dtypes bf16,fp8,int8]
 #include <omp.h>
 
 #include <algorithm>
@@ -27,7 +27,7 @@ using namespace oomless;
 
 namespace {
 
-// The generate() cache and its bytes (keys and values; the bench compares fp32 and bf16, which have no scales).
+// The generate() cache and its bytes (keys, values and, for fp8 and int8, their row scales).
 struct Cache {
   DecodeCache dc;
   size_t bytes = 0;
@@ -35,8 +35,32 @@ struct Cache {
 
 Cache make_cache(Arena& arena, const ModelConfig& cfg, int64_t cap, DType dt) {
   Cache c{make_decode_cache(arena, cfg, cap, dt)};
-  c.bytes = static_cast<size_t>(2 * cfg.L * dtype_bytes(dt, cfg.Hkv * cap * cfg.D));
+  for (const Buffer& b : c.dc.bufs) c.bytes += b.size();
   return c;
+}
+
+const char* cache_name(DType dt) {
+  switch (dt) {
+    case DType::f32: return "fp32";
+    case DType::bf16: return "bf16";
+    case DType::f8_e4m3: return "fp8";
+    case DType::i8: return "int8";
+    default: return "?";
+  }
+}
+
+bool parse_dtypes(const std::string& list, std::vector<DType>& out) {
+  size_t at = 0;
+  while (at <= list.size()) {
+    const size_t comma = std::min(list.find(',', at), list.size());
+    const std::string w = list.substr(at, comma - at);
+    if (w == "bf16") out.push_back(DType::bf16);
+    else if (w == "fp8") out.push_back(DType::f8_e4m3);
+    else if (w == "int8") out.push_back(DType::i8);
+    else return false;
+    at = comma + 1;
+  }
+  return !out.empty();
 }
 
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
@@ -70,6 +94,7 @@ int main(int argc, char** argv) {
   std::string model = std::string(home ? home : "") + "/.cache/oomless/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
   std::string ids_path = "tests/golden/smollm2/eval.ids";
   int64_t n_tokens = 512, prompts = 8, n_new = 64;
+  std::string dtypes = "bf16,fp8,int8";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--model" && i + 1 < argc) model = argv[++i];
@@ -77,11 +102,21 @@ int main(int argc, char** argv) {
     else if (a == "--tokens" && i + 1 < argc) n_tokens = std::atoll(argv[++i]);
     else if (a == "--prompts" && i + 1 < argc) prompts = std::atoll(argv[++i]);
     else if (a == "--new" && i + 1 < argc) n_new = std::atoll(argv[++i]);
+    else if (a == "--dtypes" && i + 1 < argc) dtypes = argv[++i];
     else {
-      std::fprintf(stderr, "usage: bench_kv_cache [--model M] [--ids FILE] [--tokens N] [--prompts K] [--new N]\n");
+      std::fprintf(stderr,
+                   "usage: bench_kv_cache [--model M] [--ids FILE] [--tokens N] [--prompts K] [--new N] "
+                   "[--dtypes bf16,fp8,int8]\n");
       return 2;
     }
   }
+  std::vector<DType> kinds = {DType::f32};  // fp32 first: the others are measured against it
+  if (!parse_dtypes(dtypes, kinds)) {
+    std::fprintf(stderr, "bench_kv_cache: --dtypes takes a comma-separated list of bf16, fp8, int8 (got '%s')\n",
+                 dtypes.c_str());
+    return 2;
+  }
+  const size_t K = kinds.size();
   std::vector<int32_t> text;
   {
     std::ifstream f(ids_path);
@@ -104,13 +139,13 @@ int main(int argc, char** argv) {
   const int64_t T = static_cast<int64_t>(text.size());
 
   // Teacher-forced loss through the cache, one token at a time.
-  double loss[2] = {0, 0}, step_s[2] = {0, 0};
-  size_t cache_bytes[2] = {0, 0};
+  std::vector<double> loss(K, 0.0), step_s(K, 0.0);
+  std::vector<size_t> cache_bytes(K, 0);
+  std::vector<int64_t> top_agree(K, 0);
   std::vector<float> logits(static_cast<size_t>(cfg.V));
   std::vector<int64_t> top(static_cast<size_t>(T), -1);
-  int64_t top_agree = 0;
-  for (int k = 0; k < 2; ++k) {
-    Cache c = make_cache(e.mem->device, cfg, T, k == 0 ? DType::f32 : DType::bf16);
+  for (size_t k = 0; k < K; ++k) {
+    Cache c = make_cache(e.mem->device, cfg, T, kinds[k]);
     cache_bytes[k] = c.bytes;
     std::vector<double> times;
     for (int64_t t = 0; t + 1 < T; ++t) {
@@ -120,7 +155,7 @@ int main(int argc, char** argv) {
       loss[k] -= log_softmax_at(logits, text[static_cast<size_t>(t + 1)]);
       const int64_t best = std::max_element(logits.begin(), logits.end()) - logits.begin();
       if (k == 0) top[static_cast<size_t>(t)] = best;
-      else top_agree += best == top[static_cast<size_t>(t)];
+      else top_agree[k] += best == top[static_cast<size_t>(t)];
     }
     loss[k] /= static_cast<double>(T - 1);
     std::sort(times.begin(), times.end());
@@ -129,45 +164,59 @@ int main(int argc, char** argv) {
   size_t weight_bytes = 0;
   for (int i = 0; i < kTierCount; ++i) weight_bytes += e.mem->device.ledger().current(static_cast<Tier>(i), Category::weights);
   const double triad = triad_bytes_per_s();
-  std::printf("cache for %lld positions: fp32 %.2f MiB, bf16 %.2f MiB\n", static_cast<long long>(T),
-              cache_bytes[0] / 1048576.0, cache_bytes[1] / 1048576.0);
-  std::printf("teacher-forced loss through the cache: fp32 %.6f, bf16 %.6f (%+.4f%%)\n", loss[0], loss[1],
-              100.0 * (loss[1] - loss[0]) / loss[0]);
-  std::printf("most likely next token equal to the fp32 cache's: %lld of %lld positions (%.2f%%)\n\n",
-              static_cast<long long>(top_agree), static_cast<long long>(T - 1), 100.0 * static_cast<double>(top_agree) / static_cast<double>(T - 1));
+  std::printf("cache for %lld positions, teacher-forced loss through it, and the positions whose most likely next\n"
+              "token is the fp32 cache's (of %lld):\n",
+              static_cast<long long>(T), static_cast<long long>(T - 1));
+  for (size_t k = 0; k < K; ++k) {
+    std::printf("  %-4s %8.2f MiB (%.3fx)  loss %.6f (%+.4f%%)", cache_name(kinds[k]), cache_bytes[k] / 1048576.0,
+                static_cast<double>(cache_bytes[k]) / static_cast<double>(cache_bytes[0]), loss[k],
+                100.0 * (loss[k] - loss[0]) / loss[0]);
+    if (k > 0)
+      std::printf("  top-1 %lld (%.2f%%)", static_cast<long long>(top_agree[k]),
+                  100.0 * static_cast<double>(top_agree[k]) / static_cast<double>(T - 1));
+    std::printf("\n");
+  }
+  std::printf("\n");
 
-  for (int k = 0; k < 2; ++k) {
+  for (size_t k = 0; k < K; ++k) {
     const double kv_read = static_cast<double>(cache_bytes[k]) * static_cast<double>(T - 17) / static_cast<double>(T);
     const double ideal = (static_cast<double>(weight_bytes) + kv_read) / triad;
     std::printf("decode step at position ~%lld, %s cache: %.2f ms (median of the last 32); weights %.1f MiB + cache "
                 "read %.1f MiB over triad %.1f GB/s = %.2f ms: %.2fx\n",
-                static_cast<long long>(T - 17), k == 0 ? "fp32" : "bf16", 1e3 * step_s[k], weight_bytes / 1048576.0,
+                static_cast<long long>(T - 17), cache_name(kinds[k]), 1e3 * step_s[k], weight_bytes / 1048576.0,
                 kv_read / 1048576.0, triad / 1e9, 1e3 * ideal, step_s[k] / ideal);
   }
   std::printf("\n");
 
-  // Greedy continuations of prompts cut from the text.
-  int64_t same_runs = 0;
-  std::printf("prompt  first disagreement (of %lld new)\n", static_cast<long long>(n_new));
+  // Greedy continuations of prompts cut from the text: where each cache's first differs from the fp32 cache's.
+  std::vector<int64_t> same_runs(K, 0);
+  std::printf("prompt  first disagreement with fp32 (of %lld new):", static_cast<long long>(n_new));
+  for (size_t k = 1; k < K; ++k) std::printf(" %s", cache_name(kinds[k]));
+  std::printf("\n");
   for (int64_t p = 0; p < prompts; ++p) {
     const int64_t start = (T / 2) * p / std::max<int64_t>(prompts, 1), len = 32;
     if (start + len > T) break;
     const std::vector<int32_t> prompt(text.begin() + start, text.begin() + start + len);
     GenerateOptions o;
     o.max_new = n_new;
-    std::vector<int32_t> out[2];
-    for (int k = 0; k < 2; ++k) {
-      o.kv_dtype = k == 0 ? DType::f32 : DType::bf16;
+    std::vector<std::vector<int32_t>> out(K);
+    for (size_t k = 0; k < K; ++k) {
+      o.kv_dtype = kinds[k];
       out[k] = generate(m, e.mem->device, prompt, o);
     }
-    int64_t first = -1;
-    for (size_t i = 0; i < out[0].size() && i < out[1].size(); ++i)
-      if (first < 0 && out[0][i] != out[1][i]) first = static_cast<int64_t>(i);
-    if (first < 0 && out[0].size() != out[1].size()) first = static_cast<int64_t>(std::min(out[0].size(), out[1].size()));
-    same_runs += first < 0;
-    std::printf("%6lld  %s\n", static_cast<long long>(p), first < 0 ? "none" : std::to_string(first).c_str());
+    std::printf("%6lld ", static_cast<long long>(p));
+    for (size_t k = 1; k < K; ++k) {
+      int64_t first = -1;
+      for (size_t i = 0; i < out[0].size() && i < out[k].size(); ++i)
+        if (first < 0 && out[0][i] != out[k][i]) first = static_cast<int64_t>(i);
+      if (first < 0 && out[0].size() != out[k].size()) first = static_cast<int64_t>(std::min(out[0].size(), out[k].size()));
+      same_runs[k] += first < 0;
+      std::printf(" %s", first < 0 ? "none" : std::to_string(first).c_str());
+    }
+    std::printf("\n");
   }
-  std::printf("greedy continuations identical to the fp32 cache's: %lld of %lld\n", static_cast<long long>(same_runs),
-              static_cast<long long>(prompts));
+  for (size_t k = 1; k < K; ++k)
+    std::printf("greedy continuations identical to the fp32 cache's, %s: %lld of %lld\n", cache_name(kinds[k]),
+                static_cast<long long>(same_runs[k]), static_cast<long long>(prompts));
   return 0;
 }
