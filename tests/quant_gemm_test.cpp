@@ -10,6 +10,11 @@
 #include <random>
 
 #include "backend/ops.h"
+#include "core/cpu_info.h"
+#include "io/gguf.h"
+#include "io/gguf_model.h"
+#include "memory/arena.h"
+#include "model/quant_base.h"
 #include "util/harness.h"
 
 namespace oomless::test {
@@ -120,6 +125,89 @@ TEST(QuantGemm, OnlyMatmulTakesAQuantisedTensor) {
   bad.qrow0 = 1;  // rows 1..4 of a 4-row matrix
   EXPECT_THROW(ops->matmul(Tensor::of(y.data(), {2, 4}), Tensor::of(x.data(), {2, 8}), bad, false, true, false), Error);
   EXPECT_NE(wq.str().find("q8-test"), std::string::npos);
+}
+
+// GGUF Q4_0, Q4_1 and Q8_0 bases: a one-row product (decoding) takes QuantMatrix::dot_rows where the CPU has
+// AVX2 + FMA, the dot product made from the blocks in registers; it is bitwise the product with the
+// dequantised matrix (the rows the dequantiser gives, then the one-row dot loop), for the un-permuted query
+// rows, row views (qrow0) that start and end inside a group of eight outputs, and 1 or 2 threads.
+std::vector<uint8_t> random_blocks(GgmlType t, int64_t rows, int64_t cols, uint64_t seed) {
+  const GgmlTypeInfo* ti = ggml_type_info(static_cast<uint32_t>(t));
+  const int64_t nb = cols / ti->block_size;
+  std::vector<uint8_t> b(static_cast<size_t>(rows * nb * ti->type_size));
+  std::mt19937_64 rng(seed);
+  for (auto& x : b) x = static_cast<uint8_t>(rng());
+  for (int64_t i = 0; i < rows * nb; ++i) {  // sane f16 scales (and Q4_1's min): |d| in [2^-10, 2^-5)
+    uint8_t* blk = b.data() + i * ti->type_size;
+    for (int h = 0; h < (t == GgmlType::Q4_1 ? 2 : 1); ++h) {
+      const uint16_t f16 = static_cast<uint16_t>(((rng() & 1) << 15) | ((5 + rng() % 5) << 10) | (rng() & 0x3FF));
+      std::memcpy(blk + 2 * h, &f16, 2);
+    }
+  }
+  return b;
+}
+
+TEST(QuantGemm, GgufOneRowFromTheBlocksIsBitwiseTheDequantisedProduct) {
+  ModelConfig cfg;
+  cfg.L = 1, cfg.E = 96, cfg.F = 160, cfg.H = 4, cfg.Hkv = 2, cfg.D = 24, cfg.V = 32;
+  const CpuInfo cpu = detect_cpu();
+  const char* isa = std::getenv("OOMLESS_ISA");
+  const bool fused = cpu.avx2 && cpu.fma && cpu.f16c && !(isa && std::string(isa) == "generic");
+  auto ops = make_ops("cpu");
+  for (GgmlType type : {GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0}) {
+    SCOPED_TRACE(ggml_type_name(type));
+    CpuMemory mem(size_t{1} << 28);
+    ParamSet qp(cfg, DType::f32, mem.device, Category::weights, [](const ParamSpec& s) { return !is_projection_weight(s.name); });
+    // q_proj (un-permuted heads), down_proj (K = F = 5 blocks)
+    const char* names[] = {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"};
+    std::vector<std::vector<uint8_t>> data;
+    std::vector<GgufTensor> srcs(2);
+    std::vector<GgufHfTensor> ts(2);
+    for (int i = 0; i < 2; ++i) {
+      const Tensor* slot = qp.find(names[i]);
+      ASSERT_NE(slot, nullptr);
+      const int64_t rows = slot->dims[0], cols = slot->dims[1];
+      data.push_back(random_blocks(type, rows, cols, 7 + static_cast<uint64_t>(i)));
+      srcs[static_cast<size_t>(i)].type = type;
+      srcs[static_cast<size_t>(i)].ne = {cols, rows};
+      srcs[static_cast<size_t>(i)].data = data.back().data();
+      srcs[static_cast<size_t>(i)].nbytes = data.back().size();
+      ts[static_cast<size_t>(i)] = {names[i], {rows, cols}, &srcs[static_cast<size_t>(i)], i == 0 ? static_cast<int>(cfg.H) : 0};
+    }
+    QuantBase qb(ts, qp, mem.device, false);
+    for (const char* name : names) {
+      const Tensor w = *qp.find(name);
+      ASSERT_NE(w.quant, nullptr);
+      EXPECT_EQ(w.quant->dot_rows != nullptr, fused) << name;
+      const int64_t N = w.dims[0], K = w.dims[1];
+      std::vector<float> dense(static_cast<size_t>(N * K));
+      for (int64_t r = 0; r < N; ++r) w.quant->dequant_row(*w.quant, r, 0, K, dense.data() + r * K);
+      // the whole matrix, and rows [3, 3 + 13) as a view
+      for (int64_t r0 : {int64_t{0}, int64_t{3}}) {
+        const int64_t n = r0 ? 13 : N;
+        Tensor wq = w;
+        wq.dims[0] = n, wq.qrow0 = r0;
+        Tensor wd(dense.data() + r0 * K, DType::f32, {n, K});
+        const std::vector<float> x = randn(K, 3);
+        for (int threads : {1, 2}) {
+          omp_set_num_threads(threads);
+          std::vector<float> y1(static_cast<size_t>(n)), y2(y1.size());
+          ops->matmul(Tensor::of(y1.data(), {1, n}), Tensor::of(x.data(), {1, K}), wq, false, true, false);
+          ops->matmul(Tensor::of(y2.data(), {1, n}), Tensor::of(x.data(), {1, K}), wd, false, true, false);
+          EXPECT_EQ(std::memcmp(y1.data(), y2.data(), y1.size() * 4), 0) << name << " rows from " << r0 << ", threads " << threads;
+          double err = 0, norm = 0;  // and the value itself, against float64
+          for (int64_t j = 0; j < n; ++j) {
+            double s = 0;
+            for (int64_t k = 0; k < K; ++k) s += static_cast<double>(x[static_cast<size_t>(k)]) * dense[static_cast<size_t>((r0 + j) * K + k)];
+            err = std::max(err, std::abs(s - y1[static_cast<size_t>(j)]));
+            norm = std::max(norm, std::abs(s));
+          }
+          EXPECT_LT(err, 1e-5 * (1 + norm)) << name;
+        }
+      }
+    }
+  }
+  omp_set_num_threads(omp_get_num_procs());
 }
 
 }  // namespace

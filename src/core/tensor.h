@@ -29,6 +29,12 @@ struct QuantMatrix {
   int64_t rows = 0, cols = 0;
   // out[0, n) = elements [col, col + n) of row r, as f32 (col + n <= cols).
   void (*dequant_row)(const QuantMatrix& q, int64_t r, int64_t col, int64_t n, float* out) = nullptr;
+  // Optional, for one-row products (decoding): acc[8 i + l] += a[k] * element col + k of row rows[i], for the
+  // k < n with k mod 8 = l in ascending k, each term one fused multiply-add: the bits of dequant_row followed
+  // by the GEMM's eight-lane dot loop on a CPU with FMA, without the dequantised row. g <= 8. Returns false
+  // where it cannot (a span that is not whole blocks); the GEMM then dequantises the rows.
+  bool (*dot_rows)(const QuantMatrix& q, const int64_t* rows, int g, int64_t col, int64_t n, const float* a,
+                   float* acc) = nullptr;
   const void* data = nullptr;
   const void* aux = nullptr;
   int64_t param = 0;

@@ -55,6 +55,13 @@ void dequantize(GgmlType t, const void* src, int64_t n, float* dst);
 // a dequantiser. For callers that decode many short runs (rows of a quantised matrix).
 using GgmlBlockDecoder = void (*)(const uint8_t* src, int64_t blocks, float* dst);
 GgmlBlockDecoder ggml_block_decoder(GgmlType t);
+// The one-row product's kernel for a type, where this CPU has one (Q4_0, Q4_1, Q8_0 with AVX2 + FMA + F16C):
+// acc[8 i + l] += a[k] * x_i[k] over the k < 32 * blocks with k mod 8 = l, ascending, one fused multiply-add
+// each, x_i the elements of the blocks at rows[i] (i < g <= 8) as the decoder gives them, taken from the
+// blocks in registers, each row's line `ahead` bytes further prefetched. nullptr where there is none.
+using GgmlRowDot = void (*)(const uint8_t* const* rows, int g, int64_t blocks, const float* a, float* acc,
+                            int64_t ahead);
+GgmlRowDot ggml_row_dot(GgmlType t);
 
 enum class GgufValueType : uint32_t {
   u8 = 0, i8 = 1, u16 = 2, i16 = 3, u32 = 4, i32 = 5, f32 = 6, boolean = 7, string = 8, array = 9,

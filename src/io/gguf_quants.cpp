@@ -328,6 +328,79 @@ OOMLESS_DEQ512_TARGET void run_q8_0_512(const uint8_t* b, int64_t n, float* y) {
   }
 }
 
+// The one-row product's kernels (ggml_row_dot): a block's four eight-element chunks made in registers by the
+// operations of the AVX2 decoders above (d * q is exact in f32, so the fused d * q + m of Q4_1 rounds as the
+// decoder's product and sum do), each chunk fused-multiply-added into its row's eight lanes.
+#define OOMLESS_DOT_TARGET __attribute__((target("avx2,fma,f16c")))
+
+OOMLESS_DOT_TARGET inline __m256 widen_u8(__m128i q) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)); }
+OOMLESS_DOT_TARGET inline __m256 widen_i8(__m128i q) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)); }
+
+OOMLESS_DOT_TARGET inline void chunks_q4_0(const uint8_t* b, __m256* x) {
+  const __m256 d = _mm256_set1_ps(half_f16c(b));
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)), nib = _mm_set1_epi8(0x0F);
+  const __m128i eight = _mm_set1_epi8(8);
+  const __m128i lo = _mm_sub_epi8(_mm_and_si128(q, nib), eight), hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), nib), eight);
+  x[0] = _mm256_mul_ps(widen_i8(lo), d);
+  x[1] = _mm256_mul_ps(widen_i8(_mm_srli_si128(lo, 8)), d);
+  x[2] = _mm256_mul_ps(widen_i8(hi), d);
+  x[3] = _mm256_mul_ps(widen_i8(_mm_srli_si128(hi, 8)), d);
+}
+
+OOMLESS_DOT_TARGET inline void chunks_q4_1(const uint8_t* b, __m256* x) {
+  const __m256 d = _mm256_set1_ps(half_f16c(b)), m = _mm256_set1_ps(half_f16c(b + 2));
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4)), nib = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(q, nib), hi = _mm_and_si128(_mm_srli_epi16(q, 4), nib);
+  x[0] = _mm256_fmadd_ps(widen_u8(lo), d, m);
+  x[1] = _mm256_fmadd_ps(widen_u8(_mm_srli_si128(lo, 8)), d, m);
+  x[2] = _mm256_fmadd_ps(widen_u8(hi), d, m);
+  x[3] = _mm256_fmadd_ps(widen_u8(_mm_srli_si128(hi, 8)), d, m);
+}
+
+OOMLESS_DOT_TARGET inline void chunks_q8_0(const uint8_t* b, __m256* x) {
+  const __m256 d = _mm256_set1_ps(half_f16c(b));
+  const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
+  const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18));
+  x[0] = _mm256_mul_ps(widen_i8(q0), d);
+  x[1] = _mm256_mul_ps(widen_i8(_mm_srli_si128(q0, 8)), d);
+  x[2] = _mm256_mul_ps(widen_i8(q1), d);
+  x[3] = _mm256_mul_ps(widen_i8(_mm_srli_si128(q1, 8)), d);
+}
+
+// G rows at once (a read once per block for all of them), k ascending within each lane.
+// ahead: bytes past each row's blocks to prefetch, a line at a time (where the next group of rows lies).
+template <void (*Chunks)(const uint8_t*, __m256*), int Bytes, int G>
+OOMLESS_DOT_TARGET inline void dot_rows_g(const uint8_t* const* rows, int64_t blocks, const float* a, float* acc,
+                                          int64_t ahead) {
+  constexpr int kEvery = 64 / Bytes;  // blocks a cache line
+  __m256 s[G];
+  for (int i = 0; i < G; ++i) s[i] = _mm256_loadu_ps(acc + 8 * i);
+  for (int64_t k = 0; k < blocks; ++k) {
+    const float* ak = a + 32 * k;
+    const __m256 a0 = _mm256_loadu_ps(ak), a1 = _mm256_loadu_ps(ak + 8), a2 = _mm256_loadu_ps(ak + 16),
+                 a3 = _mm256_loadu_ps(ak + 24);
+    for (int i = 0; i < G; ++i) {
+      const uint8_t* b = rows[i] + k * Bytes;
+      if (k % kEvery == 0) _mm_prefetch(reinterpret_cast<const char*>(b) + ahead, _MM_HINT_T0);
+      __m256 x[4];
+      Chunks(b, x);
+      s[i] = _mm256_fmadd_ps(a0, x[0], s[i]);
+      s[i] = _mm256_fmadd_ps(a1, x[1], s[i]);
+      s[i] = _mm256_fmadd_ps(a2, x[2], s[i]);
+      s[i] = _mm256_fmadd_ps(a3, x[3], s[i]);
+    }
+  }
+  for (int i = 0; i < G; ++i) _mm256_storeu_ps(acc + 8 * i, s[i]);
+}
+
+template <void (*Chunks)(const uint8_t*, __m256*), int Bytes>
+OOMLESS_DOT_TARGET void dot_rows(const uint8_t* const* rows, int g, int64_t blocks, const float* a, float* acc,
+                                 int64_t ahead) {
+  int i = 0;
+  for (; i + 4 <= g; i += 4) dot_rows_g<Chunks, Bytes, 4>(rows + i, blocks, a, acc + 8 * i, ahead);
+  for (; i < g; ++i) dot_rows_g<Chunks, Bytes, 1>(rows + i, blocks, a, acc + 8 * i, ahead);
+}
+
 using BlockFn = void (*)(const uint8_t*, float*);
 
 // The vector forms this CPU has, lowered by OOMLESS_ISA as the GEMM's are (generic: none, avx2: no AVX-512),
@@ -403,6 +476,17 @@ GgmlBlockDecoder block_decoder(GgmlType t) {
 }  // namespace
 
 GgmlBlockDecoder ggml_block_decoder(GgmlType t) { return block_decoder(t); }
+
+GgmlRowDot ggml_row_dot(GgmlType t) {
+  static const bool fma = detect_cpu().fma;
+  if (!have_avx2() || !fma) return nullptr;
+  switch (t) {
+    case GgmlType::Q4_0: return dot_rows<chunks_q4_0, 18>;
+    case GgmlType::Q4_1: return dot_rows<chunks_q4_1, 20>;
+    case GgmlType::Q8_0: return dot_rows<chunks_q8_0, 34>;
+    default: return nullptr;
+  }
+}
 
 bool ggml_can_dequantize(GgmlType t) {
   return block_decoder(t) != nullptr;

@@ -14,15 +14,18 @@ namespace oomless {
 
 namespace {
 
+// The GGUF row that holds HF row r.
+int64_t gguf_row(const QuantBase::Blocks& g, int64_t r) {
+  if (g.heads == 0) return r;
+  // HF row h*D + s*D/2 + i is GGUF row h*D + 2i + s
+  const int64_t h = r / g.D, rem = r % g.D, s = rem / (g.D / 2), i = rem % (g.D / 2);
+  return h * g.D + 2 * i + s;
+}
+
 // Row r (HF order) of a GGUF matrix, elements [col, col + n), one block at a time.
 void dequant_gguf_row(const QuantMatrix& q, int64_t r, int64_t col, int64_t n, float* out) {
   const QuantBase::Blocks& g = *static_cast<const QuantBase::Blocks*>(q.aux);
-  int64_t gr = r;
-  if (g.heads > 0) {  // HF row h*D + s*D/2 + i is GGUF row h*D + 2i + s
-    const int64_t h = r / g.D, rem = r % g.D, s = rem / (g.D / 2), i = rem % (g.D / 2);
-    gr = h * g.D + 2 * i + s;
-  }
-  const char* row = static_cast<const char*>(q.data) + gr * g.row_bytes;
+  const char* row = static_cast<const char*>(q.data) + gguf_row(g, r) * g.row_bytes;
   // Partial blocks at either end through a block's worth of scratch; the whole blocks between in one call.
   float tmp[256];
   const int64_t end = col + n;
@@ -44,6 +47,17 @@ void dequant_gguf_row(const QuantMatrix& q, int64_t r, int64_t col, int64_t n, f
     c += whole * g.block;
   }
   if (c < end) partial(c, end - c);
+}
+
+// The one-row product over whole blocks of rows[0, g), from the blocks (QuantMatrix::dot_rows).
+bool dot_gguf_rows(const QuantMatrix& q, const int64_t* rows, int g, int64_t col, int64_t n, const float* a, float* acc) {
+  const QuantBase::Blocks& b = *static_cast<const QuantBase::Blocks*>(q.aux);
+  if (!b.dot || g > 8 || col % b.block || n % b.block) return false;
+  const uint8_t* p[8];
+  const uint8_t* base = static_cast<const uint8_t*>(q.data) + col / b.block * b.block_bytes;
+  for (int i = 0; i < g; ++i) p[i] = base + gguf_row(b, rows[i]) * b.row_bytes;
+  b.dot(p, g, n / b.block, a, acc, 8 * b.row_bytes);  // the next group of eight rows
+  return true;
 }
 
 // 16 NF4 elements from 8 bytes (the first of each pair in the high nibble): a 16-entry table lookup as
@@ -202,6 +216,8 @@ QuantBase::QuantBase(const std::vector<GgufHfTensor>& tensors, ParamSet& params,
     q.format = ti->name;
     q.rows = rows, q.cols = cols;
     q.dequant_row = &dequant_gguf_row;
+    b.dot = ggml_row_dot(t.src->type);
+    if (b.dot) q.dot_rows = &dot_gguf_rows;
     q.data = bufs_.back().data();
     q.aux = &b;
     Tensor v(nullptr, params.dtype(), {rows, cols});

@@ -50,6 +50,7 @@ class QuantBase {
   struct Blocks {
     GgmlType type{};
     GgmlBlockDecoder decode = nullptr;  // the type's run-of-blocks loop (io/gguf.h)
+    GgmlRowDot dot = nullptr;           // its one-row product kernel, where this CPU has one (io/gguf.h)
     int64_t block = 1, block_bytes = 0, row_bytes = 0;
     int64_t heads = 0, D = 0;  // 0 heads: rows as stored
   };

@@ -42,9 +42,12 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "backend/cpu/gemm_kernel.h"
+#include "core/cpu_info.h"
 #include "core/dtype.h"
 
 namespace oomless::gemm_detail {
@@ -540,6 +543,18 @@ void axpy_rows(float* y, const float* x, const float* const* r, int g, int64_t n
 }
 #pragma GCC diagnostic pop
 
+// Whether dot_lanes runs its FMA clone here, so that a quantised matrix's dot_rows (one fused multiply-add a
+// term) gives its bits; OOMLESS_ROW_DOT=0 turns dot_rows off (benchmarks compare the two).
+bool dot_from_blocks() {
+  static const bool yes = [] {
+    const char* e = std::getenv("OOMLESS_ROW_DOT");
+    if (e && std::strcmp(e, "0") == 0) return false;
+    const CpuInfo c = detect_cpu();
+    return c.avx2 && c.fma;
+  }();
+  return yes;
+}
+
 // c (1, N) (+)= af (1, K) . op(b), af the gathered f32 row of a; work: kRowGroup * kRowSeg floats a thread.
 template <class BP>
 void run_row(const GemmShape& s, const float* af, BP b, float* c, float* work) {
@@ -554,7 +569,16 @@ void run_row(const GemmShape& s, const float* af, BP b, float* c, float* work) {
       v8f acc[kRowGroup] = {};
       float tail[kRowGroup] = {};
       const float* r[kRowGroup];
-      for (int64_t k0 = 0; k0 < K; k0 += kRowSeg) {
+      int64_t k_from = 0;  // [0, k_from) done from the blocks
+      if constexpr (std::is_same_v<BP, QuantB>) {
+        const QuantB b0 = b + j0 * s.ldb;
+        if (b.q->dot_rows && k8 > 0 && dot_from_blocks()) {
+          int64_t rows[kRowGroup];
+          for (int i = 0; i < g; ++i) rows[i] = b0.qrow0 + (b0.off + i * s.ldb) / s.ldb;
+          if (b.q->dot_rows(*b.q, rows, g, b0.off % s.ldb, k8, af, reinterpret_cast<float*>(acc))) k_from = k8;
+        }
+      }
+      for (int64_t k0 = k_from; k0 < K; k0 += kRowSeg) {
         const int64_t n = std::min(kRowSeg, K - k0);
         for (int i = 0; i < g; ++i) r[i] = row_floats(b + (j0 + i) * s.ldb + k0, n, s.ldb, buf + i * kRowSeg);
         const int64_t n8 = std::min(n, k8 - k0);
