@@ -8,6 +8,7 @@
 #   8bit    --optim adamw8bit                                       (10)
 #   disk    --optim adamw --optim-state disk --step-in-backward     (4 + one layer's gradients)
 #   best    --optim adamw8bit --optim-state disk --step-in-backward (4 + one layer's gradients; 2 on disk)
+#   OPTIM-TIER (e.g. adamw-device, adamw8bit-disk, galore-host, galore8bit-disk): --optim OPTIM --optim-state TIER
 #
 # usage: bench/optim/fit_full_ft.sh [SHAPE=tinyllama-1.1b] [T=1024] [COMBOS="best today"] [OOMLESS=build/release/oomless]
 set -eu
@@ -26,7 +27,8 @@ for combo in $combos; do
     8bit) flags="--optim adamw8bit" ;;
     disk) flags="--optim adamw --optim-state disk --step-in-backward --clip 1 --clip-norm previous" ;;
     best) flags="--optim adamw8bit --optim-state disk --step-in-backward --clip 1 --clip-norm previous" ;;
-    *) echo "unknown combination $combo (today, 8bit, disk, best)" >&2; exit 2 ;;
+    adamw-*|adamw8bit-*|galore-*|galore8bit-*) flags="--optim ${combo%-*} --optim-state ${combo##*-}" ;;
+    *) echo "unknown combination $combo (today, 8bit, disk, best, or OPTIM-TIER)" >&2; exit 2 ;;
   esac
   rm -rf "$work/$combo"
   echo "== $combo: $flags"
