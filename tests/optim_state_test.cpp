@@ -95,6 +95,34 @@ TEST(OptimState, ResumesAcrossTiersAndStepsInBackward) {
   EXPECT_EQ(losses(plain), losses(disk));
 }
 
+// GaLore's scale defaults to 1 (galore_torch's GaLoreProjector): the default gives what an explicit 1 gives
+// and is what the run saves; a run saved with another scale resumes with it when the flag is left out.
+TEST(OptimState, GaLoreScaleDefaultsToOneAndAResumeKeepsTheSavedOne) {
+  const std::string dir = testing::TempDir() + "/oomless_gscale_";
+  TrainConfig one = with(micro(dir + "one"), Opt{"galore"});
+  one.galore_scale = 1.0;
+  ASSERT_EQ(run_training(one), 0);
+  TrainConfig dflt = with(micro(dir + "default"), Opt{"galore"});
+  ASSERT_LT(dflt.galore_scale, 0);
+  ASSERT_EQ(run_training(dflt), 0);
+  test::expect_same_run(dir + "one", dir + "default");
+  const json::Value st = json::parse(slurp(dir + "default/checkpoint-4/trainer_state.json"));
+  EXPECT_EQ(st.at("config").at("galore-scale").as_number(), 1.0);
+  TrainConfig quarter = with(micro(dir + "quarter"), Opt{"galore"});
+  quarter.galore_scale = 0.25;
+  ASSERT_EQ(run_training(quarter), 0);
+  EXPECT_FALSE(slurp(dir + "quarter/checkpoint-4/model.safetensors") == slurp(dir + "one/checkpoint-4/model.safetensors"));
+  TrainConfig split = quarter;
+  split.out = dir + "split";
+  fs::remove_all(split.out);
+  ASSERT_EQ(run_training(split), 0);
+  fs::remove_all(split.out + "/checkpoint-4");
+  split.resume = true;
+  split.galore_scale = TrainConfig{}.galore_scale;  // left out on resume
+  ASSERT_EQ(run_training(split), 0);
+  test::expect_same_run(dir + "quarter", dir + "split");
+}
+
 // The ledger: on disk the whole state is Disk bytes, memory holds the window (three pieces' state: preset
 // tiny's embedding, 3M elements, streams as three pieces of 1M), and nothing of it is Host. The split
 // embedding's 8-bit blocks and GaLore's whole matrices beside it train bit for bit as in memory.

@@ -56,7 +56,7 @@ def main():
                     help="torch.optim.AdamW (fused), bitsandbytes.optim.AdamW8bit or galore_torch.GaLoreAdamW")
     ap.add_argument("--galore-rank", type=int, default=0, help="default hidden size / 4, as oomless")
     ap.add_argument("--galore-gap", type=int, default=200)
-    ap.add_argument("--galore-scale", type=float, default=0.25)
+    ap.add_argument("--galore-scale", type=float, default=1.0, help="as oomless (galore_torch's projector default)")
     a = ap.parse_args()
 
     import torch

@@ -28,7 +28,7 @@ namespace oomless {
 struct GaLoreSettings {
   int64_t rank = 0;       // r
   int64_t gap = 200;      // update_proj_gap
-  double scale = 0.25;    // galore_torch's scale
+  double scale = 1.0;     // the projected step is multiplied by it (GaLoreProjector's default)
   bool eight_bit = false;  // galore8bit
   bool staggered = false;  // refresh one layer's projectors per step instead of all at once
 };

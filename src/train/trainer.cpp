@@ -192,7 +192,10 @@ const std::vector<TrainOption>& train_options() {
       whole("galore-rank", true, "r", "GaLore's rank (default: width / 4)", &C::galore_rank),
       whole("galore-gap", true, "n", "steps between GaLore's projector refreshes (an SVD per matrix) (default 200)",
             &C::galore_gap),
-      real("galore-scale", true, "s", "GaLore's update scale (default 0.25)", &C::galore_scale),
+      real("galore-scale", true, "s",
+           "GaLore's update scale: the projected Adam step is multiplied by it (default 1,\n"
+           "galore_torch's; transformers' Trainer uses 0.25, with a larger --lr)",
+           &C::galore_scale),
       text("galore-refresh", true, "all|staggered",
            "all: every projector refreshed at the same step; staggered: layer l's at the\nsteps s with (s-1) mod "
            "gap = l mod gap, spreading the SVDs (default all)",
@@ -394,13 +397,13 @@ void validate_config(const TrainConfig& c) {
             " is not supported; use yes or no");
   parse_optimizer(c.optim);
   const bool galore = c.optim == "galore" || c.optim == "galore8bit";
-  OOM_CHECK(galore || (c.galore_rank == 0 && c.galore_gap == 200 && c.galore_scale == 0.25 && c.galore_refresh == "all"),
+  OOM_CHECK(galore || (c.galore_rank == 0 && c.galore_gap == 200 && c.galore_scale < 0 && c.galore_refresh == "all"),
             "[train] --galore-rank, --galore-gap, --galore-scale and --galore-refresh need --optim galore or galore8bit");
   OOM_CHECK(!galore || c.lora == 0, "[train] --optim ", c.optim, " projects the gradients of full weight matrices; "
             "with --lora (an adapter already low-rank) use --optim adamw or adamw8bit");
   OOM_CHECK(c.galore_refresh == "all" || c.galore_refresh == "staggered", "[train] --galore-refresh ",
             c.galore_refresh, " is not supported; use all or staggered");
-  OOM_CHECK(c.galore_rank >= 0 && c.galore_gap >= 1 && c.galore_scale > 0 && std::isfinite(c.galore_scale),
+  OOM_CHECK(c.galore_rank >= 0 && c.galore_gap >= 1 && (c.galore_scale == -1 || (c.galore_scale > 0 && std::isfinite(c.galore_scale))),
             "[train] --galore-rank must be at least 1 (or 0: width / 4), --galore-gap at least 1 and --galore-scale positive");
   OOM_CHECK(c.clip_norm == "current" || c.clip_norm == "previous", "[train] --clip-norm ", c.clip_norm,
             " is not supported; use current or previous");
@@ -718,7 +721,9 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
     keep("min-lr", c.min_lr);
     keep("weight-decay", c.weight_decay);
     if (c.warmup < 0 && saved.find("warmup") && saved.at("warmup").is_number()) c.warmup = saved.at("warmup").as_int();
+    keep("galore-scale", c.galore_scale);
   }
+  if (c.galore_scale < 0) c.galore_scale = 1.0;
   // Model, memory, optimizer: everything is reserved here, before step 1.
   if (const char* busy = std::getenv("OOMLESS_WAIT_CHOSEN"))
     say("oomless train: %s CPUs were busy with other work at start: waiting threads sleep (OMP_WAIT_POLICY=passive; "
@@ -926,7 +931,9 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
     const json::Value& st = ck->state;
     const json::Value& saved = st.at("config");
     const json::Value now = c.to_json();
-    const json::Value defaults = TrainConfig{}.to_json();  // settings a run saved by an older binary lacks
+    TrainConfig older;  // settings a run saved by an older binary lacks: their defaults, resolved as above
+    older.galore_scale = 1.0;
+    const json::Value defaults = older.to_json();
     for (const TrainOption& opt : train_options()) {
       if (!opt.fixed_on_resume) continue;
       const char* k = opt.name;

@@ -42,7 +42,7 @@ struct TrainConfig {
   std::string optim = "adamw";  // adamw | adamw8bit | galore | galore8bit
   int64_t galore_rank = 0;      // 0: width / 4
   int64_t galore_gap = 200;     // steps between projector refreshes
-  double galore_scale = 0.25;
+  double galore_scale = -1;     // < 0: 1 (galore_torch's projector default), or the saved run's on resume
   std::string galore_refresh = "all";  // all | staggered
   std::string optim_state = "host";    // device | host | disk: where the optimizer state lives
   std::string kv_dtype = "fp32";       // fp32 | bf16 | fp8: the chunk-recurrent K/V history's storage
