@@ -355,6 +355,35 @@ TEST(Attention, Bf16ProductsOnEveryPath) {
   }
 }
 
+// One position under GQA (a decode step) runs one task a kv head with the group's query heads as its rows:
+// each head's o and lse are the bits of the same row in a call of several positions (one task a head), for
+// f32 and bf16 K/V, with and without bf16 products, over paged history.
+TEST(Attention, OnePositionUnderGqaIsItsRowOfAWiderCall) {
+  auto ops = make_ops("cpu");
+  const Shape s{3, 6, 2, 32, 16, 45, false};  // positions 45..47 over 48 keys in three blocks; group 3
+  for (DType kvt : {DType::f32, DType::bf16})
+    for (bool bf : {false, true}) {
+      const std::string what = std::string(dtype_name(kvt)) + (bf ? ", bf16 products" : "");
+      const Problem p = make_problem(s, kvt, 11);
+      Problem one = p;  // the last position alone: the same keys
+      one.s.T = 1;
+      const int64_t row = s.H * s.D, last = s.T - 1;
+      one.q = HostTensor(DType::f32, {1, s.H, s.D});
+      one.dout = HostTensor(DType::f32, {1, s.H, s.D});
+      for (int64_t i = 0; i < row; ++i) {
+        one.q.set(i, p.q.get(last * row + i));
+        one.dout.set(i, p.dout.get(last * row + i));
+      }
+      one.pos = HostTensor(DType::i32, {1});
+      one.pos.set(0, p.pos.get(last));
+      const Outputs wide = run(*ops, p, scale_for(s.D), bf), narrow = run(*ops, one, scale_for(s.D), bf);
+      EXPECT_EQ(std::memcmp(static_cast<const float*>(wide.o.t().data) + last * row, narrow.o.t().data, 4 * row), 0)
+          << what << ": o";
+      for (int64_t h = 0; h < s.H; ++h)
+        EXPECT_EQ(wide.lse.get(h * s.T + last), narrow.lse.get(h)) << what << ": lse of head " << h;
+    }
+}
+
 // Queries before every key (keys start at position 10, queries at 4..) and an empty block table:
 // o = 0, lse = -inf and dq = 0 for them, and no gradient reaches K/V from them.
 TEST(Attention, QueryThatSeesNoKey) {

@@ -15,6 +15,8 @@
 // Forward, parallel over (query tile, head), for each visible key tile:
 //   S = Q K^T (Gemm::tile), m' = max(m, rowmax x), P = 2^(x - m'), l = l 2^(m - m') + rowsum P,
 //   O = O 2^(m - m') + P V (Gemm::tile, accumulating into o itself); at the end O /= l.
+//   One position under GQA (a decode step): parallel over kv heads instead, the group's query heads the rows
+//   of one task, so each key tile is read once a group (the same bits: rows do not mix).
 // Backward, with D_i = rowsum(dO_i * O_i) precomputed and P = 2^(x - lse log2 e):
 //   pass 1, parallel over (key tile, kv head), looping over the group's query heads and every query
 //   tile that sees the key tile:  dV += P^T dO,  dP = dO V^T,  dS = scale P (dP - D),  dK += dS^T Q;
@@ -539,13 +541,12 @@ int64_t visible_keys(const KeyTile& kt, const QueryTile& qt) {
   return kt.lo > qt.hi ? 0 : std::min(kt.n, qt.hi - kt.lo + 1);
 }
 
-void forward_task(const Ctx& x, int64_t h, const QueryTile& qt, const Tiles& w) {
-  const int64_t g = h / x.group, nq = qt.n;
-  const Opnd Q = q_rows(x, x.q, x.qr, x.qh, qt.r0, h);
-  float* O = x.o + qt.r0 * x.ldq + h * x.D;
-  const int32_t* qpos = x.pos + qt.r0;
+// Forward over nq rows that share kv head g and query tile qt's visible keys: Q's rows (row stride Q.ld),
+// their positions, O's rows (stride ldo) and their lse (consecutive).
+void forward_rows(const Ctx& x, int64_t g, const QueryTile& qt, Opnd Q, int64_t nq, const int32_t* qpos, float* O,
+                  int64_t ldo, float* lse, const Tiles& w) {
   for (int64_t r = 0; r < nq; ++r) {
-    std::fill(O + r * x.ldq, O + r * x.ldq + x.D, 0.0f);
+    std::fill(O + r * ldo, O + r * ldo + x.D, 0.0f);
     w.m[r] = kNegInf;
     w.l[r] = 0.0f;
   }
@@ -556,10 +557,26 @@ void forward_task(const Ctx& x, int64_t h, const QueryTile& qt, const Tiles& w) 
     Opnd K, V;
     key_operands(x, kt, g, nk, w, &K, &V);
     tile_gemm(nq, nk, x.D, false, true, Q, K, w.s, nk, false, w.work);  // S = Q K^T
-    online_softmax(w.s, nq, nk, x.c, qpos, kt.lo, w.m, w.l, O, x.ldq, x.D);
-    tile_gemm(nq, x.D, nk, false, false, score_operand(x, w.s, w.sh, nq * nk, nk), V, O, x.ldq, true, w.work);  // O += P V
+    online_softmax(w.s, nq, nk, x.c, qpos, kt.lo, w.m, w.l, O, ldo, x.D);
+    tile_gemm(nq, x.D, nk, false, false, score_operand(x, w.s, w.sh, nq * nk, nk), V, O, ldo, true, w.work);  // O += P V
   }
-  finish_rows(O, x.ldq, x.D, nq, w.m, w.l, x.lse + h * x.T + qt.r0);
+  finish_rows(O, ldo, x.D, nq, w.m, w.l, lse);
+}
+
+void forward_task(const Ctx& x, int64_t h, const QueryTile& qt, const Tiles& w) {
+  forward_rows(x, h / x.group, qt, q_rows(x, x.q, x.qr, x.qh, qt.r0, h), qt.n, x.pos + qt.r0,
+               x.o + qt.r0 * x.ldq + h * x.D, x.ldq, x.lse + h * x.T + qt.r0, w);
+}
+
+// One position (a decode step) under GQA: kv head g's query heads are the rows of one task, so each key tile
+// is read once for the group instead of once per head. Row for row the same products and softmax as
+// forward_task's (each output's sums do not depend on the other rows of a tile): the same bits.
+void decode_group_task(const Ctx& x, int64_t g, const Tiles& w) {
+  int32_t qpos[kBq];
+  std::fill(qpos, qpos + x.group, x.pos[0]);
+  Opnd Q = q_rows(x, x.q, x.qr, x.qh, 0, g * x.group);
+  Q.ld = x.D;  // T = 1: the group's heads are consecutive D-wide rows
+  forward_rows(x, g, x.qt[0], Q, x.group, qpos, x.o + g * x.group * x.D, x.D, x.lse + g * x.group, w);
 }
 
 // S, P and dS of one (query tile, key tile) pair under head h into w.s (P) and w.ds (dS).
@@ -631,12 +648,16 @@ void CpuOps::attention_forward(Tensor o, Tensor lse, Tensor q, const KvBlocks& k
   x.kt = s.kt;
   x.qt = s.qt;
   round_rows(&x, x.q, s.extra, &x.qr, &x.qh);
-  const int64_t tasks = x.n_qt * x.H;
+  const bool decode = x.T == 1 && x.group > 1 && x.group <= kBq;
+  const int64_t tasks = decode ? x.Hkv : x.n_qt * x.H;
 #pragma omp parallel
   {
     const Tiles w = carve_tiles(s.tiles + omp_get_thread_num() * s.tile_floats, x.D, widen, x.amx);
 #pragma omp for schedule(static, 1)
-    for (int64_t t = 0; t < tasks; ++t) forward_task(x, t % x.H, x.qt[t / x.H], w);
+    for (int64_t t = 0; t < tasks; ++t) {
+      if (decode) decode_group_task(x, t, w);
+      else forward_task(x, t % x.H, x.qt[t / x.H], w);
+    }
   }
 }
 
