@@ -539,7 +539,7 @@ double one_step(const ModelConfig& cfg, int64_t T, int64_t C, const PagedKvOptio
   eo.model = "preset:tiny";
   eo.seed = 1;
   eo.budget = size_t{20} << 30;
-  eo.save_policy = SavePolicy::none;
+  eo.save_policy = "none";
   Engine e = build_engine(eo);
   Model& m = *e.model;
   m.reserve(C, true, true);

@@ -48,6 +48,9 @@ TEST(ChunkedTraining, BitwiseAcrossOffloadModesAndSavePolicies) {
           const Result r = run({v.cfg, pol, dt}, ids, 32, 8, mode);
           EXPECT_TRUE(same_bits(r, base)) << v.name << " " << save_policy_name(pol) << " " << kv_offload_name(mode)
                                           << (dt == ComputeDType::bf16 ? " bf16" : " fp32");
+          RunSetup mixed{v.cfg, pol, dt};  // this policy on layer 0, the next one on layer 1
+          mixed.layers = {pol, pol == SavePolicy::all ? SavePolicy::none : SavePolicy::all};
+          EXPECT_TRUE(same_bits(run(mixed, ids, 32, 8, mode), base)) << v.name << " per layer " << save_policy_name(pol);
           if (mode != KvOffload::none) {
             // The history really moved: out to the tier and back in.
             const Tier t = mode == KvOffload::host ? Tier::Host : Tier::Disk;

@@ -93,16 +93,20 @@ struct RunResult {
   std::vector<char> grads;
 };
 
-RunResult run_once(const ModelConfig& cfg, SavePolicy pol, ComputeDType dt) {
+RunResult run_once(const ModelConfig& cfg, SavePolicy pol, ComputeDType dt, std::vector<SavePolicy> layers = {},
+                   size_t* activations = nullptr) {
   Ledger ledger;
   Arena arena(Tier::Host, size_t{1} << 30, ledger);
   auto ops = make_ops("cpu");
   ParamSet params(cfg, DType::f32, arena, Category::weights);
   init_random(params, 5, 0.2);
   perturb(params, 6);
-  Model m(cfg, *ops, params, arena, {dt, pol});
+  ModelOptions mo{dt, pol};
+  mo.save_layers = std::move(layers);
+  Model m(cfg, *ops, params, arena, mo);
   const int64_t T = 33;
   m.reserve(T, true);
+  if (activations) *activations = ledger.peak(Tier::Host, Category::activations);
   Inputs in = make_inputs(T, cfg.V, 4);
   CeResult r = m.forward(Tensor::of(in.ids.data(), {T}), Tensor::of(in.targets.data(), {T}), true);
   m.backward(1.0 / static_cast<double>(r.count));
@@ -123,6 +127,63 @@ TEST(Model, SavePoliciesGiveBitwiseTheSameLossAndGradients) {
         ASSERT_EQ(all.grads.size(), o.grads.size());
         EXPECT_EQ(std::memcmp(all.grads.data(), o.grads.data(), all.grads.size()), 0) << save_policy_name(p);
       }
+    }
+  }
+}
+
+// A SavePolicy per layer (--save-policy all:0,none:1 ...): the same bits as one policy for all, and each
+// layer's activations as its policy keeps them (a layer kept whole and one recomputed hold half of what two
+// kept whole hold, above two recomputed).
+TEST(Model, PerLayerSavePoliciesGiveTheSameBitsAndKeepTheirLayersBytes) {
+  using P = SavePolicy;
+  for (const Variant& var : variants()) {
+    ASSERT_EQ(var.cfg.L, 2);
+    for (ComputeDType dt : {ComputeDType::f32, ComputeDType::bf16}) {
+      SCOPED_TRACE(std::string(var.name) + (dt == ComputeDType::bf16 ? " bf16" : " fp32"));
+      size_t all_bytes = 0, none_bytes = 0, mixed_bytes = 0;
+      const RunResult all = run_once(var.cfg, P::all, dt, {}, &all_bytes);
+      run_once(var.cfg, P::none, dt, {}, &none_bytes);
+      for (const std::vector<P>& layers : {std::vector<P>{P::all, P::none}, std::vector<P>{P::none, P::selective},
+                                           std::vector<P>{P::selective, P::all}}) {
+        size_t bytes = 0;
+        const RunResult o = run_once(var.cfg, P::none, dt, layers, &bytes);
+        const std::string what = std::string(save_policy_name(layers[0])) + "," + save_policy_name(layers[1]);
+        EXPECT_EQ(std::memcmp(&all.loss, &o.loss, sizeof(double)), 0) << what;
+        ASSERT_EQ(all.grads.size(), o.grads.size());
+        EXPECT_EQ(std::memcmp(all.grads.data(), o.grads.data(), all.grads.size()), 0) << what;
+        if (layers[0] == P::all) mixed_bytes = bytes;
+      }
+      EXPECT_GT(all_bytes, none_bytes);
+      EXPECT_EQ(2 * (mixed_bytes - none_bytes), all_bytes - none_bytes);
+    }
+  }
+}
+
+TEST(Model, SavePolicyListsParseAndBadOnesAreNamed) {
+  using P = SavePolicy;
+  EXPECT_EQ(parse_save_policies("selective", 3), (std::vector<P>{P::selective, P::selective, P::selective}));
+  EXPECT_EQ(parse_save_policies("all:0-1,none:2-3", 4), (std::vector<P>{P::all, P::all, P::none, P::none}));
+  EXPECT_EQ(parse_save_policies("none,all:1", 3), (std::vector<P>{P::none, P::all, P::none}));
+  EXPECT_EQ(parse_save_policies("all:2,selective", 3), (std::vector<P>{P::selective, P::selective, P::all}));
+  EXPECT_EQ(parse_save_policies("all:0-3,none:4-31", -1), (std::vector<P>{P::all, P::none}));
+  const std::pair<const char*, const char*> bad[] = {
+      {"", "is empty"},
+      {"most", "'most' is not a save policy"},
+      {"all:0-1,", "an empty item"},
+      {"all,,none:1", "an empty item"},
+      {"all:0-4", "layer 4 is past the model's last layer, 3"},
+      {"all:0-2,none:2-3", "layer 2 is named twice"},
+      {"all:0-1", "layer 2 has no policy"},
+      {"all,none", "two items without layers"},
+      {"all:3-1", "the range 3-1 is empty"},
+      {"all:x", "'x' is not a layer"},
+      {"all:-2", "'-2' is not a layer"}};
+  for (const auto& [spec, message] : bad) {
+    try {
+      parse_save_policies(spec, 4);
+      ADD_FAILURE() << "'" << spec << "' was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << spec << ": " << e.what();
     }
   }
 }

@@ -157,6 +157,39 @@ TEST(Train, Fp8ActivationRunCountsAndResumesBitExact) {
   }
 }
 
+// --save-policy per layer: a run that keeps layer 0 whole and recomputes layer 1 trains bit for bit as one
+// that keeps everything; a list naming a layer the model lacks is refused at setup, naming the flag.
+TEST(Train, PerLayerSavePolicyTrainsTheSameRun) {
+  TrainConfig all = micro(testing::TempDir() + "/oomless_train_spl_all");
+  ASSERT_EQ(run_training(all), 0);
+  TrainConfig mixed = micro(testing::TempDir() + "/oomless_train_spl_mixed");
+  mixed.save_policy = "all:0,none";
+  mixed.act_dtype = "bf16";  // layer 0 keeps activations to narrow
+  ASSERT_EQ(run_training(mixed), 0);
+  mixed.act_dtype = "fp32";
+  mixed.out = testing::TempDir() + "/oomless_train_spl_mixed32";
+  fs::remove_all(mixed.out);
+  ASSERT_EQ(run_training(mixed), 0);
+  test::expect_same_run(all.out, mixed.out);
+  TrainConfig bad = micro(testing::TempDir() + "/oomless_train_spl_bad");
+  bad.save_policy = "all:0-2";
+  try {
+    run_training(bad);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--save-policy all:0-2: layer 2 is past the model's last layer, 1"),
+              std::string::npos) << e.what();
+  }
+  bad.save_policy = "none:0,none";
+  bad.act_dtype = "bf16";
+  try {
+    run_training(bad);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("keeps nothing to narrow"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Train, ResumeRefusesChangedSettings) {
   const std::string out = testing::TempDir() + "/oomless_train_changed";
   TrainConfig c = micro(out);

@@ -122,7 +122,7 @@ void Model::recompute_for_backward(int64_t layer, Acts& a, Tensor pos) {
   const LayerParams& P = params_.layers[static_cast<size_t>(layer)];
   const int64_t T = a.x_in.dims[0], H = cfg_.H, Hkv = cfg_.Hkv, D = cfg_.D;
   const double eps = cfg_.rms_eps;
-  switch (opt_.save) {
+  switch (save_policy(layer)) {
     case SavePolicy::all:
       return;
     case SavePolicy::none: {

@@ -41,8 +41,9 @@ Engine build_engine(const EngineOptions& o) {
     e.adapters = std::make_unique<AdapterSet>(e.src.cfg, *saved, DType::f32, e.mem->device, Category::adapter);
     load_adapter(o.adapter, e.src.cfg, *e.adapters, *e.params);
   }
-  e.model = std::make_unique<Model>(e.src.cfg, *e.ops, *e.params, e.mem->device,
-                                    ModelOptions{o.dtype, o.save_policy, e.adapters.get(), o.act_store});
+  ModelOptions mo{o.dtype, SavePolicy::all, e.adapters.get(), o.act_store};
+  mo.save_layers = parse_save_policies(o.save_policy, e.src.cfg.L);
+  e.model = std::make_unique<Model>(e.src.cfg, *e.ops, *e.params, e.mem->device, mo);
   return e;
 }
 

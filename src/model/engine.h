@@ -33,7 +33,7 @@ struct EngineOptions {
   uint64_t lora_seed = 1;
   std::string adapter;               // an adapter folder (oomless's or PEFT's)
   ComputeDType dtype = ComputeDType::f32;
-  SavePolicy save_policy = SavePolicy::all;
+  std::string save_policy = "all";   // --save-policy: one policy, or one per layer (parse_save_policies)
   DType act_store = DType::f32;      // --act-dtype: storage of saved activations (ModelOptions::act_store)
 };
 

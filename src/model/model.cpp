@@ -5,6 +5,8 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <optional>
+#include <string>
 
 namespace oomless {
 
@@ -13,6 +15,57 @@ SavePolicy parse_save_policy(std::string_view s) {
   if (s == "selective") return SavePolicy::selective;
   if (s == "none") return SavePolicy::none;
   fail("[model] unknown save policy '", s, "'; use all, selective or none");
+}
+
+std::vector<SavePolicy> parse_save_policies(std::string_view spec, int64_t L) {
+  const char* what = "[train] --save-policy ";
+  std::vector<SavePolicy> items;
+  std::vector<int> owner(static_cast<size_t>(std::max<int64_t>(L, 0)), -1);
+  std::optional<SavePolicy> rest;
+  std::string_view left = spec;
+  OOM_CHECK(!spec.empty(), what, "is empty; use all, selective, none or a list such as all:0-3,none:4-31");
+  for (int item = 0; !left.empty() || item == 0; ++item) {
+    const size_t comma = left.find(',');
+    const std::string_view it = left.substr(0, comma);
+    left = comma == std::string_view::npos ? std::string_view() : left.substr(comma + 1);
+    OOM_CHECK(!it.empty() && (comma == std::string_view::npos || !left.empty()), what, spec,
+              ": an empty item; items are POLICY or POLICY:FIRST-LAST, separated by commas");
+    const size_t colon = it.find(':');
+    const std::string_view name = it.substr(0, colon);
+    OOM_CHECK(name == "all" || name == "selective" || name == "none", what, spec, ": '", name,
+              "' is not a save policy; use all, selective or none");
+    const SavePolicy p = parse_save_policy(name);
+    items.push_back(p);
+    if (colon == std::string_view::npos) {
+      OOM_CHECK(!rest, what, spec, ": two items without layers; give one default and POLICY:FIRST-LAST for the rest");
+      rest = p;
+      continue;
+    }
+    const std::string_view range = it.substr(colon + 1);
+    const size_t dash = range.find('-');
+    auto number = [&](std::string_view d) {
+      OOM_CHECK(!d.empty() && d.size() <= 6 && d.find_first_not_of("0123456789") == std::string_view::npos, what, spec,
+                ": '", range, "' is not a layer or a range of layers (FIRST-LAST, counted from 0)");
+      return std::stoll(std::string(d));
+    };
+    const int64_t a = number(range.substr(0, dash)), b = dash == std::string_view::npos ? a : number(range.substr(dash + 1));
+    OOM_CHECK(a <= b, what, spec, ": the range ", range, " is empty (FIRST-LAST with FIRST <= LAST)");
+    if (L < 0) continue;
+    OOM_CHECK(b < L, what, spec, ": layer ", b, " is past the model's last layer, ", L - 1);
+    for (int64_t l = a; l <= b; ++l) {
+      OOM_CHECK(owner[static_cast<size_t>(l)] < 0, what, spec, ": layer ", l, " is named twice");
+      owner[static_cast<size_t>(l)] = static_cast<int>(items.size() - 1);
+    }
+  }
+  if (L < 0) return items;
+  std::vector<SavePolicy> out(static_cast<size_t>(L));
+  for (int64_t l = 0; l < L; ++l) {
+    const int o = owner[static_cast<size_t>(l)];
+    OOM_CHECK(o >= 0 || rest, what, spec, ": layer ", l, " has no policy; name every layer of the ", L,
+              " or add a bare POLICY for the rest");
+    out[static_cast<size_t>(l)] = o >= 0 ? items[static_cast<size_t>(o)] : *rest;
+  }
+  return out;
 }
 
 const char* save_policy_name(SavePolicy p) {
@@ -37,6 +90,8 @@ Model::Model(const ModelConfig& cfg, Ops& ops, ParamSet& params, Arena& arena, M
   if (opt_.dtype == ComputeDType::bf16) {
     OOM_CHECK(act_ == DType::f32, "[model] bf16 compute needs an fp32 backend (cpu), not ", ops.name());
   }
+  OOM_CHECK(opt_.save_layers.empty() || static_cast<int64_t>(opt_.save_layers.size()) == cfg.L, "[model] ",
+            opt_.save_layers.size(), " save policies for ", cfg.L, " layers");
   if (opt_.act_store != DType::f32 && opt_.act_store != act_)
     act_storage_ = std::make_unique<ActStorage>(opt_.act_store, cfg_.L);
   const bool bf16 = opt_.dtype == ComputeDType::bf16;
@@ -212,8 +267,8 @@ void Model::reserve(int64_t T, bool for_backward, bool chunked) {
   // marks what selective recompute rebuilds (norms and the SwiGLU product): kept only with SavePolicy all.
   // Saved per-layer copies are narrow with --act-dtype (model/act_store.h), but for the row statistics.
   const DType nd = act_storage_ && for_backward ? act_storage_->storage() : act_;
-  auto act_set = [&](Category cat, bool everything) {
-    const bool all = everything || opt_.save == SavePolicy::all;
+  auto act_set = [&](Category cat, bool everything, SavePolicy policy) {
+    const bool all = everything || policy == SavePolicy::all;
     const DType dt = cat == A ? nd : act_;
     auto maybe = [&](bool keep, std::initializer_list<int64_t> shape, const char* what, DType t) {
       return keep ? alloc(t, shape, cat, what) : Tensor();
@@ -247,22 +302,23 @@ void Model::reserve(int64_t T, bool for_backward, bool chunked) {
     }
     return a;
   };
-  s->work = act_set(W, true);
+  s->work = act_set(W, true, SavePolicy::all);
   // The residual stream: every layer's input is kept in training (it is the checkpoint); inference
   // ping-pongs between two.
   const int64_t n_states = for_backward ? L + 1 : 2;
   for (int64_t i = 0; i < n_states; ++i) s->layer_in.push_back(alloc(act_, {T, E}, A, "residual"));
-  if (for_backward && opt_.save != SavePolicy::none) {
-    for (int64_t l = 0; l < L; ++l) s->saved.push_back(act_set(A, false));
-  } else if (for_backward && chunked) {
-    // Chunk mode keeps attention O and LSE per layer even when the block is recomputed, so that the
-    // recompute never sweeps the history again.
-    for (int64_t l = 0; l < L; ++l) {
-      Acts a;
+  bool keeps = chunked;
+  for (int64_t l = 0; l < L; ++l) keeps = keeps || save_policy(l) != SavePolicy::none;
+  for (int64_t l = 0; for_backward && keeps && l < L; ++l) {
+    Acts a;  // a recomputed layer keeps nothing but its input (in layer_in) ...
+    if (save_policy(l) != SavePolicy::none) {
+      a = act_set(A, false, save_policy(l));
+    } else if (chunked) {
+      // ... but in chunk mode its attention O and LSE, so that the recompute never sweeps the history again.
       a.o = alloc(nd, {T, H, D}, A, "o");
       a.lse = alloc(act_, {H, T}, A, "lse");
-      s->saved.push_back(a);
     }
+    s->saved.push_back(a);
   }
   s->hn = alloc(act_, {T, E}, A, "final_norm");
   s->rstd_f = alloc(act_, {T}, A, "final_rstd");

@@ -48,6 +48,10 @@ namespace oomless {
 enum class SavePolicy { all, selective, none };
 SavePolicy parse_save_policy(std::string_view s);
 const char* save_policy_name(SavePolicy p);
+// A SavePolicy per layer from "all", "selective", "none" or a list of POLICY:A-B / POLICY:A items and at most
+// one bare POLICY (the layers no item names), e.g. "all:0-3,none:4-31" or "none,all:0-1": L entries, every
+// layer named once. With L < 0 only the syntax is checked and each item's policy is returned.
+std::vector<SavePolicy> parse_save_policies(std::string_view spec, int64_t L);
 
 enum class ComputeDType { f32, bf16 };
 ComputeDType parse_compute_dtype(std::string_view s);  // "fp32"/"f32", "bf16"
@@ -61,6 +65,8 @@ struct ModelOptions {
   // Storage of the activations a training forward keeps for backward (model/act_store.h): f32 = as
   // computed (the act dtype), bf16, or f8_e4m3 with delayed scaling.
   DType act_store = DType::f32;
+  // Per layer (L entries, parse_save_policies) when not empty; `save` for every layer otherwise.
+  std::vector<SavePolicy> save_layers;
 };
 
 // Where one block reads and writes its keys and values: (Hkv, P, D) each, the chunk's T tokens going
@@ -83,6 +89,9 @@ class Model {
 
   const ModelConfig& config() const { return cfg_; }
   const ModelOptions& options() const { return opt_; }
+  SavePolicy save_policy(int64_t layer) const {
+    return opt_.save_layers.empty() ? opt_.save : opt_.save_layers[static_cast<size_t>(layer)];
+  }
   ParamSet& params() { return params_; }
 
   // Gradient storage of every parameter (category grads), allocated on first call, zero-filled. Full

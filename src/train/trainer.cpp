@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <chrono>
 #include <cmath>
@@ -226,7 +227,10 @@ const std::vector<TrainOption>& train_options() {
       whole("keep", false, "K", "keep the newest K checkpoints, 0 = all (default 2)", &C::keep),
       text("budget", false, "SIZE", "memory budget for Device+Host, e.g. 24GiB or 24GB (default: none)", &C::budget),
       text("dtype", true, "D", "fp32 or bf16 projections (default fp32)", &C::dtype),
-      text("save-policy", true, "P", "all, selective or none (recompute) (default all)", &C::save_policy),
+      text("save-policy", true, "P",
+           "what a layer keeps for backward: all, selective or none (recompute), for every\nlayer or per layer as "
+           "a list, e.g. all:0-3,none:4-31 or none,all:0-1 (a bare policy\nfor the layers not named) (default all)",
+           &C::save_policy),
       whole("seed", true, "s", "data order, preset and adapter init (default 0)", &C::seed),
       whole("threads", false, "n", "CPU threads (default: all)", &C::threads),
       whole("max-nonfinite", false, "k", "stop after more than k non-finite steps in a row (default 5)",
@@ -431,7 +435,9 @@ void validate_config(const TrainConfig& c) {
   OOM_CHECK(c.kv_dtype == "fp32" || c.chunk > 0, "[train] --kv-dtype ", c.kv_dtype, " needs --chunk C: it is the "
             "storage of chunk-recurrent training's key/value pages");
   parse_act_dtype(c.act_dtype);
-  OOM_CHECK(c.act_dtype == "fp32" || c.save_policy != "none" || c.chunk > 0, "[train] --act-dtype ", c.act_dtype,
+  const std::vector<SavePolicy> policies = parse_save_policies(c.save_policy, -1);
+  const bool keeps_nothing = std::all_of(policies.begin(), policies.end(), [](SavePolicy p) { return p == SavePolicy::none; });
+  OOM_CHECK(c.act_dtype == "fp32" || !keeps_nothing || c.chunk > 0, "[train] --act-dtype ", c.act_dtype,
             " with --save-policy none keeps nothing to narrow: only each layer's input is kept (fp32, the checkpoint "
             "the recompute starts from); use --save-policy all or selective, or drop --act-dtype");
   OOM_CHECK(c.page == 0 || c.chunk > 0, "[train] --page ", c.page, " needs --chunk C: pages are the K/V store of "
@@ -577,7 +583,7 @@ EngineOptions engine_options(const TrainConfig& c) {
     o.adapter = c.adapter;
   }
   o.dtype = parse_compute_dtype(c.dtype);
-  o.save_policy = parse_save_policy(c.save_policy);
+  o.save_policy = c.save_policy;
   o.act_store = parse_act_dtype(c.act_dtype);
   return o;
 }

@@ -80,6 +80,7 @@ struct RunSetup {
   bool dora = false;    // the LoRA is a DoRA
   DType kv_dtype = DType::f32;  // storage of the history's keys and values
   DType act_store = DType::f32;  // storage of the saved activations (--act-dtype)
+  std::vector<SavePolicy> layers;  // a policy per layer (ModelOptions::save_layers), else `policy` for all
 };
 
 // LoRA settings on every projection of a block, alpha = 2r.
@@ -188,7 +189,9 @@ inline Result run(const RunSetup& s, std::vector<int32_t> ids, int64_t C, int64_
     ls.dora = s.dora;
     ad = random_adapters(s.cfg, ls, DType::f32, mem.device, 17);
   }
-  Model m(s.cfg, *ops, params, mem.device, {s.dtype, s.policy, ad.get(), s.act_store});
+  ModelOptions mo{s.dtype, s.policy, ad.get(), s.act_store};
+  mo.save_layers = s.layers;
+  Model m(s.cfg, *ops, params, mem.device, mo);
   m.set_dropout_seed(99);
   const int64_t T = static_cast<int64_t>(ids.size());
   std::vector<int32_t> tg = targets_of(ids);
