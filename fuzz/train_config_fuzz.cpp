@@ -1,6 +1,7 @@
 // libFuzzer target for `oomless train --config FILE` (TrainConfig::apply_json, the same table that reads a
 // run's saved configuration on --resume). The input is the JSON file. Rejection must be an oomless::Error;
-// an accepted configuration must be written by to_json() as one that reads back to the same configuration.
+// an accepted configuration must be written by to_json() as one that reads back to the same configuration,
+// and its --save-policy parses or is refused with an Error for models of several depths.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -8,6 +9,7 @@
 #include <string_view>
 
 #include "core/error.h"
+#include "model/model.h"
 #include "io/json.h"
 #include "train/trainer.h"
 
@@ -20,6 +22,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     c.apply_json(json::parse(in, "fuzz train config"), "fuzz train config");
   } catch (const Error&) {
     return 0;
+  }
+  for (int64_t L : {-1, 0, 1, 4, 32}) {
+    try {
+      const std::vector<SavePolicy> p = parse_save_policies(c.save_policy, L);
+      if (L >= 0 && static_cast<int64_t>(p.size()) != L) std::abort();
+    } catch (const Error&) {
+    }
   }
   const std::string text = json::dump(c.to_json());
   TrainConfig back;
