@@ -35,6 +35,8 @@ struct EngineOptions {
   ComputeDType dtype = ComputeDType::f32;
   std::string save_policy = "all";   // --save-policy: one policy, or one per layer (parse_save_policies)
   DType act_store = DType::f32;      // --act-dtype: storage of saved activations (ModelOptions::act_store)
+  Tier act_offload = Tier::Device;   // --act-offload none|host|disk (ModelOptions::act_offload)
+  std::string spill_dir;             // its spill file's folder (disk)
 };
 
 // Members are declared in destruction order: memory last, after everything holding its buffers.

@@ -267,11 +267,11 @@ void Model::reserve(int64_t T, bool for_backward, bool chunked) {
   // marks what selective recompute rebuilds (norms and the SwiGLU product): kept only with SavePolicy all.
   // Saved per-layer copies are narrow with --act-dtype (model/act_store.h), but for the row statistics.
   const DType nd = act_storage_ && for_backward ? act_storage_->storage() : act_;
-  auto act_set = [&](Category cat, bool everything, SavePolicy policy) {
+  auto act_set = [&](auto&& take, Category cat, bool everything, SavePolicy policy) {
     const bool all = everything || policy == SavePolicy::all;
     const DType dt = cat == A ? nd : act_;
     auto maybe = [&](bool keep, std::initializer_list<int64_t> shape, const char* what, DType t) {
-      return keep ? alloc(t, shape, cat, what) : Tensor();
+      return keep ? take(t, shape, cat, what) : Tensor();
     };
     Acts a;  // x_in is always the residual stream state, layer_in[l]
     a.h1 = maybe(all, {T, E}, "h1", dt);
@@ -280,39 +280,94 @@ void Model::reserve(int64_t T, bool for_backward, bool chunked) {
     a.q_rstd = maybe(cfg_.qk_norm && all, {T * H}, "q_rstd", act_);
     a.k_pre = maybe(cfg_.qk_norm, {Hkv, T, D}, "k_pre", dt);
     a.k_rstd = maybe(cfg_.qk_norm && all, {Hkv * T}, "k_rstd", act_);
-    a.q = alloc(dt, {T, H, D}, cat, "q");
-    a.k = alloc(dt, {Hkv, T, D}, cat, "k");
-    a.v = alloc(dt, {Hkv, T, D}, cat, "v");
-    a.o = alloc(dt, {T, H, D}, cat, "o");
-    a.lse = alloc(act_, {H, T}, cat, "lse");
-    a.x_mid = alloc(dt, {T, E}, cat, "x_mid");
+    a.q = take(dt, {T, H, D}, cat, "q");
+    a.k = take(dt, {Hkv, T, D}, cat, "k");
+    a.v = take(dt, {Hkv, T, D}, cat, "v");
+    a.o = take(dt, {T, H, D}, cat, "o");
+    a.lse = take(act_, {H, T}, cat, "lse");
+    a.x_mid = take(dt, {T, E}, cat, "x_mid");
     a.h2 = maybe(all, {T, E}, "h2", dt);
     a.rstd2 = maybe(all, {T}, "rstd2", act_);
-    a.gate = alloc(dt, {T, F}, cat, "gate");
-    a.up = alloc(dt, {T, F}, cat, "up");
+    a.gate = take(dt, {T, F}, cat, "gate");
+    a.up = take(dt, {T, F}, cat, "up");
     a.act = maybe(all, {T, F}, "act", dt);
     for (int p = 0; p < kProjCount; ++p)
-      if (lora_on(0, static_cast<Proj>(p))) a.u[p] = alloc(dt, {T, lora_r_}, cat, "lora_u");
+      if (lora_on(0, static_cast<Proj>(p))) a.u[p] = take(dt, {T, lora_r_}, cat, "lora_u");
     // DoRA's unscaled projection outputs: what the magnitude's gradient needs (training only).
     for (int p = 0; p < kProjCount && for_backward; ++p) {
       const Proj x = static_cast<Proj>(p);
       if (!dora_on(0, x)) continue;
-      a.z[p] = x == Proj::k || x == Proj::v ? alloc(dt, {Hkv, T, D}, cat, "dora_z")
-                                            : alloc(dt, {T, proj_out(cfg_, x)}, cat, "dora_z");
+      a.z[p] = x == Proj::k || x == Proj::v ? take(dt, {Hkv, T, D}, cat, "dora_z")
+                                            : take(dt, {T, proj_out(cfg_, x)}, cat, "dora_z");
     }
     return a;
   };
-  s->work = act_set(W, true, SavePolicy::all);
+  s->work = act_set(alloc, W, true, SavePolicy::all);
   // The residual stream: every layer's input is kept in training (it is the checkpoint); inference
   // ping-pongs between two.
   const int64_t n_states = for_backward ? L + 1 : 2;
   for (int64_t i = 0; i < n_states; ++i) s->layer_in.push_back(alloc(act_, {T, E}, A, "residual"));
   bool keeps = chunked;
   for (int64_t l = 0; l < L; ++l) keeps = keeps || save_policy(l) != SavePolicy::none;
-  for (int64_t l = 0; for_backward && keeps && l < L; ++l) {
+  const bool offload = for_backward && keeps && opt_.act_offload != Tier::Device;
+  OOM_CHECK(!offload || !chunked, "[model] saved activations are offloaded in full-sequence training only; chunk-"
+            "recurrent training keeps one chunk's (drop --act-offload or --chunk)");
+  if (offload) {
+    // Each layer's set measured, then carved from its ring set (views laid out in act_set's order, 64-byte
+    // aligned), so layers l and l + kActRing share memory; the layers below the last kActRing get a Host
+    // buffer or a spill slot of their size.
+    struct Carver {
+      char* base = nullptr;  // null: count only
+      size_t bytes = 0;
+      Tensor operator()(DType t, std::initializer_list<int64_t> shape, Category, const char*) {
+        int64_t n = 1;
+        for (int64_t d : shape) n *= d;
+        bytes = (bytes + 63) / 64 * 64;
+        Tensor r = base ? Tensor(base + bytes, t, shape) : Tensor();
+        bytes += static_cast<size_t>(dtype_bytes(t, n));
+        return r;
+      }
+    };
+    const int64_t R = std::min(kActRing, L);
+    s->act_bytes.assign(static_cast<size_t>(L), 0);
+    std::vector<size_t> ring_bytes(static_cast<size_t>(R), 0);
+    for (int64_t l = 0; l < L; ++l) {
+      if (save_policy(l) == SavePolicy::none) continue;
+      Carver count;
+      act_set(count, A, false, save_policy(l));
+      s->act_bytes[static_cast<size_t>(l)] = count.bytes;
+      ring_bytes[static_cast<size_t>(l % R)] = std::max(ring_bytes[static_cast<size_t>(l % R)], count.bytes);
+    }
+    for (int64_t r = 0; r < R; ++r)
+      s->ring.push_back(arena_.alloc(ring_bytes[static_cast<size_t>(r)], A, "saved activations (offload ring)"));
+    for (int64_t l = 0; l < L; ++l) {
+      Acts a;
+      if (save_policy(l) != SavePolicy::none) {
+        Carver carve{s->ring[static_cast<size_t>(l % R)].as<char>()};
+        a = act_set(carve, A, false, save_policy(l));
+      }
+      s->saved.push_back(a);
+    }
+    s->host.resize(static_cast<size_t>(L));
+    s->disk.assign(static_cast<size_t>(L), -1);
+    s->out.assign(static_cast<size_t>(L), 0);
+    s->in.assign(static_cast<size_t>(L), 0);
+    const size_t largest = *std::max_element(ring_bytes.begin(), ring_bytes.end());
+    if (opt_.act_offload == Tier::Disk && L > R)
+      s->spill = SpillFile::open(opt_.spill_dir, largest, arena_.ledger(), Category::activations);
+    OOM_CHECK(opt_.act_offload != Tier::Host || opt_.act_host, "[model] Host offload of activations needs the Host arena");
+    for (int64_t l = 0; l < L - R; ++l) {
+      const size_t n = s->act_bytes[static_cast<size_t>(l)];
+      if (n == 0) continue;
+      if (opt_.act_offload == Tier::Host) s->host[static_cast<size_t>(l)] = opt_.act_host->alloc(n, A, "offloaded activations");
+      else s->disk[static_cast<size_t>(l)] = s->spill->alloc_slot();
+    }
+    s->off = std::make_unique<Offloader>(s->spill.get());
+  }
+  for (int64_t l = 0; for_backward && keeps && !offload && l < L; ++l) {
     Acts a;  // a recomputed layer keeps nothing but its input (in layer_in) ...
     if (save_policy(l) != SavePolicy::none) {
-      a = act_set(A, false, save_policy(l));
+      a = act_set(alloc, A, false, save_policy(l));
     } else if (chunked) {
       // ... but in chunk mode its attention O and LSE, so that the recompute never sweeps the history again.
       a.o = alloc(nd, {T, H, D}, A, "o");
@@ -364,6 +419,41 @@ void Model::reserve(int64_t T, bool for_backward, bool chunked) {
   cap_T_ = T;
   cap_backward_ = for_backward;
   cap_chunked_ = chunked;
+}
+
+bool Model::act_offloading() const { return s_ && s_->off; }
+
+OffloadStats Model::act_offload_stats() const { return act_offloading() ? s_->off->stats() : OffloadStats{}; }
+
+void Model::act_offload_before_forward(int64_t layer) {
+  if (!act_offloading() || !training_ || layer < kActRing) return;
+  Offloader::Ticket& t = s_->out[static_cast<size_t>(layer - kActRing)];
+  s_->off->wait(t);
+  t = 0;
+}
+
+void Model::act_offload_after_forward(int64_t layer) {
+  const size_t l = static_cast<size_t>(layer);
+  if (!act_offloading() || !training_ || layer >= cfg_.L - kActRing || s_->act_bytes[l] == 0) return;
+  const void* src = s_->ring[l % kActRing].data();
+  s_->out[l] = s_->disk[l] >= 0 ? s_->off->to_disk(s_->disk[l], src, s_->act_bytes[l], 0, Tier::Device)
+                                : s_->off->copy(s_->host[l].data(), src, s_->act_bytes[l], Tier::Device, Tier::Host);
+}
+
+void Model::act_offload_before_backward(int64_t layer) {
+  if (!act_offloading()) return;
+  Offloader::Ticket& t = s_->in[static_cast<size_t>(layer)];
+  s_->off->wait(t);
+  t = 0;
+}
+
+void Model::act_offload_after_backward(int64_t layer) {
+  const int64_t below = layer - kActRing;
+  if (!act_offloading() || below < 0 || s_->act_bytes[static_cast<size_t>(below)] == 0) return;
+  const size_t k = static_cast<size_t>(below);
+  void* dst = s_->ring[k % kActRing].data();
+  s_->in[k] = s_->disk[k] >= 0 ? s_->off->from_disk(dst, s_->disk[k], s_->act_bytes[k], 0, Tier::Device)
+                               : s_->off->copy(dst, s_->host[k].data(), s_->act_bytes[k], Tier::Host, Tier::Device);
 }
 
 Model::Acts Model::acts_for_layer(int64_t layer) {

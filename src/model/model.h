@@ -31,10 +31,12 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "backend/ops.h"
 #include "memory/arena.h"
+#include "memory/offloader.h"
 #include "model/act_store.h"
 #include "model/chunk_kv.h"
 #include "model/config.h"
@@ -67,7 +69,18 @@ struct ModelOptions {
   DType act_store = DType::f32;
   // Per layer (L entries, parse_save_policies) when not empty; `save` for every layer otherwise.
   std::vector<SavePolicy> save_layers;
+  // Where the activations a layer keeps for backward wait between its forward and its backward
+  // (--act-offload; full-sequence training): Device = where they are computed; Host = a copy in
+  // `act_host` (the Host arena), Disk = a slot of a spill file under `spill_dir`. Off Device, the layers'
+  // saved sets share a ring of kActRing Device sets: each layer's is copied out after its forward (while
+  // the next layer computes) and fetched back while the layer above it runs its backward. The same bits.
+  Tier act_offload = Tier::Device;
+  Arena* act_host = nullptr;
+  std::string spill_dir;
 };
+
+// The Device sets offloaded activations rotate through (ModelOptions::act_offload).
+constexpr int64_t kActRing = 2;
 
 // Where one block reads and writes its keys and values: (Hkv, P, D) each, the chunk's T tokens going
 // to slots t0 .. t0+T-1; attention sees slots 0 .. t0+T-1. Training uses P = T, t0 = 0; generation a
@@ -89,6 +102,8 @@ class Model {
 
   const ModelConfig& config() const { return cfg_; }
   const ModelOptions& options() const { return opt_; }
+  // --act-offload: bytes moved each way and the time compute waited for them, since reserve (none: zeros).
+  OffloadStats act_offload_stats() const;
   SavePolicy save_policy(int64_t layer) const {
     return opt_.save_layers.empty() ? opt_.save : opt_.save_layers[static_cast<size_t>(layer)];
   }
@@ -174,6 +189,14 @@ class Model {
   void stash_in_place(int64_t layer, ActKind kind, Tensor x);
   void unstash_layer(int64_t layer, Acts& a);
   static std::array<Tensor*, kActSlots> slots_of(Acts& a);  // by slot (model/act_store.h)
+  // --act-offload: before layer l's training forward, its ring set is free (the copy-out of the layer that
+  // used it before has finished); after it, the set is copied out. In backward: before layer l, its set is
+  // back; after it, the fetch of the layer kActRing below is issued (into the set l just released).
+  bool act_offloading() const;
+  void act_offload_before_forward(int64_t layer);
+  void act_offload_after_forward(int64_t layer);
+  void act_offload_before_backward(int64_t layer);
+  void act_offload_after_backward(int64_t layer);
   // Embedding + all blocks for ids (T) at positions pos; K/V into `cache` at t0 when given. Returns the
   // last residual state (T, E).
   Tensor run_blocks(Tensor ids, Tensor pos, std::vector<KvSlots>* cache, int64_t t0);

@@ -1,8 +1,11 @@
 // Model internals shared by model.cpp, block.cpp and model_run.cpp: the activation set of one block
 // and the memory reserved for a sequence length.
 #pragma once
+#include <memory>
 #include <vector>
 
+#include "memory/offloader.h"
+#include "memory/spill_file.h"
 #include "model/model.h"
 
 namespace oomless {
@@ -48,6 +51,17 @@ struct Model::Scratch {
   Tensor xdrop, dxdrop;                      // T*max(E, F, H*D): LoRA dropout's input and input gradient
   Tensor dz;                                 // (T, E) DoRA: g * dy of o_proj / down_proj (dy is the residual's)
   Tensor dora_t, dora_t2, dora_dz;           // T*max(E, F, H*D): DoRA with dropout (x_d W^T; (g dy - dy) W; g dy)
+  // --act-offload (ModelOptions::act_offload): saved[l] are views into ring set l % kActRing; layer l's
+  // bytes (its set, 0 when it keeps nothing) wait in host[l] or spill slot disk[l] between forward and backward.
+  // The last kActRing layers stay in their ring sets. Declared last: the Offloader finishes its jobs
+  // before the buffers and the spill file they use go.
+  std::vector<Buffer> ring;
+  std::vector<size_t> act_bytes;             // per layer
+  std::vector<Buffer> host;                  // per layer (Host offload)
+  std::unique_ptr<SpillFile> spill;          // Disk offload
+  std::vector<int64_t> disk;                 // per layer: its spill slot, or -1
+  std::vector<Offloader::Ticket> out, in;    // per layer: the copy out of its set, the fetch back
+  std::unique_ptr<Offloader> off;
 };
 
 }  // namespace oomless

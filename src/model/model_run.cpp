@@ -24,8 +24,10 @@ Tensor Model::run_blocks(Tensor ids, Tensor pos, std::vector<KvSlots>* cache, in
     a.x_in = state(l);
     KvSlots kv = cache ? (*cache)[static_cast<size_t>(l)] : KvSlots{a.k, a.v, 0};
     kv.t0 = t0;
+    act_offload_before_forward(l);
     block_forward(l, a, kv, pos, state(l + 1), Pass::full);
     if (stash_) stash_layer(l, a);
+    act_offload_after_forward(l);
   }
   return state(cfg_.L);
 }
@@ -50,6 +52,11 @@ CeResult Model::forward(Tensor ids, Tensor targets, bool for_backward, std::opti
   OOM_CHECK(!for_backward || cap_backward_, "[model] forward for backward needs reserve(T, true)");
   if (for_backward) ensure_grads();
   T_ = T;
+  if (act_offloading()) {  // a forward without the backward of the last one: its transfers end first
+    s_->off->wait_all();
+    std::fill(s_->out.begin(), s_->out.end(), 0);
+    std::fill(s_->in.begin(), s_->in.end(), 0);
+  }
   training_ = for_backward;
   stash_ = for_backward && narrow_saved();
   round_qkv_ = false;
@@ -98,10 +105,12 @@ void Model::backward(double grad_scale) {
   ops_.rmsnorm_backward(dx, g_norm, dh, x_last, params_.final_norm, rstd);
   grads_final(kHeadGroup);
   for (int64_t l = cfg_.L - 1; l >= 0; --l) {
+    act_offload_before_backward(l);
     Acts a = acts_for_layer(l);
     unstash_layer(l, a);
     recompute_for_backward(l, a, pos);
     block_backward(l, a, pos, dx);
+    act_offload_after_backward(l);
     grads_final(l);
   }
   if (grads_) ops_.embedding_backward(grads_->embed, dx, id_t);

@@ -254,6 +254,11 @@ const std::vector<TrainOption>& train_options() {
            "tensors; the residual stream and per-row statistics stay\nfp32). bf16: half their bytes; fp8: E4M3 with "
            "delayed scaling, a quarter, counted\nin metrics.jsonl (default fp32)",
            &C::act_dtype),
+      text("act-offload", false, "M",
+           "none, host or disk: where the activations each layer keeps for backward wait\nbetween its forward and "
+           "its backward (two layers' worth stay in memory; the copies\noverlap compute; full-sequence training) "
+           "(default none)",
+           &C::act_offload),
       text("spill-dir", false, "DIR", "disk: folder of the spill file, not tmpfs (default --out)", &C::spill_dir),
       whole("sparse-pages", true, "k",
             "page-sparse attention: each query page reads its own chunk, the first --sink-pages\npages and its k "
@@ -444,9 +449,16 @@ void validate_config(const TrainConfig& c) {
             "chunk-recurrent training");
   OOM_CHECK(c.optim_state == "device" || c.optim_state == "host" || c.optim_state == "disk", "[train] --optim-state ",
             c.optim_state, " is not a place oomless keeps optimizer state; use device, host or disk");
-  OOM_CHECK(c.spill_dir.empty() || c.kv_offload == "disk" || c.optim_state == "disk", "[train] --spill-dir ",
-            c.spill_dir, " is the folder of the spill files of --kv-offload disk and --optim-state disk; add "
-            "--kv-offload disk or --optim-state disk, or drop --spill-dir");
+  OOM_CHECK(c.act_offload == "none" || c.act_offload == "host" || c.act_offload == "disk", "[train] --act-offload ",
+            c.act_offload, " is not a place for saved activations; use none, host or disk");
+  OOM_CHECK(c.act_offload == "none" || c.chunk == 0, "[train] --act-offload ", c.act_offload, " with --chunk: chunk-"
+            "recurrent training keeps one chunk's activations already; drop one of them");
+  OOM_CHECK(c.act_offload == "none" || !keeps_nothing, "[train] --act-offload ", c.act_offload, " with --save-policy ",
+            c.save_policy, ": no layer keeps activations to offload; use all or selective on some layers, or drop "
+            "--act-offload");
+  OOM_CHECK(c.spill_dir.empty() || c.kv_offload == "disk" || c.optim_state == "disk" || c.act_offload == "disk",
+            "[train] --spill-dir ", c.spill_dir, " is the folder of the spill files of --kv-offload disk, "
+            "--act-offload disk and --optim-state disk; add one of them, or drop --spill-dir");
   {
     const int cpus = detect_cpu().logical_cpus;
     OOM_CHECK(c.threads >= 0 && (cpus <= 0 || c.threads <= cpus), "[train] --threads ", c.threads, " is more than this "
@@ -585,6 +597,8 @@ EngineOptions engine_options(const TrainConfig& c) {
   o.dtype = parse_compute_dtype(c.dtype);
   o.save_policy = c.save_policy;
   o.act_store = parse_act_dtype(c.act_dtype);
+  o.act_offload = c.act_offload == "host" ? Tier::Host : c.act_offload == "disk" ? Tier::Disk : Tier::Device;
+  o.spill_dir = c.spill_dir;
   return o;
 }
 
@@ -737,7 +751,13 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
   say("oomless train: opening %s\n", c.model.c_str());
   bool pretrained = false;
   try {  // every OutOfBudget of setup becomes one error with the run's memory and what to change
-  s.e = build_engine(engine_options(c));
+  EngineOptions eo = engine_options(c);
+  if (eo.act_offload == Tier::Disk && eo.spill_dir.empty()) {
+    OOM_CHECK(!out.empty(), "[train] --act-offload disk needs a folder for its file: give --spill-dir DIR or --out DIR");
+    fs::create_directories(out);
+    eo.spill_dir = out;
+  }
+  s.e = build_engine(eo);
   Model& model = *s.e.model;
   const ModelConfig& cfg = s.e.src.cfg;
   pretrained = s.e.src.kind == "hf" || s.e.src.kind == "gguf";
@@ -1326,6 +1346,14 @@ int train_run(const TrainConfig& c, const std::string& out) {
                 kv_offload_name(kv->options().offload), *kv->io_name() ? ", " : "", kv->io_name(),
                 format_bytes(st.bytes[dev][tier]).c_str(), format_bytes(st.bytes[tier][dev]).c_str(), st.wait_seconds,
                 run_s > 0 ? 100.0 * st.wait_seconds / run_s : 0.0, run_s);
+  }
+  if (c.act_offload != "none") {
+    const OffloadStats st = e.model->act_offload_stats();
+    const int dev = static_cast<int>(Tier::Device), tier = static_cast<int>(c.act_offload == "host" ? Tier::Host : Tier::Disk);
+    const double run_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+    std::printf("activation offload (%s): %s out, %s in; compute waited %.2f s on transfers (%.1f%% of %.1f s)\n",
+                c.act_offload.c_str(), format_bytes(st.bytes[dev][tier]).c_str(), format_bytes(st.bytes[tier][dev]).c_str(),
+                st.wait_seconds, run_s > 0 ? 100.0 * st.wait_seconds / run_s : 0.0, run_s);
   }
   if (dump) std::fclose(dump);
   if (!g_stop) run_eval(step);

@@ -67,6 +67,7 @@ struct TrainConfig {
   int64_t chunk = 0;            // chunk-recurrent training with chunks of this many tokens (0: off)
   int64_t page = 0;             // page length of the K/V store (0: min(64, chunk)); divides chunk
   std::string kv_offload = "none";  // none, host or disk: where past chunks' K/V pages live
+  std::string act_offload = "none";  // none, host or disk: where saved activations wait for their backward
   std::string spill_dir;        // disk: the spill file's folder (empty: --out)
   double rope_theta = 0;        // > 0: overrides the model's RoPE base
   std::string rope_scaling;     // non-empty: overrides the model's RoPE scaling (apply_rope_scaling)
