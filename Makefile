@@ -110,6 +110,7 @@ test-smoke: build
 	$(BUILD)/bench_sparse retrieval --T 512 --chunk 128 --page 32 --k 2 --pairs 4 --queries 8 --steps 2 --eval 2 \
 	  --warm-T 128,256 --warm-steps 2,1 --warm-batch 2,1 --warm-pairs 2 --warm-queries 4 --ids $(SMOKE)/retrieval \
 	  --json $(SMOKE)/sparse-retrieval.json
+	python3 bench/act_offload.py --bin $(BUILD)/oomless --model preset:tiny --seq 64 --steps 2 --rounds 1 --work $(SMOKE)/act-offload
 	python3 bench/peers/run.py --smoke --oomless $(BUILD)/oomless --work $(SMOKE)/peers
 	python3 bench/long_context/run.py --smoke --oomless $(BUILD)/oomless --work $(SMOKE)/long
 
