@@ -406,7 +406,10 @@ void validate_config(const TrainConfig& c) {
             " is not supported; use yes or no");
   parse_optimizer(c.optim);
   const bool galore = c.optim == "galore" || c.optim == "galore8bit";
-  OOM_CHECK(galore || (c.galore_rank == 0 && c.galore_gap == 200 && c.galore_scale < 0 && c.galore_refresh == "all"),
+  // A run's saved configuration (read back by --resume) holds the scale it resolved: 1, or 0.25 from binaries
+  // before 2026-12-05, whose default it was; those count as left out.
+  const bool scale_unset = c.galore_scale < 0 || c.galore_scale == 1.0 || c.galore_scale == 0.25;
+  OOM_CHECK(galore || (c.galore_rank == 0 && c.galore_gap == 200 && scale_unset && c.galore_refresh == "all"),
             "[train] --galore-rank, --galore-gap, --galore-scale and --galore-refresh need --optim galore or galore8bit");
   OOM_CHECK(!galore || c.lora == 0, "[train] --optim ", c.optim, " projects the gradients of full weight matrices; "
             "with --lora (an adapter already low-rank) use --optim adamw or adamw8bit");

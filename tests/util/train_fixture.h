@@ -68,4 +68,14 @@ inline void expect_same_run(const std::string& a, const std::string& b, bool opt
   EXPECT_EQ(losses(a), losses(b));
 }
 
+// A run of `c` is refused at setup with an error whose text holds `message`.
+inline void expect_refused(const TrainConfig& c, const std::string& message) {
+  try {
+    run_training(c);
+    ADD_FAILURE() << "no error (expected one saying: " << message << ")";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace oomless::test
