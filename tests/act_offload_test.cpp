@@ -98,7 +98,9 @@ TEST(ActOffload, HostAndDiskGiveTheKeptBitsWithTwoLayersOnDevice) {
       const size_t away = t == Tier::Host ? off.host_acts : off.disk_acts;
       EXPECT_GT(away, 0u);
       EXPECT_LT(off.device_acts, kept.device_acts);
-      if (t == Tier::Host) EXPECT_GE(off.device_acts + off.host_acts, kept.device_acts);
+      if (t == Tier::Host) {
+        EXPECT_GE(off.device_acts + off.host_acts, kept.device_acts);
+      }
     }
   }
 }

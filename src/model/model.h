@@ -68,7 +68,7 @@ struct ModelOptions {
   // computed (the act dtype), bf16, or f8_e4m3 with delayed scaling.
   DType act_store = DType::f32;
   // Per layer (L entries, parse_save_policies) when not empty; `save` for every layer otherwise.
-  std::vector<SavePolicy> save_layers;
+  std::vector<SavePolicy> save_layers{};
   // Where the activations a layer keeps for backward wait between its forward and its backward
   // (--act-offload; full-sequence training): Device = where they are computed; Host = a copy in
   // `act_host` (the Host arena), Disk = a slot of a spill file under `spill_dir`. Off Device, the layers'
@@ -76,7 +76,7 @@ struct ModelOptions {
   // the next layer computes) and fetched back while the layer above it runs its backward. The same bits.
   Tier act_offload = Tier::Device;
   Arena* act_host = nullptr;
-  std::string spill_dir;
+  std::string spill_dir{};
 };
 
 // The Device sets offloaded activations rotate through (ModelOptions::act_offload).
@@ -89,7 +89,7 @@ struct KvSlots {
   Tensor k, v;      // (Hkv, P, D)
   int64_t t0 = 0;
   // f8_e4m3 / i8 caches (generate --kv-dtype fp8|int8): a scale per (kv head, position), (Hkv, P) f32.
-  Tensor k_scale, v_scale;
+  Tensor k_scale{}, v_scale{};
 };
 
 class Model {

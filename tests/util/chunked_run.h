@@ -80,7 +80,7 @@ struct RunSetup {
   bool dora = false;    // the LoRA is a DoRA
   DType kv_dtype = DType::f32;  // storage of the history's keys and values
   DType act_store = DType::f32;  // storage of the saved activations (--act-dtype)
-  std::vector<SavePolicy> layers;  // a policy per layer (ModelOptions::save_layers), else `policy` for all
+  std::vector<SavePolicy> layers{};  // a policy per layer (ModelOptions::save_layers), else `policy` for all
 };
 
 // LoRA settings on every projection of a block, alpha = 2r.

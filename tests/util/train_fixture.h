@@ -63,8 +63,9 @@ inline TrainConfig run_interrupted(TrainConfig c, const std::string& split) {
 // Two runs' step-4 weights (and optimizer state) and training losses are the same bytes.
 inline void expect_same_run(const std::string& a, const std::string& b, bool optimizer = true) {
   EXPECT_TRUE(slurp(a + "/checkpoint-4/model.safetensors") == slurp(b + "/checkpoint-4/model.safetensors"));
-  if (optimizer)
+  if (optimizer) {
     EXPECT_TRUE(slurp(a + "/checkpoint-4/optimizer.safetensors") == slurp(b + "/checkpoint-4/optimizer.safetensors"));
+  }
   EXPECT_EQ(losses(a), losses(b));
 }
 
