@@ -34,6 +34,7 @@ using Loaded = Engine;
 Loaded load(const Args& a, bool need_weights, bool keep_quantised = false) {
   EngineOptions o;
   o.model = a.required("model");
+  o.backend = a.str("backend", "cpu");
   o.seed = static_cast<uint64_t>(a.integer("seed", 0, 0, INT64_MAX));
   if (!need_weights) {
     Loaded l;
@@ -111,7 +112,8 @@ const char* kEvalHelp =
     "  --rope-scaling S override the model's RoPE scaling: linear:F, yarn:F or llama3:F (F times the model's\n"
     "                   context), none, or a rope_scaling JSON object (default: the model's)\n"
     "  --json           print one JSON object: loss, ppl, windows, tokens, loss_by_position_bucket\n"
-    "  --threads N      CPU threads (default: all)\n";
+    "  --threads N      CPU threads (default: all)\n"
+    "  --backend B      where the model computes: cpu (default); cuda is refused until its kernels exist\n";
 
 }  // namespace
 
@@ -121,7 +123,7 @@ int eval(const std::vector<std::string>& argv) {
           {"threads", true}, {"seed", true}, {"chunk", true}, {"page", true}, {"kv-offload", true},
           {"spill-dir", true}, {"rope-theta", true}, {"rope-scaling", true},
           {"sparse-pages", true}, {"sink-pages", true}, {"page-summary", true}, {"adapter", true},
-          {"base-dtype", true}, {"embed-dtype", true}},
+          {"base-dtype", true}, {"embed-dtype", true}, {"backend", true}},
          "eval", kEvalHelp);
   if (a.help_requested()) return std::fputs(kEvalHelp, stdout), 0;
   apply_threads(a);
@@ -263,7 +265,8 @@ const char* kGenerateHelp =
     "  --repetition-penalty r  divide the (positive) logits of tokens already seen by r (default 1: off)\n"
     "  --seed s         sampling seed (default 0)\n"
     "  --json           print {prompt_ids, ids, text} instead of the text\n"
-    "  --threads N      CPU threads (default: all)\n";
+    "  --threads N      CPU threads (default: all)\n"
+    "  --backend B      where the model computes: cpu (default); cuda is refused until its kernels exist\n";
 }  // namespace
 
 int generate(const std::vector<std::string>& argv) {
@@ -271,7 +274,8 @@ int generate(const std::vector<std::string>& argv) {
          {{"model", true}, {"prompt", true}, {"prompt-ids", true}, {"max-new", true}, {"dtype", true},
           {"temperature", true}, {"top-p", true}, {"top-k", true}, {"repetition-penalty", true}, {"seed", true},
           {"ignore-eos", false}, {"json", false}, {"threads", true}, {"adapter", true}, {"base-dtype", true},
-          {"embed-dtype", true}, {"chat", false}, {"system", true}, {"messages", true}, {"kv-dtype", true}},
+          {"embed-dtype", true}, {"chat", false}, {"system", true}, {"messages", true}, {"kv-dtype", true},
+          {"backend", true}},
          "generate", kGenerateHelp);
   if (a.help_requested()) return std::fputs(kGenerateHelp, stdout), 0;
   apply_threads(a);
@@ -507,12 +511,13 @@ const char* kMergeHelp =
     "  --adapter DIR  the adapter folder (PEFT's format) (required)\n"
     "  --out HF_DIR   a new or empty folder (required)\n"
     "  --dtype D      fp32 (default) or bf16 weights in model.safetensors\n"
-    "  --seed s       random init of a preset base (default 0)\n";
+    "  --seed s       random init of a preset base (default 0)\n"
+    "  --backend B    where the merge computes: cpu (default); cuda is refused until its kernels exist\n";
 
 }  // namespace
 
 int merge(const std::vector<std::string>& argv) {
-  Args a(argv, {{"model", true}, {"adapter", true}, {"out", true}, {"dtype", true}, {"seed", true}}, "merge",
+  Args a(argv, {{"model", true}, {"adapter", true}, {"out", true}, {"dtype", true}, {"seed", true}, {"backend", true}}, "merge",
          kMergeHelp);
   if (a.help_requested()) return std::fputs(kMergeHelp, stdout), 0;
   const std::string out = a.required("out");

@@ -8,6 +8,8 @@
 namespace oomless {
 
 Engine build_engine(const EngineOptions& o) {
+  OOM_CHECK(o.backend == "cpu" || o.backend == "cuda", "[engine] --backend ", o.backend,
+            " is not a backend oomless has; use cpu or cuda");
   Engine e;
   e.src = open_model(o.model, o.seed);
   if (o.rope_theta > 0) {
@@ -27,7 +29,7 @@ Engine build_engine(const EngineOptions& o) {
     }
   }
   e.mem = std::make_unique<CpuMemory>(o.budget);
-  e.ops = make_ops("cpu", &e.mem->device);
+  e.ops = make_ops(o.backend, &e.mem->device);
   BaseWeights base = load_base(e.src, e.mem->device, o.keep_quantised, o.base_dtype, embed_dtype);
   e.params = std::move(base.params);
   e.quant = std::move(base.quant);

@@ -18,6 +18,7 @@ namespace oomless {
 
 struct EngineOptions {
   std::string model;                 // --model: a Hugging Face folder, a .gguf, a config.json or preset:NAME
+  std::string backend = "cpu";       // --backend: cpu, or cuda (refused with a clear error: no kernels yet)
   uint64_t seed = 0;                 // random init of presets and config-only models
   size_t budget = size_t{1} << 46;   // --budget (bytes) of the Device and Host arenas together
   double rope_theta = 0;             // > 0: overrides the model's RoPE base

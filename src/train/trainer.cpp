@@ -254,6 +254,8 @@ const std::vector<TrainOption>& train_options() {
            "tensors; the residual stream and per-row statistics stay\nfp32). bf16: half their bytes; fp8: E4M3 with "
            "delayed scaling, a quarter, counted\nin metrics.jsonl (default fp32)",
            &C::act_dtype),
+      text("backend", false, "B", "where the model computes: cpu; cuda is refused until its kernels exist\n(default cpu)",
+           &C::backend),
       text("act-offload", false, "M",
            "none, host or disk: where the activations each layer keeps for backward wait\nbetween its forward and "
            "its backward (two layers' worth stay in memory; the copies\noverlap compute; full-sequence training) "
@@ -404,6 +406,8 @@ void validate_config(const TrainConfig& c) {
             " is not supported; use fp32 or bf16");
   OOM_CHECK(c.save_optimizer == "yes" || c.save_optimizer == "no", "[train] --save-optimizer ", c.save_optimizer,
             " is not supported; use yes or no");
+  OOM_CHECK(c.backend == "cpu" || c.backend == "cuda", "[train] --backend ", c.backend,
+            " is not a backend oomless has; use cpu or cuda");
   parse_optimizer(c.optim);
   const bool galore = c.optim == "galore" || c.optim == "galore8bit";
   // A run's saved configuration (read back by --resume) holds the scale it resolved: 1, or 0.25 from binaries
@@ -584,6 +588,7 @@ EngineOptions engine_options(const TrainConfig& c) {
             "[train] --rope-theta must be a positive number, got ", c.rope_theta);
   EngineOptions o;
   o.model = c.model;
+  o.backend = c.backend;
   o.seed = static_cast<uint64_t>(c.seed);
   o.budget = c.budget.empty() ? (size_t{1} << 46) : parse_size(c.budget);
   o.rope_theta = c.rope_theta;

@@ -23,6 +23,7 @@ namespace oomless {
 
 struct TrainConfig {
   std::string model = "preset:tiny";
+  std::string backend = "cpu";  // cpu, or cuda (refused until its kernels exist)
   std::string data;            // empty: the bundled corpus (data/kjv/train.txt, embedded)
   std::string out;              // empty: runs/run-YYYYmmdd-HHMMSS (a new folder per run)
   int64_t seq = 256;

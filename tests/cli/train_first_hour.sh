@@ -19,6 +19,8 @@ expect_error() {
 M="train --model preset:micro --data $D --seq 64 --batch 2 --steps 2"
 expect_error kv_no_chunk "--kv-offload disk needs --chunk C" $M --kv-offload disk
 expect_error page_no_chunk "--page 32 needs --chunk C" $M --page 32
+expect_error backend_cuda "the CUDA backend has no kernels yet in this build; use --backend cpu" $M --backend cuda
+expect_error backend_unknown "--backend tpu is not a backend oomless has; use cpu or cuda" $M --backend tpu
 expect_error spill_no_disk "--spill-dir .* add one of them" $M --spill-dir "$work"
 expect_error threads "--threads 4096 is more than this machine's [0-9]+ logical CPUs" $M --threads 4096
 expect_error epochs_zero "--epochs must be above 0" train --model preset:micro --data "$D" --epochs 0
