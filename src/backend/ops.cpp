@@ -3,7 +3,32 @@
 #include "backend/cpu/cpu_ops.h"
 #include "backend/ref/ref_ops.h"
 
+#include <cstring>
+
 namespace oomless {
+
+void Ops::upload(Tensor dst, const void* src) {
+  if (dst.nbytes() > 0) std::memcpy(dst.data, src, static_cast<size_t>(dst.nbytes()));
+}
+
+void Ops::download(void* dst, Tensor src) {
+  if (src.nbytes() > 0) std::memcpy(dst, src.data, static_cast<size_t>(src.nbytes()));
+}
+
+void Ops::copy(Tensor dst, Tensor src) {
+  OOM_CHECK(dst.dtype == src.dtype && dst.numel() == src.numel(), "[copy] dst ", dst.str(), " and src ", src.str(),
+            " differ in dtype or size");
+  if (dst.nbytes() > 0 && dst.data != src.data) std::memmove(dst.data, src.data, static_cast<size_t>(dst.nbytes()));
+}
+
+void Ops::zero(Tensor x) {
+  if (x.nbytes() > 0) std::memset(x.data, 0, static_cast<size_t>(x.nbytes()));
+}
+
+void Ops::iota(Tensor x, int32_t first) {
+  int32_t* p = x.as<int32_t>("[iota]");
+  for (int64_t i = 0; i < x.numel(); ++i) p[i] = first + static_cast<int32_t>(i);
+}
 
 std::unique_ptr<Ops> make_ops(std::string_view name, Arena* workspace) {
   if (name == "ref") return std::make_unique<RefOps>();

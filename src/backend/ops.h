@@ -150,6 +150,20 @@ class Ops {
   virtual void scale(Tensor x, double alpha) = 0;
   // x = value.
   virtual void fill(Tensor x, double value) = 0;
+
+  // Memory operations: how code above backend/ moves bytes into, out of and between tensors (a device
+  // backend copies across its bus here). Any dtype. The default forms are for backends whose tensors live
+  // in host memory (cpu, ref).
+  // dst = dst.nbytes() bytes at src (host memory).
+  virtual void upload(Tensor dst, const void* src);
+  // dst (host memory) = src's src.nbytes() bytes.
+  virtual void download(void* dst, Tensor src);
+  // dst = src: the same dtype and element count.
+  virtual void copy(Tensor dst, Tensor src);
+  // Every byte of x = 0.
+  virtual void zero(Tensor x);
+  // x (i32) = first, first + 1, ... (positions).
+  virtual void iota(Tensor x, int32_t first);
   // Inverted dropout: out[i] (=, or += when accumulate) in[i] * keep(i) / (1 - p), keep(i) =
   // dropout_keep(seed, offset + i, p). The mask depends only on (seed, offset + i, p): every backend
   // and thread count draws the same one, and the backward is the same call on the output gradient.

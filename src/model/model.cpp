@@ -238,9 +238,10 @@ void Model::grads_final(int64_t group) {
 }
 
 void Model::zero_grads() {
-  if (grads_) std::memset(grads_->data(), 0, grads_->bytes());
-  if (agrads_) std::memset(agrads_->tensors().data(), 0, agrads_->tensors().bytes());
-  if (sgrads_) std::memset(sgrads_->data(), 0, sgrads_->bytes());
+  auto bytes = [](void* p, size_t n) { return Tensor(p, DType::u8, {static_cast<int64_t>(n)}); };
+  if (grads_) ops_.zero(bytes(grads_->data(), grads_->bytes()));
+  if (agrads_) ops_.zero(bytes(agrads_->tensors().data(), agrads_->tensors().bytes()));
+  if (sgrads_) ops_.zero(bytes(sgrads_->data(), sgrads_->bytes()));
 }
 
 void Model::reserve(int64_t T, bool for_backward, bool chunked) {
@@ -257,7 +258,7 @@ void Model::reserve(int64_t T, bool for_backward, bool chunked) {
   };
   const Category A = Category::activations, W = Category::workspace;
   s->pos = alloc(DType::i32, {T}, W, "positions");
-  for (int64_t t = 0; t < T; ++t) s->pos.as<int32_t>("[model]")[t] = static_cast<int32_t>(t);
+  ops_.iota(s->pos, 0);
   s->ones = alloc(act_, {T, 1}, W, "ones");
   ops_.fill(s->ones, 1.0);
   s->ids = alloc(DType::i32, {T}, W, "ids");

@@ -43,11 +43,11 @@ CeResult Model::chunk_forward(Tensor ids, Tensor targets, int64_t t0, ChunkKv& k
   stash_ = for_backward && narrow_saved();
   round_qkv_ = training_ && !for_backward && narrow_saved();
   Scratch& s = *s_;
-  std::memcpy(s.ids.data, ids.data, static_cast<size_t>(T) * 4);
-  std::memcpy(s.targets.data, targets.data, static_cast<size_t>(T) * 4);
   Tensor pos(s.pos.data, DType::i32, {T});
-  for (int64_t t = 0; t < T; ++t) pos.as<int32_t>("[model]")[t] = static_cast<int32_t>(t0 + t);
   Tensor id_t(s.ids.data, DType::i32, {T}), tg_t(s.targets.data, DType::i32, {T});
+  ops_.upload(id_t, ids.data);
+  ops_.upload(tg_t, targets.data);
+  ops_.iota(pos, static_cast<int32_t>(t0));
   const size_t n_states = s.layer_in.size();
   auto state = [&](int64_t i) { return Tensor(s.layer_in[static_cast<size_t>(i) % n_states].data, act_, {T, cfg_.E}); };
   ops_.embedding_forward(state(0), id_t, params_.embed);

@@ -67,11 +67,11 @@ CeResult Model::forward(Tensor ids, Tensor targets, bool for_backward, std::opti
   for (int64_t t = 0; t < T; ++t)
     OOM_CHECK(id[t] >= 0 && id[t] < cfg_.V, "[model] token id ", id[t], " at position ", t,
               " is outside the vocabulary [0, ", cfg_.V, ")");
-  std::memcpy(s.ids.data, ids.data, static_cast<size_t>(T) * 4);
-  std::memcpy(s.targets.data, targets.data, static_cast<size_t>(T) * 4);
   Tensor pos(s.pos.data, DType::i32, {T});
-  for (int64_t t = 0; t < T; ++t) pos.as<int32_t>("[model]")[t] = static_cast<int32_t>(t);
   Tensor id_t(s.ids.data, DType::i32, {T}), tg_t(s.targets.data, DType::i32, {T});
+  ops_.upload(id_t, ids.data);
+  ops_.upload(tg_t, targets.data);
+  ops_.iota(pos, 0);
 
   const Tensor x_last = run_blocks(id_t, pos, nullptr, 0);
   Tensor hn(s.hn.data, act_, {T, cfg_.E}), rstd(s.rstd_f.data, act_, {T}), lse(s.lse_f.data, act_, {T});
@@ -167,9 +167,10 @@ void Model::decode_forward(Tensor ids, int64_t t0, std::vector<KvSlots>& cache, 
   stash_ = round_qkv_ = false;
   if (t0 == 0) refresh_dora();  // a new sequence
   Scratch& s = *s_;
-  Tensor pos(s.pos.data, DType::i32, {T});
-  for (int64_t t = 0; t < T; ++t) pos.as<int32_t>("[model]")[t] = static_cast<int32_t>(t0 + t);
-  const Tensor x_out = run_blocks(ids, pos, &cache, t0);
+  Tensor pos(s.pos.data, DType::i32, {T}), id_t(s.ids.data, DType::i32, {T});
+  ops_.iota(pos, static_cast<int32_t>(t0));
+  ops_.upload(id_t, ids.data);
+  const Tensor x_out = run_blocks(id_t, pos, &cache, t0);
   // Only the last token's logits are needed.
   Tensor x_last(static_cast<char*>(x_out.data) + dtype_bytes(act_, (T - 1) * cfg_.E), act_, {1, cfg_.E});
   Tensor hn(s.hn.data, act_, {1, cfg_.E}), rstd(s.rstd_f.data, act_, {1});

@@ -111,7 +111,7 @@ CheckpointFile state_file(const std::string& name, std::vector<StWrite> entries)
 
 // Reads every named tensor back in place; each must be in the file with the same dtype and size, or as
 // bf16 for an f32 tensor (--save-dtype bf16: widened; returns true when any was).
-bool read_tensors(const SafetensorsFile& f, const std::vector<NamedTensor>& ts) {
+bool read_tensors(Ops& ops, const SafetensorsFile& f, const std::vector<NamedTensor>& ts) {
   bool widened = false;
   for (const NamedTensor& t : ts) {
     const StTensor* st = f.find(t.name);
@@ -120,10 +120,12 @@ bool read_tensors(const SafetensorsFile& f, const std::vector<NamedTensor>& ts) 
     OOM_CHECK(st && (bf16 || (st->dtype == t.t.dtype && static_cast<uint64_t>(t.t.nbytes()) == st->nbytes)), "[train] ",
               f.path(), ": tensor '", t.name, "' is missing or has another shape/dtype");
     if (bf16) {
-      convert(t.t.data, DType::f32, st->data, DType::bf16, t.t.numel());
+      std::vector<float> wide(static_cast<size_t>(t.t.numel()));
+      convert(wide.data(), DType::f32, st->data, DType::bf16, t.t.numel());
+      ops.upload(t.t, wide.data());
       widened = true;
     } else {
-      std::memcpy(t.t.data, st->data, st->nbytes);
+      ops.upload(t.t, st->data);
     }
   }
   return widened;
@@ -990,7 +992,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
       for (const StTensor& t : af.tensors()) rounded |= t.dtype == DType::bf16;
       load_adapter(ck->path, cfg, *s.e.adapters, *s.e.params);
     } else {
-      rounded = read_tensors(SafetensorsFile::open(ck->path + "/model.safetensors"), model_state(s.e));
+      rounded = read_tensors(*s.e.ops, SafetensorsFile::open(ck->path + "/model.safetensors"), model_state(s.e));
     }
     if (rounded)
       warn("the checkpoint's weights are bf16 (--save-dtype bf16): the run continues from the rounded weights, not "
