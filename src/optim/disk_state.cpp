@@ -181,7 +181,7 @@ std::vector<StWrite> DiskState::state_entries() {
   return w;
 }
 
-void DiskState::load_state(const SafetensorsFile& f) {
+void DiskState::load_state(Ops&, const SafetensorsFile& f) {  // file to file: no tensor memory
   check_state_file(f, state_entries(), name_.c_str());
   for (const std::vector<Entry>& es : entries_)
     for (const Entry& e : es) file_->write(file_slot_, f.find(e.name)->data, e.bytes, e.offset);

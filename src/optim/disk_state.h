@@ -42,7 +42,7 @@ class DiskState final : public Optimizer {
   // The state is not in memory: throws (checkpoints use state_entries / load_state).
   std::vector<NamedTensor> state() override;
   std::vector<StWrite> state_entries() override;
-  void load_state(const SafetensorsFile& f) override;
+  void load_state(Ops& ops, const SafetensorsFile& f) override;
   json::Value settings_json() const override { return settings_; }
 
   size_t disk_bytes() const { return total_; }

@@ -63,13 +63,13 @@ void check_state_file(const SafetensorsFile& f, const std::vector<StWrite>& want
             "settings; resume from another checkpoint, or start a new run from its weights");
 }
 
-void Optimizer::load_state(const SafetensorsFile& f) {
+void Optimizer::load_state(Ops& ops, const SafetensorsFile& f) {
   const std::vector<NamedTensor> mine = state();
   const std::vector<StWrite> want = state_entries();
   check_state_file(f, want, name());
   for (const NamedTensor& t : mine) {
     const StTensor* st = f.find(t.name);
-    std::memcpy(t.t.data, st->data, st->nbytes);
+    ops.upload(t.t, st->data);
   }
 }
 

@@ -34,7 +34,7 @@ class Optimizer {
   // shapes (else an error naming the first that differs, before anything is changed). The defaults go
   // through state(); an optimizer whose state is not in memory overrides both.
   virtual std::vector<StWrite> state_entries();
-  virtual void load_state(const SafetensorsFile& f);
+  virtual void load_state(Ops& ops, const SafetensorsFile& f);
   // The settings that define the run (fixed on resume), as JSON.
   virtual json::Value settings_json() const = 0;
 

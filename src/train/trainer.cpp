@@ -997,7 +997,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
     if (rounded)
       warn("the checkpoint's weights are bf16 (--save-dtype bf16): the run continues from the rounded weights, not "
            "bit-exactly as an uninterrupted run would");
-    s.opt->load_state(SafetensorsFile::open(ck->path + "/optimizer.safetensors"));
+    s.opt->load_state(*s.e.ops, SafetensorsFile::open(ck->path + "/optimizer.safetensors"));
     OOM_CHECK(s.data, "[train] --resume needs the run's --data");
     s.data->restore(st.at("data"));
     s.step = st.at("step").as_int();
