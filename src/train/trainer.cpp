@@ -408,8 +408,6 @@ void validate_config(const TrainConfig& c) {
             " is not supported; use fp32 or bf16");
   OOM_CHECK(c.save_optimizer == "yes" || c.save_optimizer == "no", "[train] --save-optimizer ", c.save_optimizer,
             " is not supported; use yes or no");
-  OOM_CHECK(c.backend == "cpu" || c.backend == "cuda", "[train] --backend ", c.backend,
-            " is not a backend oomless has; use cpu or cuda");
   parse_optimizer(c.optim);
   const bool galore = c.optim == "galore" || c.optim == "galore8bit";
   // A run's saved configuration (read back by --resume) holds the scale it resolved: 1, or 0.25 from binaries
@@ -761,12 +759,16 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
   say("oomless train: opening %s\n", c.model.c_str());
   bool pretrained = false;
   try {  // every OutOfBudget of setup becomes one error with the run's memory and what to change
-  EngineOptions eo = engine_options(c);
-  if (eo.act_offload == Tier::Disk && eo.spill_dir.empty()) {
-    OOM_CHECK(!out.empty(), "[train] --act-offload disk needs a folder for its file: give --spill-dir DIR or --out DIR");
+  // The folder of the spill files (--act-offload, --optim-state and --kv-offload disk): --spill-dir, or the run
+  // folder, made when a spill file needs it.
+  auto spill_folder = [&](const char* flag) {
+    if (!c.spill_dir.empty()) return c.spill_dir;
+    OOM_CHECK(!out.empty(), "[train] ", flag, " disk needs a folder for its file: give --spill-dir DIR or --out DIR");
     fs::create_directories(out);
-    eo.spill_dir = out;
-  }
+    return out;
+  };
+  EngineOptions eo = engine_options(c);
+  if (eo.act_offload == Tier::Disk) eo.spill_dir = spill_folder("--act-offload");
   s.e = build_engine(eo);
   Model& model = *s.e.model;
   const ModelConfig& cfg = s.e.src.cfg;
@@ -791,9 +793,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
     const GaLoreSettings galore{c.galore_rank > 0 ? c.galore_rank : std::max<int64_t>(cfg.E / 4, 1), c.galore_gap,
                                 c.galore_scale, false, c.galore_refresh == "staggered"};
     if (c.optim_state == "disk") {
-      const std::string dir = c.spill_dir.empty() ? out : c.spill_dir;
-      OOM_CHECK(!dir.empty(), "[train] --optim-state disk needs a folder for its file: give --spill-dir DIR or --out DIR");
-      if (c.spill_dir.empty()) fs::create_directories(out);
+      const std::string dir = spill_folder("--optim-state");
       s.opt = std::make_unique<DiskState>(
           s.trained,
           [name = c.optim, adam, galore](const TrainableSet& one, Arena& arena) {
@@ -824,12 +824,11 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
       OOM_CHECK(ko.P > 0, "[train] --chunk ", C, " has no divisor from 8 to 64 for the K/V page: give --page P (a "
                 "divisor of --chunk) or a --chunk that is a multiple of 64");
       ko.offload = parse_kv_offload(c.kv_offload);
-      ko.spill_dir = c.spill_dir.empty() ? out : c.spill_dir;
+      if (ko.offload == KvOffload::disk) ko.spill_dir = spill_folder("--kv-offload");
       ko.sparse_pages = c.sparse_pages;
       ko.sink_pages = c.sink_pages;
       ko.summary = parse_page_summary(c.page_summary);
       ko.kv_dtype = c.kv_dtype == "bf16" ? DType::bf16 : c.kv_dtype == "fp8" ? DType::f8_e4m3 : DType::f32;
-      if (ko.offload == KvOffload::disk) fs::create_directories(out);
       model.reserve(C, true, true);
       s.kv = std::make_unique<PagedKvStore>(cfg, *s.e.ops, s.e.mem->device, s.e.mem->host, ko, c.seq, true);
     } else {
