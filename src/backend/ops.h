@@ -9,9 +9,11 @@
 // Shapes use the project names: T tokens, E width, F MLP width, H heads, Hkv kv heads, D head dim,
 // V vocab, P tokens per KV block (page).
 #pragma once
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string_view>
+#include <vector>
 
 #include "core/tensor.h"
 
@@ -116,6 +118,33 @@ class Ops {
   virtual const char* name() const = 0;
   // The float dtype this backend computes activations in (f64 for ref, f32 for cpu).
   virtual DType act_dtype() const = 0;
+
+  // Workspace (Category::workspace) the kernels take from the backend's arena, so that a run's memory can be
+  // added up before it starts (train/estimate.h). A backend that takes none keeps these defaults.
+  // The packing buffers of a product (M, N, K) of f32 or bf16 operands: {the buffer the threads share, the
+  // threads' own ones together}. Each is kept between calls and grown to the largest product seen.
+  virtual std::array<size_t, 2> matmul_workspace(int64_t M, int64_t N, int64_t K, bool bf16) const {
+    (void)M, (void)N, (void)K, (void)bf16;
+    return {0, 0};
+  }
+  // Held while one attention call runs: T queries of H heads (D wide, Hkv key heads) over `key_blocks`
+  // blocks of `block_len` keys stored in kv_dtype; bf16_products as KvBlocks::bf16_products.
+  virtual size_t attention_workspace(bool backward, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t key_blocks,
+                                     int64_t block_len, DType kv_dtype, bool bf16_products) const {
+    (void)backward, (void)T, (void)H, (void)Hkv, (void)D, (void)key_blocks, (void)block_len, (void)kv_dtype,
+        (void)bf16_products;
+    return 0;
+  }
+  // Held while one fused LM head + cross-entropy call runs (h (T, E), w (V, E)): `w_read_as_bf16` under bf16
+  // compute, `w_widened` when w is stored bf16 or quantised and read in f32. `products`, when given, receives
+  // the (M, N, K) of the products the call runs through matmul's packing (see matmul_workspace).
+  enum class CeCall { forward, backward, fused };
+  virtual size_t cross_entropy_workspace(CeCall call, int64_t T, int64_t E, int64_t V, bool w_read_as_bf16,
+                                         bool w_widened,
+                                         std::vector<std::array<int64_t, 3>>* products = nullptr) const {
+    (void)call, (void)T, (void)E, (void)V, (void)w_read_as_bf16, (void)w_widened, (void)products;
+    return 0;
+  }
 
   // c (M, N) = op(a) (M, K) . op(b) (K, N), or += when accumulate. a is stored (M, K), or (K, M) when
   // ta; b is stored (K, N), or (N, K) when tb. a and b share a dtype (act dtype or bf16); c is act dtype.

@@ -471,13 +471,18 @@ struct Scratch {
   int64_t tile_floats;
 };
 
-Scratch make_scratch(CpuOps& ops, int64_t n_kt, int64_t n_qt, int64_t extra_floats, int64_t tile_floats) {
+int64_t scratch_bytes(int64_t n_kt, int64_t n_qt, int64_t extra_floats, int64_t tile_floats) {
   const int threads = std::max(1, omp_get_max_threads());
   const int64_t kt_bytes = (n_kt * static_cast<int64_t>(sizeof(KeyTile)) + 63) / 64 * 64;
   const int64_t qt_bytes = (n_qt * static_cast<int64_t>(sizeof(QueryTile)) + 63) / 64 * 64;
-  const int64_t floats = padded(extra_floats) + threads * tile_floats;
+  return kt_bytes + qt_bytes + 4 * (padded(extra_floats) + threads * tile_floats);
+}
+
+Scratch make_scratch(CpuOps& ops, int64_t n_kt, int64_t n_qt, int64_t extra_floats, int64_t tile_floats) {
+  const int64_t kt_bytes = (n_kt * static_cast<int64_t>(sizeof(KeyTile)) + 63) / 64 * 64;
+  const int64_t qt_bytes = (n_qt * static_cast<int64_t>(sizeof(QueryTile)) + 63) / 64 * 64;
   Scratch s;
-  s.buf = ops.scratch(static_cast<size_t>(kt_bytes + qt_bytes + 4 * floats), "attention");
+  s.buf = ops.scratch(static_cast<size_t>(scratch_bytes(n_kt, n_qt, extra_floats, tile_floats)), "attention");
   char* p = s.buf.as<char>();
   s.kt = reinterpret_cast<KeyTile*>(p);
   s.qt = reinterpret_cast<QueryTile*>(p + kt_bytes);
@@ -510,10 +515,11 @@ Ctx make_ctx(const AttentionDims& dims, const Tensor& q, const Tensor& o, const 
 }
 
 // Floats of scratch for one (T, ldq) operand copy under bf16 products (none without).
-int64_t operand_floats(const Ctx& x) {
-  if (!x.bf16) return 0;
-  return padded(x.amx ? (x.T * x.ldq + 1) / 2 : x.T * x.ldq);
+int64_t operand_floats(int64_t T, int64_t ldq, bool bf16, bool amx) {
+  if (!bf16) return 0;
+  return padded(amx ? (T * ldq + 1) / 2 : T * ldq);
 }
+int64_t operand_floats(const Ctx& x) { return operand_floats(x.T, x.ldq, x.bf16, x.amx); }
 
 // Under bf16 products, src (T, ldq) rounded into dst: bf16 values in f32 (*rounded) or bf16 (*h16, on amx).
 void round_rows(Ctx* x, const float* src, float* dst, const float** rounded, const uint16_t** h16) {
@@ -711,6 +717,18 @@ void CpuOps::attention_merge(Tensor o, Tensor lse, Tensor o2, Tensor lse2, int64
   detail::attention_merge_rows(static_cast<float*>(o.data), static_cast<float*>(lse.data),
                                static_cast<const float*>(o2.data), static_cast<const float*>(lse2.data), d.T,
                                o2.dims[0], row0, d.H, d.D);
+}
+
+size_t CpuOps::attention_workspace(bool backward, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t key_blocks,
+                                   int64_t block_len, DType kv_dtype, bool bf16_products) const {
+  (void)Hkv;
+  if (T <= 0 || H <= 0) return 0;
+  const bool amx = bf16_products && gemm_isa() == GemmIsa::amx;
+  const bool widen = kv_dtype != DType::f32 || (bf16_products && !amx);
+  const int64_t n_kt = key_blocks * ((block_len + kBk - 1) / kBk), n_qt = (T + kBq - 1) / kBq;
+  const int64_t rows = operand_floats(T, H * D, bf16_products, amx);
+  const int64_t extra = backward ? 2 * padded(H * T) + 2 * rows : rows;
+  return static_cast<size_t>(scratch_bytes(n_kt, n_qt, extra, tiles_floats(D, widen, amx)));
 }
 
 }  // namespace oomless

@@ -44,6 +44,12 @@ CpuOps::~CpuOps() = default;
 
 Buffer CpuOps::scratch(size_t bytes, const char* what) { return ws_->alloc(bytes, Category::workspace, what); }
 
+std::array<size_t, 2> CpuOps::matmul_workspace(int64_t M, int64_t N, int64_t K, bool bf16) const {
+  if (M <= 0 || N <= 0 || K <= 0) return {0, 0};
+  return Gemm::pack_bytes(GemmShape{.M = M, .N = N, .K = K, .ab = bf16 ? DType::bf16 : DType::f32},
+                          omp_get_max_threads());
+}
+
 void CpuOps::matmul(Tensor c, Tensor a, Tensor b, bool ta, bool tb, bool accumulate) {
   auto [M_, N_, K_] = check_matmul(c, a, b, ta, tb, kAct);
   // Copies: clang before 16 cannot capture structured bindings in lambdas / OpenMP regions.

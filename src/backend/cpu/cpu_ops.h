@@ -57,6 +57,11 @@ class CpuOps final : public Ops {
   void adamw8bit_step(Tensor param, Tensor grad, Tensor m_codes, Tensor m_absmax, Tensor v_codes, Tensor v_absmax,
                       const AdamWConfig& cfg) override;
   void svd_basis(Tensor out, Tensor g, bool right) override;
+  std::array<size_t, 2> matmul_workspace(int64_t M, int64_t N, int64_t K, bool bf16) const override;
+  size_t attention_workspace(bool backward, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t key_blocks,
+                             int64_t block_len, DType kv_dtype, bool bf16_products) const override;
+  size_t cross_entropy_workspace(CeCall call, int64_t T, int64_t E, int64_t V, bool w_read_as_bf16, bool w_widened,
+                                 std::vector<std::array<int64_t, 3>>* products = nullptr) const override;
 
   // Scratch from the workspace arena (Category::workspace).
   Buffer scratch(size_t bytes, const char* what);

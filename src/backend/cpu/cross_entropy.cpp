@@ -79,6 +79,19 @@ Plan plan_for(int64_t T, int64_t E, int64_t V) {
 // n rounded up to a multiple of 16 elements, so that every scratch region starts 64-byte aligned.
 size_t padded(int64_t n) { return static_cast<size_t>((n + 15) / 16 * 16); }
 
+using CeCall = Ops::CeCall;
+
+// Bytes of the one scratch allocation of a call (the layouts are carved in the calls below): the logits tile,
+// the widened w chunk, h in bf16, the tile in bf16, the fused form's per-thread target rows, and the row state.
+size_t scratch_bytes(CeCall call, int64_t T, int64_t E, int64_t V, bool bf16, bool widen) {
+  const Plan pl = plan_for(T, E, V);
+  const size_t tile_n = padded(pl.Tc * pl.Vc), wc_n = widen ? padded(pl.Vc * E) : 0;
+  const size_t hb_n = bf16 ? padded(T * E) / 2 : 0, tb_n = bf16 && call != CeCall::forward ? tile_n / 2 : 0;
+  const size_t row_n = call == CeCall::fused ? padded(omp_get_max_threads() * E) : 0;
+  const size_t state = call == CeCall::forward ? 16 * padded(T) : call == CeCall::fused ? 24 * padded(T) : 0;
+  return 4 * (tile_n + wc_n + hb_n + tb_n + row_n) + state;
+}
+
 // exp(x) in f32 to within 1.4 ulp (checked over every float in [-87, 88]). Cody-Waite reduction
 // x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial for exp(r) and the exponent bits of 2^n. Below -87
 // it returns 0 (the true value is under 2^-125, invisible next to a sum >= 1), above 88 inf, NaN for NaN.
@@ -248,7 +261,7 @@ CeResult CpuOps::linear_cross_entropy_forward(Tensor lse, Tensor h, Tensor w, Te
   const bool bf16 = bf16_operands(w);
   const bool widen = !bf16 && (w.dtype == DType::bf16 || w.as_bf16 || w.quant);
   const size_t tile_n = padded(pl.Tc * pl.Vc), wc_n = widen ? padded(pl.Vc * E) : 0, hb_n = bf16 ? padded(T * E) / 2 : 0;
-  Buffer buf = scratch(4 * (tile_n + wc_n + hb_n) + 16 * padded(T), "cross_entropy");
+  Buffer buf = scratch(scratch_bytes(CeCall::forward, T, E, V, bf16, widen), "cross_entropy");
   float* tile = buf.as<float>();                                 // (Tc, Vc)
   float* wc = tile + tile_n;                                     // (Vc, E) when w is bf16 or quantised (f32 GEMMs)
   uint16_t* hb = reinterpret_cast<uint16_t*>(wc + wc_n);        // (T, E) h in bf16 (bf16 GEMMs)
@@ -303,8 +316,8 @@ void CpuOps::linear_cross_entropy_backward(Tensor dh, Tensor dw, Tensor h, Tenso
   const bool bf16 = bf16_operands(w);
   const bool widen = !bf16 && (w.dtype == DType::bf16 || w.as_bf16 || w.quant);
   const size_t tile_n = padded(pl.Tc * pl.Vc), wc_n = widen ? padded(pl.Vc * E) : 0;
-  const size_t hb_n = bf16 ? padded(T * E) / 2 : 0, tb_n = bf16 ? tile_n / 2 : 0;
-  Buffer buf = scratch(4 * (tile_n + wc_n + hb_n + tb_n), "cross_entropy");
+  const size_t hb_n = bf16 ? padded(T * E) / 2 : 0;
+  Buffer buf = scratch(scratch_bytes(CeCall::backward, T, E, V, bf16, widen), "cross_entropy");
   float* tile = buf.as<float>();     // (Tc, Vc) logits, then dlogits in place
   float* wc = tile + tile_n;         // (Vc, E) when w is bf16 or quantised (f32 GEMMs)
   uint16_t* hb = reinterpret_cast<uint16_t*>(wc + wc_n);               // (T, E) h in bf16 (bf16 GEMMs)
@@ -369,16 +382,15 @@ CeResult CpuOps::linear_cross_entropy_fused(Tensor lse, Tensor dh, Tensor h, Ten
   const Plan pl = plan_for(T, E, V);
   const bool bf16 = bf16_operands(w);
   const bool widen = !bf16 && (w.dtype == DType::bf16 || w.as_bf16 || w.quant);
-  const int64_t threads = omp_get_max_threads();
-  const size_t tile_n = padded(pl.Tc * pl.Vc), wc_n = widen ? padded(pl.Vc * E) : 0, row_n = padded(threads * E);
+  const size_t tile_n = padded(pl.Tc * pl.Vc), wc_n = widen ? padded(pl.Vc * E) : 0;
   const size_t hb_n = bf16 ? padded(T * E) / 2 : 0, tb_n = bf16 ? tile_n / 2 : 0;
-  Buffer buf = scratch(4 * (tile_n + wc_n + hb_n + tb_n + row_n) + 24 * padded(T), "cross_entropy");
+  Buffer buf = scratch(scratch_bytes(CeCall::fused, T, E, V, bf16, widen), "cross_entropy");
   float* tile = buf.as<float>();                                 // (Tc, Vc) logits, then P in place
   float* wc = tile + tile_n;                                     // (Vc, E) when w is bf16 or quantised (f32 GEMMs)
   uint16_t* hb = reinterpret_cast<uint16_t*>(wc + wc_n);        // (T, E) h in bf16 (bf16 GEMMs)
   uint16_t* tb = reinterpret_cast<uint16_t*>(wc + wc_n + hb_n); // (Tc, Vc) P in bf16
   float* wrow = wc + wc_n + hb_n + tb_n;                         // (threads, E) a target row of w
-  float* rmax = wrow + row_n;                                    // (T) running max
+  float* rmax = wrow + padded(omp_get_max_threads() * E);       // (T) running max
   double* rsum = reinterpret_cast<double*>(rmax + padded(T));    // (T) running sum of exp(logit - rmax)
   double* rsum_x = rsum + padded(T);                             // (T) the same without the target's term
   float* tlogit = reinterpret_cast<float*>(rsum_x + padded(T));  // (T) the target's logit
@@ -452,6 +464,18 @@ CeResult CpuOps::linear_cross_entropy_fused(Tensor lse, Tensor dh, Tensor h, Ten
 
   finish_loss(T, tg, ignore_index, rmax, rsum, tlogit, lp, &res);
   return res;
+}
+
+size_t CpuOps::cross_entropy_workspace(CeCall call, int64_t T, int64_t E, int64_t V, bool w_read_as_bf16,
+                                       bool w_widened, std::vector<std::array<int64_t, 3>>* products) const {
+  if (T <= 0 || V <= 0) return 0;
+  if (products) {  // per (vocabulary chunk, token chunk): the logits; dh; dw (backward with a trained head)
+    const Plan pl = plan_for(T, E, V);
+    products->push_back({pl.Tc, pl.Vc, E});
+    if (call != CeCall::forward) products->push_back({pl.Tc, E, pl.Vc});
+    if (call == CeCall::backward) products->push_back({pl.Vc, E, pl.Tc});
+  }
+  return scratch_bytes(call, T, E, V, w_read_as_bf16, !w_read_as_bf16 && w_widened);
 }
 
 }  // namespace oomless

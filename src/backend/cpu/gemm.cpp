@@ -10,6 +10,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <mutex>
 
 #include "backend/cpu/gemm_kernel.h"
@@ -32,6 +33,11 @@ struct Gemm::Impl {
   }
 };
 
+std::array<size_t, 2> Gemm::pack_bytes(const GemmShape& s, int64_t threads) {
+  const gemm_detail::BlockedSizes z = gemm_detail::blocked_sizes(s);
+  return {z.b_floats * sizeof(float), static_cast<size_t>(std::max<int64_t>(threads, 1)) * z.a_floats_per_thread * sizeof(float)};
+}
+
 Gemm::Gemm(Arena& workspace) : impl_(std::make_unique<Impl>(workspace)) {}
 Gemm::~Gemm() = default;
 
@@ -52,10 +58,9 @@ void Gemm::run(const GemmShape& shape, const void* a, const void* b, float* c) {
     return;
   }
   std::lock_guard<std::mutex> lock(impl_->mu);
-  const gemm_detail::BlockedSizes z = gemm_detail::blocked_sizes(s);
-  const size_t threads = static_cast<size_t>(omp_get_max_threads());
-  Impl::ensure(impl_->bpack, impl_->arena, z.b_floats * sizeof(float), "gemm packed B panel");
-  Impl::ensure(impl_->apack, impl_->arena, threads * z.a_floats_per_thread * sizeof(float), "gemm packed A blocks");
+  const std::array<size_t, 2> bytes = pack_bytes(s, omp_get_max_threads());
+  Impl::ensure(impl_->bpack, impl_->arena, bytes[0], "gemm packed B panel");
+  Impl::ensure(impl_->apack, impl_->arena, bytes[1], "gemm packed A blocks");
   gemm_detail::gemm_blocked(s, a, b, c, impl_->bpack.as<float>(), impl_->apack.as<float>());
 }
 

@@ -7,6 +7,7 @@
 // a and b are both f32 or both bf16 (ab); c is f32. With b_as_bf16, a is bf16 and b is f32 rounded to
 // bf16 as it is packed: the product of the bf16 copy of b, without the copy.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -70,6 +71,8 @@ class Gemm {
   // Single-threaded product for use inside an OpenMP parallel region (tiles of attention and
   // cross-entropy): f32 only, no allocation, deterministic.
   static void tile(const GemmShape& s, const float* a, const float* b, float* c);
+  // The packing buffers run() takes for `s` with `threads` threads: {shared B panel, the threads' A blocks}.
+  static std::array<size_t, 2> pack_bytes(const GemmShape& s, int64_t threads);
 
  private:
   struct Impl;
