@@ -21,6 +21,7 @@ const char* kUsage =
     "\n"
     "commands:\n"
     "  train      train or fine-tune a model (full parameters or LoRA/QLoRA/DoRA, crash-safe checkpoints)\n"
+    "  estimate   what a train run will hold per tier and category, before it runs; what makes it fit --budget\n"
     "  eval       loss and perplexity of a model on text, .ids or chat .jsonl data (and its gradient)\n"
     "  generate   continue a prompt (greedy or sampled) with a KV cache, or chat (--chat)\n"
     "  tokenize   text -> token ids, or ids -> text\n"
@@ -76,6 +77,7 @@ int main(int argc, char** argv) {
     oomless::gemm_isa();  // OOMLESS_ISA, if set, must name a path this CPU has
     if (cmd == "probe") return oomless::cli::probe(args);
     if (cmd == "train") return oomless::cli::train(args);
+    if (cmd == "estimate") return oomless::cli::estimate(args);
     if (cmd == "eval") return oomless::cli::eval(args);
     if (cmd == "generate") return oomless::cli::generate(args);
     if (cmd == "tokenize") return oomless::cli::tokenize(args);

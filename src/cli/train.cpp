@@ -4,6 +4,7 @@
 
 #include "cli/args.h"
 #include "cli/commands.h"
+#include "train/estimate.h"
 #include "train/trainer.h"
 
 namespace oomless::cli {
@@ -26,7 +27,18 @@ std::string train_help() {
 }
 }  // namespace
 
-int train(const std::vector<std::string>& argv) {
+namespace {
+
+// train's flags (or a JSON config file of the same names, or a run's saved configuration with --resume) read into
+// a TrainConfig, for train and for estimate. `extra`: the command's own flags beside them.
+struct Parsed {
+  TrainConfig config;
+  bool help = false;
+  bool json = false;
+};
+
+Parsed parse_train_flags(const std::vector<std::string>& argv, const char* command, const std::string& help,
+                         bool estimate) {
   // --resume takes an optional folder: normalise "--resume" followed by another flag (or nothing).
   std::vector<std::string> args;
   for (size_t i = 0; i < argv.size(); ++i) {
@@ -34,11 +46,13 @@ int train(const std::vector<std::string>& argv) {
     if (argv[i] == "--resume" && (i + 1 == argv.size() || argv[i + 1].rfind("--", 0) == 0)) args.push_back("");
   }
   std::vector<Flag> flags = {{"resume", true}, {"config", true}};
+  if (estimate) flags.push_back({"json", false});
   for (const TrainOption& t : train_options()) flags.push_back({t.name, t.kind != TrainOption::Kind::boolean});
-  const std::string help = train_help();
-  Args a(args, flags, "train", help);
-  if (a.help_requested()) return std::fputs(help.c_str(), stdout), 0;
-  TrainConfig c;
+  Args a(args, flags, command, help);
+  Parsed r;
+  if (a.help_requested()) return r.help = true, r;
+  r.json = estimate && a.has("json");
+  TrainConfig& c = r.config;
   // --resume: the run's saved configuration first, so `--resume DIR` alone continues it; a --config file
   // and flags given then apply on top (a fixed setting that differs is refused by the trainer).
   if (a.has("resume")) {
@@ -48,7 +62,7 @@ int train(const std::vector<std::string>& argv) {
       const json::Value f = json::parse_file(a.str("config"));
       if (f.find("out") && f.at("out").is_string()) dir = f.at("out").as_string();
     }
-    OOM_CHECK(!dir.empty(), "[train] --resume needs the run folder: --resume DIR (or --out DIR)");
+    OOM_CHECK(!dir.empty(), "[", command, "] --resume needs the run folder: --resume DIR (or --out DIR)");
     c.apply_json(saved_run_config(dir), dir + "'s saved configuration");
     c.out = dir;
   }
@@ -64,7 +78,7 @@ int train(const std::vector<std::string>& argv) {
         const double v = a.number(t.name, 0, 0, 1e30);
         // 0 reads as "the default" for these: refuse it instead of running something the user did not ask for.
         const std::string_view n = t.name;
-        OOM_CHECK(v > 0 || (n != "epochs" && n != "lr"), "[train] --", n, " must be above 0, got ", v,
+        OOM_CHECK(v > 0 || (n != "epochs" && n != "lr"), "[", command, "] --", n, " must be above 0, got ", v,
                   n == "epochs" ? " (a fraction of an epoch is fine, e.g. 0.5; or give --steps N)" : "");
         o.set(t.name, json::Value::number(v));
         break;
@@ -83,7 +97,37 @@ int train(const std::vector<std::string>& argv) {
     c.resume = true;
     c.resume_dir = a.str("resume");
   }
-  return run_training(c);
+  return r;
+}
+
+std::string estimate_help() {
+  return "usage: oomless estimate [--model M] [train's options] [--budget SIZE] [--json]\n"
+         "\n"
+         "What `oomless train` with the same options will hold, before it runs: bytes per tier (device, host, disk)\n"
+         "and category (weights, grads, optimizer, adapter = static; activations, kv, kv_grad, workspace =\n"
+         "dynamic), in closed form from the model's config (no weight is read), and whether the run fits --budget\n"
+         "(Device and Host together, as train's --budget). When it does not fit: the changes that make it fit,\n"
+         "each with its estimate (exit status 3). train prints the same estimate at setup, before what it then\n"
+         "holds. The kernels' scratch is sized for --threads (default: all CPUs).\n"
+         "\n"
+         "  --json               one JSON object: the estimate, the budget and the changes\n"
+         "  (every option of `oomless train --help`)\n";
+}
+
+}  // namespace
+
+int train(const std::vector<std::string>& argv) {
+  const std::string help = train_help();
+  Parsed p = parse_train_flags(argv, "train", help, false);
+  if (p.help) return std::fputs(help.c_str(), stdout), 0;
+  return run_training(p.config);
+}
+
+int estimate(const std::vector<std::string>& argv) {
+  const std::string help = estimate_help();
+  Parsed p = parse_train_flags(argv, "estimate", help, true);
+  if (p.help) return std::fputs(help.c_str(), stdout), 0;
+  return run_estimate(p.config, p.json);
 }
 
 }  // namespace oomless::cli

@@ -112,8 +112,6 @@ std::string lora_key(int64_t layer, Proj p, std::string_view part) {
   return "base_model.model.model.layers." + std::to_string(layer) + "." + proj_module(p) + "." + std::string(part);
 }
 
-namespace {
-
 std::vector<ParamSpec> adapter_specs(const ModelConfig& c, const LoraSettings& s) {
   std::vector<ParamSpec> specs;
   for (int64_t l = 0; l < c.L; ++l)
@@ -125,8 +123,6 @@ std::vector<ParamSpec> adapter_specs(const ModelConfig& c, const LoraSettings& s
     }
   return specs;
 }
-
-}  // namespace
 
 AdapterSet::AdapterSet(const ModelConfig& cfg, const LoraSettings& s, DType dtype, Arena& arena, Category cat)
     : settings_(s), set_(adapter_specs(cfg, s), dtype, arena, cat, cat == Category::grads ? "adapter grads" : "adapters") {

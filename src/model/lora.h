@@ -50,6 +50,9 @@ struct LoraSettings {
 // "q,k,v,o,gate,up,down" (short names, or the module names q_proj, ..., down_proj, in any order) or
 // "all-linear" (every projection of the blocks; the LM head is not adapted, as in PEFT).
 std::vector<Proj> parse_lora_targets(std::string_view list);
+// The adapter tensors of every layer in PEFT order: per layer and target lora_A (r, K), lora_B (N, r) and
+// with DoRA lora_magnitude_vector (N).
+std::vector<ParamSpec> adapter_specs(const ModelConfig& c, const LoraSettings& s);
 // Checks r, alpha and dropout against the model: r <= min(N, K) of every target.
 void validate_lora(const LoraSettings& s, const ModelConfig& c);
 

@@ -33,6 +33,7 @@
 #include "optim/galore.h"
 #include "optim/schedule.h"
 #include "train/checkpoint.h"
+#include "train/estimate.h"
 #include "train/metrics.h"
 #include "train/report.h"
 
@@ -58,16 +59,6 @@ void on_signal(int) {
   (void)!write(2, m, sizeof m - 1);
 }
 
-// 1234567 -> "1.23M".
-std::string format_count(int64_t n) {
-  char b[32];
-  const double x = static_cast<double>(n);
-  if (n >= 1000000000) std::snprintf(b, sizeof b, "%.2fB", x / 1e9);
-  else if (n >= 1000000) std::snprintf(b, sizeof b, "%.2fM", x / 1e6);
-  else if (n >= 1000) std::snprintf(b, sizeof b, "%.1fK", x / 1e3);
-  else std::snprintf(b, sizeof b, "%lld", static_cast<long long>(n));
-  return b;
-}
 
 std::string binary_id() {
   std::error_code ec;
@@ -132,6 +123,16 @@ bool read_tensors(Ops& ops, const SafetensorsFile& f, const std::vector<NamedTen
 }
 
 }  // namespace
+
+std::string format_count(int64_t n) {
+  char b[32];
+  const double x = static_cast<double>(n);
+  if (n >= 1000000000) std::snprintf(b, sizeof b, "%.2fB", x / 1e9);
+  else if (n >= 1000000) std::snprintf(b, sizeof b, "%.2fM", x / 1e6);
+  else if (n >= 1000) std::snprintf(b, sizeof b, "%.1fK", x / 1e3);
+  else std::snprintf(b, sizeof b, "%lld", static_cast<long long>(n));
+  return b;
+}
 
 namespace {
 
@@ -568,8 +569,6 @@ struct Trainer::State {
   Sequences eval_seqs;
 };
 
-namespace {
-
 EngineOptions engine_options(const TrainConfig& c) {
   // An adapter run on a GGUF keeps the base's projection matrices in the file's blocks (frozen: read
   // by the GEMM as they are); anything else holds every parameter in f32.
@@ -609,6 +608,8 @@ EngineOptions engine_options(const TrainConfig& c) {
   o.spill_dir = c.spill_dir;
   return o;
 }
+
+namespace {
 
 // The model's part of a checkpoint: the adapter (PEFT's names; the base is unchanged) or every parameter.
 std::vector<NamedTensor> model_state(Engine& e) {
@@ -672,12 +673,15 @@ std::string ledger_line(const Ledger& l) {
   return out;
 }
 
-// The largest divisor of C up to 64 (the default K/V page), or 0 when it would be below 8.
+}  // namespace
+
 int64_t default_page(int64_t C) {
   for (int64_t p = std::min<int64_t>(64, C); p >= 8; --p)
     if (C % p == 0) return p;
   return 0;
 }
+
+namespace {
 
 // Setup ran out of memory: what the run holds and needs, and the changes that cut the most, exact where
 // they are static (from the model's parameter count), never blaming a flag the user did not give.
@@ -769,6 +773,16 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
   };
   EngineOptions eo = engine_options(c);
   if (eo.act_offload == Tier::Disk) eo.spill_dir = spill_folder("--act-offload");
+  // What the run will hold, in closed form before anything is allocated (train/estimate.h); setup below
+  // reports what it then holds. An estimate that cannot be made is left out: setup names what is wrong.
+  try {
+    TrainConfig ec = c;
+    if (ec.spill_dir.empty() && (c.kv_offload == "disk" || c.act_offload == "disk" || c.optim_state == "disk"))
+      ec.spill_dir = out.empty() ? "." : out;
+    const MemoryEstimate est = estimate_training(ec);
+    say("oomless train: estimate: peak %s (%s)\n", format_bytes(est.ram_peak()).c_str(), est.line().c_str());
+  } catch (const Error&) {
+  }
   s.e = build_engine(eo);
   Model& model = *s.e.model;
   const ModelConfig& cfg = s.e.src.cfg;

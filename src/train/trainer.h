@@ -99,6 +99,14 @@ struct TrainConfig {
 // each error naming the flag.
 void validate_config(const TrainConfig& c);
 
+// The engine a run of `c` builds (model, base storage, adapters, compute and activation settings); errors
+// name the flags that do not go together.
+EngineOptions engine_options(const TrainConfig& c);
+// 1234567 -> "1.23M" (parameter counts in messages).
+std::string format_count(int64_t n);
+// The largest divisor of C up to 64 (the default K/V page), or 0 when it would be below 8.
+int64_t default_page(int64_t C);
+
 // Fills the settings left at their "default" values for a pretrained model or a random init (above).
 void resolve_defaults(TrainConfig& c, bool pretrained);
 // Warmup once the run's length is known: an unset warmup becomes 3% of total (pretrained) or
