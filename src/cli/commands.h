@@ -12,6 +12,7 @@ int generate(const std::vector<std::string>& args);
 int tokenize(const std::vector<std::string>& args);
 int train(const std::vector<std::string>& args);
 int estimate(const std::vector<std::string>& args);
+int plan(const std::vector<std::string>& args);
 int convert(const std::vector<std::string>& args);
 int merge(const std::vector<std::string>& args);
 

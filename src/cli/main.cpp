@@ -22,6 +22,7 @@ const char* kUsage =
     "commands:\n"
     "  train      train or fine-tune a model (full parameters or LoRA/QLoRA/DoRA, crash-safe checkpoints)\n"
     "  estimate   what a train run will hold per tier and category, before it runs; what makes it fit --budget\n"
+    "  plan       the fastest schedule of a train run that fits --budget (a mixed-integer program)\n"
     "  eval       loss and perplexity of a model on text, .ids or chat .jsonl data (and its gradient)\n"
     "  generate   continue a prompt (greedy or sampled) with a KV cache, or chat (--chat)\n"
     "  tokenize   text -> token ids, or ids -> text\n"
@@ -39,7 +40,7 @@ const char* kUsage =
 // OMP_WAIT_POLICY nor GOMP_SPINCOUNT is set, oomless sets OMP_WAIT_POLICY=passive and starts itself again
 // (OOMLESS_WAIT_CHOSEN records the busy CPUs it saw). Load that begins later is not followed.
 void choose_wait_policy(const std::string& cmd, char** argv) {
-  if (cmd != "train" && cmd != "eval" && cmd != "generate") return;
+  if (cmd != "train" && cmd != "eval" && cmd != "generate" && cmd != "plan") return;
   if (std::getenv("OMP_WAIT_POLICY") || std::getenv("GOMP_SPINCOUNT") || std::getenv("OOMLESS_WAIT_CHOSEN")) return;
   const double busy = oomless::busy_cpus(0.1);
   if (busy < 0.3) return;
@@ -78,6 +79,7 @@ int main(int argc, char** argv) {
     if (cmd == "probe") return oomless::cli::probe(args);
     if (cmd == "train") return oomless::cli::train(args);
     if (cmd == "estimate") return oomless::cli::estimate(args);
+    if (cmd == "plan") return oomless::cli::plan(args);
     if (cmd == "eval") return oomless::cli::eval(args);
     if (cmd == "generate") return oomless::cli::generate(args);
     if (cmd == "tokenize") return oomless::cli::tokenize(args);

@@ -1,9 +1,14 @@
 // oomless train: flags (or a JSON config file of the same names) -> TrainConfig -> run_training.
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <string_view>
 
 #include "cli/args.h"
 #include "cli/commands.h"
+#include "plan/planner.h"
 #include "train/estimate.h"
 #include "train/trainer.h"
 
@@ -21,6 +26,7 @@ std::string train_help() {
          "With no --data: preset:tiny (or --model) on the bundled KJV corpus, 250 steps unless --steps/--epochs.\n"
          "\n" +
          train_options_help() +
+         "  --plan FILE          the settings of a plan made by `oomless plan` for this model and --seq\n"
          "  --resume [DIR]       continue the run in DIR (default --out) from its newest good checkpoint, with its\n"
          "                       saved settings (flags given override steps, eval, save and keep settings)\n"
          "  --config FILE.json   settings file\n";
@@ -35,10 +41,15 @@ struct Parsed {
   TrainConfig config;
   bool help = false;
   bool json = false;
+  bool explain = false;
+  std::string plan;                 // train --plan FILE
+  std::vector<std::string> given;   // the settings given by flag or --config file (not the defaults)
 };
 
+enum class Command { train, estimate, plan };
+
 Parsed parse_train_flags(const std::vector<std::string>& argv, const char* command, const std::string& help,
-                         bool estimate) {
+                         Command cmd) {
   // --resume takes an optional folder: normalise "--resume" followed by another flag (or nothing).
   std::vector<std::string> args;
   for (size_t i = 0; i < argv.size(); ++i) {
@@ -46,12 +57,16 @@ Parsed parse_train_flags(const std::vector<std::string>& argv, const char* comma
     if (argv[i] == "--resume" && (i + 1 == argv.size() || argv[i + 1].rfind("--", 0) == 0)) args.push_back("");
   }
   std::vector<Flag> flags = {{"resume", true}, {"config", true}};
-  if (estimate) flags.push_back({"json", false});
+  if (cmd == Command::estimate) flags.push_back({"json", false});
+  if (cmd == Command::plan) flags.push_back({"explain", false});
+  if (cmd == Command::train) flags.push_back({"plan", true});
   for (const TrainOption& t : train_options()) flags.push_back({t.name, t.kind != TrainOption::Kind::boolean});
   Args a(args, flags, command, help);
   Parsed r;
   if (a.help_requested()) return r.help = true, r;
-  r.json = estimate && a.has("json");
+  r.json = cmd == Command::estimate && a.has("json");
+  r.explain = cmd == Command::plan && a.has("explain");
+  if (cmd == Command::train && a.has("plan")) r.plan = a.str("plan");
   TrainConfig& c = r.config;
   // --resume: the run's saved configuration first, so `--resume DIR` alone continues it; a --config file
   // and flags given then apply on top (a fixed setting that differs is refused by the trainer).
@@ -66,11 +81,18 @@ Parsed parse_train_flags(const std::vector<std::string>& argv, const char* comma
     c.apply_json(saved_run_config(dir), dir + "'s saved configuration");
     c.out = dir;
   }
-  if (a.has("config")) c.apply_json(json::parse_file(a.str("config")), a.str("config"));
+  if (a.has("config")) {
+    const json::Value f = json::parse_file(a.str("config"));
+    c.apply_json(f, a.str("config"));
+    if (f.is_object())
+      for (const TrainOption& t : train_options())
+        if (f.find(t.name)) r.given.push_back(t.name);
+  }
   // Flags override the file: apply them through the same key names.
   json::Value o = json::Value::object();
   for (const TrainOption& t : train_options()) {
     if (!a.has(t.name)) continue;
+    r.given.push_back(t.name);
     switch (t.kind) {
       case TrainOption::Kind::text: o.set(t.name, json::Value::string(a.str(t.name))); break;
       case TrainOption::Kind::boolean: o.set(t.name, json::Value::boolean(true)); break;
@@ -114,20 +136,81 @@ std::string estimate_help() {
          "  (every option of `oomless train --help`)\n";
 }
 
+std::string plan_help() {
+  return "usage: oomless plan [--model M] [train's options] --budget SIZE [--out plan.json] [--explain]\n"
+         "\n"
+         "The fastest schedule of `oomless train` with these options that fits --budget: per layer what it keeps\n"
+         "for backward (--save-policy), whether saved activations wait on disk (--act-offload), chunk-recurrent\n"
+         "training and where its K/V history lives (--chunk, --kv-offload), where the optimizer state lives\n"
+         "(--optim-state). Memory from the estimate (`oomless estimate`), time from a cost model measured on this\n"
+         "machine (short steps of the model cut to one and two layers, disk bandwidth in --spill-dir or the\n"
+         "plan's folder), the choice made by a mixed-integer program (GLPK). Nothing that changes the computed\n"
+         "numbers (dtypes, adapters, the batch) is changed. Run the plan with `oomless train ... --plan FILE`;\n"
+         "`oomless train --budget SIZE` with none of those flags plans by itself.\n"
+         "\n"
+         "  --out FILE           where to write the plan (default plan.json)\n"
+         "  --explain            print why each choice was made\n"
+         "  (every option of `oomless train --help`)\n";
+}
+
 }  // namespace
 
 int train(const std::vector<std::string>& argv) {
   const std::string help = train_help();
-  Parsed p = parse_train_flags(argv, "train", help, false);
+  Parsed p = parse_train_flags(argv, "train", help, Command::train);
   if (p.help) return std::fputs(help.c_str(), stdout), 0;
-  return run_training(p.config);
+  TrainConfig& c = p.config;
+  auto given = [&](const std::string& k) { return std::find(p.given.begin(), p.given.end(), k) != p.given.end(); };
+  if (!p.plan.empty()) {
+    // --plan FILE: its settings, for the model and --seq it was made for; the flags it sets are not given twice.
+    for (const std::string& k : planned_flags())
+      OOM_CHECK(!given(k), "[train] --", k, " is set by --plan ", p.plan, "; drop one of them");
+    const ModelSource src = open_model(c.model, static_cast<uint64_t>(c.seed));
+    apply_plan(c, json::parse_file(p.plan), p.plan, src.cfg);
+    std::fprintf(stderr, "oomless train: --plan %s: --save-policy %s --chunk %lld --act-offload %s --kv-offload %s "
+                 "--optim-state %s\n", p.plan.c_str(), c.save_policy.c_str(), static_cast<long long>(c.chunk),
+                 c.act_offload.c_str(), c.kv_offload.c_str(), c.optim_state.c_str());
+  } else if (!c.budget.empty() && !c.resume) {
+    // --budget with none of the settings a plan chooses: the planner chooses them (explicit flags win).
+    bool any = false;
+    for (const std::string& k : planned_flags()) any = any || given(k);
+    if (!any) {
+      const std::string scratch = (c.spill_dir.empty() ? std::string(".") : c.spill_dir) + "/.oomless-plan-" +
+                                  std::to_string(static_cast<long long>(getpid()));
+      try {
+        Plan plan = make_plan(c, parse_size(c.budget), scratch, stderr);
+        const std::string flags = plan.global.flags();
+        std::fprintf(stderr, "oomless train: planned for --budget %s: --save-policy %s%s%s (predicted peak %s%s; give "
+                     "any of --save-policy, --chunk, --act-offload, --kv-offload, --optim-state to choose yourself)\n",
+                     c.budget.c_str(), plan.config.save_policy.c_str(), flags.empty() ? "" : " ", flags.c_str(),
+                     format_bytes(plan.estimate.ram_peak()).c_str(),
+                     plan.pick.seconds > 0 ? (", " + std::to_string(plan.pick.seconds).substr(0, 5) + " s a step").c_str()
+                                           : ", everything kept in memory");
+        c = plan.config;
+      } catch (const Error& e) {
+        std::fprintf(stderr, "oomless train: no plan: %s\noomless train: running with the settings as given\n", e.what());
+      }
+      std::error_code ec;
+      std::filesystem::remove_all(scratch, ec);
+    }
+  }
+  return run_training(c);
 }
 
 int estimate(const std::vector<std::string>& argv) {
   const std::string help = estimate_help();
-  Parsed p = parse_train_flags(argv, "estimate", help, true);
+  Parsed p = parse_train_flags(argv, "estimate", help, Command::estimate);
   if (p.help) return std::fputs(help.c_str(), stdout), 0;
   return run_estimate(p.config, p.json);
+}
+
+int plan(const std::vector<std::string>& argv) {
+  const std::string help = plan_help();
+  Parsed p = parse_train_flags(argv, "plan", help, Command::plan);
+  if (p.help) return std::fputs(help.c_str(), stdout), 0;
+  const std::string out = p.config.out;  // here: the plan file
+  p.config.out.clear();
+  return run_plan(p.config, out, p.explain);
 }
 
 }  // namespace oomless::cli

@@ -228,7 +228,9 @@ const std::vector<TrainOption>& train_options() {
       whole("eval-every", false, "n", "evaluate every n steps, and at the end (default 100)", &C::eval_every),
       whole("save-every", false, "n", "checkpoint every n steps, and at the end (default 200)", &C::save_every),
       whole("keep", false, "K", "keep the newest K checkpoints, 0 = all (default 2)", &C::keep),
-      text("budget", false, "SIZE", "memory budget for Device+Host, e.g. 24GiB or 24GB (default: none)", &C::budget),
+      text("budget", false, "SIZE", "memory budget for Device+Host, e.g. 24GiB or 24GB; with none of --save-policy,\n"
+           "--chunk, --page, --act-offload, --kv-offload, --optim-state given, train chooses them to fit\n"
+           "(oomless plan) (default: none)", &C::budget),
       text("dtype", true, "D", "fp32 or bf16 projections (default fp32)", &C::dtype),
       text("save-policy", true, "P",
            "what a layer keeps for backward: all, selective or none (recompute), for every\nlayer or per layer as "

@@ -1,0 +1,180 @@
+#include "plan/cost.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <vector>
+
+#include "core/cpu_info.h"
+#include "core/error.h"
+#include "memory/spill_file.h"
+#include "plan/probe.h"
+
+namespace oomless {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+StepBatch pattern_batch(int64_t n, int64_t T, int64_t V) {
+  StepBatch b;
+  for (int64_t i = 0; i < n; ++i) {
+    std::vector<int32_t> ids(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t) ids[static_cast<size_t>(t)] = static_cast<int32_t>((t * 131 + i * 17 + 3) % V);
+    std::vector<int32_t> tg(ids.begin() + 1, ids.end());
+    tg.push_back(-100);
+    b.ids.push_back(std::move(ids));
+    b.targets.push_back(std::move(tg));
+  }
+  return b;
+}
+
+// The model cut to L layers, as a config.json of its own (random init; an EOS id when it names none, which
+// packing needs and timing does not).
+std::string cut_model(const ModelConfig& cfg, int64_t L, const std::string& scratch) {
+  json::Value j = cfg.to_json();
+  j.set("num_hidden_layers", json::Value::integer(L));
+  if (!cfg.eos_id) j.set("eos_token_id", json::Value::integer(0));
+  const fs::path dir = fs::path(scratch) / ("plan-cut-" + std::to_string(L));
+  fs::create_directories(dir);
+  std::ofstream(dir / "config.json") << json::dump(j);
+  return (dir / "config.json").string();
+}
+
+// Median seconds of `reps` steps of `c` after setup (whose dry run warms the kernels) and one more step.
+double time_steps(const TrainConfig& c, int64_t V, int reps) {
+  Trainer t(c, "");
+  const StepBatch b = pattern_batch(c.batch * c.grad_accum, c.seq, V);
+  t.step(b);
+  std::vector<double> s;
+  for (int i = 0; i < reps; ++i) s.push_back(t.step(b).seconds);
+  std::sort(s.begin(), s.end());
+  return s[s.size() / 2];
+}
+
+int64_t layer_params(const ModelConfig& cfg) {
+  int64_t n = 0;
+  for (const ParamSpec& s : param_specs(cfg))
+    if (s.name.rfind("model.layers.0.", 0) == 0) {
+      int64_t k = 1;
+      for (int64_t d : s.shape) k *= d;
+      n += k;
+    }
+  return n;
+}
+
+// Bytes per second writing then reading `bytes` through a spill file in `dir` (the engine's own I/O path).
+void disk_rates(const std::string& dir, double* write_bps, double* read_bps) {
+  constexpr size_t kSlot = size_t{16} << 20;
+  constexpr int kSlots = 8;
+  Ledger ledger;
+  std::unique_ptr<SpillFile> f = SpillFile::open(dir, kSlot, ledger, Category::activations);
+  std::vector<char> buf(kSlot, 1);
+  std::vector<int64_t> slots;
+  for (int i = 0; i < kSlots; ++i) slots.push_back(f->alloc_slot());
+  auto t0 = std::chrono::steady_clock::now();
+  for (int64_t s : slots) f->write(s, buf.data(), kSlot);
+  auto t1 = std::chrono::steady_clock::now();
+  for (int64_t s : slots) f->read(s, buf.data(), kSlot);
+  auto t2 = std::chrono::steady_clock::now();
+  const double n = static_cast<double>(kSlot) * kSlots;
+  *write_bps = n / std::max(1e-6, std::chrono::duration<double>(t1 - t0).count());
+  *read_bps = n / std::max(1e-6, std::chrono::duration<double>(t2 - t1).count());
+}
+
+}  // namespace
+
+json::Value CostModel::json() const {
+  json::Value o = json::Value::object();
+  json::Value a = json::Value::object();
+  for (const auto& [T, x] : at) {
+    json::Value e = json::Value::object();
+    e.set("block_s", json::Value::number(x.block));
+    e.set("head_s", json::Value::number(x.head));
+    e.set("recompute_none_s", json::Value::number(x.rec_none));
+    e.set("recompute_selective_s", json::Value::number(x.rec_sel));
+    a.set(std::to_string(T), std::move(e));
+  }
+  o.set("per_sequence_at_T", std::move(a));
+  o.set("optimizer_s_per_param", json::Value::number(optim_per_param));
+  o.set("disk_write_bytes_per_s", json::Value::number(disk_write_bps));
+  o.set("disk_read_bytes_per_s", json::Value::number(disk_read_bps));
+  o.set("attention_flops", json::Value::number(attention_flops));
+  o.set("cpu", json::Value::string(cpu));
+  o.set("threads", json::Value::integer(threads));
+  return o;
+}
+
+CostModel measure_costs(const TrainConfig& c, const ModelSource& src, const std::vector<int64_t>& chunks,
+                        const std::string& scratch, std::FILE* log) {
+  const ModelConfig& cfg = src.cfg;
+  CostModel cm;
+  const CpuInfo cpu = detect_cpu();
+  cm.cpu = cpu.model + " (" + cpu.isa_summary() + ")";
+  cm.threads = omp_get_max_threads();
+  const std::string one = cut_model(cfg, 1, scratch), two = cut_model(cfg, std::min<int64_t>(2, cfg.L), scratch);
+  const double blocks = static_cast<double>(std::min<int64_t>(2, cfg.L)) - 1.0;
+  TrainConfig base = c;
+  base.steps = 1 << 20, base.batch = 1, base.grad_accum = 1, base.eval_every = 0, base.out = "", base.data = "";
+  base.budget = "", base.optim_state = "host", base.act_offload = "none", base.kv_offload = "none", base.spill_dir = "";
+  base.save_policy = "all", base.step_in_backward = false, base.resume = false, base.sparse_pages = 0;
+  const int reps = 3;
+  auto run = [&](const std::string& model, int64_t seq, int64_t chunk, int64_t batch, const char* policy) {
+    TrainConfig t = base;
+    t.model = model, t.seq = seq, t.chunk = chunk, t.batch = batch, t.save_policy = policy;
+    if (chunk > 0) t.page = c.page > 0 && chunk % c.page == 0 ? c.page : 0;
+    return time_steps(t, cfg.V, reps);
+  };
+  const double layer_p = c.lora > 0 ? 0 : static_cast<double>(layer_params(cfg));
+  // The optimizer and one sequence at L = 1 (whole sequences at --seq, or the first chunk length).
+  std::vector<int64_t> Ts;
+  if (c.chunk == 0 || c.chunk >= c.seq) Ts.push_back(0);
+  for (int64_t C : chunks) Ts.push_back(C);
+  for (int64_t C : Ts) {
+    const int64_t seq = C > 0 ? 2 * C : c.seq;
+    const int64_t n_chunks = C > 0 ? 2 : 1;
+    if (log) std::fprintf(log, "oomless plan: measuring %s at T = %lld on this machine...\n",
+                          C > 0 ? "chunks" : "whole sequences", static_cast<long long>(C > 0 ? C : c.seq));
+    const double t1 = run(one, seq, C, 1, "all"), t1b = run(one, seq, C, 2, "all");
+    const double per_seq1 = std::max(0.0, t1b - t1), opt1 = std::max(0.0, t1 - per_seq1);
+    if (cm.optim_per_param == 0) {
+      TrainConfig cut = base;
+      cut.model = one;
+      const ModelSource s1 = open_model(one, static_cast<uint64_t>(c.seed));
+      int64_t trained = 0;
+      if (c.lora > 0) {
+        const LoraSettings ls = *engine_options(c).lora;
+        for (const ParamSpec& s : adapter_specs(s1.cfg, ls)) {
+          int64_t k = 1;
+          for (int64_t d : s.shape) k *= d;
+          trained += k;
+        }
+      } else {
+        trained = s1.cfg.param_count();
+      }
+      cm.optim_per_param = opt1 / static_cast<double>(std::max<int64_t>(trained, 1));
+    }
+    CostModel::AtT a;
+    if (blocks > 0) {
+      const double t2 = run(two, seq, C, 1, "all");
+      a.block = std::max(0.0, t2 - t1 - cm.optim_per_param * layer_p) / static_cast<double>(n_chunks);
+      a.rec_none = std::max(0.0, run(two, seq, C, 1, "none") - t2) / (2.0 * static_cast<double>(n_chunks));
+      a.rec_sel = std::max(0.0, run(two, seq, C, 1, "selective") - t2) / (2.0 * static_cast<double>(n_chunks));
+    } else {
+      a.block = per_seq1 / static_cast<double>(n_chunks);
+    }
+    a.head = std::max(0.0, per_seq1 / static_cast<double>(n_chunks) - a.block);
+    cm.at[C > 0 ? C : c.seq] = a;
+  }
+  disk_rates(c.spill_dir.empty() ? scratch : c.spill_dir, &cm.disk_write_bps, &cm.disk_read_bps);
+  if (!chunks.empty())
+    cm.attention_flops = 1e9 * probe_attention_gflops(static_cast<int>(std::min<int64_t>(chunks.front(), 1024)),
+                                                      static_cast<int>(cfg.H), static_cast<int>(cfg.Hkv),
+                                                      static_cast<int>(cfg.D), 3);
+  return cm;
+}
+
+}  // namespace oomless

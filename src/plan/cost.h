@@ -1,0 +1,38 @@
+// The planner's cost model, measured on this machine for one model shape: the real kernels run short training
+// steps of a copy of the model cut to one and two layers (random weights: the time does not depend on them), so
+// the figures include everything a step does at this width, and disk bandwidth through a spill file in the
+// folder the run would use. Medians of several steps after the setup's dry run.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "model/load.h"
+#include "train/trainer.h"
+
+namespace oomless {
+
+struct CostModel {
+  // Seconds per sequence of T tokens (T = --seq, or a chunk length: then per chunk, measured over two chunks).
+  struct AtT {
+    double block = 0;       // one layer's forward + backward, SavePolicy all
+    double head = 0;        // the embedding, final norm and head + loss, forward + backward
+    double rec_none = 0;    // a layer at none: what recomputing it adds
+    double rec_sel = 0;     // a layer at selective
+  };
+  std::map<int64_t, AtT> at;         // by T
+  double optim_per_param = 0;        // the optimizer step, seconds per trained parameter
+  double disk_write_bps = 0, disk_read_bps = 0;  // bytes/s through a spill file
+  double attention_flops = 0;        // causal attention fwd+bwd FLOP/s (probe), for chunks' history
+  std::string cpu;                   // what it was measured on
+  int threads = 0;
+
+  json::Value json() const;
+};
+
+// Measures the costs of c's model at T = c.seq (when whole sequences are a choice) and at each chunk length.
+// scratch: a folder for the spill file and the cut models' config.json.
+CostModel measure_costs(const TrainConfig& c, const ModelSource& src, const std::vector<int64_t>& chunks,
+                        const std::string& scratch, std::FILE* log);
+
+}  // namespace oomless
