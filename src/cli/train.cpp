@@ -208,6 +208,9 @@ int plan(const std::vector<std::string>& argv) {
   const std::string help = plan_help();
   Parsed p = parse_train_flags(argv, "plan", help, Command::plan);
   if (p.help) return std::fputs(help.c_str(), stdout), 0;
+  for (const std::string& k : planned_flags())
+    OOM_CHECK(std::find(p.given.begin(), p.given.end(), k) == p.given.end(), "[plan] --", k,
+              " is what the plan chooses; drop it (or train with it and no plan)");
   const std::string out = p.config.out;  // here: the plan file
   p.config.out.clear();
   return run_plan(p.config, out, p.explain);

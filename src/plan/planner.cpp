@@ -308,6 +308,7 @@ Plan make_plan(const TrainConfig& c_in, size_t budget, const std::string& scratc
     if (c.seq % C == 0 && default_page(C) > 0) chunks.push_back(C);
   Plan plan;
   const std::unique_ptr<Ops> ops = make_ops("cpu");
+  const std::string shown = c_in.budget.empty() ? format_bytes(budget) : c_in.budget;  // as the user wrote it
   // Before measuring anything: a budget nothing fits fails at once, naming the smallest that does; and a run
   // that fits keeping everything in memory is the fastest schedule there is (nothing recomputed or moved).
   {
@@ -319,8 +320,8 @@ Plan make_plan(const TrainConfig& c_in, size_t budget, const std::string& scratc
       if (o == 0 || b < smallest) smallest = b, best = o;
     }
     if (smallest > static_cast<double>(budget))
-      fail("[plan] nothing fits --budget ", format_bytes(budget), ": the smallest run of ", c.model, " at --seq ",
-           c.seq, " holds ", format_bytes(static_cast<size_t>(smallest)), " (--save-policy none",
+      fail("[plan] nothing fits --budget ", shown, ": the smallest run of ", c.model, " at --seq ", c.seq, " holds ",
+           format_bytes(static_cast<size_t>(smallest)), " (--save-policy none",
            mem.options[best].g.flags().empty() ? "" : " ", mem.options[best].g.flags(), "); give --budget ",
            format_bytes(static_cast<size_t>(std::ceil(smallest / kMiB + 1)) * size_t{1 << 20}),
            " or more, a shorter --seq, --lora r or --qlora");
@@ -366,7 +367,7 @@ Plan make_plan(const TrainConfig& c_in, size_t budget, const std::string& scratc
       const double b = in.bytes(o, std::vector<SavePolicy>(static_cast<size_t>(cfg.L), SavePolicy::none));
       if (o == 0 || b < smallest) smallest = b, best = o;
     }
-    fail("[plan] nothing fits --budget ", format_bytes(budget), ": the smallest run of ", c.model, " at --seq ", c.seq,
+    fail("[plan] nothing fits --budget ", shown, ": the smallest run of ", c.model, " at --seq ", c.seq,
          " holds ", format_bytes(static_cast<size_t>(smallest)), " (--save-policy none ", in.options[best].g.flags(),
          "); give --budget ", format_bytes(static_cast<size_t>(std::ceil(smallest / kMiB + 1)) * size_t{1 << 20}),
          " or more, a shorter --seq, --lora r or --qlora");

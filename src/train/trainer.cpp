@@ -724,6 +724,8 @@ namespace {
     msg += ", --act-dtype bf16 (the activations kept for backward in half the bytes; fp8: a quarter)";
   if (c.batch > 1) msg += ", --batch 1 --grad-accum " + std::to_string(c.batch * c.grad_accum) + " (the same step)";
   if (!c.budget.empty()) msg += ", or a larger --budget";
+  msg += "\n`oomless estimate` with these flags and --budget lists what each change saves; `oomless plan` chooses the "
+         "fastest that fits";
   fail(msg);
 }
 

@@ -30,10 +30,12 @@ grep -q "oomless train: planned for --budget $budget: --save-policy " "$work/aut
 if grep -q "planned for" "$work/given.log"; then fail "planned although --save-policy was given"; fi
 # Refused: nothing fits; a plan beside a flag it sets; a plan for another --seq.
 if "$bin" plan $M --budget 1MiB --out "$work/none.json" > "$work/none.log" 2>&1; then fail "a plan under 1 MiB"; fi
-grep -Eq "nothing fits --budget 1.00 MiB: the smallest run .* holds [0-9.]+ [KM]iB .*give --budget [0-9.]+ MiB or more" "$work/none.log" \
+grep -Eq "nothing fits --budget 1MiB: the smallest run .* holds [0-9.]+ [KM]iB .*give --budget [0-9.]+ MiB or more" "$work/none.log" \
   || { cat "$work/none.log"; fail "no smallest budget named"; }
 if "$bin" train $M --data "$D" --steps 1 --plan "$work/p.json" --chunk 128 --out "$work/twice" > "$work/twice.log" 2>&1; then fail "--plan with --chunk"; fi
 grep -q -- "--chunk is set by --plan" "$work/twice.log" || { cat "$work/twice.log"; fail "no conflict named"; }
 if "$bin" train --model preset:micro --seq 128 --data "$D" --steps 1 --plan "$work/p.json" --out "$work/seq" > "$work/seq.log" 2>&1; then fail "a plan for another --seq"; fi
 grep -q "it was made for --seq 256, this run has --seq 128" "$work/seq.log" || { cat "$work/seq.log"; fail "no --seq named"; }
+if "$bin" plan $M --budget "$budget" --chunk 128 --out "$work/c.json" > "$work/c.log" 2>&1; then fail "plan with --chunk"; fi
+grep -q -- "--chunk is what the plan chooses" "$work/c.log" || { cat "$work/c.log"; fail "no --chunk named"; }
 echo "plan: ok (budget $budget between $lo and $hi)"

@@ -33,7 +33,10 @@ expect_error budget "does not fit --budget 100MB: .*requested [0-9.]+ MiB for gr
 grep -q "this run trains every parameter: weights 48.02 MiB, gradients 48.02 MiB, AdamW state 96.04 MiB" "$work/budget.log" \
   || { cat "$work/budget.log"; fail "the budget error does not give the run's static memory"; }
 grep -q "changes that fit more: --lora 16 (the base frozen" "$work/budget.log" || { cat "$work/budget.log"; fail "no changes named"; }
-if grep -q "oomless estimate" "$work/budget.log"; then fail "the budget error names a command that does not exist"; fi
+grep -q "oomless estimate. with these flags and --budget lists what each change saves; .oomless plan. chooses" "$work/budget.log" \
+  || { cat "$work/budget.log"; fail "the budget error does not point to estimate and plan"; }
+grep -q "oomless train: no plan: \[plan\] nothing fits --budget 100MB" "$work/budget.log" \
+  || { cat "$work/budget.log"; fail "train --budget did not say that no plan fits"; }
 expect_error rope_key "rope scaling key \"bad\" is not read by any rope type" $M --rope-scaling '{"rope_type": "linear", "factor": 2, "bad": 1}'
 expect_error unknown_flag "unknown option '--lr-warmup'.*run .oomless train --help." $M --lr-warmup 3
 
