@@ -38,8 +38,9 @@ struct Case {
   DType act_store = DType::f32;
 };
 
-// Two forward + backward passes over different tokens, gradients accumulating.
-Outcome run(const Case& st, Tier offload) {
+// Two forward + backward passes over different tokens, gradients accumulating. tiers: per layer (else
+// `offload` for every layer).
+Outcome run(const Case& st, Tier offload, std::vector<Tier> tiers = {}) {
   const ModelConfig cfg = five_layers();
   CpuMemory mem(size_t{1} << 30);
   auto ops = make_ops("cpu");
@@ -48,6 +49,7 @@ Outcome run(const Case& st, Tier offload) {
   ModelOptions mo{st.dtype, SavePolicy::all, nullptr, st.act_store};
   mo.save_layers = st.layers;
   mo.act_offload = offload;
+  mo.act_tiers = tiers;
   mo.act_host = &mem.host;
   mo.spill_dir = std::filesystem::current_path().string();  // the build folder: not tmpfs
   Model m(cfg, *ops, params, mem.device, mo);
@@ -122,6 +124,51 @@ TEST(ActOffload, TheLedgerHoldsTwoSetsOnDeviceAndTheRestOnHost) {
   EXPECT_EQ(host.host_acts, 3 * set);
   EXPECT_EQ(disk.device_acts, host.device_acts);
   EXPECT_EQ(disk.disk_acts, 3 * set);
+}
+
+// Per layer (`--act-offload disk:0-1,host:3,none`): the layers kept on Device hold their own sets, the leaving ones
+// share the ring in their order (the last two of them stay in it), the same bits; the ledger exactly so.
+TEST(ActOffload, PerLayerPlacesGiveTheKeptBitsAndTheirBytes) {
+  using P = SavePolicy;
+  using T = Tier;
+  const Case st{{P::all, P::selective, P::all, P::all, P::all}};
+  const Outcome kept = run(st, T::Device);
+  const Outcome none = run({{P::none, P::none, P::none, P::none, P::none}}, T::Device);
+  const Outcome all_host = run(st, T::Host);
+  const size_t per_layer = (run({{P::all, P::all, P::all, P::all, P::all}}, T::Device).device_acts - none.device_acts) / 5;
+  const size_t set_all = (run({{P::all, P::all, P::all, P::all, P::all}}, T::Host).device_acts - none.device_acts) / 2;
+  const size_t set_sel =
+      (run({{P::selective, P::selective, P::selective, P::selective, P::selective}}, T::Host).device_acts -
+       none.device_acts) / 2;
+  ASSERT_LT(set_sel, set_all);
+  (void)all_host;
+  // Layers 0 (all) and 1 (selective) to disk, 3 to host, 2 and 4 kept: four leave, the first two go out.
+  const std::vector<T> tiers = {T::Disk, T::Disk, T::Device, T::Host, T::Device};
+  const Outcome mixed = run(st, T::Device, tiers);
+  ASSERT_EQ(mixed.losses.size(), kept.losses.size());
+  EXPECT_EQ(std::memcmp(mixed.losses.data(), kept.losses.data(), 8 * kept.losses.size()), 0);
+  EXPECT_EQ(std::memcmp(mixed.grads.data(), kept.grads.data(), kept.grads.size()), 0);
+  // Leaving layers in order: 0, 1, 3 -> ring sets 0, 1, 0; only layer 0 leaves memory (the last two stay in the
+  // ring), to disk, in a slot of the largest set.
+  EXPECT_EQ(mixed.host_acts, 0u);
+  EXPECT_EQ(mixed.disk_acts, set_all);
+  // Device: layers 2 and 4 whole, and the ring: set 0 holds layers 0 and 3 (all), set 1 layer 1 (selective).
+  EXPECT_EQ(mixed.device_acts - none.device_acts, 2 * per_layer + set_all + set_sel);
+  // Host on layer 0 and disk on 1 with five leaving: layers 0, 1, 2 go out (0 to host, 1 and 2 to disk).
+  const Outcome more = run(st, T::Device, {T::Host, T::Disk, T::Disk, T::Host, T::Disk});
+  EXPECT_EQ(std::memcmp(more.grads.data(), kept.grads.data(), kept.grads.size()), 0);
+  EXPECT_EQ(more.host_acts, set_all);
+  EXPECT_EQ(more.disk_acts, 2 * set_all);
+  // The list parses as the save policies do; a bad place is named.
+  EXPECT_EQ(parse_act_tiers("disk:0-1,host:3,none", 5), tiers);
+  EXPECT_EQ(parse_act_tiers("host", 2), (std::vector<T>{T::Host, T::Host}));
+  try {
+    parse_act_tiers("disk:0-1,ram", 5);
+    ADD_FAILURE() << "ram accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'ram' is not a place for saved activations; use none, host or disk"),
+              std::string::npos) << e.what();
+  }
 }
 
 // `train --act-offload host|disk`: the same run, checkpoint for checkpoint; bad combinations are refused.

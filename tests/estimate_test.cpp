@@ -21,7 +21,7 @@ TEST(Estimate, EveryCategoryAndPeakWithinFivePercentOfTheLedgerOverASweep) {
   for (const test::Sweep& k : test::sweep("files")) cases.push_back(k);
   for (const test::Sweep& k : test::sweep("preset:tiny"))
     for (const char* w : {"full fp32", "full bf16", "lora 8", "qlora", "chunk", "act offload host", "adamw8bit",
-                          "optimizer on disk"})
+                          "optimizer on disk", "act offload per layer"})
       if (k.what == "preset:tiny T=128 " + std::string(w) || k.what == "preset:tiny T=256 " + std::string(w)) cases.push_back(k);
   ASSERT_GE(cases.size(), 40u);
   test::check_sweep(cases);

@@ -173,7 +173,7 @@ TEST(Model, SavePolicyListsParseAndBadOnesAreNamed) {
       {"all,,none:1", "an empty item"},
       {"all:0-4", "layer 4 is past the model's last layer, 3"},
       {"all:0-2,none:2-3", "layer 2 is named twice"},
-      {"all:0-1", "layer 2 has no policy"},
+      {"all:0-1", "layer 2 has no save policy"},
       {"all,none", "two items without layers"},
       {"all:3-1", "the range 3-1 is empty"},
       {"all:x", "'x' is not a layer"},

@@ -41,14 +41,15 @@ PlanInstance random_instance(std::mt19937_64& rng, int64_t L) {
     PlanInstance::Option o;
     o.g.chunk = g;
     o.base_bytes = (100 + 400 * u(rng)) * 1048576.0;
-    o.act_on_disk = rng() % 3 == 0;
+    o.disk_allowed = rng() % 3 == 0;
     const double a = (5 + 50 * u(rng)) * 1048576.0;
     o.act_bytes = {a, a * (0.3 + 0.6 * u(rng)), 0};
+    o.set_bytes = {o.act_bytes[0] * 1.01, o.act_bytes[1] * 1.01, 0};
     o.base_seconds = 1 + 5 * u(rng);
     const double r = 0.05 + 0.3 * u(rng);
     o.rec_seconds = {0, r * (0.02 + 0.3 * u(rng)), r};
     o.io_seconds = rng() % 2 ? 0 : 3 * u(rng);
-    o.disk_seconds_per_byte = o.act_on_disk ? (0.5 + 3 * u(rng)) / 1e9 : 0;
+    o.disk_seconds_per_byte = o.disk_allowed ? (0.5 + 3 * u(rng)) / 1e9 : 0;
     in.options.push_back(o);
   }
   in.budget = (150 + 600 * u(rng)) * 1048576.0;

@@ -46,6 +46,7 @@ Engine build_engine(const EngineOptions& o) {
   ModelOptions mo{o.dtype, SavePolicy::all, e.adapters.get(), o.act_store};
   mo.save_layers = parse_save_policies(o.save_policy, e.src.cfg.L);
   mo.act_offload = o.act_offload;
+  if (!o.act_tiers.empty()) mo.act_tiers = parse_act_tiers(o.act_tiers, e.src.cfg.L);
   mo.act_host = &e.mem->host;
   mo.spill_dir = o.spill_dir;
   e.model = std::make_unique<Model>(e.src.cfg, *e.ops, *e.params, e.mem->device, mo);

@@ -37,6 +37,7 @@ struct EngineOptions {
   std::string save_policy = "all";   // --save-policy: one policy, or one per layer (parse_save_policies)
   DType act_store = DType::f32;      // --act-dtype: storage of saved activations (ModelOptions::act_store)
   Tier act_offload = Tier::Device;   // --act-offload none|host|disk (ModelOptions::act_offload)
+  std::string act_tiers;             // --act-offload as a per-layer list (parse_act_tiers); empty: act_offload
   std::string spill_dir;             // its spill file's folder (disk)
 };
 

@@ -17,27 +17,36 @@ SavePolicy parse_save_policy(std::string_view s) {
   fail("[model] unknown save policy '", s, "'; use all, selective or none");
 }
 
-std::vector<SavePolicy> parse_save_policies(std::string_view spec, int64_t L) {
-  const char* what = "[train] --save-policy ";
-  std::vector<SavePolicy> items;
+namespace {
+
+// A per-layer list of one of `names` ("NAME", or items NAME:FIRST-LAST / NAME:LAYER and at most one bare NAME
+// for the layers no item names): the index into `names` of each of the L layers; with L < 0 only the syntax is
+// checked and each item's index is returned. `what` starts every error ("[train] --save-policy "), `kind`
+// names one value ("save policy").
+std::vector<int> parse_layer_list(std::string_view spec, int64_t L, const char* what, const char* kind,
+                                  const std::vector<std::string_view>& names, const char* example) {
+  std::string choices;
+  for (size_t i = 0; i < names.size(); ++i)
+    choices += (i == 0 ? "" : i + 1 == names.size() ? " or " : ", ") + std::string(names[i]);
+  std::vector<int> items;
   std::vector<int> owner(static_cast<size_t>(std::max<int64_t>(L, 0)), -1);
-  std::optional<SavePolicy> rest;
+  std::optional<int> rest;
   std::string_view left = spec;
-  OOM_CHECK(!spec.empty(), what, "is empty; use all, selective, none or a list such as all:0-3,none:4-31");
+  OOM_CHECK(!spec.empty(), what, "is empty; use ", choices, " or a list such as ", example);
   for (int item = 0; !left.empty() || item == 0; ++item) {
     const size_t comma = left.find(',');
     const std::string_view it = left.substr(0, comma);
     left = comma == std::string_view::npos ? std::string_view() : left.substr(comma + 1);
-    OOM_CHECK(!it.empty() && (comma == std::string_view::npos || !left.empty()), what, spec,
-              ": an empty item; items are POLICY or POLICY:FIRST-LAST, separated by commas");
+    OOM_CHECK(!it.empty() && (comma == std::string_view::npos || !left.empty()), what, spec, ": an empty item; items are ",
+              "NAME or NAME:FIRST-LAST, separated by commas");
     const size_t colon = it.find(':');
     const std::string_view name = it.substr(0, colon);
-    OOM_CHECK(name == "all" || name == "selective" || name == "none", what, spec, ": '", name,
-              "' is not a save policy; use all, selective or none");
-    const SavePolicy p = parse_save_policy(name);
+    const auto found = std::find(names.begin(), names.end(), name);
+    OOM_CHECK(found != names.end(), what, spec, ": '", name, "' is not a ", kind, "; use ", choices);
+    const int p = static_cast<int>(found - names.begin());
     items.push_back(p);
     if (colon == std::string_view::npos) {
-      OOM_CHECK(!rest, what, spec, ": two items without layers; give one default and POLICY:FIRST-LAST for the rest");
+      OOM_CHECK(!rest, what, spec, ": two items without layers; give one default and NAME:FIRST-LAST for the rest");
       rest = p;
       continue;
     }
@@ -58,13 +67,31 @@ std::vector<SavePolicy> parse_save_policies(std::string_view spec, int64_t L) {
     }
   }
   if (L < 0) return items;
-  std::vector<SavePolicy> out(static_cast<size_t>(L));
+  std::vector<int> out(static_cast<size_t>(L));
   for (int64_t l = 0; l < L; ++l) {
     const int o = owner[static_cast<size_t>(l)];
-    OOM_CHECK(o >= 0 || rest, what, spec, ": layer ", l, " has no policy; name every layer of the ", L,
-              " or add a bare POLICY for the rest");
+    OOM_CHECK(o >= 0 || rest, what, spec, ": layer ", l, " has no ", kind, "; name every layer of the ", L,
+              " or add a bare NAME for the rest");
     out[static_cast<size_t>(l)] = o >= 0 ? items[static_cast<size_t>(o)] : *rest;
   }
+  return out;
+}
+
+}  // namespace
+
+std::vector<SavePolicy> parse_save_policies(std::string_view spec, int64_t L) {
+  const std::vector<int> i = parse_layer_list(spec, L, "[train] --save-policy ", "save policy", {"all", "selective", "none"},
+                                              "all:0-3,none:4-31");
+  std::vector<SavePolicy> out;
+  for (int x : i) out.push_back(x == 0 ? SavePolicy::all : x == 1 ? SavePolicy::selective : SavePolicy::none);
+  return out;
+}
+
+std::vector<Tier> parse_act_tiers(std::string_view spec, int64_t L) {
+  const std::vector<int> i = parse_layer_list(spec, L, "[train] --act-offload ", "place for saved activations",
+                                              {"none", "host", "disk"}, "disk:0-19,none");
+  std::vector<Tier> out;
+  for (int x : i) out.push_back(x == 0 ? Tier::Device : x == 1 ? Tier::Host : Tier::Disk);
   return out;
 }
 
@@ -308,66 +335,77 @@ void Model::reserve(int64_t T, bool for_backward, bool chunked) {
   // ping-pongs between two.
   const int64_t n_states = for_backward ? L + 1 : 2;
   for (int64_t i = 0; i < n_states; ++i) s->layer_in.push_back(alloc(act_, {T, E}, A, "residual"));
-  bool keeps = chunked;
-  for (int64_t l = 0; l < L; ++l) keeps = keeps || save_policy(l) != SavePolicy::none;
-  const bool offload = for_backward && keeps && opt_.act_offload != Tier::Device;
-  OOM_CHECK(!offload || !chunked, "[model] saved activations are offloaded in full-sequence training only; chunk-"
-            "recurrent training keeps one chunk's (drop --act-offload or --chunk)");
+  bool keeps = chunked, leaves = false;
+  for (int64_t l = 0; l < L; ++l) {
+    keeps = keeps || save_policy(l) != SavePolicy::none;
+    leaves = leaves || act_tier(l) != Tier::Device;
+  }
+  OOM_CHECK(!(for_backward && keeps && leaves) || !chunked, "[model] saved activations are offloaded in full-"
+            "sequence training only; chunk-recurrent training keeps one chunk's (drop --act-offload or --chunk)");
+  // The layers whose sets leave Device between forward and backward, in order.
+  std::vector<int64_t> out_layers;
+  for (int64_t l = 0; for_backward && !chunked && l < L; ++l)
+    if (act_tier(l) != Tier::Device && save_policy(l) != SavePolicy::none) out_layers.push_back(l);
+  const bool offload = !out_layers.empty();
+  s->off_index.assign(static_cast<size_t>(L), -1);
+  // Views laid out in act_set's order, each 64-byte aligned, from `base` (null: count the bytes only).
+  struct Carver {
+    char* base = nullptr;
+    size_t bytes = 0;
+    Tensor operator()(DType t, std::initializer_list<int64_t> shape, Category, const char*) {
+      int64_t n = 1;
+      for (int64_t d : shape) n *= d;
+      bytes = (bytes + 63) / 64 * 64;
+      Tensor r = base ? Tensor(base + bytes, t, shape) : Tensor();
+      bytes += static_cast<size_t>(dtype_bytes(t, n));
+      return r;
+    }
+  };
   if (offload) {
-    // Each layer's set measured, then carved from its ring set (views laid out in act_set's order, 64-byte
-    // aligned), so layers l and l + kActRing share memory; the layers below the last kActRing get a Host
-    // buffer or a spill slot of their size.
-    struct Carver {
-      char* base = nullptr;  // null: count only
-      size_t bytes = 0;
-      Tensor operator()(DType t, std::initializer_list<int64_t> shape, Category, const char*) {
-        int64_t n = 1;
-        for (int64_t d : shape) n *= d;
-        bytes = (bytes + 63) / 64 * 64;
-        Tensor r = base ? Tensor(base + bytes, t, shape) : Tensor();
-        bytes += static_cast<size_t>(dtype_bytes(t, n));
-        return r;
-      }
-    };
-    const int64_t R = std::min(kActRing, L);
+    // Each leaving layer's set measured, then carved from its ring set (views laid out in act_set's order,
+    // 64-byte aligned), so the i-th and (i + kActRing)-th leaving layers share memory; all but the last
+    // kActRing get a Host buffer or a spill slot of their size.
+    const int64_t K = static_cast<int64_t>(out_layers.size()), R = std::min(kActRing, K);
+    s->off_layers = out_layers;
     s->act_bytes.assign(static_cast<size_t>(L), 0);
     std::vector<size_t> ring_bytes(static_cast<size_t>(R), 0);
-    for (int64_t l = 0; l < L; ++l) {
-      if (save_policy(l) == SavePolicy::none) continue;
+    for (int64_t i = 0; i < K; ++i) {
+      const int64_t l = out_layers[static_cast<size_t>(i)];
+      s->off_index[static_cast<size_t>(l)] = i;
       Carver count;
       act_set(count, A, false, save_policy(l));
       s->act_bytes[static_cast<size_t>(l)] = count.bytes;
-      ring_bytes[static_cast<size_t>(l % R)] = std::max(ring_bytes[static_cast<size_t>(l % R)], count.bytes);
+      ring_bytes[static_cast<size_t>(i % R)] = std::max(ring_bytes[static_cast<size_t>(i % R)], count.bytes);
     }
     for (int64_t r = 0; r < R; ++r)
       s->ring.push_back(arena_.alloc(ring_bytes[static_cast<size_t>(r)], A, "saved activations (offload ring)"));
-    for (int64_t l = 0; l < L; ++l) {
-      Acts a;
-      if (save_policy(l) != SavePolicy::none) {
-        Carver carve{s->ring[static_cast<size_t>(l % R)].as<char>()};
-        a = act_set(carve, A, false, save_policy(l));
-      }
-      s->saved.push_back(a);
-    }
     s->host.resize(static_cast<size_t>(L));
     s->disk.assign(static_cast<size_t>(L), -1);
     s->out.assign(static_cast<size_t>(L), 0);
     s->in.assign(static_cast<size_t>(L), 0);
     const size_t largest = *std::max_element(ring_bytes.begin(), ring_bytes.end());
-    if (opt_.act_offload == Tier::Disk && L > R)
-      s->spill = SpillFile::open(opt_.spill_dir, largest, arena_.ledger(), Category::activations);
-    OOM_CHECK(opt_.act_offload != Tier::Host || opt_.act_host, "[model] Host offload of activations needs the Host arena");
-    for (int64_t l = 0; l < L - R; ++l) {
+    bool to_disk = false;
+    for (int64_t i = 0; i < K - R; ++i) to_disk = to_disk || act_tier(out_layers[static_cast<size_t>(i)]) == Tier::Disk;
+    if (to_disk) s->spill = SpillFile::open(opt_.spill_dir, largest, arena_.ledger(), Category::activations);
+    for (int64_t i = 0; i < K - R; ++i) {
+      const int64_t l = out_layers[static_cast<size_t>(i)];
       const size_t n = s->act_bytes[static_cast<size_t>(l)];
-      if (n == 0) continue;
-      if (opt_.act_offload == Tier::Host) s->host[static_cast<size_t>(l)] = opt_.act_host->alloc(n, A, "offloaded activations");
-      else s->disk[static_cast<size_t>(l)] = s->spill->alloc_slot();
+      if (act_tier(l) == Tier::Host) {
+        OOM_CHECK(opt_.act_host, "[model] Host offload of activations needs the Host arena");
+        s->host[static_cast<size_t>(l)] = opt_.act_host->alloc(n, A, "offloaded activations");
+      } else {
+        s->disk[static_cast<size_t>(l)] = s->spill->alloc_slot();
+      }
     }
     s->off = std::make_unique<Offloader>(s->spill.get());
   }
-  for (int64_t l = 0; for_backward && keeps && !offload && l < L; ++l) {
+  for (int64_t l = 0; for_backward && keeps && l < L; ++l) {
     Acts a;  // a recomputed layer keeps nothing but its input (in layer_in) ...
-    if (save_policy(l) != SavePolicy::none) {
+    const int64_t i = s->off_index[static_cast<size_t>(l)];
+    if (i >= 0) {
+      Carver carve{s->ring[static_cast<size_t>(i % std::min<int64_t>(kActRing, static_cast<int64_t>(out_layers.size())))].as<char>()};
+      a = act_set(carve, A, false, save_policy(l));
+    } else if (save_policy(l) != SavePolicy::none) {
       a = act_set(alloc, A, false, save_policy(l));
     } else if (chunked) {
       // ... but in chunk mode its attention O and LSE, so that the recompute never sweeps the history again.
@@ -426,33 +464,42 @@ bool Model::act_offloading() const { return s_ && s_->off; }
 
 OffloadStats Model::act_offload_stats() const { return act_offloading() ? s_->off->stats() : OffloadStats{}; }
 
+// The leaving layers in order (Scratch::off_layers): the i-th waits, before its forward, for the copy out of
+// the (i - kActRing)-th, whose ring set it reuses; after its forward its set is copied out (unless it is one of
+// the last kActRing); after its backward the (i - kActRing)-th is fetched back into the set it released.
 void Model::act_offload_before_forward(int64_t layer) {
-  if (!act_offloading() || !training_ || layer < kActRing) return;
-  Offloader::Ticket& t = s_->out[static_cast<size_t>(layer - kActRing)];
+  if (!act_offloading() || !training_) return;
+  const int64_t i = s_->off_index[static_cast<size_t>(layer)];
+  if (i < kActRing) return;
+  Offloader::Ticket& t = s_->out[static_cast<size_t>(s_->off_layers[static_cast<size_t>(i - kActRing)])];
   s_->off->wait(t);
   t = 0;
 }
 
 void Model::act_offload_after_forward(int64_t layer) {
+  if (!act_offloading() || !training_) return;
   const size_t l = static_cast<size_t>(layer);
-  if (!act_offloading() || !training_ || layer >= cfg_.L - kActRing || s_->act_bytes[l] == 0) return;
-  const void* src = s_->ring[l % kActRing].data();
+  const int64_t i = s_->off_index[l], K = static_cast<int64_t>(s_->off_layers.size());
+  if (i < 0 || i >= K - kActRing || s_->act_bytes[l] == 0) return;
+  const void* src = s_->ring[static_cast<size_t>(i % kActRing)].data();
   s_->out[l] = s_->disk[l] >= 0 ? s_->off->to_disk(s_->disk[l], src, s_->act_bytes[l], 0, Tier::Device)
                                 : s_->off->copy(s_->host[l].data(), src, s_->act_bytes[l], Tier::Device, Tier::Host);
 }
 
 void Model::act_offload_before_backward(int64_t layer) {
-  if (!act_offloading()) return;
+  if (!act_offloading() || s_->off_index[static_cast<size_t>(layer)] < 0) return;
   Offloader::Ticket& t = s_->in[static_cast<size_t>(layer)];
   s_->off->wait(t);
   t = 0;
 }
 
 void Model::act_offload_after_backward(int64_t layer) {
-  const int64_t below = layer - kActRing;
-  if (!act_offloading() || below < 0 || s_->act_bytes[static_cast<size_t>(below)] == 0) return;
-  const size_t k = static_cast<size_t>(below);
-  void* dst = s_->ring[k % kActRing].data();
+  if (!act_offloading()) return;
+  const int64_t below = s_->off_index[static_cast<size_t>(layer)] - kActRing;
+  if (s_->off_index[static_cast<size_t>(layer)] < 0 || below < 0) return;
+  const size_t k = static_cast<size_t>(s_->off_layers[static_cast<size_t>(below)]);
+  if (s_->act_bytes[k] == 0) return;
+  void* dst = s_->ring[static_cast<size_t>(below % kActRing)].data();
   s_->in[k] = s_->disk[k] >= 0 ? s_->off->from_disk(dst, s_->disk[k], s_->act_bytes[k], 0, Tier::Device)
                                : s_->off->copy(dst, s_->host[k].data(), s_->act_bytes[k], Tier::Host, Tier::Device);
 }

@@ -54,6 +54,9 @@ const char* save_policy_name(SavePolicy p);
 // one bare POLICY (the layers no item names), e.g. "all:0-3,none:4-31" or "none,all:0-1": L entries, every
 // layer named once. With L < 0 only the syntax is checked and each item's policy is returned.
 std::vector<SavePolicy> parse_save_policies(std::string_view spec, int64_t L);
+// Where each layer's saved activations wait (--act-offload): none (Device), host or disk, for every layer or as
+// a list in parse_save_policies' form ("disk:0-19,none"). With L < 0 only the syntax is checked.
+std::vector<Tier> parse_act_tiers(std::string_view spec, int64_t L);
 
 enum class ComputeDType { f32, bf16 };
 ComputeDType parse_compute_dtype(std::string_view s);  // "fp32"/"f32", "bf16"
@@ -75,6 +78,9 @@ struct ModelOptions {
   // saved sets share a ring of kActRing Device sets: each layer's is copied out after its forward (while
   // the next layer computes) and fetched back while the layer above it runs its backward. The same bits.
   Tier act_offload = Tier::Device;
+  // Per layer (L entries, parse_act_tiers) when not empty; `act_offload` for every layer otherwise. The layers
+  // kept on Device hold their own sets; the others share the ring in their order.
+  std::vector<Tier> act_tiers{};
   Arena* act_host = nullptr;
   std::string spill_dir{};
 };
@@ -106,6 +112,9 @@ class Model {
   OffloadStats act_offload_stats() const;
   SavePolicy save_policy(int64_t layer) const {
     return opt_.save_layers.empty() ? opt_.save : opt_.save_layers[static_cast<size_t>(layer)];
+  }
+  Tier act_tier(int64_t layer) const {
+    return opt_.act_tiers.empty() ? opt_.act_offload : opt_.act_tiers[static_cast<size_t>(layer)];
   }
   ParamSet& params() { return params_; }
 

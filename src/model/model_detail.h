@@ -51,12 +51,14 @@ struct Model::Scratch {
   Tensor xdrop, dxdrop;                      // T*max(E, F, H*D): LoRA dropout's input and input gradient
   Tensor dz;                                 // (T, E) DoRA: g * dy of o_proj / down_proj (dy is the residual's)
   Tensor dora_t, dora_t2, dora_dz;           // T*max(E, F, H*D): DoRA with dropout (x_d W^T; (g dy - dy) W; g dy)
-  // --act-offload (ModelOptions::act_offload): saved[l] are views into ring set l % kActRing; layer l's
-  // bytes (its set, 0 when it keeps nothing) wait in host[l] or spill slot disk[l] between forward and backward.
-  // The last kActRing layers stay in their ring sets. Declared last: the Offloader finishes its jobs
+  // --act-offload (ModelOptions::act_offload / act_tiers): the layers that leave Device, in order, are
+  // off_layers; the i-th one's saved[l] are views into ring set i % kActRing, and its bytes (its set) wait in
+  // host[l] or spill slot disk[l] between forward and backward. The last kActRing of them stay in their ring
+  // sets. off_index[l]: i, or -1 for a layer that keeps its own set on Device. Declared last: the Offloader finishes its jobs
   // before the buffers and the spill file they use go.
   std::vector<Buffer> ring;
   std::vector<size_t> act_bytes;             // per layer
+  std::vector<int64_t> off_layers, off_index;
   std::vector<Buffer> host;                  // per layer (Host offload)
   std::unique_ptr<SpillFile> spill;          // Disk offload
   std::vector<int64_t> disk;                 // per layer: its spill slot, or -1

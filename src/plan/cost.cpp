@@ -11,7 +11,6 @@
 #include "core/cpu_info.h"
 #include "core/error.h"
 #include "memory/spill_file.h"
-#include "plan/probe.h"
 
 namespace oomless {
 
@@ -44,13 +43,18 @@ std::string cut_model(const ModelConfig& cfg, int64_t L, const std::string& scra
   return (dir / "config.json").string();
 }
 
-// Median seconds of `reps` steps of `c` after setup (whose dry run warms the kernels) and one more step.
+// Median seconds of the steps of `c` after setup (whose dry run warms the kernels) and one more step: at least
+// `reps`, and more (up to 25) until they add up to a second, so that small models' differences rise above noise.
 double time_steps(const TrainConfig& c, int64_t V, int reps) {
   Trainer t(c, "");
   const StepBatch b = pattern_batch(c.batch * c.grad_accum, c.seq, V);
   t.step(b);
   std::vector<double> s;
-  for (int i = 0; i < reps; ++i) s.push_back(t.step(b).seconds);
+  double total = 0;
+  while (static_cast<int>(s.size()) < reps || (total < 1.0 && s.size() < 25)) {
+    s.push_back(t.step(b).seconds);
+    total += s.back();
+  }
   std::sort(s.begin(), s.end());
   return s[s.size() / 2];
 }
@@ -102,7 +106,6 @@ json::Value CostModel::json() const {
   o.set("optimizer_s_per_param", json::Value::number(optim_per_param));
   o.set("disk_write_bytes_per_s", json::Value::number(disk_write_bps));
   o.set("disk_read_bytes_per_s", json::Value::number(disk_read_bps));
-  o.set("attention_flops", json::Value::number(attention_flops));
   o.set("cpu", json::Value::string(cpu));
   o.set("threads", json::Value::integer(threads));
   return o;
@@ -134,8 +137,9 @@ CostModel measure_costs(const TrainConfig& c, const ModelSource& src, const std:
   if (c.chunk == 0 || c.chunk >= c.seq) Ts.push_back(0);
   for (int64_t C : chunks) Ts.push_back(C);
   for (int64_t C : Ts) {
-    const int64_t seq = C > 0 ? 2 * C : c.seq;
-    const int64_t n_chunks = C > 0 ? 2 : 1;
+    // Chunks are timed over the whole sequence too, so that each chunk's attention sweeps the history it will.
+    const int64_t seq = c.seq;
+    const int64_t n_chunks = C > 0 ? c.seq / C : 1;
     if (log) std::fprintf(log, "oomless plan: measuring %s at T = %lld on this machine...\n",
                           C > 0 ? "chunks" : "whole sequences", static_cast<long long>(C > 0 ? C : c.seq));
     const double t1 = run(one, seq, C, 1, "all"), t1b = run(one, seq, C, 2, "all");
@@ -170,10 +174,6 @@ CostModel measure_costs(const TrainConfig& c, const ModelSource& src, const std:
     cm.at[C > 0 ? C : c.seq] = a;
   }
   disk_rates(c.spill_dir.empty() ? scratch : c.spill_dir, &cm.disk_write_bps, &cm.disk_read_bps);
-  if (!chunks.empty())
-    cm.attention_flops = 1e9 * probe_attention_gflops(static_cast<int>(std::min<int64_t>(chunks.front(), 1024)),
-                                                      static_cast<int>(cfg.H), static_cast<int>(cfg.Hkv),
-                                                      static_cast<int>(cfg.D), 3);
   return cm;
 }
 

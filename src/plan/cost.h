@@ -1,7 +1,8 @@
 // The planner's cost model, measured on this machine for one model shape: the real kernels run short training
 // steps of a copy of the model cut to one and two layers (random weights: the time does not depend on them), so
-// the figures include everything a step does at this width, and disk bandwidth through a spill file in the
-// folder the run would use. Medians of several steps after the setup's dry run.
+// the figures include everything a step does at this width (chunks over the whole sequence, so that their
+// attention reads the history it will), and disk bandwidth through a spill file in the folder the run would
+// use. Medians of several steps after the setup's dry run.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -13,7 +14,8 @@
 namespace oomless {
 
 struct CostModel {
-  // Seconds per sequence of T tokens (T = --seq, or a chunk length: then per chunk, measured over two chunks).
+  // Seconds per sequence of T tokens (T = --seq), or with chunks of T tokens per chunk (measured over a whole
+  // --seq, so each chunk's attention reads the history it will).
   struct AtT {
     double block = 0;       // one layer's forward + backward, SavePolicy all
     double head = 0;        // the embedding, final norm and head + loss, forward + backward
@@ -23,7 +25,6 @@ struct CostModel {
   std::map<int64_t, AtT> at;         // by T
   double optim_per_param = 0;        // the optimizer step, seconds per trained parameter
   double disk_write_bps = 0, disk_read_bps = 0;  // bytes/s through a spill file
-  double attention_flops = 0;        // causal attention fwd+bwd FLOP/s (probe), for chunks' history
   std::string cpu;                   // what it was measured on
   int threads = 0;
 

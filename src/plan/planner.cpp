@@ -36,12 +36,27 @@ std::string policy_spec(const std::vector<SavePolicy>& p) {
   return out;
 }
 
-// Policies from counts: none first, then selective, then all.
-std::vector<SavePolicy> lay_out(int64_t L, int64_t n_none, int64_t n_sel) {
-  std::vector<SavePolicy> p(static_cast<size_t>(L), SavePolicy::all);
-  for (int64_t l = 0; l < L; ++l)
-    p[static_cast<size_t>(l)] = l < n_none ? SavePolicy::none : l < n_none + n_sel ? SavePolicy::selective : SavePolicy::all;
-  return p;
+// Choices from counts: the sets on disk first (all, then selective), then none, selective, all in memory.
+void lay_out(int64_t L, const int64_t disk[2], const int64_t mem[3], std::vector<SavePolicy>* p, std::vector<bool>* d) {
+  p->clear(), d->clear();
+  for (int k = 0; k < 2; ++k)
+    for (int64_t i = 0; i < disk[k]; ++i) p->push_back(k == 0 ? SavePolicy::all : SavePolicy::selective), d->push_back(true);
+  for (SavePolicy x : {SavePolicy::none, SavePolicy::selective, SavePolicy::all})
+    for (int64_t i = 0; i < mem[static_cast<int>(x)]; ++i) p->push_back(x), d->push_back(false);
+  OOM_CHECK(static_cast<int64_t>(p->size()) == L, "[plan] the layer counts do not add up");
+}
+
+// "disk:0-3,none" for per-layer places (or "none" / "disk" when every layer agrees).
+std::string tier_spec(const std::vector<bool>& d) {
+  std::string out;
+  for (size_t i = 0; i < d.size();) {
+    size_t j = i;
+    while (j + 1 < d.size() && d[j + 1] == d[i]) ++j;
+    if (i == 0 && j + 1 == d.size()) return d[i] ? "disk" : "none";
+    if (d[i]) out += (out.empty() ? "" : ",") + std::string("disk:") + std::to_string(i) + (j > i ? "-" + std::to_string(j) : "");
+    i = j + 1;
+  }
+  return out + (out.empty() ? "" : ",") + "none";
 }
 
 // The spill folder a configuration needs: kept (or "." for an estimate) when something goes to disk, dropped
@@ -90,19 +105,24 @@ const std::vector<std::string>& planned_flags() {
   return f;
 }
 
-double PlanInstance::bytes(size_t o, const std::vector<SavePolicy>& p) const {
+double PlanInstance::bytes(size_t o, const std::vector<SavePolicy>& p, const std::vector<bool>& on_disk) const {
   const Option& x = options[o];
   double sum = 0, most = 0;
-  for (SavePolicy s : p) sum += x.act_bytes[static_cast<size_t>(s)], most = std::max(most, x.act_bytes[static_cast<size_t>(s)]);
-  return x.base_bytes + (x.act_on_disk ? 2 * most : sum);
+  for (size_t l = 0; l < p.size(); ++l) {
+    const size_t k = static_cast<size_t>(p[l]);
+    if (x.disk_allowed && on_disk[l]) most = std::max(most, x.set_bytes[k]);
+    else sum += x.act_bytes[k];
+  }
+  return x.base_bytes + sum + 2 * most;
 }
 
-double PlanInstance::seconds(size_t o, const std::vector<SavePolicy>& p) const {
+double PlanInstance::seconds(size_t o, const std::vector<SavePolicy>& p, const std::vector<bool>& on_disk) const {
   const Option& x = options[o];
   double rec = 0, io = 0;
-  for (SavePolicy s : p) {
-    rec += x.rec_seconds[static_cast<size_t>(s)];
-    if (x.act_on_disk) io += x.act_bytes[static_cast<size_t>(s)] * x.disk_seconds_per_byte;
+  for (size_t l = 0; l < p.size(); ++l) {
+    const size_t k = static_cast<size_t>(p[l]);
+    rec += x.rec_seconds[k];
+    if (x.disk_allowed && on_disk[l]) io += x.set_bytes[k] * x.disk_seconds_per_byte;
   }
   return std::max(x.base_seconds + rec, x.io_seconds + io);
 }
@@ -115,21 +135,26 @@ PlanPick solve_plan(const PlanInstance& in) {
   const double B = in.budget / kMiB;
   double m_mem = 1, m_t = 1;
   for (const auto& o : in.options) {
-    const double a = *std::max_element(o.act_bytes.begin(), o.act_bytes.end()) / kMiB;
+    const double a = std::max(*std::max_element(o.act_bytes.begin(), o.act_bytes.end()),
+                              *std::max_element(o.set_bytes.begin(), o.set_bytes.end())) / kMiB;
     const double r = *std::max_element(o.rec_seconds.begin(), o.rec_seconds.end()) * 1e3;
-    m_mem = std::max(m_mem, o.base_bytes / kMiB + static_cast<double>(std::max<int64_t>(L, 2)) * a - B + 1);  // ring: 2 sets
+    m_mem = std::max(m_mem, o.base_bytes / kMiB + static_cast<double>(L + 2) * a - B + 1);
     m_t = std::max(m_t, o.base_seconds * 1e3 + static_cast<double>(L) * r +
                             o.io_seconds * 1e3 + static_cast<double>(L) * a * kMiB * o.disk_seconds_per_byte * 1e3 + 1);
   }
+  // x[l][policy][place]: place 0 memory, 1 disk (a layer at none keeps nothing to send).
   Milp m;
-  std::vector<std::array<int, 3>> x(static_cast<size_t>(L));
+  std::vector<std::array<std::array<int, 2>, 3>> x(static_cast<size_t>(L));
   for (int64_t l = 0; l < L; ++l) {
     Milp::Terms one;
-    for (int p = 0; p < 3; ++p) {
-      x[static_cast<size_t>(l)][static_cast<size_t>(p)] =
-          m.binary("x_" + std::to_string(l) + "_" + save_policy_name(kPolicies[p]));
-      one.push_back({x[static_cast<size_t>(l)][static_cast<size_t>(p)], 1.0});
-    }
+    for (int p = 0; p < 3; ++p)
+      for (int t = 0; t < 2; ++t) {
+        int& v = x[static_cast<size_t>(l)][static_cast<size_t>(p)][static_cast<size_t>(t)];
+        v = -1;
+        if (t == 1 && kPolicies[p] == SavePolicy::none) continue;
+        v = m.binary("x_" + std::to_string(l) + "_" + save_policy_name(kPolicies[p]) + (t ? "_disk" : ""));
+        one.push_back({v, 1.0});
+      }
     m.row(one, 1, 1);
   }
   std::vector<int> y(G);
@@ -141,24 +166,26 @@ PlanPick solve_plan(const PlanInstance& in) {
     const auto& o = in.options[g];
     Milp::Terms mem{{y[g], m_mem}}, time{{t, 1.0}, {y[g], -m_t}}, io{{t, 1.0}, {y[g], -m_t}};
     int r = -1;
-    if (o.act_on_disk) {
+    if (o.disk_allowed) {
       r = m.continuous("ring_" + std::to_string(g), 0);
       mem.push_back({r, 2.0});
     }
     for (int64_t l = 0; l < L; ++l) {
       Milp::Terms ring{{r, 1.0}};
-      for (int p = 0; p < 3; ++p) {
-        const int v = x[static_cast<size_t>(l)][static_cast<size_t>(p)];
-        const double a = o.act_bytes[static_cast<size_t>(p)] / kMiB;
-        if (o.act_on_disk) {
-          ring.push_back({v, -a});
-          io.push_back({v, -a * kMiB * o.disk_seconds_per_byte * 1e3});
-        } else {
-          mem.push_back({v, a});
+      for (int p = 0; p < 3; ++p)
+        for (int tt = 0; tt < 2; ++tt) {
+          const int v = x[static_cast<size_t>(l)][static_cast<size_t>(p)][static_cast<size_t>(tt)];
+          if (v < 0) continue;
+          const double a = o.act_bytes[static_cast<size_t>(p)] / kMiB, sb = o.set_bytes[static_cast<size_t>(p)] / kMiB;
+          if (tt == 1 && o.disk_allowed) {
+            ring.push_back({v, -sb});
+            io.push_back({v, -sb * kMiB * o.disk_seconds_per_byte * 1e3});
+          } else {
+            mem.push_back({v, a});
+          }
+          time.push_back({v, -o.rec_seconds[static_cast<size_t>(p)] * 1e3});
         }
-        time.push_back({v, -o.rec_seconds[static_cast<size_t>(p)] * 1e3});
-      }
-      if (o.act_on_disk) m.row(ring, 0, Milp::kInf);  // r >= this layer's set
+      if (o.disk_allowed) m.row(ring, 0, Milp::kInf);  // r >= this layer's set when it goes to disk
     }
     m.row(mem, -Milp::kInf, B - o.base_bytes / kMiB + m_mem);   // memory <= budget when y[g]
     m.row(time, o.base_seconds * 1e3 - m_t, Milp::kInf);        // t >= compute when y[g]
@@ -172,32 +199,46 @@ PlanPick solve_plan(const PlanInstance& in) {
   out.feasible = true;
   for (size_t g = 0; g < G; ++g)
     if (s.x[static_cast<size_t>(y[g])] > 0.5) out.option = g;
-  int64_t n_none = 0, n_sel = 0;
-  for (int64_t l = 0; l < L; ++l) {
-    n_none += s.x[static_cast<size_t>(x[static_cast<size_t>(l)][2])] > 0.5;
-    n_sel += s.x[static_cast<size_t>(x[static_cast<size_t>(l)][1])] > 0.5;
-  }
-  out.policies = lay_out(L, n_none, n_sel);
-  out.seconds = in.seconds(out.option, out.policies);
-  out.bytes = in.bytes(out.option, out.policies);
+  const bool disk = in.options[out.option].disk_allowed;
+  int64_t on_disk[2] = {0, 0}, in_mem[3] = {0, 0, 0};
+  for (int64_t l = 0; l < L; ++l)
+    for (int p = 0; p < 3; ++p)
+      for (int tt = 0; tt < 2; ++tt) {
+        const int v = x[static_cast<size_t>(l)][static_cast<size_t>(p)][static_cast<size_t>(tt)];
+        if (v < 0 || s.x[static_cast<size_t>(v)] < 0.5) continue;
+        if (tt == 1 && disk) ++on_disk[p];
+        else ++in_mem[p];
+      }
+  lay_out(L, on_disk, in_mem, &out.policies, &out.on_disk);
+  out.seconds = in.seconds(out.option, out.policies, out.on_disk);
+  out.bytes = in.bytes(out.option, out.policies, out.on_disk);
   return out;
 }
 
 PlanPick enumerate_plan(const PlanInstance& in) {
-  OOM_CHECK(in.L >= 1 && in.L <= 10, "[plan] enumeration is for instances of at most 10 layers, got ", in.L);
+  OOM_CHECK(in.L >= 1 && in.L <= 8, "[plan] enumeration is for instances of at most 8 layers, got ", in.L);
   PlanPick best;
   best.solver = "enumeration";
+  // Each layer: all, selective, none in memory; all, selective on disk (5 states).
   int64_t n = 1;
-  for (int64_t l = 0; l < in.L; ++l) n *= 3;
+  for (int64_t l = 0; l < in.L; ++l) n *= 5;
   std::vector<SavePolicy> p(static_cast<size_t>(in.L));
+  std::vector<bool> d(static_cast<size_t>(in.L));
   for (size_t o = 0; o < in.options.size(); ++o)
     for (int64_t code = 0; code < n; ++code) {
       int64_t c = code;
-      for (int64_t l = 0; l < in.L; ++l, c /= 3) p[static_cast<size_t>(l)] = kPolicies[c % 3];
-      const double b = in.bytes(o, p);
+      bool skip = false;
+      for (int64_t l = 0; l < in.L; ++l, c /= 5) {
+        const int st = static_cast<int>(c % 5);
+        p[static_cast<size_t>(l)] = kPolicies[st < 3 ? st : st - 3];
+        d[static_cast<size_t>(l)] = st >= 3;
+        skip = skip || (st >= 3 && !in.options[o].disk_allowed);
+      }
+      if (skip) continue;
+      const double b = in.bytes(o, p, d);
       if (b > in.budget) continue;
-      const double s = in.seconds(o, p);
-      if (!best.feasible || s < best.seconds) best = {true, o, p, s, b, "enumeration"};
+      const double s = in.seconds(o, p, d);
+      if (!best.feasible || s < best.seconds) best = {true, o, p, d, s, b, "enumeration"};
     }
   return best;
 }
@@ -221,8 +262,7 @@ PlanInstance build_instance(const TrainConfig& c, const ModelSource& src, size_t
     const int64_t chunk = T == c.seq ? 0 : T;
     for (const char* opt : {"host", "disk"}) {
       if (chunk == 0) {
-        globals.push_back({0, "none", "none", opt});
-        globals.push_back({0, "disk", "none", opt});
+        globals.push_back({0, "none", "none", opt});  // each layer's set in memory or on disk
       } else {
         globals.push_back({chunk, "none", "none", opt});
         globals.push_back({chunk, "none", "disk", opt});
@@ -243,22 +283,16 @@ PlanInstance build_instance(const TrainConfig& c, const ModelSource& src, size_t
     };
     const MemoryEstimate none = ram("none");
     o.base_bytes = static_cast<double>(none.ram_peak());
-    o.act_on_disk = g.act_offload == "disk";
+    o.disk_allowed = g.chunk == 0;
     for (int p = 0; p < 2; ++p) {
       const MemoryEstimate e = ram(save_policy_name(kPolicies[p]));
-      o.act_bytes[static_cast<size_t>(p)] =
-          o.act_on_disk ? static_cast<double>(e.layer_activations[0][static_cast<size_t>(kPolicies[p])])
-                        : (static_cast<double>(e.ram_peak()) - o.base_bytes) / static_cast<double>(L);
+      o.act_bytes[static_cast<size_t>(p)] = (static_cast<double>(e.ram_peak()) - o.base_bytes) / static_cast<double>(L);
+      // A ring set: the layer's tensors each on a 64-byte boundary (at most 64 bytes more per tensor).
+      o.set_bytes[static_cast<size_t>(p)] =
+          static_cast<double>(e.layer_activations[0][static_cast<size_t>(kPolicies[p])]) + 64.0 * 24;
     }
     const double pieces = g.chunk == 0 ? 1.0 : static_cast<double>(c.seq) / static_cast<double>(g.chunk);
     o.base_seconds = n_seq * pieces * (static_cast<double>(L) * at.block + at.head) + opt_s;
-    if (g.chunk > 0 && cost.attention_flops > 0) {
-      // The measured chunks saw C / 2 keys of history on average; a sequence's see (seq - C) / 2. Each key more
-      // costs every layer's pass 1, recompute and backward (4.5 forwards) of 4 C H D FLOPs.
-      const double extra = (static_cast<double>(c.seq) - 2.0 * static_cast<double>(g.chunk)) / 2.0;
-      o.base_seconds += n_seq * pieces * static_cast<double>(L) * 4.5 * 4.0 * static_cast<double>(g.chunk) * extra *
-                        static_cast<double>(cfg.H * cfg.D) / cost.attention_flops;
-    }
     if (g.optim_state == "disk") o.base_seconds += static_cast<double>(none.at(Tier::Disk, Category::optimizer)) * dsb;
     o.rec_seconds = {0, n_seq * pieces * at.rec_sel, n_seq * pieces * at.rec_none};
     o.io_seconds = n_seq * static_cast<double>(none.at(Tier::Disk, Category::kv) + none.at(Tier::Disk, Category::kv_grad)) * dsb;
@@ -316,7 +350,8 @@ Plan make_plan(const TrainConfig& c_in, size_t budget, const std::string& scratc
     double smallest = 0;
     size_t best = 0;
     for (size_t o = 0; o < mem.options.size(); ++o) {
-      const double b = mem.bytes(o, std::vector<SavePolicy>(static_cast<size_t>(cfg.L), SavePolicy::none));
+      const double b = mem.bytes(o, std::vector<SavePolicy>(static_cast<size_t>(cfg.L), SavePolicy::none),
+                                 std::vector<bool>(static_cast<size_t>(cfg.L), false));
       if (o == 0 || b < smallest) smallest = b, best = o;
     }
     if (smallest > static_cast<double>(budget))
@@ -333,6 +368,7 @@ Plan make_plan(const TrainConfig& c_in, size_t budget, const std::string& scratc
       plan.estimate = e;
       plan.pick.feasible = true;
       plan.pick.policies.assign(static_cast<size_t>(cfg.L), SavePolicy::all);
+      plan.pick.on_disk.assign(static_cast<size_t>(cfg.L), false);
       plan.pick.solver = "fits as given";
       plan.pick.bytes = static_cast<double>(e.ram_peak());
       plan.explain = "every layer keeps everything and nothing leaves memory: the fastest schedule, and it fits (" +
@@ -353,7 +389,8 @@ Plan make_plan(const TrainConfig& c_in, size_t budget, const std::string& scratc
     plan.global = in.options[plan.pick.option].g;
     plan.config = with_global(c, plan.global);
     plan.config.save_policy = policy_spec(plan.pick.policies);
-    if (plan.config.save_policy == "none") plan.config.act_offload = "none";
+    plan.config.act_offload = tier_spec(plan.pick.on_disk);
+    plan.global.act_offload = plan.config.act_offload;
     plan.config = spill_for(plan.config, "");
     plan.estimate = estimate_training(spill_for(plan.config, "."), src, *ops, cost.threads);
     if (plan.estimate.ram_peak() <= budget) break;
@@ -364,7 +401,8 @@ Plan make_plan(const TrainConfig& c_in, size_t budget, const std::string& scratc
     double smallest = 0;
     size_t best = 0;
     for (size_t o = 0; o < in.options.size(); ++o) {
-      const double b = in.bytes(o, std::vector<SavePolicy>(static_cast<size_t>(cfg.L), SavePolicy::none));
+      const double b = in.bytes(o, std::vector<SavePolicy>(static_cast<size_t>(cfg.L), SavePolicy::none),
+                                std::vector<bool>(static_cast<size_t>(cfg.L), false));
       if (o == 0 || b < smallest) smallest = b, best = o;
     }
     fail("[plan] nothing fits --budget ", shown, ": the smallest run of ", c.model, " at --seq ", c.seq,
@@ -395,8 +433,10 @@ Plan make_plan(const TrainConfig& c_in, size_t budget, const std::string& scratc
                 format_bytes(static_cast<size_t>(o.act_bytes[0])).c_str(),
                 format_bytes(static_cast<size_t>(o.act_bytes[1])).c_str());
   why += line;
-  if (plan.global.act_offload == "disk")
-    why += "saved activations go to disk between forward and backward: memory holds two layers' sets; the transfers "
+  const int64_t n_disk = std::count(plan.pick.on_disk.begin(), plan.pick.on_disk.end(), true);
+  if (n_disk > 0)
+    why += std::to_string(n_disk) + " of those layers send their saved sets to disk between forward and backward "
+           "(--act-offload " + plan.config.act_offload + "): memory holds two of them at a time; the transfers "
            "overlap compute\n";
   if (plan.global.chunk > 0)
     why += "chunk-recurrent training: activations of " + std::to_string(plan.global.chunk) +

@@ -32,44 +32,50 @@ namespace oomless {
 // The settings a plan chooses beside the per-layer policies.
 struct PlanGlobal {
   int64_t chunk = 0;                 // 0: whole sequences
-  std::string act_offload = "none";  // none | disk
+  std::string act_offload = "none";  // none, or per layer (the layers that send their sets to disk)
   std::string kv_offload = "none";   // with chunk: none | disk
   std::string optim_state = "host";  // host | disk
   std::string flags() const;         // as typed: "--chunk 1024 --kv-offload disk", "" for the defaults
 };
 
 // The program's data: for each global choice, its memory and time without any layer's saved activations,
-// and a layer's bytes and recompute seconds per SavePolicy (all, selective, none).
+// and a layer's bytes and recompute seconds per SavePolicy (all, selective, none). Each layer also chooses
+// where its saved set waits when the choice allows it (whole sequences): memory, or disk through the ring.
 struct PlanInstance {
   int64_t L = 0;
   double budget = 0;  // bytes, Device + Host
   struct Option {
     PlanGlobal g;
     double base_bytes = 0;                 // the estimate with every layer at none
-    bool act_on_disk = false;              // activations on disk: memory holds a ring of two layers' sets
+    bool disk_allowed = false;             // layers may send their saved sets to disk (--act-offload per layer)
     double base_seconds = 0;               // compute of a step with every layer at all
-    double io_seconds = 0;                 // transfers that do not depend on the policies (K/V pages on disk)
-    std::array<double, 3> act_bytes{};     // a layer's saved activations per policy
+    double io_seconds = 0;                 // transfers that do not depend on the layers (K/V pages on disk)
+    std::array<double, 3> act_bytes{};     // a layer's saved activations per policy, kept in memory
+    std::array<double, 3> set_bytes{};     // the same as one set of the ring (64-byte aligned tensors)
     std::array<double, 3> rec_seconds{};   // a layer's recompute per policy and step
-    double disk_seconds_per_byte = 0;      // activations on disk: each saved byte goes out and comes back
+    double disk_seconds_per_byte = 0;      // a byte of a set on disk goes out and comes back
   };
   std::vector<Option> options;
 
-  // The model's memory and step time of option o with these policies (L of them).
-  double bytes(size_t o, const std::vector<SavePolicy>& p) const;
-  double seconds(size_t o, const std::vector<SavePolicy>& p) const;
+  // The model's memory and step time of option o with these policies and places (L of each; on_disk is
+  // ignored where the option does not allow it). Memory holds the sets kept in memory, and for those on disk
+  // a ring of two sets of the largest; a step takes the larger of its compute and its transfers.
+  double bytes(size_t o, const std::vector<SavePolicy>& p, const std::vector<bool>& on_disk) const;
+  double seconds(size_t o, const std::vector<SavePolicy>& p, const std::vector<bool>& on_disk) const;
 };
 
 struct PlanPick {
   bool feasible = false;
   size_t option = 0;
   std::vector<SavePolicy> policies;
+  std::vector<bool> on_disk;
   double seconds = 0, bytes = 0;
   std::string solver;  // GLPK's status, or "enumeration"
 };
 
-// The optimum by GLPK (plan/milp.h); layers are alike, so the policies come back as counts laid out from layer 0
-// (none first, then selective, then all: the last layers' sets are the first freed in backward).
+// The optimum by GLPK (plan/milp.h); layers are alike, so the choices come back as counts laid out from layer 0:
+// the sets sent to disk first (their fetch has the whole backward above them to hide in), then the layers
+// kept at none, then selective, then all.
 PlanPick solve_plan(const PlanInstance& in);
 // Every choice of every layer and option, for tests on small instances: the cost model's true optimum.
 PlanPick enumerate_plan(const PlanInstance& in);

@@ -88,12 +88,6 @@ double bandwidth(CpuMemory& mem, size_t bytes_per_array, int reps) {
 
 }  // namespace
 
-double probe_attention_gflops(int T, int H, int Hkv, int D, int reps) {
-  CpuMemory mem(size_t(64) << 30);
-  CpuOps ops(&mem.device);
-  return attention_rate(ops, mem, T, H, Hkv, D, reps);
-}
-
 ProbeResult run_probe(bool quick) {
   ProbeResult r;
   r.cpu = detect_cpu();

@@ -26,9 +26,6 @@ struct ProbeResult {
 // quick: small sizes (well under a second), for tests and smoke runs.
 ProbeResult run_probe(bool quick);
 
-// Causal attention forward + backward GFLOP/s (counted as ProbeResult::attention_gflops) at one shape.
-double probe_attention_gflops(int T, int H, int Hkv, int D, int reps);
-
 // Median seconds of `reps` calls of fn after one warm-up call.
 template <class F> double median_seconds(int reps, F&& fn);
 

@@ -160,6 +160,7 @@ struct ModelShape {
   bool dora = false;
   double dropout = 0;
   std::vector<SavePolicy> policies;
+  std::vector<Tier> tiers;  // where each layer's saved set waits (--act-offload)
 };
 
 // One set of a layer's block tensors (act_set in Model::reserve) in `dt` (row statistics in f32), each
@@ -193,7 +194,7 @@ struct ModelBytes {
   size_t act_device = 0, act_host = 0, act_disk = 0, workspace = 0;
 };
 
-ModelBytes model_bytes(const ModelShape& m, int64_t T, bool backward, bool chunked, Tier offload) {
+ModelBytes model_bytes(const ModelShape& m, int64_t T, bool backward, bool chunked) {
   const ModelConfig& c = *m.cfg;
   const int64_t E = c.E, F = c.F, H = c.H, Hkv = c.Hkv, D = c.D, L = c.L;
   const DType f = DType::f32;
@@ -205,24 +206,29 @@ ModelBytes model_bytes(const ModelShape& m, int64_t T, bool backward, bool chunk
   b.act_device += static_cast<size_t>(backward ? L + 1 : 2) * nbytes(f, T * E);  // the residual stream
   bool keeps = chunked;
   for (SavePolicy p : m.policies) keeps = keeps || p != SavePolicy::none;
-  const bool off = backward && keeps && offload != Tier::Device;
-  if (off) {
-    const int64_t R = std::min(kActRing, L);
-    std::vector<size_t> ring(static_cast<size_t>(R), 0), layer(static_cast<size_t>(L), 0);
-    for (int64_t l = 0; l < L; ++l) {
-      if (m.policies[static_cast<size_t>(l)] == SavePolicy::none) continue;
-      layer[static_cast<size_t>(l)] = act_set_bytes(m, T, backward, false, m.policies[static_cast<size_t>(l)], nd, 64);
-      ring[static_cast<size_t>(l % R)] = std::max(ring[static_cast<size_t>(l % R)], layer[static_cast<size_t>(l)]);
-    }
-    for (size_t x : ring) b.act_device += x;
-    const size_t largest = *std::max_element(ring.begin(), ring.end());
-    for (int64_t l = 0; l < L - R; ++l) {
-      const size_t n = layer[static_cast<size_t>(l)];
-      if (n == 0) continue;
-      (offload == Tier::Host ? b.act_host : b.act_disk) += offload == Tier::Host ? n : largest;
-    }
+  // The layers whose sets leave Device (in order): the i-th shares ring set i % 2; all but the last two wait in
+  // a Host buffer or a spill slot of the largest set's size.
+  std::vector<int64_t> out;
+  for (int64_t l = 0; backward && !chunked && l < L; ++l)
+    if (m.tiers[static_cast<size_t>(l)] != Tier::Device && m.policies[static_cast<size_t>(l)] != SavePolicy::none)
+      out.push_back(l);
+  const int64_t K = static_cast<int64_t>(out.size()), R = std::min(kActRing, K);
+  std::vector<size_t> ring(static_cast<size_t>(std::max<int64_t>(R, 1)), 0), layer(static_cast<size_t>(L), 0);
+  for (int64_t i = 0; i < K; ++i) {
+    const int64_t l = out[static_cast<size_t>(i)];
+    layer[static_cast<size_t>(l)] = act_set_bytes(m, T, backward, false, m.policies[static_cast<size_t>(l)], nd, 64);
+    ring[static_cast<size_t>(i % R)] = std::max(ring[static_cast<size_t>(i % R)], layer[static_cast<size_t>(l)]);
   }
-  for (int64_t l = 0; backward && keeps && !off && l < L; ++l) {
+  if (K > 0)
+    for (size_t x : ring) b.act_device += x;
+  const size_t largest = *std::max_element(ring.begin(), ring.end());
+  for (int64_t i = 0; i < K - R; ++i) {
+    const int64_t l = out[static_cast<size_t>(i)];
+    if (m.tiers[static_cast<size_t>(l)] == Tier::Host) b.act_host += layer[static_cast<size_t>(l)];
+    else b.act_disk += largest;
+  }
+  for (int64_t l = 0; backward && keeps && l < L; ++l) {
+    if (std::find(out.begin(), out.end(), l) != out.end()) continue;
     const SavePolicy p = m.policies[static_cast<size_t>(l)];
     if (p != SavePolicy::none) b.act_device += act_set_bytes(m, T, backward, false, p, nd, 1);
     else if (chunked) b.act_device += nbytes(nd, T * H * D) + nbytes(f, H * T);  // o, lse
@@ -409,6 +415,7 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
   ms.bf16 = eo.dtype == ComputeDType::bf16;
   ms.store = eo.act_store == DType::f32 ? DType::f32 : eo.act_store;
   ms.policies = parse_save_policies(c.save_policy, L);
+  ms.tiers = parse_act_tiers(c.act_offload, L);
   std::vector<ParamSpec> trained;
   bool head_trained = true;
   size_t workspace_fixed = 0;
@@ -461,7 +468,7 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
   // Activations and the model's workspace.
   const int64_t C = c.chunk > 0 ? std::min(c.chunk, c.seq) : 0;
   const int64_t T = C > 0 ? C : c.seq;
-  const ModelBytes mb = model_bytes(ms, T, true, C > 0, eo.act_offload);
+  const ModelBytes mb = model_bytes(ms, T, true, C > 0);
   add(kDev, Category::activations, mb.act_device);
   add(kHost, Category::activations, mb.act_host);
   add(kDisk, Category::activations, mb.act_disk);

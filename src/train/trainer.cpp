@@ -263,8 +263,8 @@ const std::vector<TrainOption>& train_options() {
            &C::backend),
       text("act-offload", false, "M",
            "none, host or disk: where the activations each layer keeps for backward wait\nbetween its forward and "
-           "its backward (two layers' worth stay in memory; the copies\noverlap compute; full-sequence training) "
-           "(default none)",
+           "its backward (two layers' worth stay in memory; the copies\noverlap compute; full-sequence training), "
+           "for every layer or per layer as a list,\ne.g. disk:0-19,none (default none)",
            &C::act_offload),
       text("spill-dir", false, "DIR", "disk: folder of the spill file, not tmpfs (default --out)", &C::spill_dir),
       whole("sparse-pages", true, "k",
@@ -459,14 +459,14 @@ void validate_config(const TrainConfig& c) {
             "chunk-recurrent training");
   OOM_CHECK(c.optim_state == "device" || c.optim_state == "host" || c.optim_state == "disk", "[train] --optim-state ",
             c.optim_state, " is not a place oomless keeps optimizer state; use device, host or disk");
-  OOM_CHECK(c.act_offload == "none" || c.act_offload == "host" || c.act_offload == "disk", "[train] --act-offload ",
-            c.act_offload, " is not a place for saved activations; use none, host or disk");
+  parse_act_tiers(c.act_offload, -1);  // the syntax; the layers are checked against the model at setup
   OOM_CHECK(c.act_offload == "none" || c.chunk == 0, "[train] --act-offload ", c.act_offload, " with --chunk: chunk-"
             "recurrent training keeps one chunk's activations already; drop one of them");
   OOM_CHECK(c.act_offload == "none" || !keeps_nothing, "[train] --act-offload ", c.act_offload, " with --save-policy ",
             c.save_policy, ": no layer keeps activations to offload; use all or selective on some layers, or drop "
             "--act-offload");
-  OOM_CHECK(c.spill_dir.empty() || c.kv_offload == "disk" || c.optim_state == "disk" || c.act_offload == "disk",
+  OOM_CHECK(c.spill_dir.empty() || c.kv_offload == "disk" || c.optim_state == "disk" ||
+                c.act_offload.find("disk") != std::string::npos,
             "[train] --spill-dir ", c.spill_dir, " is the folder of the spill files of --kv-offload disk, "
             "--act-offload disk and --optim-state disk; add one of them, or drop --spill-dir");
   {
@@ -607,6 +607,7 @@ EngineOptions engine_options(const TrainConfig& c) {
   o.save_policy = c.save_policy;
   o.act_store = parse_act_dtype(c.act_dtype);
   o.act_offload = c.act_offload == "host" ? Tier::Host : c.act_offload == "disk" ? Tier::Disk : Tier::Device;
+  if (c.act_offload != "none" && c.act_offload != "host" && c.act_offload != "disk") o.act_tiers = c.act_offload;
   o.spill_dir = c.spill_dir;
   return o;
 }
@@ -776,12 +777,13 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
     return out;
   };
   EngineOptions eo = engine_options(c);
-  if (eo.act_offload == Tier::Disk) eo.spill_dir = spill_folder("--act-offload");
+  if (c.act_offload.find("disk") != std::string::npos) eo.spill_dir = spill_folder("--act-offload");
   // What the run will hold, in closed form before anything is allocated (train/estimate.h); setup below
   // reports what it then holds. An estimate that cannot be made is left out: setup names what is wrong.
   try {
     TrainConfig ec = c;
-    if (ec.spill_dir.empty() && (c.kv_offload == "disk" || c.act_offload == "disk" || c.optim_state == "disk"))
+    if (ec.spill_dir.empty() && (c.kv_offload == "disk" || c.act_offload.find("disk") != std::string::npos ||
+                                 c.optim_state == "disk"))
       ec.spill_dir = out.empty() ? "." : out;
     const MemoryEstimate est = estimate_training(ec);
     say("oomless train: estimate: peak %s (%s)\n", format_bytes(est.ram_peak()).c_str(), est.line().c_str());
@@ -1376,11 +1378,12 @@ int train_run(const TrainConfig& c, const std::string& out) {
   }
   if (c.act_offload != "none") {
     const OffloadStats st = e.model->act_offload_stats();
-    const int dev = static_cast<int>(Tier::Device), tier = static_cast<int>(c.act_offload == "host" ? Tier::Host : Tier::Disk);
+    const int dev = static_cast<int>(Tier::Device), host = static_cast<int>(Tier::Host), disk = static_cast<int>(Tier::Disk);
     const double run_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
     std::printf("activation offload (%s): %s out, %s in; compute waited %.2f s on transfers (%.1f%% of %.1f s)\n",
-                c.act_offload.c_str(), format_bytes(st.bytes[dev][tier]).c_str(), format_bytes(st.bytes[tier][dev]).c_str(),
-                st.wait_seconds, run_s > 0 ? 100.0 * st.wait_seconds / run_s : 0.0, run_s);
+                c.act_offload.c_str(), format_bytes(st.bytes[dev][host] + st.bytes[dev][disk]).c_str(),
+                format_bytes(st.bytes[host][dev] + st.bytes[disk][dev]).c_str(), st.wait_seconds,
+                run_s > 0 ? 100.0 * st.wait_seconds / run_s : 0.0, run_s);
   }
   if (dump) std::fclose(dump);
   if (!g_stop) run_eval(step);

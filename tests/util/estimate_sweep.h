@@ -49,7 +49,8 @@ inline std::vector<Sweep> sweep(const std::string& model) {
     c.warmup = 1;
     c.eval_every = 0;
     set(c);
-    if (c.kv_offload == "disk" || c.act_offload == "disk" || c.optim_state == "disk") c.spill_dir = here;
+    if (c.kv_offload == "disk" || c.act_offload.find("disk") != std::string::npos || c.optim_state == "disk")
+      c.spill_dir = here;
     v.push_back({model + " T=" + std::to_string(seq) + " " + what, c});
   };
   auto none = [](TrainConfig&) {};
@@ -115,6 +116,9 @@ inline std::vector<Sweep> sweep(const std::string& model) {
     add("chunk lora", m, 256, [](TrainConfig& c) { c.chunk = 128, c.lora = 8; });
   }
   if (model == "preset:tiny") {
+    add("act offload per layer", model, 128, [](TrainConfig& c) {
+      c.act_offload = "disk:0,host:1-2,none", c.save_policy = "all:0,selective:1,none:2,all";
+    });
     add("full fp32", model, 512, none);
     add("none bf16", model, 1024, [](TrainConfig& c) { c.save_policy = "none", c.dtype = "bf16"; });
   }
