@@ -3,7 +3,9 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <ctime>
 #include <filesystem>
+#include <fstream>
 #include <string_view>
 
 #include "cli/args.h"
@@ -161,12 +163,20 @@ int train(const std::vector<std::string>& argv) {
   if (p.help) return std::fputs(help.c_str(), stdout), 0;
   TrainConfig& c = p.config;
   auto given = [&](const std::string& k) { return std::find(p.given.begin(), p.given.end(), k) != p.given.end(); };
+  bool planned = false;
+  double predicted_peak = 0, predicted_s = 0;
   if (!p.plan.empty()) {
     // --plan FILE: its settings, for the model and --seq it was made for; the flags it sets are not given twice.
     for (const std::string& k : planned_flags())
       OOM_CHECK(!given(k), "[train] --", k, " is set by --plan ", p.plan, "; drop one of them");
     const ModelSource src = open_model(c.model, static_cast<uint64_t>(c.seed));
-    apply_plan(c, json::parse_file(p.plan), p.plan, src.cfg);
+    const json::Value file = json::parse_file(p.plan);
+    apply_plan(c, file, p.plan, src.cfg);
+    planned = true;
+    if (const json::Value* pr = file.find("predicted"); pr && pr->is_object()) {
+      if (const json::Value* x = pr->find("ram_peak"); x && x->is_number()) predicted_peak = x->as_number();
+      if (const json::Value* x = pr->find("step_seconds"); x && x->is_number()) predicted_s = x->as_number();
+    }
     std::fprintf(stderr, "oomless train: --plan %s: --save-policy %s --chunk %lld --act-offload %s --kv-offload %s "
                  "--optim-state %s\n", p.plan.c_str(), c.save_policy.c_str(), static_cast<long long>(c.chunk),
                  c.act_offload.c_str(), c.kv_offload.c_str(), c.optim_state.c_str());
@@ -187,6 +197,9 @@ int train(const std::vector<std::string>& argv) {
                      plan.pick.seconds > 0 ? (", " + std::to_string(plan.pick.seconds).substr(0, 5) + " s a step").c_str()
                                            : ", everything kept in memory");
         c = plan.config;
+        planned = true;
+        predicted_peak = static_cast<double>(plan.estimate.ram_peak());
+        predicted_s = plan.pick.seconds;
       } catch (const Error& e) {
         std::fprintf(stderr, "oomless train: no plan: %s\noomless train: running with the settings as given\n", e.what());
       }
@@ -194,7 +207,38 @@ int train(const std::vector<std::string>& argv) {
       std::filesystem::remove_all(scratch, ec);
     }
   }
-  return run_training(c);
+  if (!planned) return run_training(c);
+  // A planned run ends with the plan's prediction beside what the run measured (metrics.jsonl: the ledger's
+  // Device + Host peak, the median step).
+  if (c.out.empty()) {
+    char stamp[32];
+    const std::time_t now = std::time(nullptr);
+    std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", std::localtime(&now));
+    c.out = std::string("runs/run-") + stamp;
+  }
+  const int rc = run_training(c);
+  if (rc != 0) return rc;
+  std::vector<double> secs;
+  double peak = 0;
+  std::ifstream m(c.out + "/metrics.jsonl");
+  for (std::string line; std::getline(m, line);) {
+    const json::Value o = json::parse(line, "metrics.jsonl");
+    if (!o.find("type") || o.at("type").as_string() != "train" || !o.find("memory")) continue;
+    const double tps = o.at("tokens_per_s").as_number();
+    if (tps > 0) secs.push_back(static_cast<double>(c.seq * c.batch * c.grad_accum) / tps);
+    double p = 0;
+    for (const char* t : {"device", "host"})
+      if (const json::Value* x = o.at("memory").find(t)) p += x->at("total").at("peak").as_number();
+    peak = std::max(peak, p);
+  }
+  if (secs.size() > 1) secs.erase(secs.begin());  // the first step warms up
+  std::sort(secs.begin(), secs.end());
+  if (!secs.empty())
+    std::printf("plan: predicted peak %s%s; measured peak %s, %.3f s a step (median of %zu)\n",
+                format_bytes(static_cast<size_t>(predicted_peak)).c_str(),
+                predicted_s > 0 ? (", " + std::to_string(predicted_s).substr(0, 6) + " s a step").c_str() : "",
+                format_bytes(static_cast<size_t>(peak)).c_str(), secs[secs.size() / 2], secs.size());
+  return rc;
 }
 
 int estimate(const std::vector<std::string>& argv) {

@@ -100,10 +100,12 @@ json::Value CostModel::json() const {
     e.set("head_s", json::Value::number(x.head));
     e.set("recompute_none_s", json::Value::number(x.rec_none));
     e.set("recompute_selective_s", json::Value::number(x.rec_sel));
+    e.set("kv_on_disk_s", json::Value::number(x.kv_disk));
     a.set(std::to_string(T), std::move(e));
   }
   o.set("per_sequence_at_T", std::move(a));
   o.set("optimizer_s_per_param", json::Value::number(optim_per_param));
+  o.set("optimizer_on_disk_s_per_param", json::Value::number(optim_disk_per_param));
   o.set("disk_write_bytes_per_s", json::Value::number(disk_write_bps));
   o.set("disk_read_bytes_per_s", json::Value::number(disk_read_bps));
   o.set("cpu", json::Value::string(cpu));
@@ -125,10 +127,15 @@ CostModel measure_costs(const TrainConfig& c, const ModelSource& src, const std:
   base.budget = "", base.optim_state = "host", base.act_offload = "none", base.kv_offload = "none", base.spill_dir = "";
   base.save_policy = "all", base.step_in_backward = false, base.resume = false, base.sparse_pages = 0;
   const int reps = 3;
-  auto run = [&](const std::string& model, int64_t seq, int64_t chunk, int64_t batch, const char* policy) {
+  const std::string spill = c.spill_dir.empty() ? scratch : c.spill_dir;
+  // disk: "" or "optim" / "kv": that state on disk (in the run's spill folder) instead of memory.
+  auto run = [&](const std::string& model, int64_t seq, int64_t chunk, int64_t batch, const char* policy,
+                 const std::string& disk = "") {
     TrainConfig t = base;
     t.model = model, t.seq = seq, t.chunk = chunk, t.batch = batch, t.save_policy = policy;
     if (chunk > 0) t.page = c.page > 0 && chunk % c.page == 0 ? c.page : 0;
+    if (disk == "optim") t.optim_state = "disk", t.spill_dir = spill;
+    if (disk == "kv") t.kv_offload = "disk", t.spill_dir = spill;
     return time_steps(t, cfg.V, reps);
   };
   const double layer_p = c.lora > 0 ? 0 : static_cast<double>(layer_params(cfg));
@@ -160,8 +167,13 @@ CostModel measure_costs(const TrainConfig& c, const ModelSource& src, const std:
         trained = s1.cfg.param_count();
       }
       cm.optim_per_param = opt1 / static_cast<double>(std::max<int64_t>(trained, 1));
+      // What keeping the state on disk adds to a step, as the engine streams it (measured, not modelled: the
+      // page cache and the window's overlap decide it).
+      cm.optim_disk_per_param = std::max(0.0, run(one, seq, C, 1, "all", "optim") - t1) /
+                                static_cast<double>(std::max<int64_t>(trained, 1));
     }
     CostModel::AtT a;
+    if (C > 0) a.kv_disk = std::max(0.0, run(one, seq, C, 1, "all", "kv") - t1) / static_cast<double>(n_chunks);
     if (blocks > 0) {
       const double t2 = run(two, seq, C, 1, "all");
       a.block = std::max(0.0, t2 - t1 - cm.optim_per_param * layer_p) / static_cast<double>(n_chunks);

@@ -21,9 +21,11 @@ struct CostModel {
     double head = 0;        // the embedding, final norm and head + loss, forward + backward
     double rec_none = 0;    // a layer at none: what recomputing it adds
     double rec_sel = 0;     // a layer at selective
+    double kv_disk = 0;     // chunks: what a layer's K/V history on disk adds
   };
   std::map<int64_t, AtT> at;         // by T
   double optim_per_param = 0;        // the optimizer step, seconds per trained parameter
+  double optim_disk_per_param = 0;   // what its state on disk adds (--optim-state disk), per trained parameter
   double disk_write_bps = 0, disk_read_bps = 0;  // bytes/s through a spill file
   std::string cpu;                   // what it was measured on
   int threads = 0;

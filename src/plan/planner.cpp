@@ -200,7 +200,7 @@ PlanPick solve_plan(const PlanInstance& in) {
   for (size_t g = 0; g < G; ++g)
     if (s.x[static_cast<size_t>(y[g])] > 0.5) out.option = g;
   const bool disk = in.options[out.option].disk_allowed;
-  int64_t on_disk[2] = {0, 0}, in_mem[3] = {0, 0, 0};
+  int64_t on_disk[3] = {0, 0, 0}, in_mem[3] = {0, 0, 0};  // on_disk[none] stays 0
   for (int64_t l = 0; l < L; ++l)
     for (int p = 0; p < 3; ++p)
       for (int tt = 0; tt < 2; ++tt) {
@@ -293,9 +293,10 @@ PlanInstance build_instance(const TrainConfig& c, const ModelSource& src, size_t
     }
     const double pieces = g.chunk == 0 ? 1.0 : static_cast<double>(c.seq) / static_cast<double>(g.chunk);
     o.base_seconds = n_seq * pieces * (static_cast<double>(L) * at.block + at.head) + opt_s;
-    if (g.optim_state == "disk") o.base_seconds += static_cast<double>(none.at(Tier::Disk, Category::optimizer)) * dsb;
+    if (g.optim_state == "disk") o.base_seconds += cost.optim_disk_per_param * static_cast<double>(trained_params(c, cfg));
+    if (g.kv_offload == "disk") o.base_seconds += n_seq * pieces * static_cast<double>(L) * at.kv_disk;
     o.rec_seconds = {0, n_seq * pieces * at.rec_sel, n_seq * pieces * at.rec_none};
-    o.io_seconds = n_seq * static_cast<double>(none.at(Tier::Disk, Category::kv) + none.at(Tier::Disk, Category::kv_grad)) * dsb;
+    o.io_seconds = 0;  // the K/V pages' and the optimizer state's traffic is measured into base_seconds
     o.disk_seconds_per_byte = n_seq * dsb;
     in.options.push_back(o);
   }

@@ -20,6 +20,8 @@ grep -q "solved by GLPK (optimal)" "$work/plan.log" || { cat "$work/plan.log"; f
 if grep -q -- "--save-policy all$" "$work/plan.log"; then cat "$work/plan.log"; fail "keeping everything cannot fit $budget"; fi
 "$bin" train $M --data "$D" --steps 2 --plan "$work/p.json" --out "$work/run" > "$work/train.log" 2>&1 || { cat "$work/train.log"; fail "train --plan"; }
 grep -q "oomless train: --plan $work/p.json: --save-policy " "$work/train.log" || { cat "$work/train.log"; fail "no --plan line"; }
+grep -Eq "^plan: predicted peak [0-9.]+ [KM]iB, [0-9.]+ s a step; measured peak [0-9.]+ [KM]iB, [0-9.]+ s a step \(median of 1\)$" "$work/train.log" \
+  || { cat "$work/train.log"; fail "no predicted-vs-measured line"; }
 used=$(tail -1 "$work/run/metrics.jsonl" | sed 's/.*"device":{.*"total":{"current":[0-9]*,"peak":\([0-9]*\)}},"host":{.*"total":{"current":[0-9]*,"peak":\([0-9]*\)}}}}.*/\1 \2/')
 set -- $used
 [ $(( $1 + $2 )) -le "$budget" ] || fail "the planned run held $(( $1 + $2 )) bytes, over --budget $budget"
