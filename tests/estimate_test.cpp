@@ -15,7 +15,7 @@ namespace oomless {
 namespace {
 
 // Every option on micro (the fast suite's share of the sweep; tiny's and smollm2's are slow tests), the bases
-// users bring (GGUF, bitsandbytes 4-bit, Qwen2/3 folders) and eight options on tiny: over 40 runs.
+// users bring (GGUF, bitsandbytes 4-bit, Qwen2/3 folders) and nine options on tiny: over 40 runs.
 TEST(Estimate, EveryCategoryAndPeakWithinFivePercentOfTheLedgerOverASweep) {
   std::vector<test::Sweep> cases = test::sweep("preset:micro");
   for (const test::Sweep& k : test::sweep("files")) cases.push_back(k);
