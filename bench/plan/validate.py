@@ -69,13 +69,14 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default=None, help="cases whose model contains this")
     ap.add_argument("--first", type=int, default=None, help="only the first N cases")
+    ap.add_argument("--skip", type=int, default=0, help="skip the first N cases")
     a = ap.parse_args()
     work = tempfile.mkdtemp(prefix="oomless-plan-", dir=os.path.join(ROOT, "build"))
     cpu = sh([a.binary, "--version"]).stdout.splitlines()[1]
     print(cpu, flush=True)
     print(f"{'case':34} {'plan':36} {'peak est/ledger':>16} {'step pred/meas':>16} {'best grid':>30} {'plan/grid':>9}")
     try:
-        for model, seq, frac in CASES[:a.first]:
+        for model, seq, frac in CASES[a.skip:a.first]:
             if a.only and a.only not in model:
                 continue
             plain = ["--model", model, "--seq", str(seq), "--batch", "1"]
