@@ -45,7 +45,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     e.chunk = std::min<int64_t>(e.chunk, e.seq);
     e.sparse_pages = std::min<int64_t>(e.sparse_pages, 1 << 20), e.sink_pages = std::min<int64_t>(e.sink_pages, 1 << 20);
     try {
-      if (estimate_training(e, micro, *ops, 1).ram_peak() == 0) std::abort();
+      if (estimate_training(e, micro, *ops).ram_peak() == 0) std::abort();
     } catch (const Error&) {
     }
   }

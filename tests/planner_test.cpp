@@ -105,11 +105,7 @@ TEST(Planner, APlanFitsItsBudgetByTheLedgerAndItsFileAppliesToTheRun) {
   EXPECT_LE(p.estimate.ram_peak(), budget);
   EXPECT_NE(p.config.save_policy, "all") << "everything kept cannot fit this budget";
   Trainer t(p.config, "");
-  StepBatch b;
-  std::vector<int32_t> ids(256), tg(256);
-  for (int i = 0; i < 256; ++i) ids[static_cast<size_t>(i)] = i % 200 + 3, tg[static_cast<size_t>(i)] = (i + 1) % 200 + 3;
-  b.ids.push_back(ids);
-  b.targets.push_back(tg);
+  const StepBatch b = synthetic_batch(1, 256, src.cfg.V);
   t.step(b);
   const Ledger& l = t.engine().mem->ledger;
   EXPECT_LE(l.peak_total(Tier::Device) + l.peak_total(Tier::Host), budget);

@@ -18,19 +18,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-StepBatch pattern_batch(int64_t n, int64_t T, int64_t V) {
-  StepBatch b;
-  for (int64_t i = 0; i < n; ++i) {
-    std::vector<int32_t> ids(static_cast<size_t>(T));
-    for (int64_t t = 0; t < T; ++t) ids[static_cast<size_t>(t)] = static_cast<int32_t>((t * 131 + i * 17 + 3) % V);
-    std::vector<int32_t> tg(ids.begin() + 1, ids.end());
-    tg.push_back(-100);
-    b.ids.push_back(std::move(ids));
-    b.targets.push_back(std::move(tg));
-  }
-  return b;
-}
-
 // The model cut to L layers, as a config.json of its own (random init; an EOS id when it names none, which
 // packing needs and timing does not).
 std::string cut_model(const ModelConfig& cfg, int64_t L, const std::string& scratch) {
@@ -47,7 +34,7 @@ std::string cut_model(const ModelConfig& cfg, int64_t L, const std::string& scra
 // `reps`, and more (up to 25) until they add up to a second, so that small models' differences rise above noise.
 double time_steps(const TrainConfig& c, int64_t V, int reps) {
   Trainer t(c, "");
-  const StepBatch b = pattern_batch(c.batch * c.grad_accum, c.seq, V);
+  const StepBatch b = synthetic_batch(c.batch * c.grad_accum, c.seq, V);
   t.step(b);
   std::vector<double> s;
   double total = 0;
@@ -90,6 +77,17 @@ void disk_rates(const std::string& dir, double* write_bps, double* read_bps) {
 }
 
 }  // namespace
+
+int64_t trained_params(const TrainConfig& c, const ModelConfig& cfg) {
+  if (c.lora == 0) return cfg.param_count();
+  int64_t n = 0;
+  for (const ParamSpec& s : adapter_specs(cfg, *engine_options(c).lora)) {
+    int64_t k = 1;
+    for (int64_t d : s.shape) k *= d;
+    n += k;
+  }
+  return n;
+}
 
 json::Value CostModel::json() const {
   json::Value o = json::Value::object();
@@ -152,20 +150,7 @@ CostModel measure_costs(const TrainConfig& c, const ModelSource& src, const std:
     const double t1 = run(one, seq, C, 1, "all"), t1b = run(one, seq, C, 2, "all");
     const double per_seq1 = std::max(0.0, t1b - t1), opt1 = std::max(0.0, t1 - per_seq1);
     if (cm.optim_per_param == 0) {
-      TrainConfig cut = base;
-      cut.model = one;
-      const ModelSource s1 = open_model(one, static_cast<uint64_t>(c.seed));
-      int64_t trained = 0;
-      if (c.lora > 0) {
-        const LoraSettings ls = *engine_options(c).lora;
-        for (const ParamSpec& s : adapter_specs(s1.cfg, ls)) {
-          int64_t k = 1;
-          for (int64_t d : s.shape) k *= d;
-          trained += k;
-        }
-      } else {
-        trained = s1.cfg.param_count();
-      }
+      const int64_t trained = trained_params(c, open_model(one, static_cast<uint64_t>(c.seed)).cfg);
       cm.optim_per_param = opt1 / static_cast<double>(std::max<int64_t>(trained, 1));
       // What keeping the state on disk adds to a step, as the engine streams it (measured, not modelled: the
       // page cache and the window's overlap decide it).

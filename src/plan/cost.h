@@ -33,6 +33,9 @@ struct CostModel {
   json::Value json() const;
 };
 
+// The parameters a run of c on cfg trains: every one, or the adapters' (modules_to_save aside).
+int64_t trained_params(const TrainConfig& c, const ModelConfig& cfg);
+
 // Measures the costs of c's model at T = c.seq (when whole sequences are a choice) and at each chunk length.
 // scratch: a folder for the spill file and the cut models' config.json.
 CostModel measure_costs(const TrainConfig& c, const ModelSource& src, const std::vector<int64_t>& chunks,

@@ -76,17 +76,6 @@ TrainConfig with_global(TrainConfig c, const PlanGlobal& g) {
   return c;
 }
 
-int64_t trained_params(const TrainConfig& c, const ModelConfig& cfg) {
-  if (c.lora == 0) return cfg.param_count();
-  const EngineOptions eo = engine_options(c);
-  int64_t n = 0;
-  for (const ParamSpec& s : adapter_specs(cfg, *eo.lora)) {
-    int64_t k = 1;
-    for (int64_t d : s.shape) k *= d;
-    n += k;
-  }
-  return n;
-}
 
 }  // namespace
 
@@ -248,7 +237,6 @@ PlanInstance build_instance(const TrainConfig& c, const ModelSource& src, size_t
   const ModelConfig& cfg = src.cfg;
   const int64_t L = cfg.L;
   const std::unique_ptr<Ops> ops = make_ops("cpu");
-  const int threads = cost.threads > 0 ? cost.threads : 1;
   PlanInstance in;
   in.L = L;
   in.budget = static_cast<double>(budget);
@@ -279,7 +267,7 @@ PlanInstance build_instance(const TrainConfig& c, const ModelSource& src, size_t
       TrainConfig x = gc;
       x.save_policy = policy;
       if (std::string(policy) == "none") x.act_offload = "none";  // nothing to offload
-      return estimate_training(spill_for(x, "."), src, *ops, threads);
+      return estimate_training(spill_for(x, "."), src, *ops);
     };
     const MemoryEstimate none = ram("none");
     o.base_bytes = static_cast<double>(none.ram_peak());
@@ -344,26 +332,35 @@ Plan make_plan(const TrainConfig& c_in, size_t budget, const std::string& scratc
   Plan plan;
   const std::unique_ptr<Ops> ops = make_ops("cpu");
   const std::string shown = c_in.budget.empty() ? format_bytes(budget) : c_in.budget;  // as the user wrote it
+  // The smallest run of an instance (every layer at none, the least memory of any choice) and its error.
+  auto smallest_run = [&](const PlanInstance& in, size_t* best = nullptr) {
+    double smallest = 0;
+    for (size_t o = 0; o < in.options.size(); ++o) {
+      const double b = in.bytes(o, std::vector<SavePolicy>(static_cast<size_t>(cfg.L), SavePolicy::none),
+                                std::vector<bool>(static_cast<size_t>(cfg.L), false));
+      if (o > 0 && b >= smallest) continue;
+      smallest = b;
+      if (best) *best = o;
+    }
+    return smallest;
+  };
+  auto nothing_fits = [&](const PlanInstance& in) {
+    size_t best = 0;
+    const double smallest = smallest_run(in, &best);
+    const std::string flags = in.options[best].g.flags();
+    fail("[plan] nothing fits --budget ", shown, ": the smallest run of ", c.model, " at --seq ", c.seq, " holds ",
+         format_bytes(static_cast<size_t>(smallest)), " (--save-policy none", flags.empty() ? "" : " ", flags,
+         "); give --budget ", format_bytes(static_cast<size_t>(std::ceil(smallest / kMiB + 1)) * size_t{1 << 20}),
+         " or more, a shorter --seq, --lora r or --qlora");
+  };
   // Before measuring anything: a budget nothing fits fails at once, naming the smallest that does; and a run
   // that fits keeping everything in memory is the fastest schedule there is (nothing recomputed or moved).
   {
     const PlanInstance mem = build_instance(c, src, budget, CostModel{}, chunks);
-    double smallest = 0;
-    size_t best = 0;
-    for (size_t o = 0; o < mem.options.size(); ++o) {
-      const double b = mem.bytes(o, std::vector<SavePolicy>(static_cast<size_t>(cfg.L), SavePolicy::none),
-                                 std::vector<bool>(static_cast<size_t>(cfg.L), false));
-      if (o == 0 || b < smallest) smallest = b, best = o;
-    }
-    if (smallest > static_cast<double>(budget))
-      fail("[plan] nothing fits --budget ", shown, ": the smallest run of ", c.model, " at --seq ", c.seq, " holds ",
-           format_bytes(static_cast<size_t>(smallest)), " (--save-policy none",
-           mem.options[best].g.flags().empty() ? "" : " ", mem.options[best].g.flags(), "); give --budget ",
-           format_bytes(static_cast<size_t>(std::ceil(smallest / kMiB + 1)) * size_t{1 << 20}),
-           " or more, a shorter --seq, --lora r or --qlora");
+    if (smallest_run(mem) > static_cast<double>(budget)) nothing_fits(mem);
     TrainConfig keep = spill_for(with_global(c, PlanGlobal{}), "");
     keep.save_policy = "all";
-    const MemoryEstimate e = estimate_training(spill_for(keep, "."), src, *ops, omp_get_max_threads());
+    const MemoryEstimate e = estimate_training(spill_for(keep, "."), src, *ops);
     if (e.ram_peak() <= budget) {
       plan.config = keep;
       plan.estimate = e;
@@ -393,24 +390,12 @@ Plan make_plan(const TrainConfig& c_in, size_t budget, const std::string& scratc
     plan.config.act_offload = tier_spec(plan.pick.on_disk);
     plan.global.act_offload = plan.config.act_offload;
     plan.config = spill_for(plan.config, "");
-    plan.estimate = estimate_training(spill_for(plan.config, "."), src, *ops, cost.threads);
+    plan.estimate = estimate_training(spill_for(plan.config, "."), src, *ops);
     if (plan.estimate.ram_peak() <= budget) break;
     target -= static_cast<double>(plan.estimate.ram_peak() - budget) + 1;
     plan.pick.feasible = round < 3;
   }
-  if (!plan.pick.feasible) {
-    double smallest = 0;
-    size_t best = 0;
-    for (size_t o = 0; o < in.options.size(); ++o) {
-      const double b = in.bytes(o, std::vector<SavePolicy>(static_cast<size_t>(cfg.L), SavePolicy::none),
-                                std::vector<bool>(static_cast<size_t>(cfg.L), false));
-      if (o == 0 || b < smallest) smallest = b, best = o;
-    }
-    fail("[plan] nothing fits --budget ", shown, ": the smallest run of ", c.model, " at --seq ", c.seq,
-         " holds ", format_bytes(static_cast<size_t>(smallest)), " (--save-policy none ", in.options[best].g.flags(),
-         "); give --budget ", format_bytes(static_cast<size_t>(std::ceil(smallest / kMiB + 1)) * size_t{1 << 20}),
-         " or more, a shorter --seq, --lora r or --qlora");
-  }
+  if (!plan.pick.feasible) nothing_fits(in);
   // Why, in words.
   const PlanInstance::Option& o = in.options[plan.pick.option];
   char line[512];

@@ -182,7 +182,7 @@ size_t act_set_bytes(const ModelShape& m, int64_t T, bool backward, bool everyth
   take(true, dt, T * H * D), take(true, f, H * T), take(true, dt, T * E);  // o, lse, x_mid
   take(all, dt, T * E), take(all, f, T);                                   // h2, rstd2
   take(true, dt, T * F), take(true, dt, T * F), take(all, dt, T * F);      // gate, up, act
-  for (Proj p : m.targets) take(m.r > 0, dt, T * m.r);                    // LoRA u
+  for (size_t i = 0; i < m.targets.size(); ++i) take(m.r > 0, dt, T * m.r);  // LoRA u
   for (Proj p : m.targets)                                                 // DoRA z (training)
     take(m.dora && backward, dt, p == Proj::k || p == Proj::v ? Hkv * T * D : T * proj_out(c, p));
   return n;
@@ -353,8 +353,7 @@ std::string MemoryEstimate::table() const {
   return out;
 }
 
-MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, const Ops& ops, int threads) {
-  (void)threads;
+MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, const Ops& ops) {
   validate_config(c);
   const EngineOptions eo = engine_options(c);
   const ModelConfig& cfg = src.cfg;
@@ -560,7 +559,7 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
 MemoryEstimate estimate_training(const TrainConfig& c) {
   const ModelSource src = open_model(c.model, static_cast<uint64_t>(c.seed));
   const std::unique_ptr<Ops> ops = make_ops(c.backend == "cuda" ? "cpu" : c.backend);
-  return estimate_training(c, src, *ops, omp_get_max_threads());
+  return estimate_training(c, src, *ops);
 }
 
 namespace {
@@ -596,9 +595,8 @@ struct Change {
 int run_estimate(const TrainConfig& c, bool as_json) {
   const ModelSource src = open_model(c.model, static_cast<uint64_t>(c.seed));
   const std::unique_ptr<Ops> ops = make_ops("cpu");
-  const int threads = c.threads > 0 ? static_cast<int>(c.threads) : omp_get_max_threads();
-  omp_set_num_threads(threads);
-  const MemoryEstimate est = estimate_training(c, src, *ops, threads);
+  if (c.threads > 0) omp_set_num_threads(static_cast<int>(c.threads));  // the scratch of train's thread count
+  const MemoryEstimate est = estimate_training(c, src, *ops);
   const size_t budget = c.budget.empty() ? 0 : parse_size(c.budget);
   const bool fits = budget == 0 || est.ram_peak() <= budget;
   const ModelConfig& cfg = src.cfg;
@@ -677,7 +675,7 @@ int run_estimate(const TrainConfig& c, bool as_json) {
       std::string f;
       double cost;
       try {
-        *e = estimate_training(build(picks, &f, &cost), src, *ops, threads);
+        *e = estimate_training(build(picks, &f, &cost), src, *ops);
         return e->ram_peak() <= budget;
       } catch (const Error&) {
         return false;

@@ -60,8 +60,8 @@ struct MemoryEstimate {
 };
 
 // The estimate for `c` on the model `src` (opened, its weights not read) computed by `ops`'s kernels with
-// `threads` threads (their scratch scales with it). Errors name the flag, as the run's setup would.
-MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, const Ops& ops, int threads);
+// OpenMP's current thread count (their scratch scales with it). Errors name the flag, as setup would.
+MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, const Ops& ops);
 
 // The same from the configuration alone: opens c.model (headers only) and asks the CPU backend.
 MemoryEstimate estimate_training(const TrainConfig& c);

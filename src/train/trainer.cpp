@@ -678,6 +678,19 @@ std::string ledger_line(const Ledger& l) {
 
 }  // namespace
 
+StepBatch synthetic_batch(int64_t n, int64_t T, int64_t V) {
+  StepBatch b;
+  for (int64_t i = 0; i < n; ++i) {
+    std::vector<int32_t> ids(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t) ids[static_cast<size_t>(t)] = static_cast<int32_t>((t * 131 + i * 17 + 3) % V);
+    std::vector<int32_t> tg(ids.begin() + 1, ids.end());
+    tg.push_back(-100);
+    b.ids.push_back(std::move(ids));
+    b.targets.push_back(std::move(tg));
+  }
+  return b;
+}
+
 int64_t default_page(int64_t C) {
   for (int64_t p = std::min<int64_t>(64, C); p >= 8; --p)
     if (C % p == 0) return p;

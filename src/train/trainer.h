@@ -140,6 +140,9 @@ std::string train_options_help();
 struct StepBatch {
   std::vector<std::vector<int32_t>> ids, targets;
 };
+// n sequences of T ids from a fixed pattern below V, each target the next id (the last unsupervised): steps for
+// runs that measure time or memory and need no data.
+StepBatch synthetic_batch(int64_t n, int64_t T, int64_t V);
 
 struct StepResult {
   int64_t step = 0;        // the step just taken (counting from 1)

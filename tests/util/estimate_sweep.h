@@ -22,19 +22,6 @@ struct Sweep {
   TrainConfig c;
 };
 
-inline StepBatch pattern(int64_t n, int64_t T, int64_t V) {
-  StepBatch b;
-  for (int64_t i = 0; i < n; ++i) {
-    std::vector<int32_t> ids(static_cast<size_t>(T));
-    for (int64_t t = 0; t < T; ++t) ids[static_cast<size_t>(t)] = static_cast<int32_t>((t * 131 + i * 17 + 3) % V);
-    std::vector<int32_t> tg(ids.begin() + 1, ids.end());
-    tg.push_back(-100);
-    b.ids.push_back(ids);
-    b.targets.push_back(tg);
-  }
-  return b;
-}
-
 // model: "preset:micro" or "preset:tiny" (every option on it), or "preset:smollm2-135m" (three runs).
 inline std::vector<Sweep> sweep(const std::string& model) {
   const std::string here = std::filesystem::current_path().string();  // the build folder: not tmpfs
@@ -142,7 +129,7 @@ inline void check_sweep(const std::vector<Sweep>& cases) {
     MemoryEstimate est;
     ASSERT_NO_THROW(est = estimate_training(k.c)) << k.what;
     Trainer t(k.c, "");
-    t.step(pattern(1, k.c.seq, t.engine().src.cfg.V));
+    t.step(synthetic_batch(1, k.c.seq, t.engine().src.cfg.V));
     const Ledger& l = t.engine().mem->ledger;
     for (int ti = 0; ti < kTierCount; ++ti) {
       const Tier tier = static_cast<Tier>(ti);
