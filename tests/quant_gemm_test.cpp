@@ -11,10 +11,12 @@
 
 #include "backend/ops.h"
 #include "core/cpu_info.h"
+#include "core/q8_act.h"
 #include "io/gguf.h"
 #include "io/gguf_model.h"
 #include "memory/arena.h"
 #include "model/quant_base.h"
+#include "util/gguf_blocks.h"
 #include "util/harness.h"
 
 namespace oomless::test {
@@ -131,57 +133,63 @@ TEST(QuantGemm, OnlyMatmulTakesAQuantisedTensor) {
 // AVX2 + FMA, the dot product made from the blocks in registers; it is bitwise the product with the
 // dequantised matrix (the rows the dequantiser gives, then the one-row dot loop), for the un-permuted query
 // rows, row views (qrow0) that start and end inside a group of eight outputs, and 1 or 2 threads.
-std::vector<uint8_t> random_blocks(GgmlType t, int64_t rows, int64_t cols, uint64_t seed) {
-  const GgmlTypeInfo* ti = ggml_type_info(static_cast<uint32_t>(t));
-  const int64_t nb = cols / ti->block_size;
-  std::vector<uint8_t> b(static_cast<size_t>(rows * nb * ti->type_size));
-  std::mt19937_64 rng(seed);
-  for (auto& x : b) x = static_cast<uint8_t>(rng());
-  for (int64_t i = 0; i < rows * nb; ++i) {  // sane f16 scales (and Q4_1's min): |d| in [2^-10, 2^-5)
-    uint8_t* blk = b.data() + i * ti->type_size;
-    for (int h = 0; h < (t == GgmlType::Q4_1 ? 2 : 1); ++h) {
-      const uint16_t f16 = static_cast<uint16_t>(((rng() & 1) << 15) | ((5 + rng() % 5) << 10) | (rng() & 0x3FF));
-      std::memcpy(blk + 2 * h, &f16, 2);
-    }
+// A one-layer model's q_proj (its heads un-permuted) and down_proj (K = F = 5 blocks) in random GGUF blocks
+// of one type, kept in them by a QuantBase (qp's views point at them).
+struct GgufProjections {
+  static ModelConfig config() {
+    ModelConfig cfg;
+    cfg.L = 1, cfg.E = 96, cfg.F = 160, cfg.H = 4, cfg.Hkv = 2, cfg.D = 24, cfg.V = 32;
+    return cfg;
   }
-  return b;
-}
+  static constexpr const char* names[2] = {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"};
+  ModelConfig cfg = config();
+  CpuMemory mem{size_t{1} << 28};
+  ParamSet qp{cfg, DType::f32, mem.device, Category::weights, [](const ParamSpec& s) { return !is_projection_weight(s.name); }};
+  std::vector<std::vector<uint8_t>> data;
+  std::vector<GgufTensor> srcs = std::vector<GgufTensor>(2);
+  std::unique_ptr<QuantBase> qb;
+
+  explicit GgufProjections(GgmlType type) {
+    std::vector<GgufHfTensor> ts(2);
+    for (int i = 0; i < 2; ++i) {
+      const Tensor* slot = qp.find(names[i]);
+      OOM_CHECK(slot, "no ", names[i]);
+      const int64_t rows = slot->dims[0], cols = slot->dims[1];
+      data.push_back(random_blocks(type, rows, cols, 7 + static_cast<uint64_t>(i)));
+      GgufTensor& src = srcs[static_cast<size_t>(i)];
+      src.type = type;
+      src.ne = {cols, rows};
+      src.data = data.back().data();
+      src.nbytes = data.back().size();
+      ts[static_cast<size_t>(i)] = {names[i], {rows, cols}, &src, i == 0 ? static_cast<int>(cfg.H) : 0};
+    }
+    qb = std::make_unique<QuantBase>(ts, qp, mem.device, false);
+  }
+  // The matrix `name` dequantised, (rows, cols) f32.
+  std::vector<float> dense(const Tensor& w) const {
+    const int64_t N = w.dims[0], K = w.dims[1];
+    std::vector<float> d(static_cast<size_t>(N * K));
+    for (int64_t r = 0; r < N; ++r) w.quant->dequant_row(*w.quant, r, 0, K, d.data() + r * K);
+    return d;
+  }
+};
 
 TEST(QuantGemm, GgufOneRowFromTheBlocksIsBitwiseTheDequantisedProduct) {
-  ModelConfig cfg;
-  cfg.L = 1, cfg.E = 96, cfg.F = 160, cfg.H = 4, cfg.Hkv = 2, cfg.D = 24, cfg.V = 32;
   const CpuInfo cpu = detect_cpu();
   const char* isa = std::getenv("OOMLESS_ISA");
   const bool fused = cpu.avx2 && cpu.fma && cpu.f16c && !(isa && std::string(isa) == "generic");
   auto ops = make_ops("cpu");
   for (GgmlType type : {GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0}) {
     SCOPED_TRACE(ggml_type_name(type));
-    CpuMemory mem(size_t{1} << 28);
-    ParamSet qp(cfg, DType::f32, mem.device, Category::weights, [](const ParamSpec& s) { return !is_projection_weight(s.name); });
-    // q_proj (un-permuted heads), down_proj (K = F = 5 blocks)
-    const char* names[] = {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"};
-    std::vector<std::vector<uint8_t>> data;
-    std::vector<GgufTensor> srcs(2);
-    std::vector<GgufHfTensor> ts(2);
-    for (int i = 0; i < 2; ++i) {
-      const Tensor* slot = qp.find(names[i]);
-      ASSERT_NE(slot, nullptr);
-      const int64_t rows = slot->dims[0], cols = slot->dims[1];
-      data.push_back(random_blocks(type, rows, cols, 7 + static_cast<uint64_t>(i)));
-      srcs[static_cast<size_t>(i)].type = type;
-      srcs[static_cast<size_t>(i)].ne = {cols, rows};
-      srcs[static_cast<size_t>(i)].data = data.back().data();
-      srcs[static_cast<size_t>(i)].nbytes = data.back().size();
-      ts[static_cast<size_t>(i)] = {names[i], {rows, cols}, &srcs[static_cast<size_t>(i)], i == 0 ? static_cast<int>(cfg.H) : 0};
-    }
-    QuantBase qb(ts, qp, mem.device, false);
+    GgufProjections p(type);
+    ParamSet& qp = p.qp;
+    const auto& names = GgufProjections::names;
     for (const char* name : names) {
       const Tensor w = *qp.find(name);
       ASSERT_NE(w.quant, nullptr);
       EXPECT_EQ(w.quant->dot_rows != nullptr, fused) << name;
       const int64_t N = w.dims[0], K = w.dims[1];
-      std::vector<float> dense(static_cast<size_t>(N * K));
-      for (int64_t r = 0; r < N; ++r) w.quant->dequant_row(*w.quant, r, 0, K, dense.data() + r * K);
+      std::vector<float> dense = p.dense(w);
       // the whole matrix, and rows [3, 3 + 13) as a view
       for (int64_t r0 : {int64_t{0}, int64_t{3}}) {
         const int64_t n = r0 ? 13 : N;
@@ -206,6 +214,70 @@ TEST(QuantGemm, GgufOneRowFromTheBlocksIsBitwiseTheDequantisedProduct) {
         }
       }
     }
+  }
+  omp_set_num_threads(omp_get_num_procs());
+}
+
+
+// With set_int8_activations (generate --decode-dot int8) a one-row product over Q4_0, Q4_1 and Q8_0 blocks
+// quantises the row to 8 bits and multiplies integers: the result is the float64 product of the dequantised
+// weights with the dequantised activation codes (to f32 rounding), the same bits for 1 and 2 threads and
+// for row views; products of more rows, and one-row products once it is off again, keep the f32 bits.
+TEST(QuantGemm, GgufOneRowWithInt8ActivationsIsTheIntegerProduct) {
+  auto ops = make_ops("cpu");
+  for (GgmlType type : {GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0}) {
+    SCOPED_TRACE(ggml_type_name(type));
+    GgufProjections p(type);
+    const bool kernel = ggml_row_dot_q8(type) != nullptr;
+    EXPECT_EQ(p.qb->set_int8_activations(true), kernel ? 2 : 0);
+    for (const char* name : GgufProjections::names) {
+      const Tensor w = *p.qp.find(name);
+      EXPECT_EQ(w.quant->dot_rows_q8 != nullptr, kernel) << name;
+      const int64_t N = w.dims[0], K = w.dims[1];
+      std::vector<float> dense = p.dense(w);
+      const std::vector<float> x = randn(2 * K, 5);
+      std::vector<char> mem(q8_act_bytes(K));
+      const Q8Act xa = q8_act_at(mem.data(), K);
+      quantise_q8_act_scalar(x.data(), xa);
+      for (int64_t r0 : {int64_t{0}, int64_t{3}}) {
+        const int64_t n = r0 ? 13 : N;
+        Tensor wq = w;
+        wq.dims[0] = n, wq.qrow0 = r0;
+        Tensor wd(dense.data() + r0 * K, DType::f32, {n, K});
+        std::vector<float> first;
+        for (int threads : {1, 2}) {
+          omp_set_num_threads(threads);
+          std::vector<float> y(static_cast<size_t>(n)), yd(y.size());
+          ops->matmul(Tensor::of(y.data(), {1, n}), Tensor::of(x.data(), {1, K}), wq, false, true, false);
+          ops->matmul(Tensor::of(yd.data(), {1, n}), Tensor::of(x.data(), {1, K}), wd, false, true, false);
+          if (threads == 1) first = y;
+          else EXPECT_EQ(std::memcmp(first.data(), y.data(), y.size() * 4), 0) << name << " rows from " << r0;
+          if (!kernel) {
+            EXPECT_EQ(std::memcmp(y.data(), yd.data(), y.size() * 4), 0) << name;
+            continue;
+          }
+          for (int64_t j = 0; j < n; ++j) {
+            double s = 0, mag = 0;
+            for (int64_t k = 0; k < K; ++k) {
+              const double a = static_cast<double>(xa.q[k]) * xa.d[k / kQ8Block];
+              const double t = a * dense[static_cast<size_t>((r0 + j) * K + k)];
+              s += t, mag += std::abs(t);
+            }
+            EXPECT_NEAR(y[static_cast<size_t>(j)], s, 1e-5 * mag + 1e-30) << name << " row " << r0 + j;
+            // and within the activations' quantisation of the f32 product
+            EXPECT_NEAR(y[static_cast<size_t>(j)], yd[static_cast<size_t>(j)], 0.02 * mag + 1e-30) << name << " row " << r0 + j;
+          }
+        }
+        // two rows: the blocked product, bitwise the dequantised matrix's
+        std::vector<float> y2(static_cast<size_t>(2 * n)), yd2(y2.size());
+        ops->matmul(Tensor::of(y2.data(), {2, n}), Tensor::of(x.data(), {2, K}), wq, false, true, false);
+        ops->matmul(Tensor::of(yd2.data(), {2, n}), Tensor::of(x.data(), {2, K}), wd, false, true, false);
+        EXPECT_EQ(std::memcmp(y2.data(), yd2.data(), y2.size() * 4), 0) << name;
+      }
+    }
+    EXPECT_EQ(p.qb->set_int8_activations(false), 0);
+    const Tensor w = *p.qp.find(GgufProjections::names[1]);
+    EXPECT_EQ(w.quant->dot_rows_q8, nullptr);
   }
   omp_set_num_threads(omp_get_num_procs());
 }

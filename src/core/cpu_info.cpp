@@ -46,6 +46,7 @@ CpuInfo detect_cpu() {
     info.avx512f = zmm && (b & (1u << 16));
     info.avx512bw = zmm && (b & (1u << 30));
     info.avx512vl = zmm && (b & (1u << 31));
+    info.avx512_vnni = zmm && (c & (1u << 11));
     info.amx_bf16 = d & (1u << 22);
     info.amx_tile = d & (1u << 24);
   }

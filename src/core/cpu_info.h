@@ -11,6 +11,7 @@ struct CpuInfo {
   bool avx2 = false, fma = false, avx512f = false, avx512bw = false, avx512_bf16 = false;
   bool amx_tile = false, amx_bf16 = false;
   bool f16c = false, avx512vl = false;  // not in isa_summary (checkpoints compare it)
+  bool avx512_vnni = false;             // vpdpbusd (the int8 one-row products); not in isa_summary either
   std::string isa_summary() const;  // "avx2 fma" / "avx512f avx512_bf16 amx_bf16" ...
 };
 

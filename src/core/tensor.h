@@ -13,6 +13,8 @@
 
 namespace oomless {
 
+struct Q8Act;  // core/q8_act.h
+
 template <class T> constexpr DType dtype_of();
 template <> constexpr DType dtype_of<float>() { return DType::f32; }
 template <> constexpr DType dtype_of<double>() { return DType::f64; }
@@ -35,6 +37,13 @@ struct QuantMatrix {
   // where it cannot (a span that is not whole blocks); the GEMM then dequantises the rows.
   bool (*dot_rows)(const QuantMatrix& q, const int64_t* rows, int g, int64_t col, int64_t n, const float* a,
                    float* acc) = nullptr;
+  // Optional, for one-row products with the activation row quantised to 8 bits (core/q8_act.h; a.blocks =
+  // n / 32 blocks of elements [col, col + n)), set by the owner only where asked (QuantBase::
+  // set_int8_activations: generate --decode-dot int8): out[i] = that product with row rows[i], i < g <= 8,
+  // in integers (llama.cpp's arithmetic: not the bits of dequant_row's product). Returns false where it
+  // cannot (a span that is not whole blocks; g = 0 only asks that), and the GEMM then takes the f32 path.
+  bool (*dot_rows_q8)(const QuantMatrix& q, const int64_t* rows, int g, int64_t col, int64_t n, const Q8Act& a,
+                      float* out) = nullptr;
   const void* data = nullptr;
   const void* aux = nullptr;
   int64_t param = 0;

@@ -21,6 +21,8 @@
 #include <utility>
 #include <vector>
 
+#include "core/q8_act.h"
+
 namespace oomless {
 
 // ggml tensor types, numbered as in ggml.h (gaps are types ggml removed).
@@ -62,6 +64,19 @@ GgmlBlockDecoder ggml_block_decoder(GgmlType t);
 using GgmlRowDot = void (*)(const uint8_t* const* rows, int g, int64_t blocks, const float* a, float* acc,
                             int64_t ahead);
 GgmlRowDot ggml_row_dot(GgmlType t);
+// The one-row product's integer kernel for a type (Q4_0, Q4_1, Q8_0) with the activation row quantised to
+// 8 bits (core/q8_act.h): out[i] = the product of the first `blocks` blocks at rows[i] (i < g <= 8) with
+// a's, in the order of operations io/gguf_q8dot.cpp states (integer lanes, one fused multiply-add a block,
+// the offset term apart), each row's line `ahead` bytes further prefetched. Its AVX512-VNNI and AVX2
+// forms and the plain one give the same bits. nullptr without AVX2 + FMA + F16C (or under
+// OOMLESS_ISA=generic); OOMLESS_ISA=avx2 keeps the AVX2 form on a CPU with VNNI.
+using GgmlRowDotQ8 = void (*)(const uint8_t* const* rows, int g, int64_t blocks, const Q8Act& a, float* out,
+                              int64_t ahead);
+GgmlRowDotQ8 ggml_row_dot_q8(GgmlType t);
+// The form ggml_row_dot_q8 gives here: "avx512-vnni", "avx2" or "none".
+const char* ggml_row_dot_q8_form();
+// The plain form, one row (tests compare the vector forms with it); NaN for another type.
+float ggml_row_dot_q8_scalar(GgmlType t, const uint8_t* row, int64_t blocks, const Q8Act& a);
 
 enum class GgufValueType : uint32_t {
   u8 = 0, i8 = 1, u16 = 2, i16 = 3, u32 = 4, i32 = 5, f32 = 6, boolean = 7, string = 8, array = 9,

@@ -60,6 +60,19 @@ bool dot_gguf_rows(const QuantMatrix& q, const int64_t* rows, int g, int64_t col
   return true;
 }
 
+// The same with the activations quantised to 8 bits (QuantMatrix::dot_rows_q8).
+bool dot_gguf_rows_q8(const QuantMatrix& q, const int64_t* rows, int g, int64_t col, int64_t n, const Q8Act& a,
+                      float* out) {
+  const QuantBase::Blocks& b = *static_cast<const QuantBase::Blocks*>(q.aux);
+  if (!b.dot_q8 || g > 8 || col % b.block || n % b.block || b.block != kQ8Block) return false;
+  if (g == 0) return true;
+  const uint8_t* p[8];
+  const uint8_t* base = static_cast<const uint8_t*>(q.data) + col / b.block * b.block_bytes;
+  for (int i = 0; i < g; ++i) p[i] = base + gguf_row(b, rows[i]) * b.row_bytes;
+  b.dot_q8(p, g, n / b.block, a, out, 8 * b.row_bytes);
+  return true;
+}
+
 // 16 NF4 elements from 8 bytes (the first of each pair in the high nibble): a 16-entry table lookup as
 // two 8-lane permutes, times the block's scale; the same products as the scalar loop.
 __attribute__((target("avx2,fma"))) void nf4_groups_avx2(const uint8_t* bytes, int64_t groups, float scale, float* out) {
@@ -159,6 +172,17 @@ void QuantBase::add_nf4_matrix(const std::string& name, const float* w, int64_t 
   add_nf4(name, nf4::quantize_matrix(w, rows, cols, 64, double_quant, tmp.data(), n), params, arena);
 }
 
+int64_t QuantBase::set_int8_activations(bool on) {
+  int64_t n = 0;
+  for (QuantMatrix& q : mats_) {
+    if (q.dequant_row != &dequant_gguf_row) continue;
+    const bool take = on && static_cast<const Blocks*>(q.aux)->dot_q8;
+    q.dot_rows_q8 = take ? &dot_gguf_rows_q8 : nullptr;
+    n += take;
+  }
+  return n;
+}
+
 void QuantBase::add_nf4_from(const ParamSet& f32, ParamSet& params, Arena& arena, bool double_quant) {
   for (size_t i = 0; i < f32.specs().size(); ++i) {
     const ParamSpec& s = f32.specs()[i];
@@ -217,6 +241,7 @@ QuantBase::QuantBase(const std::vector<GgufHfTensor>& tensors, ParamSet& params,
     q.rows = rows, q.cols = cols;
     q.dequant_row = &dequant_gguf_row;
     b.dot = ggml_row_dot(t.src->type);
+    b.dot_q8 = ggml_row_dot_q8(t.src->type);
     if (b.dot) q.dot_rows = &dot_gguf_rows;
     q.data = bufs_.back().data();
     q.aux = &b;

@@ -45,12 +45,18 @@ class QuantBase {
   const char* format() const { return mats_.empty() ? "" : mats_.front().format; }
   size_t bytes() const { return bytes_; }
   int64_t matrices() const { return static_cast<int64_t>(mats_.size()); }
+  // One-row products (decoding) over the GGUF matrices whose type has an integer kernel here (Q4_0, Q4_1,
+  // Q8_0 with AVX2; io/gguf.h ggml_row_dot_q8) quantise the activation row to 8 bits and multiply integers,
+  // as llama.cpp does (on), or read the dequantised values in f32, bitwise a many-row product (off, the
+  // default). Returns how many matrices take the integer kernel.
+  int64_t set_int8_activations(bool on);
 
   // One matrix: its GGUF type, block geometry and the llama.cpp Q/K row interleave to undo.
   struct Blocks {
     GgmlType type{};
     GgmlBlockDecoder decode = nullptr;  // the type's run-of-blocks loop (io/gguf.h)
     GgmlRowDot dot = nullptr;           // its one-row product kernel, where this CPU has one (io/gguf.h)
+    GgmlRowDotQ8 dot_q8 = nullptr;      // its integer one-row kernel, where this CPU has one (io/gguf.h)
     int64_t block = 1, block_bytes = 0, row_bytes = 0;
     int64_t heads = 0, D = 0;  // 0 heads: rows as stored
   };

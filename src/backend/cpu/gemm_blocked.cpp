@@ -49,6 +49,7 @@
 #include "backend/cpu/gemm_kernel.h"
 #include "core/cpu_info.h"
 #include "core/dtype.h"
+#include "core/q8_act.h"
 
 namespace oomless::gemm_detail {
 
@@ -556,9 +557,28 @@ bool dot_from_blocks() {
 }
 
 // c (1, N) (+)= af (1, K) . op(b), af the gathered f32 row of a; work: kRowGroup * kRowSeg floats a thread.
+// qa: af quantised to 8 bits where B's matrix takes integer one-row products (QuantMatrix::dot_rows_q8).
 template <class BP>
-void run_row(const GemmShape& s, const float* af, BP b, float* c, float* work) {
+void run_row(const GemmShape& s, const float* af, BP b, float* c, float* work, const Q8Act* qa) {
   const int64_t N = s.N, K = s.K;
+  if constexpr (std::is_same_v<BP, QuantB>) {
+    // (Asked for no rows first: whether the span is whole blocks, which is the same for every group.)
+    if (qa && s.tb && b.q->dot_rows_q8(*b.q, nullptr, 0, b.off % s.ldb, K, *qa, nullptr)) {
+      const int64_t groups = cdiv(N, kRowGroup);
+#pragma omp parallel for schedule(static)
+      for (int64_t q = 0; q < groups; ++q) {
+        const int64_t j0 = q * kRowGroup;
+        const int g = static_cast<int>(std::min<int64_t>(kRowGroup, N - j0));
+        const QuantB b0 = b + j0 * s.ldb;
+        int64_t rows[kRowGroup];
+        float out[kRowGroup];
+        for (int i = 0; i < g; ++i) rows[i] = b0.qrow0 + (b0.off + i * s.ldb) / s.ldb;
+        b.q->dot_rows_q8(*b.q, rows, g, b0.off % s.ldb, K, *qa, out);
+        for (int i = 0; i < g; ++i) c[j0 + i] = s.accumulate ? c[j0 + i] + out[i] : out[i];
+      }
+      return;
+    }
+  }
   if (s.tb) {
     const int64_t groups = cdiv(N, kRowGroup), k8 = K / 8 * 8;
 #pragma omp parallel for schedule(static)
@@ -685,7 +705,14 @@ void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, 
   if constexpr (std::is_same_v<BP, const float*> || std::is_same_v<BP, QuantB>) {
     if (one_row(s)) {  // a GEMV: a's row gathered in f32 into bpack, then B streamed (run_row)
       for (int64_t k = 0; k < s.K; ++k) bpack[k] = widen(a[s.ta ? k * s.lda : k]);
-      return run_row(s, bpack, b, c, apack);
+      if constexpr (std::is_same_v<BP, QuantB>) {
+        if (s.tb && b.q->dot_rows_q8 && s.K % kQ8Block == 0) {  // and in 8 bits after it
+          const Q8Act qa = q8_act_at(bpack + s.K, s.K);
+          quantise_q8_act(bpack, qa);
+          return run_row(s, bpack, b, c, apack, &qa);
+        }
+      }
+      return run_row(s, bpack, b, c, apack, nullptr);
     }
   }
   if constexpr (std::is_same_v<TA, uint16_t>) {
@@ -796,8 +823,8 @@ void tile_bf16_amx(const GemmShape& s, const uint16_t* a, const uint16_t* b, flo
 
 BlockedSizes blocked_sizes(const GemmShape& s) {
   BlockedSizes z;
-  if (one_row(s)) {
-    z.b_floats = static_cast<size_t>(s.K);
+  if (one_row(s)) {  // a's row in f32, then in 8 bits (where B takes integer one-row products)
+    z.b_floats = static_cast<size_t>(s.K) + (q8_act_bytes(s.K / kQ8Block * kQ8Block) + 3) / 4;
     z.a_floats_per_thread = static_cast<size_t>(kRowGroup * kRowSeg);
     return z;
   }
