@@ -1,5 +1,6 @@
-// The decode KV cache in bf16, fp8 (E4M3) and int8 against fp32 on a real model (generate --kv-dtype), side
-// by side in one process: the cache's bytes (fp8 and int8 with their per-row scales); the loss of a text decoded token by token through the cache (teacher forcing:
+// The decode KV cache in bf16, fp8 (E4M3) and int8 against fp32 on a real model (generate --kv-dtype), and
+// the one-row products with 8-bit activations (generate --decode-dot int8) against f32 ones, side by side in
+// one process: the cache's bytes (fp8 and int8 with their per-row scales); the loss of a text decoded token by token through the cache (teacher forcing:
 // every position's logits come from the cache of the positions before it) and at how many positions the
 // most likely next token is the fp32 cache's; and for greedy continuations of prompts cut from the same
 // text, where the first token differs. Also the decode step's time at the end of the text (median of the last
@@ -8,6 +9,9 @@
 //
 //   build/release/bench_kv_cache --model ~/.cache/oomless/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 //       [--ids tests/golden/smollm2/eval.ids] [--tokens 512] [--prompts 8] [--new 64] [--dtypes bf16,fp8,int8]
+//       [--dots f32,int8]
+// Every cache dtype runs with every product arithmetic of --dots; the first pair (fp32 cache, the first of
+// --dots) is the one the others are compared with.
 #include <omp.h>
 
 #include <algorithm>
@@ -21,7 +25,9 @@
 
 #include "core/cpu_info.h"
 #include "model/engine.h"
+#include "io/gguf.h"
 #include "model/generate.h"
+#include "model/quant_base.h"
 
 using namespace oomless;
 
@@ -94,7 +100,7 @@ int main(int argc, char** argv) {
   std::string model = std::string(home ? home : "") + "/.cache/oomless/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
   std::string ids_path = "tests/golden/smollm2/eval.ids";
   int64_t n_tokens = 512, prompts = 8, n_new = 64;
-  std::string dtypes = "bf16,fp8,int8";
+  std::string dtypes = "bf16,fp8,int8", dots = "f32,int8";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--model" && i + 1 < argc) model = argv[++i];
@@ -103,10 +109,11 @@ int main(int argc, char** argv) {
     else if (a == "--prompts" && i + 1 < argc) prompts = std::atoll(argv[++i]);
     else if (a == "--new" && i + 1 < argc) n_new = std::atoll(argv[++i]);
     else if (a == "--dtypes" && i + 1 < argc) dtypes = argv[++i];
+    else if (a == "--dots" && i + 1 < argc) dots = argv[++i];
     else {
       std::fprintf(stderr,
                    "usage: bench_kv_cache [--model M] [--ids FILE] [--tokens N] [--prompts K] [--new N] "
-                   "[--dtypes bf16,fp8,int8]\n");
+                   "[--dtypes bf16,fp8,int8] [--dots f32,int8]\n");
       return 2;
     }
   }
@@ -116,7 +123,27 @@ int main(int argc, char** argv) {
                  dtypes.c_str());
     return 2;
   }
-  const size_t K = kinds.size();
+  std::vector<bool> int8_dots;
+  for (size_t at = 0; at <= dots.size();) {
+    const size_t comma = std::min(dots.find(',', at), dots.size());
+    const std::string w = dots.substr(at, comma - at);
+    if (w != "f32" && w != "int8") {
+      std::fprintf(stderr, "bench_kv_cache: --dots takes a comma-separated list of f32, int8 (got '%s')\n", dots.c_str());
+      return 2;
+    }
+    int8_dots.push_back(w == "int8");
+    at = comma + 1;
+  }
+  // (cache dtype, int8 products) pairs: every dtype with the first arithmetic, then with the others.
+  std::vector<std::pair<DType, bool>> variants;
+  for (bool d : int8_dots)
+    for (DType t : kinds) variants.emplace_back(t, d);
+  auto variant_name = [&](size_t k) {
+    std::string n = cache_name(variants[k].first);
+    if (int8_dots.size() > 1 || variants[k].second) n += variants[k].second ? " int8-dot" : " f32-dot";
+    return n;
+  };
+  const size_t K = variants.size();
   std::vector<int32_t> text;
   {
     std::ifstream f(ids_path);
@@ -130,6 +157,10 @@ int main(int argc, char** argv) {
   eo.model = model;
   eo.keep_quantised = true;
   Engine e = build_engine(eo);
+  const bool int8_possible = e.quant && e.quant->set_int8_activations(true) > 0;
+  if (e.quant) e.quant->set_int8_activations(false);
+  std::printf("int8 one-row products: %s (%s)\n", int8_possible ? "available" : "not available for this model",
+              ggml_row_dot_q8_form());
   const ModelConfig& cfg = e.src.cfg;
   Model& m = *e.model;
   const CpuInfo cpu = detect_cpu();
@@ -145,7 +176,8 @@ int main(int argc, char** argv) {
   std::vector<float> logits(static_cast<size_t>(cfg.V));
   std::vector<int64_t> top(static_cast<size_t>(T), -1);
   for (size_t k = 0; k < K; ++k) {
-    Cache c = make_cache(e.mem->device, cfg, T, kinds[k]);
+    if (e.quant) e.quant->set_int8_activations(variants[k].second);
+    Cache c = make_cache(e.mem->device, cfg, T, variants[k].first);
     cache_bytes[k] = c.bytes;
     std::vector<double> times;
     for (int64_t t = 0; t + 1 < T; ++t) {
@@ -168,7 +200,7 @@ int main(int argc, char** argv) {
               "token is the fp32 cache's (of %lld):\n",
               static_cast<long long>(T), static_cast<long long>(T - 1));
   for (size_t k = 0; k < K; ++k) {
-    std::printf("  %-4s %8.2f MiB (%.3fx)  loss %.6f (%+.4f%%)", cache_name(kinds[k]), cache_bytes[k] / 1048576.0,
+    std::printf("  %-13s %8.2f MiB (%.3fx)  loss %.6f (%+.4f%%)", variant_name(k).c_str(), cache_bytes[k] / 1048576.0,
                 static_cast<double>(cache_bytes[k]) / static_cast<double>(cache_bytes[0]), loss[k],
                 100.0 * (loss[k] - loss[0]) / loss[0]);
     if (k > 0)
@@ -183,7 +215,7 @@ int main(int argc, char** argv) {
     const double ideal = (static_cast<double>(weight_bytes) + kv_read) / triad;
     std::printf("decode step at position ~%lld, %s cache: %.2f ms (median of the last 32); weights %.1f MiB + cache "
                 "read %.1f MiB over triad %.1f GB/s = %.2f ms: %.2fx\n",
-                static_cast<long long>(T - 17), cache_name(kinds[k]), 1e3 * step_s[k], weight_bytes / 1048576.0,
+                static_cast<long long>(T - 17), variant_name(k).c_str(), 1e3 * step_s[k], weight_bytes / 1048576.0,
                 kv_read / 1048576.0, triad / 1e9, 1e3 * ideal, step_s[k] / ideal);
   }
   std::printf("\n");
@@ -191,7 +223,7 @@ int main(int argc, char** argv) {
   // Greedy continuations of prompts cut from the text: where each cache's first differs from the fp32 cache's.
   std::vector<int64_t> same_runs(K, 0);
   std::printf("prompt  first disagreement with fp32 (of %lld new):", static_cast<long long>(n_new));
-  for (size_t k = 1; k < K; ++k) std::printf(" %s", cache_name(kinds[k]));
+  for (size_t k = 1; k < K; ++k) std::printf(" | %s", variant_name(k).c_str());
   std::printf("\n");
   for (int64_t p = 0; p < prompts; ++p) {
     const int64_t start = (T / 2) * p / std::max<int64_t>(prompts, 1), len = 32;
@@ -201,7 +233,8 @@ int main(int argc, char** argv) {
     o.max_new = n_new;
     std::vector<std::vector<int32_t>> out(K);
     for (size_t k = 0; k < K; ++k) {
-      o.kv_dtype = kinds[k];
+      if (e.quant) e.quant->set_int8_activations(variants[k].second);
+      o.kv_dtype = variants[k].first;
       out[k] = generate(m, e.mem->device, prompt, o);
     }
     std::printf("%6lld ", static_cast<long long>(p));
@@ -216,7 +249,7 @@ int main(int argc, char** argv) {
     std::printf("\n");
   }
   for (size_t k = 1; k < K; ++k)
-    std::printf("greedy continuations identical to the fp32 cache's, %s: %lld of %lld\n", cache_name(kinds[k]),
+    std::printf("greedy continuations identical to the fp32 cache's, %s: %lld of %lld\n", variant_name(k).c_str(),
                 static_cast<long long>(same_runs[k]), static_cast<long long>(prompts));
   return 0;
 }

@@ -33,6 +33,7 @@ Engine build_engine(const EngineOptions& o) {
   BaseWeights base = load_base(e.src, e.mem->device, o.keep_quantised, o.base_dtype, embed_dtype);
   e.params = std::move(base.params);
   e.quant = std::move(base.quant);
+  if (e.quant && o.int8_decode) e.quant->set_int8_activations(true);
   e.src.release_weights();
   if (o.lora) {
     e.adapters = std::make_unique<AdapterSet>(e.src.cfg, *o.lora, DType::f32, e.mem->device, Category::adapter);

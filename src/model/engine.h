@@ -28,6 +28,10 @@ struct EngineOptions {
   bool keep_quantised = false;
   std::string base_dtype = "fp32";   // fp32, nf4 or nf4-dq: the frozen projections quantised at load
   std::string embed_dtype = "auto";  // auto, fp32, bf16 or nf4: storage of a frozen embedding and head
+  // generate --decode-dot int8: one-row products over a GGUF's Q4_0 / Q4_1 / Q8_0 blocks with the
+  // activations quantised to 8 bits (QuantBase::set_int8_activations); false (the default): in f32,
+  // bitwise a many-row product's rows.
+  bool int8_decode = false;
   // New adapters with these settings (PEFT's init from lora_seed, DoRA's magnitudes from the base), then
   // `adapter`'s tensors when given. Without settings, `adapter` (if any) brings its own from its config.
   std::optional<LoraSettings> lora;

@@ -16,6 +16,13 @@ qb=$("$bin" eval --model "$g" --data "$ids" --seq 16 --json --dtype bf16) || exi
 fb=$("$bin" eval --model "$g" --data "$ids" --seq 16 --json --dtype bf16 --grads "$out/g2.safetensors") || exit 1
 [ "$qb" = "$fb" ] || { echo "bf16: quantised and f32 bases differ:"; echo "$qb"; echo "$fb"; exit 1; }
 "$bin" generate --model "$g" --prompt-ids "1 5 9" --max-new 4 > "$out/gen.log" 2>&1 || { cat "$out/gen.log"; exit 1; }
+# decoding with the token's activations in 8 bits and in f32 (the default); a bad value is named
+for dot in int8 f32; do
+  "$bin" generate --model "$g" --prompt-ids "1 5 9" --max-new 4 --ignore-eos --json --decode-dot $dot > "$out/gen-$dot.json" 2>&1 &&
+    grep -q '"ids":\[[0-9]*,[0-9]*,[0-9]*,[0-9]*\]' "$out/gen-$dot.json" || { cat "$out/gen-$dot.json"; exit 1; }
+done
+if "$bin" generate --model "$g" --prompt-ids "1 5 9" --max-new 4 --decode-dot int4 > "$out/bad.log" 2>&1 ||
+   ! grep -q -- "--decode-dot int4 is not" "$out/bad.log"; then cat "$out/bad.log"; exit 1; fi
 "$bin" train --model "$g" --data "$ids" --seq 16 --batch 2 --steps 3 --lora 2 --lr 1e-2 --warmup 1 --eval-every 0 \
   --out "$out/run" > "$out/train.log" 2>&1 || { cat "$out/train.log"; exit 1; }
 w=$(grep -o '"weights":{"current":[0-9]*' "$out/run/metrics.jsonl" | tail -1 | grep -o '[0-9]*$')
