@@ -341,10 +341,10 @@ void key_rows(const Ctx& x, const KeyTile& kt, int64_t g, int64_t n, const float
 
 // Per-thread scratch of one task: score tiles and widened key tiles.
 struct Tiles {
-  float* s;   // (kBq, kBk) scores, then probabilities
-  float* ds;  // (kBq, kBk) dP, then dS (backward)
-  float* m;   // (kBq) running max (forward)
-  float* l;   // (kBq) running sum (forward)
+  float* s;   // (rows, kBk) scores (tile_rows), then probabilities
+  float* ds;  // (rows, kBk) dP, then dS (backward)
+  float* m;   // (rows) running max (forward)
+  float* l;   // (rows) running sum (forward)
   float* k;   // (kBk, D) widened keys (narrow K/V, or rounded for bf16 products)
   float* v;   // (kBk, D) widened values
   uint16_t* kh;    // on amx: (kBk, D) keys in bf16 (K/V not bf16)
@@ -359,18 +359,28 @@ int64_t amx_work_floats(int64_t D) {
   return padded(static_cast<int64_t>(gemm_detail::amx_tile_words(std::max(kBq, kBk), big, big)));
 }
 
-int64_t tiles_floats(int64_t D, bool widen, bool amx) {
-  return 2 * padded(kBq * kBk) + 2 * padded(kBq) + (widen ? 2 * padded(kBk * D) : 0) +
+// The query rows a task's tiles hold: kBq, or fewer where no task has more (T < kBq; a decode step under GQA:
+// the group's heads), so that a decode step's scratch stays small (it is allocated every call). AMX keeps
+// whole tiles.
+int64_t tile_rows(int64_t T, int64_t H, int64_t Hkv, bool amx, bool backward) {
+  if (amx) return kBq;
+  const int64_t group = Hkv > 0 ? H / Hkv : 1;
+  if (!backward && T == 1 && group > 1 && group <= kBq) return group;
+  return std::min(kBq, T);
+}
+
+int64_t tiles_floats(int64_t D, bool widen, bool amx, int64_t rows) {
+  return 2 * padded(rows * kBk) + 2 * padded(rows) + (widen ? 2 * padded(kBk * D) : 0) +
          (amx ? padded(kBk * D) + padded(kBq * kBk) + amx_work_floats(D) : 0);
 }
 
-Tiles carve_tiles(float* base, int64_t D, bool widen, bool amx) {
+Tiles carve_tiles(float* base, int64_t D, bool widen, bool amx, int64_t rows) {
   Tiles t{};
   t.s = base;
-  t.ds = t.s + padded(kBq * kBk);
-  t.m = t.ds + padded(kBq * kBk);
-  t.l = t.m + padded(kBq);
-  float* p = t.l + padded(kBq);
+  t.ds = t.s + padded(rows * kBk);
+  t.m = t.ds + padded(rows * kBk);
+  t.l = t.m + padded(rows);
+  float* p = t.l + padded(rows);
   if (widen) {
     t.k = p;
     t.v = t.k + padded(kBk * D);
@@ -648,7 +658,8 @@ void CpuOps::attention_forward(Tensor o, Tensor lse, Tensor q, const KvBlocks& k
   x.n_kt = count_key_tiles(kv);
   x.n_qt = (x.T + kBq - 1) / kBq;
   const int64_t rows = operand_floats(x);
-  Scratch s = make_scratch(*this, x.n_kt, x.n_qt, rows, tiles_floats(x.D, widen, x.amx));
+  const int64_t trows = tile_rows(x.T, x.H, x.Hkv, x.amx, false);
+  Scratch s = make_scratch(*this, x.n_kt, x.n_qt, rows, tiles_floats(x.D, widen, x.amx, trows));
   fill_key_tiles(s.kt, kv);
   fill_query_tiles(s.qt, x.pos, x.T);
   x.kt = s.kt;
@@ -658,7 +669,7 @@ void CpuOps::attention_forward(Tensor o, Tensor lse, Tensor q, const KvBlocks& k
   const int64_t tasks = decode ? x.Hkv : x.n_qt * x.H;
 #pragma omp parallel
   {
-    const Tiles w = carve_tiles(s.tiles + omp_get_thread_num() * s.tile_floats, x.D, widen, x.amx);
+    const Tiles w = carve_tiles(s.tiles + omp_get_thread_num() * s.tile_floats, x.D, widen, x.amx, trows);
 #pragma omp for schedule(static, 1)
     for (int64_t t = 0; t < tasks; ++t) {
       if (decode) decode_group_task(x, t, w);
@@ -680,7 +691,8 @@ void CpuOps::attention_backward(Tensor dq, const KvBlocks& dkv, Tensor dout, Ten
   x.n_kt = count_key_tiles(kv);
   x.n_qt = (x.T + kBq - 1) / kBq;
   const int64_t HT = x.H * x.T, rows = operand_floats(x);
-  Scratch s = make_scratch(*this, x.n_kt, x.n_qt, 2 * padded(HT) + 2 * rows, tiles_floats(x.D, widen, x.amx));
+  const int64_t trows = tile_rows(x.T, x.H, x.Hkv, x.amx, true);
+  Scratch s = make_scratch(*this, x.n_kt, x.n_qt, 2 * padded(HT) + 2 * rows, tiles_floats(x.D, widen, x.amx, trows));
   fill_key_tiles(s.kt, kv);
   fill_query_tiles(s.qt, x.pos, x.T);
   x.kt = s.kt;
@@ -694,7 +706,7 @@ void CpuOps::attention_backward(Tensor dq, const KvBlocks& dkv, Tensor dout, Ten
   const int64_t kv_tasks = x.n_kt * x.Hkv, q_tasks = x.n_qt * x.H;
 #pragma omp parallel
   {
-    const Tiles w = carve_tiles(s.tiles + omp_get_thread_num() * s.tile_floats, x.D, widen, x.amx);
+    const Tiles w = carve_tiles(s.tiles + omp_get_thread_num() * s.tile_floats, x.D, widen, x.amx, trows);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < HT; ++i) {  // i = h * T + t
       const int64_t h = i / x.T, t = i % x.T;
@@ -721,14 +733,13 @@ void CpuOps::attention_merge(Tensor o, Tensor lse, Tensor o2, Tensor lse2, int64
 
 size_t CpuOps::attention_workspace(bool backward, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t key_blocks,
                                    int64_t block_len, DType kv_dtype, bool bf16_products) const {
-  (void)Hkv;
   if (T <= 0 || H <= 0) return 0;
   const bool amx = bf16_products && gemm_isa() == GemmIsa::amx;
   const bool widen = kv_dtype != DType::f32 || (bf16_products && !amx);
   const int64_t n_kt = key_blocks * ((block_len + kBk - 1) / kBk), n_qt = (T + kBq - 1) / kBq;
   const int64_t rows = operand_floats(T, H * D, bf16_products, amx);
   const int64_t extra = backward ? 2 * padded(H * T) + 2 * rows : rows;
-  return static_cast<size_t>(scratch_bytes(n_kt, n_qt, extra, tiles_floats(D, widen, amx)));
+  return static_cast<size_t>(scratch_bytes(n_kt, n_qt, extra, tiles_floats(D, widen, amx, tile_rows(T, H, Hkv, amx, backward))));
 }
 
 }  // namespace oomless
