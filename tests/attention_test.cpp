@@ -535,12 +535,14 @@ TEST(Attention, MergeIntoARowRange) {
 }
 
 // Gemm::tile against RefOps::matmul: every transpose pair, accumulate or not, odd sizes, K past one
-// k block (256) and N past one column block (64), and leading dimensions with a gap (the gap is NaN:
-// reading it poisons c; c's gap must survive).
+// k block (256) and N past one column block (64), one strip of rows (B read in place where a panel is
+// full) and many, and leading dimensions with a gap (the gap is NaN: reading it poisons c; c's gap must
+// survive).
 TEST(GemmTile, MatchesReference) {
   std::mt19937_64 rng(17);
   RefOps ref;
-  const int64_t sizes[][3] = {{1, 1, 1}, {7, 33, 5}, {6, 16, 64}, {13, 70, 300}, {96, 128, 64}, {5, 9, 0}, {40, 17, 513}};
+  const int64_t sizes[][3] = {{1, 1, 1}, {7, 33, 5}, {6, 16, 64}, {13, 70, 300}, {96, 128, 64}, {5, 9, 0}, {40, 17, 513},
+                              {3, 70, 300}};
   for (auto [M, N, K] : sizes)
     for (int ta = 0; ta < 2; ++ta)
       for (int tb = 0; tb < 2; ++tb)

@@ -84,7 +84,7 @@ __attribute__((target("avx512f"))) void micro_avx512(const Micro& u) {
 #pragma GCC unroll 6
       for (int i = 0; i < M; ++i) c[i] = _mm512_fmadd_ps(_mm512_set1_ps(a[i]), bk, c[i]);
       a += u.cas;
-      b += kNr;
+      b += u.bs;
     }
   } else {
     const float* ar[kMr];
@@ -94,7 +94,7 @@ __attribute__((target("avx512f"))) void micro_avx512(const Micro& u) {
       const __m512 bk = _mm512_loadu_ps(b);
 #pragma GCC unroll 6
       for (int i = 0; i < M; ++i) c[i] = _mm512_fmadd_ps(_mm512_set1_ps(ar[i][k]), bk, c[i]);
-      b += kNr;
+      b += u.bs;
     }
   }
   store_c<M>(u, c);

@@ -35,6 +35,9 @@ struct Micro {
   int64_t kc;
   int n;     // valid columns, 1..16
   bool acc;  // add to c instead of overwriting it
+  // Floats from one k's row of B to the next: kNr in a packed panel; Gemm::tile passes B's own rows (its
+  // row stride) for a full panel it need not pack. Only the kernels of unpacked A (Gemm::tile) read it.
+  int64_t bs = kNr;
 };
 
 // ---- portable micro-kernel --------------------------------------------------------------------------
@@ -43,7 +46,7 @@ template <int M>
 void micro_generic(const Micro& u) {
   float acc[M][kNr] = {};
   for (int64_t k = 0; k < u.kc; ++k) {
-    const float* bk = u.b + k * kNr;
+    const float* bk = u.b + k * u.bs;
     for (int i = 0; i < M; ++i) {
       const float ai = u.a[i * u.ras + k * u.cas];
       for (int j = 0; j < kNr; ++j) acc[i][j] += ai * bk[j];
@@ -112,7 +115,7 @@ __attribute__((target("avx2,fma"))) void micro_avx2(const Micro& u) {
         c1[i] = _mm256_fmadd_ps(ai, b1, c1[i]);
       }
       a += lda;
-      b += kNr;
+      b += u.bs;
     }
   } else {
     const float* ar[kMr];
@@ -126,7 +129,7 @@ __attribute__((target("avx2,fma"))) void micro_avx2(const Micro& u) {
         c0[i] = _mm256_fmadd_ps(ai, b0, c0[i]);
         c1[i] = _mm256_fmadd_ps(ai, b1, c1[i]);
       }
-      b += kNr;
+      b += u.bs;
     }
   }
   if (u.n == kNr) {

@@ -7,9 +7,11 @@
 //       for each 16-wide column panel:      B panel packed on the stack, kc x 16 contiguous floats
 //         for each 6-row strip of C:        the 6x16 micro-kernel, 12 accumulators in registers
 //
-// B is always packed (transposed when b is stored (N, K), zero-padded past N): the panel stays in L1
-// while every strip of C uses it, and read in place at a power-of-two leading dimension its rows would
-// fall into a few L1 sets and be evicted between strips (2x slower for the attention shapes).
+// B is packed (transposed when b is stored (N, K), zero-padded past N): the panel stays in L1 while every
+// strip of C uses it, and read in place at a power-of-two leading dimension its rows would fall into a few
+// L1 sets and be evicted between strips (2x slower for the attention shapes). Where C has one strip (a
+// decode step's P V: the group's few query rows) nothing is reused, and a full panel of a B stored (K, N)
+// is read in place, row stride and all (Micro::bs).
 // A is never packed: the micro-kernel broadcasts a(i, k) straight from memory, reading row i of a
 // stored (M, K) or column i of a stored (K, M), which stays in L2 across the panels.
 //
@@ -68,6 +70,9 @@ void Gemm::tile(const GemmShape& s, const float* a, const float* b, float* c) {
         u.acc = acc;
         if (s.tb) {
           u.b = packed + p * kc;
+        } else if (n == kNr && M <= kMr) {  // one strip, a full panel: B's rows in place (the same values, order)
+          u.b = b + k0 * ldb + n0 + p;
+          u.bs = ldb;
         } else {
           pack_b_panel(packed, b + k0 * ldb + n0 + p, ldb, kc, n);
           u.b = packed;
