@@ -63,5 +63,46 @@ TEST(Report, EmptyMetricsStillRender) {
   EXPECT_EQ(count(page, "no data"), 5);
 }
 
+
+// A planned run: the plan's settings, per-layer choices and reasons, and its predicted peak and step beside
+// what the metrics measured (the Device + Host peak; the median step after the first).
+TEST(Report, APlannedRunShowsThePlanBesideWhatItMeasured) {
+  std::string m;
+  const int tps[] = {100, 400, 500, 250};  // step seconds with seq 100, batch 2: 2, 0.5, 0.4, 0.8 -> median 0.5
+  for (int s = 1; s <= 4; ++s)
+    m += "{\"type\":\"train\",\"step\":" + std::to_string(s) + ",\"loss\":3,\"lr\":0.001,\"grad_norm\":1,"
+         "\"tokens_per_s\":" + std::to_string(tps[s - 1]) + ",\"memory\":{\"device\":{\"total\":{\"current\":1,\"peak\":" +
+         std::to_string(s == 2 ? 3 << 20 : 1 << 20) + "}},\"host\":{\"total\":{\"current\":1,\"peak\":1048576}}}}\n";
+  json::Value cfg = json::Value::object();
+  cfg.set("seq", json::Value::integer(100));
+  cfg.set("batch", json::Value::integer(2));
+  json::Value plan = json::Value::object();
+  plan.set("source", json::Value::string("--plan p.json"));
+  plan.set("settings", json::Value::string("--save-policy none:0,all --chunk 0"));
+  plan.set("predicted_peak", json::Value::number(4 << 20));
+  plan.set("predicted_step_s", json::Value::number(0.4));
+  plan.set("explain", json::Value::string("layer 0 <recomputed>"));
+  json::Value layers = json::Value::array();
+  for (const char* p : {"none", "all"}) {
+    json::Value l = json::Value::object();
+    l.set("save_policy", json::Value::string(p));
+    l.set("activations", json::Value::string(p[0] == 'n' ? "memory" : "disk"));
+    layers.push_back(std::move(l));
+  }
+  plan.set("layers", std::move(layers));
+  json::Value summary = json::Value::object();
+  summary.set("plan", plan);
+  const std::string page = render_report(m, cfg, summary);
+  EXPECT_NE(page.find("<h2>Plan</h2>"), std::string::npos);
+  EXPECT_NE(page.find("<td>chosen by</td><td>--plan p.json</td>"), std::string::npos);
+  EXPECT_NE(page.find("<td>settings</td><td>--save-policy none:0,all --chunk 0</td>"), std::string::npos);
+  EXPECT_NE(page.find("predicted 4.00 MiB, measured 4.00 MiB (measured +0%)"), std::string::npos) << page;
+  EXPECT_NE(page.find("predicted 0.4 s, measured 0.5 s (median after the first step) (measured +25%)"), std::string::npos);
+  EXPECT_NE(page.find("<tr><td>1</td><td>all</td><td>disk</td></tr>"), std::string::npos);
+  EXPECT_NE(page.find("layer 0 &lt;recomputed&gt;"), std::string::npos);
+  // an unplanned run has no plan section
+  EXPECT_EQ(render_report(m, cfg).find("<h2>Plan</h2>"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace oomless

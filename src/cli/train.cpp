@@ -10,6 +10,8 @@
 
 #include "cli/args.h"
 #include "cli/commands.h"
+#include "core/tier.h"
+#include "model/model.h"
 #include "plan/planner.h"
 #include "train/estimate.h"
 #include "train/trainer.h"
@@ -165,6 +167,8 @@ int train(const std::vector<std::string>& argv) {
   auto given = [&](const std::string& k) { return std::find(p.given.begin(), p.given.end(), k) != p.given.end(); };
   bool planned = false;
   double predicted_peak = 0, predicted_s = 0;
+  std::string plan_source, plan_explain;
+  int64_t layers = 0;
   if (!p.plan.empty()) {
     // --plan FILE: its settings, for the model and --seq it was made for; the flags it sets are not given twice.
     for (const std::string& k : planned_flags())
@@ -173,6 +177,9 @@ int train(const std::vector<std::string>& argv) {
     const json::Value file = json::parse_file(p.plan);
     apply_plan(c, file, p.plan, src.cfg);
     planned = true;
+    plan_source = "--plan " + p.plan;
+    layers = src.cfg.L;
+    if (const json::Value* x = file.find("explain"); x && x->is_string()) plan_explain = x->as_string();
     if (const json::Value* pr = file.find("predicted"); pr && pr->is_object()) {
       if (const json::Value* x = pr->find("ram_peak"); x && x->is_number()) predicted_peak = x->as_number();
       if (const json::Value* x = pr->find("step_seconds"); x && x->is_number()) predicted_s = x->as_number();
@@ -200,6 +207,9 @@ int train(const std::vector<std::string>& argv) {
         planned = true;
         predicted_peak = static_cast<double>(plan.estimate.ram_peak());
         predicted_s = plan.pick.seconds;
+        plan_source = "train --budget " + c.budget + " (no memory option given)";
+        plan_explain = plan.explain;
+        layers = open_model(c.model, static_cast<uint64_t>(c.seed)).cfg.L;
       } catch (const Error& e) {
         std::fprintf(stderr, "oomless train: no plan: %s\noomless train: running with the settings as given\n", e.what());
       }
@@ -216,7 +226,29 @@ int train(const std::vector<std::string>& argv) {
     std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", std::localtime(&now));
     c.out = std::string("runs/run-") + stamp;
   }
-  const int rc = run_training(c);
+  // The report's plan section (write_report: summary "plan").
+  json::Value pj = json::Value::object();
+  pj.set("source", json::Value::string(plan_source));
+  pj.set("settings", json::Value::string("--save-policy " + c.save_policy + " --chunk " + std::to_string(c.chunk) +
+                                         " --act-offload " + c.act_offload + " --kv-offload " + c.kv_offload +
+                                         " --optim-state " + c.optim_state));
+  pj.set("predicted_peak", json::Value::number(predicted_peak));
+  pj.set("predicted_step_s", json::Value::number(predicted_s));
+  pj.set("explain", json::Value::string(plan_explain));
+  if (layers > 0) {
+    const std::vector<SavePolicy> pol = parse_save_policies(c.save_policy, layers);
+    const std::vector<Tier> at = parse_act_tiers(c.act_offload, layers);
+    json::Value ls = json::Value::array();
+    for (int64_t l = 0; l < layers; ++l) {
+      json::Value e = json::Value::object();
+      e.set("save_policy", json::Value::string(save_policy_name(pol[static_cast<size_t>(l)])));
+      const Tier t = at[static_cast<size_t>(l)];
+      e.set("activations", json::Value::string(t == Tier::Device ? "memory" : tier_name(t)));
+      ls.push_back(std::move(e));
+    }
+    pj.set("layers", std::move(ls));
+  }
+  const int rc = run_training(c, pj);
   if (rc != 0) return rc;
   std::vector<double> secs;
   double peak = 0;

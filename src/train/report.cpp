@@ -202,6 +202,8 @@ std::string render_report(const std::string& metrics_jsonl, const json::Value& c
   Series asat{"saturated", kColors[4], {}}, aflush{"flushed to zero", kColors[5], {}};
   int64_t steps = 0, skipped = 0;
   json::Value params;  // the last train line's "params"
+  std::vector<double> step_tps;  // tokens/s of each step (the plan's measured step time)
+  double ram_peak = 0;           // the ledger's Device + Host peak over the steps
   std::istringstream in(metrics_jsonl);
   for (std::string line; std::getline(in, line);) {
     json::Value o;
@@ -227,7 +229,15 @@ std::string render_report(const std::string& metrics_jsonl, const json::Value& c
     lr.pts.push_back({s, val("lr")});
     tps.pts.push_back({s, val("tokens_per_s")});
     gnorm.pts.push_back({s, val("grad_norm")});
-    if (const double t = val("tokens_per_s"); t > 0) seconds += 1.0 / t;  // times tokens per step below
+    if (const double t = val("tokens_per_s"); t > 0) seconds += 1.0 / t, step_tps.push_back(t);  // (times tokens a step below)
+    if (const json::Value* m = o.find("memory"); m && m->is_object()) {
+      double p = 0;
+      for (const char* tier : {"device", "host"})
+        if (const json::Value* t = m->find(tier); t && t->is_object())
+          if (const json::Value* tot = t->find("total"); tot && tot->is_object() && tot->find("peak"))
+            p += tot->at("peak").as_number();
+      ram_peak = std::max(ram_peak, p);
+    }
     if (const json::Value* f = o.find("kv_fp8"); f && f->is_object())
       for (const char* kind : {"k", "v"}) {
         const json::Value* c = f->find(kind);
@@ -287,6 +297,47 @@ std::string render_report(const std::string& metrics_jsonl, const json::Value& c
     row("best eval loss", num(best->second) + " at step " + num(best->first));
   }
   h << "</table>\n";
+  // A planned run (train --plan, or --budget alone): what the planner chose and why, and its prediction
+  // beside what the run measured (the ledger's Device + Host peak; the median step after the first).
+  if (const json::Value* pl = summary.is_object() ? summary.find("plan") : nullptr; pl && pl->is_object()) {
+    auto str = [&](const char* k) {
+      const json::Value* v = pl->find(k);
+      return v && v->is_string() ? v->as_string() : std::string();
+    };
+    auto number = [&](const char* k) {
+      const json::Value* v = pl->find(k);
+      return v && v->is_number() ? v->as_number() : 0.0;
+    };
+    h << "<h2>Plan</h2>\n<table>\n";
+    row("chosen by", str("source"));
+    row("settings", str("settings"));
+    const double pred_peak = number("predicted_peak"), pred_s = number("predicted_step_s");
+    std::vector<double> later(step_tps.size() > 1 ? step_tps.begin() + 1 : step_tps.begin(), step_tps.end());
+    std::sort(later.begin(), later.end());
+    const double meas_s = later.empty() || tokens_per_step <= 0 ? 0 : tokens_per_step / later[later.size() / 2];
+    auto pct = [&](double pred, double meas) {
+      return pred > 0 && meas > 0 ? " (measured " + std::string(meas >= pred ? "+" : "") + num(100.0 * (meas - pred) / pred) + "%)" : std::string();
+    };
+    if (pred_peak > 0 || ram_peak > 0)
+      row("peak memory (device + host)", "predicted " + format_bytes(static_cast<size_t>(pred_peak)) + ", measured " +
+                                             format_bytes(static_cast<size_t>(ram_peak)) + pct(pred_peak, ram_peak));
+    if (pred_s > 0 || meas_s > 0)
+      row("step time", "predicted " + num(pred_s) + " s, measured " + num(meas_s) + " s (median after the first step)" +
+                           pct(pred_s, meas_s));
+    h << "</table>\n";
+    if (const json::Value* layers = pl->find("layers"); layers && layers->is_array() && !layers->as_array().empty()) {
+      h << "<table>\n<tr><td>layer</td><td>saved activations</td><td>kept in</td></tr>\n";
+      int64_t i = 0;
+      for (const json::Value& l : layers->as_array()) {
+        const json::Value* po = l.is_object() ? l.find("save_policy") : nullptr;
+        const json::Value* at = l.is_object() ? l.find("activations") : nullptr;
+        h << "<tr><td>" << i++ << "</td><td>" << esc(po && po->is_string() ? po->as_string() : "") << "</td><td>"
+          << esc(at && at->is_string() ? at->as_string() : "") << "</td></tr>\n";
+      }
+      h << "</table>\n";
+    }
+    if (const std::string why = str("explain"); !why.empty()) h << "<pre>" << esc(why) << "</pre>\n";
+  }
   auto count = [&](const char* k) {
     const json::Value* v = params.is_object() ? params.find(k) : nullptr;
     return v && v->is_number() ? v->as_number() : 0.0;

@@ -380,7 +380,7 @@ json::Value TrainConfig::to_json() const {
 }
 
 namespace {
-int train_run(const TrainConfig& c, const std::string& out);
+int train_run(const TrainConfig& c, const std::string& out, const json::Value& plan);
 
 LoraSettings lora_settings(const TrainConfig& c) {
   LoraSettings s;
@@ -477,7 +477,7 @@ void validate_config(const TrainConfig& c) {
   }
 }
 
-int run_training(const TrainConfig& c) {
+int run_training(const TrainConfig& c, const json::Value& plan) {
   validate_config(c);
   if (c.threads > 0) set_threads(static_cast<int>(c.threads));
   std::string out = c.resume && !c.resume_dir.empty() ? c.resume_dir : c.out;
@@ -539,7 +539,7 @@ int run_training(const TrainConfig& c) {
                  cfg_local.data.c_str());
   }
   try {
-    return train_run(cfg_local, out);
+    return train_run(cfg_local, out, plan);
   } catch (...) {
     // A new run that failed before its first checkpoint leaves no folder behind when it made the folder
     // (it holds at most the bundled corpus and a metrics file of no step).
@@ -1327,7 +1327,7 @@ std::string first_words(const std::string& path, int n) {
   return out;
 }
 
-int train_run(const TrainConfig& c, const std::string& out) {
+int train_run(const TrainConfig& c, const std::string& out, const json::Value& plan) {
   Trainer tr(c, out, stderr);
   Engine& e = tr.engine();
   const int64_t total = tr.total_steps();
@@ -1406,6 +1406,7 @@ int train_run(const TrainConfig& c, const std::string& out) {
   shown.set("threads", json::Value::integer(get_threads()));
   json::Value summary = json::Value::object();
   summary.set("model", json::Value::string(c.model));
+  if (plan.is_object()) summary.set("plan", plan);
   summary.set("total_steps", json::Value::integer(tr.total_steps()));
   if (std::isfinite(tr.epochs_trained())) {
     summary.set("epochs", json::Value::number(tr.epochs_trained()));

@@ -210,6 +210,7 @@ class Trainer {
 };
 
 // Runs (or resumes) training; returns the process exit code. Progress goes to stderr, results to stdout.
-int run_training(const TrainConfig& cfg);
+// plan: a planned run's plan for the report (write_report's summary "plan"), or null.
+int run_training(const TrainConfig& cfg, const json::Value& plan = {});
 
 }  // namespace oomless

@@ -22,12 +22,17 @@ if grep -q -- "--save-policy all$" "$work/plan.log"; then cat "$work/plan.log"; 
 grep -q "oomless train: --plan $work/p.json: --save-policy " "$work/train.log" || { cat "$work/train.log"; fail "no --plan line"; }
 grep -Eq "^plan: predicted peak [0-9.]+ [KM]iB, [0-9.]+ s a step; measured peak [0-9.]+ [KM]iB, [0-9.]+ s a step \(median of 1\)$" "$work/train.log" \
   || { cat "$work/train.log"; fail "no predicted-vs-measured line"; }
+# the report shows the plan: where it came from, its per-layer choices, predicted beside measured
+grep -q "<h2>Plan</h2>" "$work/run/report.html" && grep -q "<td>chosen by</td><td>--plan $work/p.json</td>" "$work/run/report.html" &&
+  grep -Eq "<td>peak memory \(device \+ host\)</td><td>predicted [0-9.]+ [KM]iB, measured [0-9.]+ [KM]iB" "$work/run/report.html" &&
+  grep -q "<tr><td>0</td><td>" "$work/run/report.html" || fail "report.html has no plan section"
 used=$(tail -1 "$work/run/metrics.jsonl" | sed 's/.*"device":{.*"total":{"current":[0-9]*,"peak":\([0-9]*\)}},"host":{.*"total":{"current":[0-9]*,"peak":\([0-9]*\)}}}}.*/\1 \2/')
 set -- $used
 [ $(( $1 + $2 )) -le "$budget" ] || fail "the planned run held $(( $1 + $2 )) bytes, over --budget $budget"
 # --budget alone plans; an explicit --save-policy wins.
 "$bin" train $M --data "$D" --steps 1 --budget "$budget" --out "$work/auto" > "$work/auto.log" 2>&1 || { cat "$work/auto.log"; fail "train --budget"; }
 grep -q "oomless train: planned for --budget $budget: --save-policy " "$work/auto.log" || { cat "$work/auto.log"; fail "no planning"; }
+grep -q "<td>chosen by</td><td>train --budget $budget (no memory option given)</td>" "$work/auto/report.html" || fail "auto plan not in report"
 "$bin" train $M --data "$D" --steps 1 --budget "$hi" --save-policy all --out "$work/given" > "$work/given.log" 2>&1 || { cat "$work/given.log"; fail "given"; }
 if grep -q "planned for" "$work/given.log"; then fail "planned although --save-policy was given"; fi
 # Refused: nothing fits; a plan beside a flag it sets; a plan for another --seq.
