@@ -17,7 +17,7 @@
 #include "backend/lapack.h"
 #include "backend/cpu/adam8.h"
 #include "backend/cpu/gemm.h"
-#include "backend/ref/ref_ops.h"
+#include "backend/rope.h"
 
 namespace oomless {
 

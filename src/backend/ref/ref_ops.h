@@ -50,7 +50,5 @@ class RefOps final : public Ops {
   void svd_basis(Tensor out, Tensor g, bool right) override;
 };
 
-// inv_freq (D/2) in double for a head dim D, as RopeConfig describes. Shared by every backend.
-void rope_inv_freq(double* inv_freq, int64_t D, const RopeConfig& cfg);
 
 }  // namespace oomless
