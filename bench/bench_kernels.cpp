@@ -1,6 +1,7 @@
 // Kernel benchmarks: GEMM at model shapes through oomless (CpuOps::matmul) beside oneDNN called
-// directly (one multi-threaded primitive created once), causal attention forward+backward, and the
-// optimizer steps (fp32 AdamW, AdamW8bit) over one large tensor.
+// directly (one multi-threaded primitive created once), causal attention forward+backward, the
+// optimizer steps (fp32 AdamW, AdamW8bit) over one large tensor, and the one-row products of decoding
+// over GGUF blocks (f32 against 8-bit activations).
 // Runs alternate (ours on each path, direct, ours, ...) and each figure is the median of `--reps` runs.
 // --isa names the GEMM paths to run side by side (comma-separated, or all: every path this CPU has;
 // default: the one in use, see OOMLESS_ISA in gemm.h); attention runs on the default path.
@@ -22,6 +23,8 @@
 #include "backend/cpu/cpu_ops.h"
 #include "backend/cpu/gemm.h"
 #include "core/cpu_info.h"
+#include "core/q8_act.h"
+#include "io/gguf.h"
 #include "memory/arena.h"
 
 using namespace oomless;
@@ -281,6 +284,93 @@ int main(int argc, char** argv) {
     }
     for (auto [name, t, bytes] : {std::tuple{"adamw", median(t32), 28.0}, std::tuple{"adamw8bit", median(t8), 16.0}})
       std::printf("| %s | %.1f | %.0f | %.1f |\n", name, t * 1e3, n / t * 1e-6, bytes * n / t * 1e-9);
+  }
+  // One-row products over GGUF blocks (a decode step's projections and LM head): the f32 kernel (elements made
+  // from the blocks in registers, the bits of the dequantised product) against the integer one with the row
+  // quantised to 8 bits (generate --decode-dot int8), over a matrix larger than the caches (four of
+  // SmolLM2's LM heads: 196608 x 576; --quick: 8192 rows, in cache), the threads streaming their shares of
+  // its rows, and a plain read of the same bytes (32-byte words) as the ceiling.
+  {
+    const int64_t K = 576, rows = quick ? 8192 : 4 * 49152;
+    std::printf("\n## One-row products over GGUF blocks, %lld x %lld (median of %d alternating runs; int8: %s)\n\n",
+                (long long)rows, (long long)K, reps, ggml_row_dot_q8_form());
+    std::printf("| type | MiB | f32 kernel GB/s | int8 kernel GB/s | int8 / f32 | plain read GB/s |\n|---|---|---|---|---|---|\n");
+    std::vector<float> x(static_cast<size_t>(K));
+    fill(x.data(), DType::f32, K, 21);
+    std::vector<char> xq_mem(q8_act_bytes(K));
+    const Q8Act xq = q8_act_at(xq_mem.data(), K);
+    for (GgmlType t : {GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0}) {
+      const GgmlRowDot f32k = ggml_row_dot(t);
+      const GgmlRowDotQ8 i8k = ggml_row_dot_q8(t);
+      if (!f32k || !i8k) {
+        std::printf("| %s | - | (no vector kernel on this path) | | | |\n", ggml_type_name(t).c_str());
+        continue;
+      }
+      const int64_t bytes = ggml_type_info(static_cast<uint32_t>(t))->type_size, rb = K / 32 * bytes;
+      Buffer w = mem.device.alloc(static_cast<size_t>(rows * rb), Category::workspace, "bench blocks");
+      std::mt19937_64 rng(31);
+      for (int64_t i = 0; i < rows * rb; ++i) w.as<uint8_t>()[i] = static_cast<uint8_t>(rng());
+      for (int64_t i = 0; i < rows * K / 32; ++i) {  // finite scales (and Q4_1 mins): 2^-7
+        const uint16_t h = 0x2000;
+        std::memcpy(w.as<uint8_t>() + i * bytes, &h, 2);
+        if (t == GgmlType::Q4_1) std::memcpy(w.as<uint8_t>() + i * bytes + 2, &h, 2);
+      }
+      std::vector<float> out(static_cast<size_t>(rows));
+      const uint8_t* base = w.as<uint8_t>();
+      auto run_f32 = [&] {
+#pragma omp parallel for schedule(static)
+        for (int64_t j = 0; j < rows; j += 8) {
+          const uint8_t* p[8];
+          for (int i = 0; i < 8; ++i) p[i] = base + (j + i) * rb;
+          float acc[64] = {};
+          f32k(p, 8, K / 32, x.data(), acc, 8 * rb);
+          out[static_cast<size_t>(j)] = acc[0];
+        }
+      };
+      auto run_i8 = [&] {
+        quantise_q8_act(x.data(), xq);
+#pragma omp parallel for schedule(static)
+        for (int64_t j = 0; j < rows; j += 8) {
+          const uint8_t* p[8];
+          for (int i = 0; i < 8; ++i) p[i] = base + (j + i) * rb;
+          i8k(p, 8, K / 32, xq, out.data() + j, 8 * rb);
+        }
+      };
+      typedef uint64_t v4u __attribute__((vector_size(32)));
+      uint64_t sink = 0;
+      auto run_read = [&] {
+        uint64_t total = 0;
+#pragma omp parallel reduction(^ : total)
+        {
+          v4u acc[4] = {};
+#pragma omp for schedule(static)
+          for (int64_t j = 0; j < rows * rb / 128; ++j)
+            for (int u = 0; u < 4; ++u) {
+              v4u v;
+              std::memcpy(&v, base + 128 * j + 32 * u, 32);
+              acc[u] ^= v;
+            }
+          for (int u = 0; u < 4; ++u) total ^= acc[u][0] ^ acc[u][1] ^ acc[u][2] ^ acc[u][3];
+        }
+        sink ^= total;
+      };
+      std::vector<double> tf, ti, tr;
+      run_f32(), run_i8(), run_read();
+      for (int r = 0; r < reps; ++r) {
+        double t0 = now();
+        run_f32();
+        double t1 = now();
+        run_i8();
+        double t2 = now();
+        run_read();
+        double t3 = now();
+        tf.push_back(t1 - t0), ti.push_back(t2 - t1), tr.push_back(t3 - t2);
+      }
+      const double b = static_cast<double>(rows * rb);
+      std::printf("| %s | %.1f | %.1f | %.1f | %.2f | %.1f |%s\n", ggml_type_name(t).c_str(), b / 1048576.0,
+                  b / median(tf) * 1e-9, b / median(ti) * 1e-9, median(tf) / median(ti), b / median(tr) * 1e-9,
+                  sink == 1 ? " " : "");
+    }
   }
   std::printf("\nledger peak (all bench buffers and scratch): %s\n", format_bytes(mem.ledger.peak_all()).c_str());
   return 0;
