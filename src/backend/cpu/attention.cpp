@@ -284,59 +284,46 @@ void round_tile(float* x, int64_t n, uint16_t* h) {
   for (int64_t i = 0; i < n; ++i) x[i] = round_to_bf16(x[i]);
 }
 
-// The K and V rows (n, D) of key tile kt under kv head g: pointers into the block when f32, else
-// widened (bf16, or f8_e4m3 times the block's scales) into kbuf and vbuf.
-void key_rows(const Ctx& x, const KeyTile& kt, int64_t g, int64_t n, const float** K, const float** V, float* kbuf,
-              float* vbuf) {
+// The key (values: false) or value rows (n, D) of key tile kt under kv head g: a pointer into the block when
+// f32, else widened (bf16, or f8_e4m3 / int8 times the block's or the rows' scales) into buf.
+const float* side_rows(const Ctx& x, const KeyTile& kt, int64_t g, int64_t n, bool values, float* buf) {
   const KvBlock& blk = x.kv->blocks[kt.block];
   const int64_t off = (g * x.P + kt.j0) * x.D;
-  if (x.kv->dtype == DType::f32) {
-    *K = static_cast<const float*>(blk.k) + off;
-    *V = static_cast<const float*>(blk.v) + off;
-    return;
-  }
+  const void* src = values ? blk.v : blk.k;
+  if (x.kv->dtype == DType::f32) return static_cast<const float*>(src) + off;
+  const float* row_scale = values ? blk.v_rows : blk.k_rows;
   if (x.kv->dtype == DType::f8_e4m3) {
     static const std::array<float, 256> lut = [] {
       std::array<float, 256> t{};
       for (int c = 0; c < 256; ++c) t[static_cast<size_t>(c)] = f8e4m3_to_f32(static_cast<uint8_t>(c));
       return t;
     }();
-    const uint8_t* k8 = static_cast<const uint8_t*>(blk.k) + off;
-    const uint8_t* v8 = static_cast<const uint8_t*>(blk.v) + off;
-    if (blk.k_rows) {
-      const float* ks = blk.k_rows + g * x.P + kt.j0;
-      const float* vs = blk.v_rows + g * x.P + kt.j0;
+    const uint8_t* c8 = static_cast<const uint8_t*>(src) + off;
+    if (row_scale) {
+      const float* sc = row_scale + g * x.P + kt.j0;
       for (int64_t i = 0; i < n; ++i)
-        for (int64_t d = 0; d < x.D; ++d) {
-          kbuf[i * x.D + d] = lut[k8[i * x.D + d]] * ks[i];
-          vbuf[i * x.D + d] = lut[v8[i * x.D + d]] * vs[i];
-        }
+        for (int64_t d = 0; d < x.D; ++d) buf[i * x.D + d] = lut[c8[i * x.D + d]] * sc[i];
     } else {
-      for (int64_t i = 0; i < n * x.D; ++i) {
-        kbuf[i] = lut[k8[i]] * blk.k_scale;
-        vbuf[i] = lut[v8[i]] * blk.v_scale;
-      }
+      const float sc = values ? blk.v_scale : blk.k_scale;
+      for (int64_t i = 0; i < n * x.D; ++i) buf[i] = lut[c8[i]] * sc;
     }
   } else if (x.kv->dtype == DType::i8) {
-    const int8_t* k8 = static_cast<const int8_t*>(blk.k) + off;
-    const int8_t* v8 = static_cast<const int8_t*>(blk.v) + off;
-    const float* ks = blk.k_rows + g * x.P + kt.j0;
-    const float* vs = blk.v_rows + g * x.P + kt.j0;
+    const int8_t* c8 = static_cast<const int8_t*>(src) + off;
+    const float* sc = row_scale + g * x.P + kt.j0;
     for (int64_t i = 0; i < n; ++i)
-      for (int64_t d = 0; d < x.D; ++d) {
-        kbuf[i * x.D + d] = static_cast<float>(k8[i * x.D + d]) * ks[i];
-        vbuf[i * x.D + d] = static_cast<float>(v8[i * x.D + d]) * vs[i];
-      }
+      for (int64_t d = 0; d < x.D; ++d) buf[i * x.D + d] = static_cast<float>(c8[i * x.D + d]) * sc[i];
   } else {
-    const uint16_t* k16 = static_cast<const uint16_t*>(blk.k) + off;
-    const uint16_t* v16 = static_cast<const uint16_t*>(blk.v) + off;
-    for (int64_t i = 0; i < n * x.D; ++i) {
-      kbuf[i] = bf16_to_f32(k16[i]);
-      vbuf[i] = bf16_to_f32(v16[i]);
-    }
+    const uint16_t* h16 = static_cast<const uint16_t*>(src) + off;
+    for (int64_t i = 0; i < n * x.D; ++i) buf[i] = bf16_to_f32(h16[i]);
   }
-  *K = kbuf;
-  *V = vbuf;
+  return buf;
+}
+
+// The K and V rows (n, D) of key tile kt under kv head g (side_rows), into kbuf and vbuf where widened.
+void key_rows(const Ctx& x, const KeyTile& kt, int64_t g, int64_t n, const float** K, const float** V, float* kbuf,
+              float* vbuf) {
+  *K = side_rows(x, kt, g, n, false, kbuf);
+  *V = side_rows(x, kt, g, n, true, vbuf);
 }
 
 // Per-thread scratch of one task: score tiles and widened key tiles.
@@ -595,6 +582,89 @@ void decode_group_task(const Ctx& x, int64_t g, const Tiles& w) {
   forward_rows(x, g, x.qt[0], Q, x.group, qpos, x.o + g * x.group * x.D, x.D, x.lse + g * x.group, w);
 }
 
+// A decode step's attention with f32 products, every KV head's key tiles spread over the threads, in four
+// phases that give decode_group_task's bits: (A) each (KV head, key tile)'s scores S = Q K^T; (B) per KV
+// head, online_softmax over its tiles in order, turning each S into P and recording, instead of rescaling
+// O, the factor it would have applied to O at that tile (a one-wide row that starts at 1); (C) each tile's
+// product P V from zero (the chain decode_group_task adds to O); (D) per KV head, O = O * factor + chain
+// tile by tile in order, as the accumulating tile product does, then finish_rows. The scores, chains and
+// factors live in `split` (decode_split_floats).
+int64_t decode_split_floats(int64_t Hkv, int64_t n_kt, int64_t group, int64_t D) {
+  const int64_t tiles = Hkv * n_kt * group;
+  return padded(tiles * kBk) + padded(tiles * D) + padded(tiles) + 2 * padded(Hkv * group);
+}
+
+void decode_split(const Ctx& x, float* split, float* tiles, int64_t tile_floats, bool widen, int64_t trows) {
+  const int64_t G = x.group, nt = x.n_kt, D = x.D, units = x.Hkv * nt;
+  float* S = split;                      // (Hkv, nt, G, kBk)
+  float* C = S + padded(units * G * kBk);  // (Hkv, nt, G, D)
+  float* F = C + padded(units * G * D);    // (Hkv, nt, G) the factors
+  float* M = F + padded(units * G);        // (Hkv, G) running max, then sum
+  float* L = M + padded(x.Hkv * G);
+  const QueryTile& qt = x.qt[0];
+  int32_t qpos[kBq];
+  std::fill(qpos, qpos + G, x.pos[0]);
+#pragma omp parallel
+  {
+    const Tiles w = carve_tiles(tiles + omp_get_thread_num() * tile_floats, D, widen, false, trows);
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < units; ++u) {  // (A)
+      const int64_t g = u / nt;
+      const KeyTile& kt = x.kt[u % nt];
+      const int64_t nk = visible_keys(kt, qt);
+      if (nk == 0) continue;
+      Opnd K, Q = q_rows(x, x.q, x.qr, x.qh, 0, g * G);
+      Q.ld = K.ld = D;
+      K.f = side_rows(x, kt, g, nk, false, w.k);  // the keys only
+      tile_gemm(G, nk, D, false, true, Q, K, S + u * G * kBk, nk, false, w.work);
+    }
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < x.Hkv; ++g) {  // (B)
+      float* m = M + g * G;
+      float* l = L + g * G;
+      std::fill(m, m + G, kNegInf);
+      std::fill(l, l + G, 0.0f);
+      for (int64_t i = 0; i < nt; ++i) {
+        const KeyTile& kt = x.kt[i];
+        const int64_t nk = visible_keys(kt, qt), u = g * nt + i;
+        if (nk == 0) continue;
+        std::fill(F + u * G, F + u * G + G, 1.0f);
+        online_softmax(S + u * G * kBk, G, nk, x.c, qpos, kt.lo, m, l, F + u * G, 1, 1);
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < units; ++u) {  // (C)
+      const int64_t g = u / nt;
+      const KeyTile& kt = x.kt[u % nt];
+      const int64_t nk = visible_keys(kt, qt);
+      if (nk == 0) continue;
+      Opnd V, P;
+      V.f = side_rows(x, kt, g, nk, true, w.v);  // the values only
+      V.ld = D;
+      P.f = S + u * G * kBk;
+      P.ld = nk;
+      tile_gemm(G, D, nk, false, false, P, V, C + u * G * D, D, false, w.work);
+    }
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < x.Hkv; ++g) {  // (D)
+      float* O = x.o + g * G * D;
+      std::fill(O, O + G * D, 0.0f);
+      for (int64_t i = 0; i < nt; ++i) {
+        const int64_t u = g * nt + i;
+        if (visible_keys(x.kt[i], qt) == 0) continue;
+        for (int64_t r = 0; r < G; ++r) {
+          float* orow = O + r * D;
+          const float* c = C + (u * G + r) * D;
+          if (const float alpha = F[u * G + r]; alpha != 1.0f)
+            for (int64_t d = 0; d < D; ++d) orow[d] *= alpha;
+          for (int64_t d = 0; d < D; ++d) orow[d] = orow[d] + c[d];
+        }
+      }
+      finish_rows(O, D, D, G, M + g * G, L + g * G, x.lse + g * G);
+    }
+  }
+}
+
 // S, P and dS of one (query tile, key tile) pair under head h into w.s (P) and w.ds (dS).
 // With bf16 products, P and dS are rounded after dS is computed from the fp32 P; *P and *dS are the operands.
 void recompute_scores(const Ctx& x, int64_t h, const QueryTile& qt, const KeyTile& kt, int64_t nk, Opnd K, Opnd V,
@@ -659,13 +729,16 @@ void CpuOps::attention_forward(Tensor o, Tensor lse, Tensor q, const KvBlocks& k
   x.n_qt = (x.T + kBq - 1) / kBq;
   const int64_t rows = operand_floats(x);
   const int64_t trows = tile_rows(x.T, x.H, x.Hkv, x.amx, false);
-  Scratch s = make_scratch(*this, x.n_kt, x.n_qt, rows, tiles_floats(x.D, widen, x.amx, trows));
+  const bool decode = x.T == 1 && x.group > 1 && x.group <= kBq;
+  const bool split = decode && !x.bf16;  // (f32 products: decode_split)
+  const int64_t split_floats = split ? decode_split_floats(x.Hkv, x.n_kt, x.group, x.D) : 0;
+  Scratch s = make_scratch(*this, x.n_kt, x.n_qt, padded(rows) + split_floats, tiles_floats(x.D, widen, x.amx, trows));
   fill_key_tiles(s.kt, kv);
   fill_query_tiles(s.qt, x.pos, x.T);
   x.kt = s.kt;
   x.qt = s.qt;
   round_rows(&x, x.q, s.extra, &x.qr, &x.qh);
-  const bool decode = x.T == 1 && x.group > 1 && x.group <= kBq;
+  if (split) return decode_split(x, s.extra + padded(rows), s.tiles, s.tile_floats, widen, trows);
   const int64_t tasks = decode ? x.Hkv : x.n_qt * x.H;
 #pragma omp parallel
   {
@@ -738,7 +811,10 @@ size_t CpuOps::attention_workspace(bool backward, int64_t T, int64_t H, int64_t 
   const bool widen = kv_dtype != DType::f32 || (bf16_products && !amx);
   const int64_t n_kt = key_blocks * ((block_len + kBk - 1) / kBk), n_qt = (T + kBq - 1) / kBq;
   const int64_t rows = operand_floats(T, H * D, bf16_products, amx);
-  const int64_t extra = backward ? 2 * padded(H * T) + 2 * rows : rows;
+  const int64_t group = Hkv > 0 ? H / Hkv : 1;
+  const bool split = !backward && T == 1 && group > 1 && group <= kBq && !bf16_products;
+  const int64_t extra =
+      backward ? 2 * padded(H * T) + 2 * rows : padded(rows) + (split ? decode_split_floats(Hkv, n_kt, group, D) : 0);
   return static_cast<size_t>(scratch_bytes(n_kt, n_qt, extra, tiles_floats(D, widen, amx, tile_rows(T, H, Hkv, amx, backward))));
 }
 
