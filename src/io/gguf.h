@@ -67,7 +67,8 @@ GgmlRowDot ggml_row_dot(GgmlType t);
 // The one-row product's integer kernel for a type (Q4_0, Q4_1, Q8_0) with the activation row quantised to
 // 8 bits (core/q8_act.h): out[i] = the product of the first `blocks` blocks at rows[i] (i < g <= 8) with
 // a's, in the order of operations io/gguf_q8dot.cpp states (integer lanes, one fused multiply-add a block,
-// the offset term apart), each row's line `ahead` bytes further prefetched. Its AVX512-VNNI and AVX2
+// the offset term apart; Q4_0 and Q4_1 four rows at a time, each row's line `ahead` bytes further
+// prefetched; Q8_0 one row at a time, streamed as it is, without). Its AVX512-VNNI and AVX2
 // forms and the plain one give the same bits. nullptr without AVX2 + FMA + F16C (or under
 // OOMLESS_ISA=generic); OOMLESS_ISA=avx2 keeps the AVX2 form on a CPU with VNNI.
 using GgmlRowDotQ8 = void (*)(const uint8_t* const* rows, int g, int64_t blocks, const Q8Act& a, float* out,
