@@ -15,25 +15,7 @@ req="$here/requirements.txt"
 
 check() {  # exit 0 when every pin in requirements.txt is installed in the venv
     [ -x "$venv/bin/python" ] || return 1
-    "$venv/bin/python" - "$req" <<'PY'
-import sys
-from importlib.metadata import version, PackageNotFoundError
-bad = []
-for line in open(sys.argv[1]):
-    line = line.split("#")[0].strip()
-    if not line:
-        continue
-    name, want = line.split("==")
-    try:
-        have = version(name)
-    except PackageNotFoundError:
-        have = None
-    if have != want:
-        bad.append(f"{name}: {have} (want {want})")
-if bad:
-    print("bench/estimate/.venv incomplete: " + "; ".join(bad), file=sys.stderr)
-    sys.exit(1)
-PY
+    "$venv/bin/python" "$golden/check_pins.py" "$req" bench/estimate/.venv
 }
 
 if check 2>/dev/null; then

@@ -9,25 +9,7 @@ py="${PYTHON:-python3}"
 
 check() {  # exit 0 when every pin in requirements.txt is installed in the venv
     [ -x "$venv/bin/python" ] || return 1
-    "$venv/bin/python" - "$req" <<'PY'
-import sys
-from importlib.metadata import version, PackageNotFoundError
-bad = []
-for line in open(sys.argv[1]):
-    line = line.split("#")[0].strip()
-    if not line:
-        continue
-    name, want = line.split("==")
-    try:
-        have = version(name).split("+")[0]
-    except PackageNotFoundError:
-        have = None
-    if have != want:
-        bad.append(f"{name}: {have} (want {want})")
-if bad:
-    print("tools/golden/.venv incomplete: " + "; ".join(bad), file=sys.stderr)
-    sys.exit(1)
-PY
+    "$venv/bin/python" "$here/check_pins.py" "$req" tools/golden/.venv
 }
 
 if check 2>/dev/null; then
