@@ -196,25 +196,23 @@ OOMLESS_Q8_AVX2 inline __m256 scales4(const uint8_t* const* b, float da, float s
     }                                                                                                       \
   }
 
+// A form's GgmlRowDotQ8: the rows four at a time where the type interleaves them, then one at a time.
+#define OOMLESS_Q8_DOT(NAME, ROWS, TARGET)                                                                  \
+  template <GgmlType T>                                                                                     \
+  TARGET void NAME(const uint8_t* const* rows, int g, int64_t blocks, const Q8Act& a, float* out, int64_t ahead) { \
+    int i = 0;                                                                                              \
+    if constexpr (Layout<T>::rows == 4)                                                                     \
+      for (; i + 4 <= g; i += 4) ROWS<T, 4>(rows + i, blocks, a, out + i, ahead);                           \
+    for (; i < g; ++i) ROWS<T, 1>(rows + i, blocks, a, out + i, Layout<T>::rows == 1 ? 0 : ahead);          \
+  }
+
 OOMLESS_Q8_ROWS(rows_avx2, OOMLESS_Q8_AVX2, nibbles_avx2, lanes_avx2)
 OOMLESS_Q8_ROWS(rows_vnni, OOMLESS_Q8_VNNI, nibbles_vnni, lanes_vnni)
+OOMLESS_Q8_DOT(dot_avx2, rows_avx2, OOMLESS_Q8_AVX2)
+OOMLESS_Q8_DOT(dot_vnni, rows_vnni, OOMLESS_Q8_VNNI)
 #undef OOMLESS_Q8_ROWS
+#undef OOMLESS_Q8_DOT
 
-template <GgmlType T>
-OOMLESS_Q8_AVX2 void dot_avx2(const uint8_t* const* rows, int g, int64_t blocks, const Q8Act& a, float* out, int64_t ahead) {
-  int i = 0;
-  if constexpr (Layout<T>::rows == 4)
-    for (; i + 4 <= g; i += 4) rows_avx2<T, 4>(rows + i, blocks, a, out + i, ahead);
-  for (; i < g; ++i) rows_avx2<T, 1>(rows + i, blocks, a, out + i, Layout<T>::rows == 1 ? 0 : ahead);
-}
-
-template <GgmlType T>
-OOMLESS_Q8_VNNI void dot_vnni(const uint8_t* const* rows, int g, int64_t blocks, const Q8Act& a, float* out, int64_t ahead) {
-  int i = 0;
-  if constexpr (Layout<T>::rows == 4)
-    for (; i + 4 <= g; i += 4) rows_vnni<T, 4>(rows + i, blocks, a, out + i, ahead);
-  for (; i < g; ++i) rows_vnni<T, 1>(rows + i, blocks, a, out + i, Layout<T>::rows == 1 ? 0 : ahead);
-}
 
 // OOMLESS_ISA lowers the form as it does the GEMM's and the block decoders' (generic: none, avx2: no AVX-512).
 bool allowed(const char* level) {
