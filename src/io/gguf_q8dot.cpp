@@ -34,9 +34,9 @@ constexpr int QK = 32;
 
 // The three block layouts: bytes a block, where the codes start, whether they are nibbles.
 template <GgmlType T> struct Layout;
-// rows: how many rows a kernel call interleaves (measured: Q8_0's 34-byte blocks stream faster one row at a
-// time, 31 against 15 GB/s over two threads on an AMD EPYC with AVX-512; the nibble types four at a time,
-// 27 against 22).
+// rows: how many rows a kernel call interleaves (measured once, in a microbenchmark not kept: Q8_0's 34-byte
+// blocks stream faster one row at a time, 31 against 15 GB/s over two threads on an AMD EPYC with AVX-512;
+// the nibble types four at a time, 27 against 22).
 template <> struct Layout<GgmlType::Q4_0> {
   static constexpr int bytes = 18, codes = 2, rows = 4;
   static constexpr bool nibbles = true;
