@@ -17,6 +17,7 @@
 #include <limits>
 #include <numeric>
 
+#include "backend/cpu/cpu_ops.h"
 #include "backend/cpu/gemm.h"
 #include "backend/ref/ref_ops.h"
 #include "util/harness.h"
@@ -355,33 +356,51 @@ TEST(Attention, Bf16ProductsOnEveryPath) {
   }
 }
 
-// One position under GQA (a decode step) runs one task a kv head with the group's query heads as its rows:
-// each head's o and lse are the bits of the same row in a call of several positions (one task a head), for
-// f32 and bf16 K/V, with and without bf16 products, over paged history.
+// One position under GQA (a decode step) runs one task a kv head with the group's query heads as its rows
+// (bf16 products), or its f32 products split over every thread with keys and values read in place (the
+// direct decode kernels where D is a multiple of 8): each head's o and lse are the bits of the same row in a
+// call of several positions (one task a head), on every GEMM path, for f32 and bf16 K/V, with and without
+// bf16 products, over paged history. The shapes reach every piece of the direct kernels: key tiles of 16s,
+// an 8 and a tail (blocks of 29 and 15 keys), groups of 3, 5 (4 + 1 and 3 + 2 rows) and 4, D = 32, 40
+// (32 + 8 columns) and 12 (not a multiple of 8: Gemm::tile); with the direct kernels switched off too.
 TEST(Attention, OnePositionUnderGqaIsItsRowOfAWiderCall) {
-  auto ops = make_ops("cpu");
-  const Shape s{3, 6, 2, 32, 16, 45, false};  // positions 45..47 over 48 keys in three blocks; group 3
-  for (DType kvt : {DType::f32, DType::bf16})
-    for (bool bf : {false, true}) {
-      const std::string what = std::string(dtype_name(kvt)) + (bf ? ", bf16 products" : "");
-      const Problem p = make_problem(s, kvt, 11);
-      Problem one = p;  // the last position alone: the same keys
-      one.s.T = 1;
-      const int64_t row = s.H * s.D, last = s.T - 1;
-      one.q = HostTensor(DType::f32, {1, s.H, s.D});
-      one.dout = HostTensor(DType::f32, {1, s.H, s.D});
-      for (int64_t i = 0; i < row; ++i) {
-        one.q.set(i, p.q.get(last * row + i));
-        one.dout.set(i, p.dout.get(last * row + i));
-      }
-      one.pos = HostTensor(DType::i32, {1});
-      one.pos.set(0, p.pos.get(last));
-      const Outputs wide = run(*ops, p, scale_for(s.D), bf), narrow = run(*ops, one, scale_for(s.D), bf);
-      EXPECT_EQ(std::memcmp(static_cast<const float*>(wide.o.t().data) + last * row, narrow.o.t().data, 4 * row), 0)
-          << what << ": o";
-      for (int64_t h = 0; h < s.H; ++h)
-        EXPECT_EQ(wide.lse.get(h * s.T + last), narrow.lse.get(h)) << what << ": lse of head " << h;
-    }
+  const GemmIsa saved = gemm_isa();
+  const bool saved_direct = decode_direct_kernels();
+  for (const Shape& s : {Shape{3, 6, 2, 32, 16, 45, false}, Shape{3, 10, 2, 40, 29, 70, false},
+                         Shape{2, 8, 2, 12, 7, 9, true}})
+    for (GemmIsa isa : supported_gemm_isas())
+      for (DType kvt : {DType::f32, DType::bf16})
+        for (bool bf : {false, true})
+          for (bool direct : {true, false}) {
+            set_gemm_isa(isa);
+            set_decode_direct_kernels(direct);
+            auto ops = make_ops("cpu");
+            const std::string what = std::string(dtype_name(kvt)) + (bf ? ", bf16 products" : "") + ", " +
+                                     gemm_isa_name(isa) + ", D=" + std::to_string(s.D) + ", group " +
+                                     std::to_string(s.H / s.Hkv) + (direct ? "" : ", direct kernels off");
+            const Problem p = make_problem(s, kvt, 11);
+            int64_t last = 0;  // the row at the highest position: it sees every key
+            for (int64_t t = 1; t < s.T; ++t)
+              if (p.pos.get(t) > p.pos.get(last)) last = t;
+            Problem one = p;  // that row alone: the same keys
+            one.s.T = 1;
+            const int64_t row = s.H * s.D;
+            one.q = HostTensor(DType::f32, {1, s.H, s.D});
+            one.dout = HostTensor(DType::f32, {1, s.H, s.D});
+            for (int64_t i = 0; i < row; ++i) {
+              one.q.set(i, p.q.get(last * row + i));
+              one.dout.set(i, p.dout.get(last * row + i));
+            }
+            one.pos = HostTensor(DType::i32, {1});
+            one.pos.set(0, p.pos.get(last));
+            const Outputs wide = run(*ops, p, scale_for(s.D), bf), narrow = run(*ops, one, scale_for(s.D), bf);
+            EXPECT_EQ(std::memcmp(static_cast<const float*>(wide.o.t().data) + last * row, narrow.o.t().data, 4 * row), 0)
+                << what << ": o";
+            for (int64_t h = 0; h < s.H; ++h)
+              EXPECT_EQ(wide.lse.get(h * s.T + last), narrow.lse.get(h)) << what << ": lse of head " << h;
+          }
+  set_decode_direct_kernels(saved_direct);
+  set_gemm_isa(saved);
 }
 
 // Queries before every key (keys start at position 10, queries at 4..) and an empty block table:

@@ -16,7 +16,8 @@
 //   S = Q K^T (Gemm::tile), m' = max(m, rowmax x), P = 2^(x - m'), l = l 2^(m - m') + rowsum P,
 //   O = O 2^(m - m') + P V (Gemm::tile, accumulating into o itself); at the end O /= l.
 //   One position under GQA (a decode step): parallel over kv heads instead, the group's query heads the rows
-//   of one task, so each key tile is read once a group (the same bits: rows do not mix).
+//   of one task, so each key tile is read once a group (the same bits: rows do not mix); with f32 products
+//   split further over every thread (decode_split), keys and values read in place by kernels of its own.
 // Backward, with D_i = rowsum(dO_i * O_i) precomputed and P = 2^(x - lse log2 e):
 //   pass 1, parallel over (key tile, kv head), looping over the group's query heads and every query
 //   tile that sees the key tile:  dV += P^T dO,  dP = dO V^T,  dS = scale P (dP - D),  dK += dS^T Q;
@@ -36,12 +37,14 @@
 // key tiles are widened to f32 per tile. dK/dV blocks are f32 and
 // accumulate (+=). Scratch (per-thread tiles, tile tables, D and lse in base 2) is one workspace
 // allocation per call, sized by omp_get_max_threads().
+#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 
@@ -582,12 +585,154 @@ void decode_group_task(const Ctx& x, int64_t g, const Tiles& w) {
   forward_rows(x, g, x.qt[0], Q, x.group, qpos, x.o + g * x.group * x.D, x.D, x.lse + g * x.group, w);
 }
 
+// ---- a decode step's tile products, without packing ----------------------------------------------
+// Gemm::tile packs the key tile into panels (the keys transposed) and runs a few query rows against it, and
+// its one-strip P V keeps three chains of fused multiply-adds in flight (one 16-column panel at a time): for
+// a decode step's two or three rows both leave the core waiting (together most of the step's attention).
+// These kernels compute the same chains (each output's fused multiply-adds in ascending k from 0, K within
+// one k block of Gemm::tile: the same bits) with more of them in flight and nothing packed: the scores take
+// sixteen keys at a time, their 8 x 8 pieces transposed in registers; P V takes 32 value columns at a time
+// for every row. T: float, or uint16_t for bf16 K/V (widened exactly as they load). AVX2 + FMA (eight
+// lanes; on AVX-512 CPUs too: these are bound by the cache's bytes, not by the vector width).
+
+// Eight keys' chains (R rows) over one 8-wide slice of D: their 8 x 8 piece transposed, then 8 FMAs a row.
+template <class T, int R>
+__attribute__((target("avx2,fma"), always_inline)) inline void score_slice(const float* q, int64_t ldq, const T* k8,
+                                                                          int64_t D, int64_t d0, __m256* acc) {
+  __m256 rows[8], cols[8];
+  for (int i = 0; i < 8; ++i) rows[i] = gemm_detail::load8(k8 + i * D + d0);
+  gemm_detail::transpose8(rows, cols);
+  for (int k = 0; k < 8; ++k)
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(q + r * ldq + d0 + k), cols[k], acc[r]);
+}
+
+// S (R rows, n; row stride lds) = Q (R rows, row stride ldq) K^T for the n key rows K (row stride D).
+// D: a multiple of 8.
+template <class T, int R>
+__attribute__((target("avx2,fma"))) void scores_direct_rows(const float* q, int64_t ldq, const T* K, int64_t n,
+                                                            int64_t D, float* S, int64_t lds) {
+  int64_t j0 = 0;
+  for (; j0 + 16 <= n; j0 += 16) {  // two groups of eight keys, their chains interleaved
+    __m256 a0[R], a1[R];
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+    const T* k8 = K + j0 * D;
+    for (int64_t d0 = 0; d0 < D; d0 += 8) {
+      score_slice<T, R>(q, ldq, k8, D, d0, a0);
+      score_slice<T, R>(q, ldq, k8 + 8 * D, D, d0, a1);
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(S + r * lds + j0, a0[r]);
+      _mm256_storeu_ps(S + r * lds + j0 + 8, a1[r]);
+    }
+  }
+  for (; j0 + 8 <= n; j0 += 8) {
+    __m256 a0[R];
+    for (int r = 0; r < R; ++r) a0[r] = _mm256_setzero_ps();
+    for (int64_t d0 = 0; d0 < D; d0 += 8) score_slice<T, R>(q, ldq, K + j0 * D, D, d0, a0);
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(S + r * lds + j0, a0[r]);
+  }
+  for (; j0 < n; ++j0)  // the last n % 8 keys: the same chains one at a time
+    for (int r = 0; r < R; ++r) {
+      float c = 0.0f;
+      for (int64_t d = 0; d < D; ++d) c = __builtin_fmaf(q[r * ldq + d], gemm_detail::widen(K[j0 * D + d]), c);
+      S[r * lds + j0] = c;
+    }
+}
+
+// C (R rows, W * 8 columns; row stride ldc) = P (R rows, n; row stride ldp) V (n rows, row stride ldv).
+template <class T, int R, int W>
+__attribute__((target("avx2,fma"))) void pv_direct_cols(const float* p, int64_t ldp, const T* V, int64_t ldv, int64_t n,
+                                                        float* C, int64_t ldc) {
+  __m256 acc[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int w = 0; w < W; ++w) acc[r][w] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    __m256 v[W];
+    for (int w = 0; w < W; ++w) v[w] = gemm_detail::load8(V + j * ldv + 8 * w);
+    for (int r = 0; r < R; ++r) {
+      const __m256 pj = _mm256_broadcast_ss(p + r * ldp + j);
+      for (int w = 0; w < W; ++w) acc[r][w] = _mm256_fmadd_ps(pj, v[w], acc[r][w]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int w = 0; w < W; ++w) _mm256_storeu_ps(C + r * ldc + 8 * w, acc[r][w]);
+}
+
+// ... over all D columns (a multiple of 8), 32 at a time.
+template <class T, int R>
+void pv_direct_rows(const float* p, int64_t ldp, const T* V, int64_t n, int64_t D, float* C, int64_t ldc) {
+  int64_t d0 = 0;
+  for (; d0 + 32 <= D; d0 += 32) pv_direct_cols<T, R, 4>(p, ldp, V + d0, D, n, C + d0, ldc);
+  switch ((D - d0) / 8) {
+    case 3: return pv_direct_cols<T, R, 3>(p, ldp, V + d0, D, n, C + d0, ldc);
+    case 2: return pv_direct_cols<T, R, 2>(p, ldp, V + d0, D, n, C + d0, ldc);
+    case 1: return pv_direct_cols<T, R, 1>(p, ldp, V + d0, D, n, C + d0, ldc);
+    default: return;
+  }
+}
+
+// set_decode_direct_kernels' switch (cpu_ops.h).
+bool& direct_switch() {
+  static bool on = [] {
+    const char* e = std::getenv("OOMLESS_DECODE_DIRECT");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  return on;
+}
+
+// Whether the direct kernels run and give Gemm::tile's bits here: switched on, a GEMM path with the AVX2 + FMA
+// kernels (the AVX-512 ones add the same chains), K/V in f32 or bf16, D a multiple of 8 in one k block, key
+// tiles in one.
+bool decode_direct_ok(const Ctx& x) {
+  static_assert(kBk <= 256, "P V's k (a key tile) must stay within one k block of Gemm::tile");
+  return direct_switch() && gemm_isa() != GemmIsa::generic && x.D % 8 == 0 && x.D <= 256 &&
+         (x.kv->dtype == DType::f32 || x.kv->dtype == DType::bf16);
+}
+
+// Calls f.template operator()<T, R>(...) for kv dtype f32/bf16 and R = 1..4 rows.
+template <class F>
+void with_rows(DType dt, int64_t R, F&& f) {
+  auto rows = [&]<class T>(T tag) {
+    if (R == 4) f.template operator()<T, 4>(tag);
+    else if (R == 3) f.template operator()<T, 3>(tag);
+    else if (R == 2) f.template operator()<T, 2>(tag);
+    else f.template operator()<T, 1>(tag);
+  };
+  if (dt == DType::f32) rows(float{});
+  else rows(uint16_t{});
+}
+
+// S (G, nk; row stride nk) for key tile kt under kv head g and the G query rows at q (row stride D), four
+// rows at a time.
+void scores_direct(const Ctx& x, const KeyTile& kt, int64_t g, int64_t nk, const float* q, int64_t G, float* S) {
+  const KvBlock& blk = x.kv->blocks[kt.block];
+  const int64_t off = (g * x.P + kt.j0) * x.D;
+  for (int64_t r0 = 0; r0 < G; r0 += 4)
+    with_rows(x.kv->dtype, std::min<int64_t>(4, G - r0), [&]<class T, int R>(T) {
+      scores_direct_rows<T, R>(q + r0 * x.D, x.D, static_cast<const T*>(blk.k) + off, nk, x.D, S + r0 * nk, nk);
+    });
+}
+
+// C (G, D) = P V for key tile kt under kv head g, P (G, nk; row stride nk), three rows at a time (twelve
+// chains of eight columns in flight).
+void pv_direct(const Ctx& x, const KeyTile& kt, int64_t g, int64_t nk, const float* P, int64_t G, float* C) {
+  const KvBlock& blk = x.kv->blocks[kt.block];
+  const int64_t off = (g * x.P + kt.j0) * x.D;
+  for (int64_t r0 = 0; r0 < G; r0 += 3)
+    with_rows(x.kv->dtype, std::min<int64_t>(3, G - r0), [&]<class T, int R>(T) {
+      if constexpr (R <= 3)
+        pv_direct_rows<T, R>(P + r0 * nk, nk, static_cast<const T*>(blk.v) + off, nk, x.D, C + r0 * x.D, x.D);
+    });
+}
+
 // A decode step's attention with f32 products, every KV head's key tiles spread over the threads, in four
-// phases that give decode_group_task's bits: (A) each (KV head, key tile)'s scores S = Q K^T; (B) per KV
+// phases that give decode_group_task's bits: (A) each (KV head, key tile)'s scores S = Q K^T; (B) per query
 // head, online_softmax over its tiles in order, turning each S into P and recording, instead of rescaling
 // O, the factor it would have applied to O at that tile (a one-wide row that starts at 1); (C) each tile's
-// product P V from zero (the chain decode_group_task adds to O); (D) per KV head, O = O * factor + chain
-// tile by tile in order, as the accumulating tile product does, then finish_rows. The scores, chains and
+// product P V from zero (the chain decode_group_task adds to O); (D) per query head, O = O * factor + chain
+// tile by tile in order, as the accumulating tile product does, then finish_rows. (A) and (C) take the
+// direct kernels where decode_direct_ok, Gemm::tile elsewhere; (B) and (D) go a query head at a time (a
+// row's softmax and sums do not involve the others), so more threads than KV heads share them. The scores, chains and
 // factors live in `split` (decode_split_floats).
 int64_t decode_split_floats(int64_t Hkv, int64_t n_kt, int64_t group, int64_t D) {
   const int64_t tiles = Hkv * n_kt * group;
@@ -602,6 +747,7 @@ void decode_split(const Ctx& x, float* split, float* tiles, int64_t tile_floats,
   float* M = F + padded(units * G);        // (Hkv, G) running max, then sum
   float* L = M + padded(x.Hkv * G);
   const QueryTile& qt = x.qt[0];
+  const bool direct = decode_direct_ok(x);
   int32_t qpos[kBq];
   std::fill(qpos, qpos + G, x.pos[0]);
 #pragma omp parallel
@@ -615,21 +761,26 @@ void decode_split(const Ctx& x, float* split, float* tiles, int64_t tile_floats,
       if (nk == 0) continue;
       Opnd K, Q = q_rows(x, x.q, x.qr, x.qh, 0, g * G);
       Q.ld = K.ld = D;
+      if (direct) {
+        scores_direct(x, kt, g, nk, Q.f, G, S + u * G * kBk);
+        continue;
+      }
       K.f = side_rows(x, kt, g, nk, false, w.k);  // the keys only
       tile_gemm(G, nk, D, false, true, Q, K, S + u * G * kBk, nk, false, w.work);
     }
 #pragma omp for schedule(static)
-    for (int64_t g = 0; g < x.Hkv; ++g) {  // (B)
-      float* m = M + g * G;
-      float* l = L + g * G;
-      std::fill(m, m + G, kNegInf);
-      std::fill(l, l + G, 0.0f);
+    for (int64_t hr = 0; hr < x.Hkv * G; ++hr) {  // (B), a query head at a time (its rows do not mix)
+      const int64_t g = hr / G, r = hr % G;
+      float* m = M + hr;
+      float* l = L + hr;
+      *m = kNegInf;
+      *l = 0.0f;
       for (int64_t i = 0; i < nt; ++i) {
         const KeyTile& kt = x.kt[i];
         const int64_t nk = visible_keys(kt, qt), u = g * nt + i;
         if (nk == 0) continue;
-        std::fill(F + u * G, F + u * G + G, 1.0f);
-        online_softmax(S + u * G * kBk, G, nk, x.c, qpos, kt.lo, m, l, F + u * G, 1, 1);
+        F[u * G + r] = 1.0f;
+        online_softmax(S + u * G * kBk + r * nk, 1, nk, x.c, qpos, kt.lo, m, l, F + u * G + r, 1, 1);
       }
     }
 #pragma omp for schedule(static)
@@ -638,6 +789,10 @@ void decode_split(const Ctx& x, float* split, float* tiles, int64_t tile_floats,
       const KeyTile& kt = x.kt[u % nt];
       const int64_t nk = visible_keys(kt, qt);
       if (nk == 0) continue;
+      if (direct) {
+        pv_direct(x, kt, g, nk, S + u * G * kBk, G, C + u * G * D);
+        continue;
+      }
       Opnd V, P;
       V.f = side_rows(x, kt, g, nk, true, w.v);  // the values only
       V.ld = D;
@@ -646,21 +801,19 @@ void decode_split(const Ctx& x, float* split, float* tiles, int64_t tile_floats,
       tile_gemm(G, D, nk, false, false, P, V, C + u * G * D, D, false, w.work);
     }
 #pragma omp for schedule(static)
-    for (int64_t g = 0; g < x.Hkv; ++g) {  // (D)
-      float* O = x.o + g * G * D;
-      std::fill(O, O + G * D, 0.0f);
+    for (int64_t hr = 0; hr < x.Hkv * G; ++hr) {  // (D), a query head at a time
+      const int64_t g = hr / G, r = hr % G;
+      float* orow = x.o + hr * D;
+      std::fill(orow, orow + D, 0.0f);
       for (int64_t i = 0; i < nt; ++i) {
         const int64_t u = g * nt + i;
         if (visible_keys(x.kt[i], qt) == 0) continue;
-        for (int64_t r = 0; r < G; ++r) {
-          float* orow = O + r * D;
-          const float* c = C + (u * G + r) * D;
-          if (const float alpha = F[u * G + r]; alpha != 1.0f)
-            for (int64_t d = 0; d < D; ++d) orow[d] *= alpha;
-          for (int64_t d = 0; d < D; ++d) orow[d] = orow[d] + c[d];
-        }
+        const float* c = C + (u * G + r) * D;
+        if (const float alpha = F[u * G + r]; alpha != 1.0f)
+          for (int64_t d = 0; d < D; ++d) orow[d] *= alpha;
+        for (int64_t d = 0; d < D; ++d) orow[d] = orow[d] + c[d];
       }
-      finish_rows(O, D, D, G, M + g * G, L + g * G, x.lse + g * G);
+      finish_rows(orow, D, D, 1, M + hr, L + hr, x.lse + hr);
     }
   }
 }
@@ -718,6 +871,9 @@ void q_grad_task(const Ctx& x, int64_t h, const QueryTile& qt, const Tiles& w) {
 }
 
 }  // namespace
+
+bool decode_direct_kernels() { return direct_switch(); }
+void set_decode_direct_kernels(bool on) { direct_switch() = on; }
 
 void CpuOps::attention_forward(Tensor o, Tensor lse, Tensor q, const KvBlocks& kv, Tensor q_pos, double scale) {
   const AttentionDims dims =

@@ -12,6 +12,12 @@ namespace oomless {
 
 class Gemm;
 
+// A decode step's attention with f32 products (one position under GQA) reads keys and values in place through
+// kernels of its own where the GEMM path has AVX2 + FMA, instead of Gemm::tile's packed panels: the same bits.
+// On unless OOMLESS_DECODE_DIRECT=0; benchmarks switch it to compare the two. Not while attention runs.
+bool decode_direct_kernels();
+void set_decode_direct_kernels(bool on);
+
 class CpuOps final : public Ops {
  public:
   // Scratch memory (GEMM packing buffers, attention tiles, CE chunks) is charged to `workspace`

@@ -199,8 +199,8 @@ __attribute__((target("avx2,fma"))) inline __m256 load8(const F32AsBf16* p) {
   return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 
-// Stores the transpose of the 8x8 block r (row i = r[i]) as 8 rows of 8 floats, row j at o + j * stride.
-__attribute__((target("avx2,fma"))) inline void store_transposed8(float* o, int64_t stride, const __m256 r[8]) {
+// The transpose of the 8x8 block r (row i = r[i]) into t: t[j] holds column j.
+__attribute__((target("avx2,fma"), always_inline)) inline void transpose8(const __m256 r[8], __m256 t[8]) {
   const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
   const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
   const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
@@ -209,16 +209,22 @@ __attribute__((target("avx2,fma"))) inline void store_transposed8(float* o, int6
   const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
   const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
   const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-  _mm256_storeu_ps(o + 0 * stride, _mm256_permute2f128_ps(s0, s4, 0x20));
-  _mm256_storeu_ps(o + 1 * stride, _mm256_permute2f128_ps(s1, s5, 0x20));
-  _mm256_storeu_ps(o + 2 * stride, _mm256_permute2f128_ps(s2, s6, 0x20));
-  _mm256_storeu_ps(o + 3 * stride, _mm256_permute2f128_ps(s3, s7, 0x20));
-  _mm256_storeu_ps(o + 4 * stride, _mm256_permute2f128_ps(s0, s4, 0x31));
-  _mm256_storeu_ps(o + 5 * stride, _mm256_permute2f128_ps(s1, s5, 0x31));
-  _mm256_storeu_ps(o + 6 * stride, _mm256_permute2f128_ps(s2, s6, 0x31));
-  _mm256_storeu_ps(o + 7 * stride, _mm256_permute2f128_ps(s3, s7, 0x31));
+  t[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+  t[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+  t[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+  t[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+  t[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+  t[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+  t[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+  t[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
 }
 
+// Stores the transpose of the 8x8 block r (row i = r[i]) as 8 rows of 8 floats, row j at o + j * stride.
+__attribute__((target("avx2,fma"))) inline void store_transposed8(float* o, int64_t stride, const __m256 r[8]) {
+  __m256 t[8];
+  transpose8(r, t);
+  for (int j = 0; j < 8; ++j) _mm256_storeu_ps(o + j * stride, t[j]);
+}
 
 // The same with 8x8 register transposes for the full 8 x 8 pieces (and bf16 widened on the way).
 template <class T>
