@@ -1,7 +1,8 @@
 // Kernel benchmarks: GEMM at model shapes through oomless (CpuOps::matmul) beside oneDNN called
 // directly (one multi-threaded primitive created once), causal attention forward+backward, the
 // optimizer steps (fp32 AdamW, AdamW8bit) over one large tensor, and the one-row products of decoding
-// over GGUF blocks (f32 against 8-bit activations).
+// over GGUF blocks (f32 against 8-bit activations), and a decode step's attention (its direct kernels against
+// Gemm::tile).
 // Runs alternate (ours on each path, direct, ours, ...) and each figure is the median of `--reps` runs.
 // --isa names the GEMM paths to run side by side (comma-separated, or all: every path this CPU has;
 // default: the one in use, see OOMLESS_ISA in gemm.h); attention runs on the default path.
@@ -247,6 +248,79 @@ int main(int argc, char** argv) {
     std::printf("| %lld | %lld | %lld | %lld | %s | %.1f | %.1f | %.2f |\n", (long long)T, (long long)H, (long long)Hkv,
                 (long long)D, dtype_name(kvt), r_fwd, r_both, ref_rate > 0 ? r_both / ref_rate : 0.0);
     std::fflush(stdout);
+  }
+  // A decode step's attention: one position, SmolLM2's 9 query and 3 KV heads (D 64), over 30 layers' caches of
+  // 1024 positions (--quick: 256), beyond the caches as a step's are; the direct decode kernels against
+  // Gemm::tile's packed panels (set_decode_direct_kernels), alternating, and a plain read of the caches' bytes.
+  {
+    const int64_t L = 30, H = 9, Hkv = 3, D = 64, T = quick ? 256 : 1024;
+    std::printf("\n## Decode attention: one position over %lld layers' caches of %lld positions, %lld/%lld heads, "
+                "D %lld (median of %d alternating runs)\n\n",
+                (long long)L, (long long)T, (long long)H, (long long)Hkv, (long long)D, reps);
+    std::printf("| K/V | MiB | direct ms | Gemm::tile ms | direct / tile | direct GB/s | plain read GB/s |\n"
+                "|---|---|---|---|---|---|---|\n");
+    const bool saved = decode_direct_kernels();
+    for (DType kvt : {DType::f32, DType::bf16}) {
+      const int64_t side = dtype_bytes(kvt, Hkv * T * D);
+      Buffer caches = mem.device.alloc(static_cast<size_t>(2 * L * side), Category::kv, "bench decode caches");
+      fill(caches.data(), kvt, 2 * L * Hkv * T * D, 41);
+      Buffer q = mem.device.alloc(sizeof(float) * H * D, Category::activations, "q");
+      Buffer o = mem.device.alloc(sizeof(float) * H * D, Category::activations, "o");
+      Buffer lse = mem.device.alloc(sizeof(float) * H, Category::activations, "lse");
+      Buffer pos = mem.device.alloc(sizeof(int32_t), Category::activations, "pos");
+      fill(q.data(), DType::f32, H * D, 42);
+      pos.as<int32_t>()[0] = static_cast<int32_t>(T - 1);
+      std::vector<KvBlock> blk(static_cast<size_t>(L));
+      for (int64_t l = 0; l < L; ++l)
+        blk[static_cast<size_t>(l)] = KvBlock{caches.as<char>() + 2 * l * side, caches.as<char>() + (2 * l + 1) * side, 0,
+                                              static_cast<int32_t>(T)};
+      const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+      auto step = [&] {
+        for (int64_t l = 0; l < L; ++l) {
+          KvBlocks kvs{&blk[static_cast<size_t>(l)], 1, Hkv, T, D, kvt};
+          ops.attention_forward(o.view(DType::f32, {1, H, D}), lse.view(DType::f32, {H, 1}), q.view(DType::f32, {1, H, D}),
+                                kvs, pos.view(DType::i32, {1}), scale);
+        }
+      };
+      typedef uint64_t v4u __attribute__((vector_size(32)));
+      uint64_t sink = 0;
+      const int64_t total = 2 * L * side;
+      auto read = [&] {
+        uint64_t x = 0;
+#pragma omp parallel reduction(^ : x)
+        {
+          v4u acc = {};
+#pragma omp for schedule(static)
+          for (int64_t j = 0; j < total / 32; ++j) {
+            v4u v;
+            std::memcpy(&v, caches.as<char>() + 32 * j, 32);
+            acc ^= v;
+          }
+          x ^= acc[0] ^ acc[1] ^ acc[2] ^ acc[3];
+        }
+        sink ^= x;
+      };
+      std::vector<double> td, tt, tr;
+      set_decode_direct_kernels(true), step(), set_decode_direct_kernels(false), step(), read();
+      for (int r = 0; r < reps; ++r) {
+        set_decode_direct_kernels(true);
+        double t0 = now();
+        step();
+        double t1 = now();
+        set_decode_direct_kernels(false);
+        step();
+        double t2 = now();
+        read();
+        double t3 = now();
+        td.push_back(t1 - t0), tt.push_back(t2 - t1), tr.push_back(t3 - t2);
+      }
+      const double b = static_cast<double>(total);
+      std::printf("| %s | %.1f | %.2f | %.2f | %.2f | %.1f | %.1f |%s\n", dtype_name(kvt), b / 1048576.0, median(td) * 1e3,
+                  median(tt) * 1e3, median(td) / median(tt), b / median(td) * 1e-9, b / median(tr) * 1e-9,
+                  sink == 1 ? " " : "");
+      std::fflush(stdout);
+    }
+    set_decode_direct_kernels(saved);
   }
   // Optimizer steps over one tensor: fp32 AdamW (28 bytes of memory traffic a parameter: p, m, v read and
   // written, g read) against AdamW8bit (about 16: p read and written, g read, two codes read and written).
