@@ -193,6 +193,19 @@ class Ops {
   virtual void zero(Tensor x);
   // x (i32) = first, first + 1, ... (positions).
   virtual void iota(Tensor x, int32_t first);
+
+  // Page-level top-k sparse attention: the summaries of the paged K/V store's pages and the pages each query
+  // page selects (backend/pages.cpp; the default forms are for backends whose tensors live in host memory).
+  // out (S, Hkv, D) f32 = the summary of rows [row0, row0 + P) of keys k (Hkv, Tc, D; f32 or f64): S = 1,
+  // their mean; S = 2, their per-dimension minimum, then maximum. Sums in double.
+  virtual void page_summary(Tensor out, Tensor k, int64_t row0, int64_t P);
+  // The history pages each query page of q (Tc, H, D; f32 or f64) reads, query page i holding rows [i P,
+  // (i + 1) P). summaries (hist, S, Hkv, D) f32 are the history's pages' (page_summary). Page j >= the sinks
+  // scores the sum over heads h and d of qs(h, d) mean(h / group, d) (S = 1) or max(qs min, qs max) (S = 2),
+  // qs the query page's rows summed, in double (a NaN score ranks last). sel (nq, W) i32 = the first `sinks`
+  // pages and the W - sinks best others (ties to the lower page), in page order; counts (nq) i32 = how many
+  // (every page when hist <= W). Query pages are independent: any thread count selects the same.
+  virtual void page_select(Tensor sel, Tensor counts, Tensor q, Tensor summaries, int64_t P, int64_t sinks);
   // Inverted dropout: out[i] (=, or += when accumulate) in[i] * keep(i) / (1 - p), keep(i) =
   // dropout_keep(seed, offset + i, p). The mask depends only on (seed, offset + i, p): every backend
   // and thread count draws the same one, and the backward is the same call on the output gradient.

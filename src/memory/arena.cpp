@@ -222,8 +222,10 @@ void Buffer::reset() {
   bytes_ = 0;
 }
 
+Tier Buffer::tier() const { return arena_ ? arena_->tier() : Tier::Host; }
+
 Tensor Buffer::view(DType t, std::initializer_list<int64_t> shape) const {
-  Tensor v(ptr_, t, shape, arena_ ? arena_->tier() : Tier::Host);
+  Tensor v(ptr_, t, shape, tier());
   OOM_CHECK(static_cast<size_t>(v.nbytes()) <= bytes_, "[arena] a view ", v.str(), " needs ", v.nbytes(),
             " bytes but the buffer holds ", bytes_);
   return v;

@@ -89,6 +89,8 @@ class Buffer {
   template <class T> T* as() const { return static_cast<T*>(ptr_); }
   // A view of the buffer's start; throws if the shape needs more bytes than the buffer has.
   Tensor view(DType t, std::initializer_list<int64_t> shape) const;
+  // The tier of the arena it came from (Host for an empty buffer): what views of its parts carry.
+  Tier tier() const;
 
  private:
   friend class Arena;

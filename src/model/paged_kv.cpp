@@ -20,6 +20,11 @@ Tensor rows(const Tensor& t, int64_t r0, int64_t n) {
   return r;
 }
 
+// Elements [first, first + n) of t, as a 1-D tensor on t's tier.
+Tensor span(const Tensor& t, int64_t first, int64_t n) {
+  return Tensor(static_cast<char*>(t.data) + dtype_bytes(t.dtype, first), t.dtype, {n}, t.tier);
+}
+
 // Element i of an f32 or f64 tensor, as double.
 inline double at(const void* p, DType t, int64_t i) {
   return t == DType::f64 ? static_cast<const double*>(p)[i] : static_cast<const float*>(p)[i];
@@ -178,25 +183,9 @@ void PagedKvStore::set_chunk(int64_t c) {
 
 // The summary of page lp of `layer` from the chunk's keys k (Hkv, Tc, D), rows [row0, row0 + P).
 void PagedKvStore::summarize(int64_t layer, int64_t lp, const Tensor& k, int64_t row0) {
-  const int64_t Hkv = cfg_.Hkv, D = cfg_.D, P = opt_.P, Tc = k.dims[1];
   const int64_t S = opt_.summary == PageSummary::mean ? 1 : 2;
-  float* out = static_cast<float*>(summ_.data()) + ((layer * hist_pages_ + lp) * S) * Hkv * D;
-  for (int64_t h = 0; h < Hkv; ++h)
-    for (int64_t d = 0; d < D; ++d) {
-      double sum = 0, lo = std::numeric_limits<double>::infinity(), hi = -lo;
-      for (int64_t t = 0; t < P; ++t) {
-        const double x = at(k.data, k.dtype, (h * Tc + row0 + t) * D + d);
-        sum += x;
-        lo = std::min(lo, x);
-        hi = std::max(hi, x);
-      }
-      if (S == 1) {
-        out[h * D + d] = static_cast<float>(sum / static_cast<double>(P));
-      } else {
-        out[h * D + d] = static_cast<float>(lo);
-        out[(Hkv + h) * D + d] = static_cast<float>(hi);
-      }
-    }
+  float* out = static_cast<float*>(summ_.data()) + ((layer * hist_pages_ + lp) * S) * cfg_.Hkv * cfg_.D;
+  ops_.page_summary(Tensor(out, DType::f32, {S, cfg_.Hkv, cfg_.D}, summ_.tier()), k, row0, opt_.P);
 }
 
 // Scatter rows: page i of a chunk holds positions [i P, (i + 1) P) of every kv head.
@@ -230,21 +219,22 @@ void PagedKvStore::store(int64_t layer, Tensor k, Tensor v) {
   next_stage_ ^= 1;
   if (off_) settle(s.pending);
   const size_t row = static_cast<size_t>(dtype_bytes(shape_.dtype, P * D)), half = shape_.half_bytes();
-  const auto at_row = [&](const Tensor& t, int64_t h, int64_t r) {
-    return static_cast<const char*>(t.data) + dtype_bytes(t.dtype, (h * Tc + r) * D);
+  // Rows [r, r + P) of kv head h of a chunk's keys or values (Hkv, Tc, D), as a tensor.
+  const auto rows = [&](const Tensor& t, int64_t h, int64_t r) {
+    return Tensor(static_cast<char*>(t.data) + dtype_bytes(t.dtype, (h * Tc + r) * D), t.dtype, {P * D}, t.tier);
   };
   const bool fp8 = shape_.dtype == DType::f8_e4m3;
+  OOM_CHECK(!fp8 || k.dtype == DType::f32, "[kv] fp8 pages are made from f32 keys and values");
   const float ks = fp8 ? quantize_chunk(layer, 0, k) : 1.0f, vs = fp8 ? quantize_chunk(layer, 1, v) : 1.0f;
-  // x * scale rounded to E4M3 (saturating), counted
-  const auto to_fp8 = [&](uint8_t* dst, const char* src, float scale, Fp8Counts& cnt) {
-    const float* x = reinterpret_cast<const float*>(src);
-    for (int64_t i = 0; i < P * D; ++i) {
-      const float y = x[i] * scale;
-      const uint8_t c = f32_to_f8e4m3(y, true);
-      cnt.saturated += std::fabs(y) > 464.0f;  // past the midpoint above 448: clamped
-      cnt.flushed += x[i] != 0.0f && (c & 0x7f) == 0;
-      dst[i] = c;
-    }
+  // A page's rows into its storage: as they are, x * scale rounded to E4M3 (saturating; counted), or rounded to
+  // the storage dtype.
+  const auto write_page = [&](char* dst, const Tensor& src, float scale, Fp8Counts& cnt) {
+    const Tensor d(dst, shape_.dtype, {P * D}, Tier::Device);
+    if (shape_.dtype == src.dtype) return ops_.copy(d, src);
+    if (!fp8) return ops_.convert(d, src);
+    const CastStats st = ops_.cast_scaled(d, src, scale);
+    cnt.saturated += static_cast<uint64_t>(st.saturated);
+    cnt.flushed += static_cast<uint64_t>(st.flushed);
     cnt.values += static_cast<uint64_t>(P * D);
   };
   for (int64_t i = 0; i < ppc; ++i) {
@@ -260,19 +250,8 @@ void PagedKvStore::store(int64_t layer, Tensor k, Tensor v) {
       dst = static_cast<char*>(win_->k(s.dev[static_cast<size_t>(i)]));
     }
     for (int64_t h = 0; h < Hkv; ++h) {
-      char* kd = dst + static_cast<size_t>(h) * row;
-      char* vd = dst + half + static_cast<size_t>(h) * row;
-      if (shape_.dtype == k.dtype) {
-        std::memcpy(kd, at_row(k, h, i * P), row);
-        std::memcpy(vd, at_row(v, h, i * P), row);
-      } else if (fp8) {
-        OOM_CHECK(k.dtype == DType::f32, "[kv] fp8 pages are made from f32 keys and values");
-        to_fp8(reinterpret_cast<uint8_t*>(kd), at_row(k, h, i * P), ks, fp8_.k);
-        to_fp8(reinterpret_cast<uint8_t*>(vd), at_row(v, h, i * P), vs, fp8_.v);
-      } else {  // rounded to the storage dtype
-        convert(kd, shape_.dtype, at_row(k, h, i * P), k.dtype, P * D);
-        convert(vd, shape_.dtype, at_row(v, h, i * P), v.dtype, P * D);
-      }
+      write_page(dst + static_cast<size_t>(h) * row, rows(k, h, i * P), ks, fp8_.k);
+      write_page(dst + half + static_cast<size_t>(h) * row, rows(v, h, i * P), vs, fp8_.v);
     }
     if (opt_.offload == KvOffload::host) {
       ref.tier = Tier::Host;
@@ -296,58 +275,16 @@ void PagedKvStore::restore_amax(const json::Value& state) { restore_amax_history
 void PagedKvStore::select(int64_t layer, const Tensor& q) {
   uint8_t& made = made_[static_cast<size_t>(layer * max_chunks_ + chunk_)];
   if (made) return;
-  const int64_t Tc = q.dims[0], H = cfg_.H, Hkv = cfg_.Hkv, D = cfg_.D, P = opt_.P, ppc = pages_per_chunk();
-  const int64_t group = H / Hkv, hist = chunk_ * ppc, K = sel_width(), nq = (Tc + P - 1) / P;
-  const int64_t S = opt_.summary == PageSummary::mean ? 1 : 2, sinks = std::min(opt_.sink_pages, hist);
-  const float* summ = static_cast<const float*>(summ_.data()) + layer * hist_pages_ * S * Hkv * D;
+  const int64_t Tc = q.dims[0], P = opt_.P, ppc = pages_per_chunk();
+  const int64_t hist = chunk_ * ppc, K = sel_width(), nq = (Tc + P - 1) / P;
+  const int64_t S = opt_.summary == PageSummary::mean ? 1 : 2, HD = cfg_.Hkv * cfg_.D;
+  float* summ = static_cast<float*>(summ_.data()) + layer * hist_pages_ * S * HD;
   int32_t* sel = static_cast<int32_t*>(sel_.data()) + (layer * max_chunks_ + chunk_) * ppc * K;
   int32_t* cnt = static_cast<int32_t*>(sel_n_.data()) + (layer * max_chunks_ + chunk_) * ppc;
-  std::fill(cnt + nq, cnt + ppc, 0);  // pages past a short last chunk hold no queries
-  // Query pages are independent: any thread count gives the same selections.
-#pragma omp parallel
-  {
-    std::vector<double> qs(static_cast<size_t>(H * D));
-    std::vector<double> score(static_cast<size_t>(hist));
-    std::vector<int32_t> order;
-#pragma omp for schedule(static)
-    for (int64_t qp = 0; qp < nq; ++qp) {
-      int32_t* out = sel + qp * K;
-      if (hist <= K) {
-        for (int64_t j = 0; j < hist; ++j) out[j] = static_cast<int32_t>(j);
-        cnt[qp] = static_cast<int32_t>(hist);
-        continue;
-      }
-      std::fill(qs.begin(), qs.end(), 0.0);
-      for (int64_t t = qp * P; t < std::min(Tc, (qp + 1) * P); ++t)
-        for (int64_t i = 0; i < H * D; ++i) qs[static_cast<size_t>(i)] += at(q.data, q.dtype, t * H * D + i);
-      for (int64_t j = sinks; j < hist; ++j) {
-        const float* m = summ + j * S * Hkv * D;
-        double sc = 0;
-        for (int64_t h = 0; h < H; ++h) {
-          const double* x = qs.data() + h * D;
-          const float* lo = m + (h / group) * D;
-          if (S == 1) {
-            for (int64_t d = 0; d < D; ++d) sc += x[d] * lo[d];
-          } else {
-            const float* hi = m + (Hkv + h / group) * D;
-            for (int64_t d = 0; d < D; ++d) sc += std::max(x[d] * lo[d], x[d] * hi[d]);
-          }
-        }
-        score[static_cast<size_t>(j)] = std::isnan(sc) ? -std::numeric_limits<double>::infinity() : sc;
-      }
-      order.resize(static_cast<size_t>(hist - sinks));
-      for (int64_t j = sinks; j < hist; ++j) order[static_cast<size_t>(j - sinks)] = static_cast<int32_t>(j);
-      const int64_t k = std::min(opt_.sparse_pages, hist - sinks);
-      std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
-        const double sa = score[static_cast<size_t>(a)], sb = score[static_cast<size_t>(b)];
-        return sa > sb || (sa == sb && a < b);
-      });
-      for (int64_t j = 0; j < sinks; ++j) out[j] = static_cast<int32_t>(j);
-      std::copy(order.begin(), order.begin() + k, out + sinks);
-      std::sort(out, out + sinks + k);
-      cnt[qp] = static_cast<int32_t>(sinks + k);
-    }
-  }
+  const Tier t = sel_.tier();
+  if (nq < ppc) ops_.zero(Tensor(cnt + nq, DType::i32, {ppc - nq}, t));  // pages past a short last chunk: no queries
+  ops_.page_select(Tensor(sel, DType::i32, {nq, K}, t), Tensor(cnt, DType::i32, {nq}, t), q,
+                   Tensor(summ, DType::f32, {hist, S, cfg_.Hkv, cfg_.D}, summ_.tier()), P, opt_.sink_pages);
   made = 1;
 }
 
@@ -535,14 +472,11 @@ void PagedKvStore::backward(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Tens
     std::vector<int32_t> idx(left.size());
     for (size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<int32_t>(i);
     const KvBlocks g = blocks_of(w, true, idx);
-    const size_t row = static_cast<size_t>(dtype_bytes(dk.dtype, P * D));
     for (size_t b = 0; b < left.size(); ++b) {
       const int64_t i = left[b] - own0;
       for (int64_t h = 0; h < Hkv; ++h) {
-        std::memcpy(static_cast<char*>(dk.data) + dtype_bytes(dk.dtype, (h * Tc + i * P) * D),
-                    static_cast<const char*>(g.blocks[b].k) + static_cast<size_t>(h) * row, row);
-        std::memcpy(static_cast<char*>(dv.data) + dtype_bytes(dv.dtype, (h * Tc + i * P) * D),
-                    static_cast<const char*>(g.blocks[b].v) + static_cast<size_t>(h) * row, row);
+        ops_.copy(span(dk, (h * Tc + i * P) * D, P * D), span(Tensor(g.blocks[b].k, dk.dtype, {Hkv * P * D}, Tier::Device), h * P * D, P * D));
+        ops_.copy(span(dv, (h * Tc + i * P) * D, P * D), span(Tensor(g.blocks[b].v, dv.dtype, {Hkv * P * D}, Tier::Device), h * P * D, P * D));
       }
     }
   }
@@ -574,10 +508,7 @@ void PagedKvStore::backward(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Tens
       }
       // Some rows: their lse gathered into (H, n).
       Tensor l(lse2_.data, lse.dtype, {H, gr.n}), dq2(dq2_.data, dq.dtype, {gr.n, H, D});
-      for (int64_t h = 0; h < H; ++h)
-        std::memcpy(static_cast<char*>(l.data) + dtype_bytes(l.dtype, h * gr.n),
-                    static_cast<const char*>(lse.data) + dtype_bytes(lse.dtype, h * Tc + gr.r0),
-                    static_cast<size_t>(dtype_bytes(lse.dtype, gr.n)));
+      for (int64_t h = 0; h < H; ++h) ops_.copy(span(l, h * gr.n, gr.n), span(lse, h * Tc + gr.r0, gr.n));
       const Tensor dq_rows = rows(dq, gr.r0, gr.n);
       ops_.attention_backward(dq2, blocks_of(g, true, gr.idx), rows(dout, gr.r0, gr.n), rows(q, gr.r0, gr.n),
                               blocks_of(w, false, gr.idx), rows(o, gr.r0, gr.n), l, rows(pos, gr.r0, gr.n), scale);
