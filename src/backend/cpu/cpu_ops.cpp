@@ -383,7 +383,7 @@ void CpuOps::convert(Tensor dst, Tensor src) {
   int64_t chunks = (n + kChunk - 1) / kChunk;
   // Validate the pair once (throws for unsupported pairs) before the parallel loop.
   oomless::convert(dst.data, dst.dtype, src.data, src.dtype, 0);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (chunks > 1)  // one chunk (a K/V page): no team to wake
   for (int64_t c = 0; c < chunks; ++c) {
     int64_t i0 = c * kChunk, len = std::min(n, i0 + kChunk) - i0;
     oomless::convert(static_cast<uint8_t*>(dst.data) + dtype_bytes(dst.dtype, i0), dst.dtype,
@@ -459,7 +459,7 @@ CastStats CpuOps::cast_scaled(Tensor dst, Tensor src, double scale) {
     int64_t sat = 0, flush = 0;
   };
   std::vector<Part> part(static_cast<size_t>(chunks));
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (chunks > 1)
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t i0 = c * kChunk, i1 = std::min(n, i0 + kChunk);
     Part p;
