@@ -19,8 +19,8 @@
 #include <tuple>
 #include <vector>
 
-#include "backend/ops.h"
 #include "core/dtype.h"
+#include "core/kv_block.h"
 #include "core/tier.h"
 #include "memory/arena.h"
 
