@@ -44,7 +44,7 @@
 #include "memory/arena.h"
 #include "model/config.h"
 #include "model/model.h"
-#include "model/paged_kv.h"
+#include "kv/paged_kv.h"
 #include "model/engine.h"
 #include "plan/probe_timing.h"
 #include "train/trainer.h"
@@ -482,7 +482,7 @@ int retrieval(const Flags& f) {
       // The dense model read through sparse attention: how well each summary finds the pairs' pages.
       json::Value probe = json::Value::array();
       for (PageSummary sum : {PageSummary::mean, PageSummary::minmax}) {
-        PagedKvStore skv(cfg, *eng.ops, eng.mem->device, eng.mem->host, store_options(f, t.C, t.P, k, sum), t.T, false);
+        PagedKvStore skv(kv_dims(cfg), *eng.ops, eng.mem->device, eng.mem->host, store_options(f, t.C, t.P, k, sum), t.T, false);
         const Eval e = evaluate(m, skv, t, eval_data);
         std::printf("  dense model, sparse %s attention: accuracy far %.1f%%, all %.1f%%, loss %.4f; far pair's page "
                     "selected by layer:", page_summary_name(sum), 100 * e.far_accuracy, 100 * e.accuracy, e.loss);
@@ -543,7 +543,7 @@ double one_step(const ModelConfig& cfg, int64_t T, int64_t C, const PagedKvOptio
   Engine e = build_engine(eo);
   Model& m = *e.model;
   m.reserve(C, true, true);
-  PagedKvStore kv(cfg, *e.ops, e.mem->device, e.mem->host, o, T, true);
+  PagedKvStore kv(kv_dims(cfg), *e.ops, e.mem->device, e.mem->host, o, T, true);
   std::vector<int32_t> ids(static_cast<size_t>(T)), tg(static_cast<size_t>(T));
   std::mt19937_64 rng(2);
   for (auto& x : ids) x = static_cast<int32_t>(rng() % static_cast<uint64_t>(cfg.V));

@@ -135,7 +135,7 @@ TEST(ChunkedKv, Fp8DelayedScalingCountsSaturationAndKeepsNonFiniteOut) {
   const int64_t C = 16, P = 8, T = 4 * C, Hkv = cfg.Hkv, D = cfg.D;
   PagedKvOptions o{C, P, KvOffload::none, ""};
   o.kv_dtype = DType::f8_e4m3;
-  PagedKvStore kv(cfg, *ops, mem.device, mem.host, o, T, false);
+  PagedKvStore kv(kv_dims(cfg), *ops, mem.device, mem.host, o, T, false);
   std::mt19937 rng(3);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::vector<float> k(static_cast<size_t>(Hkv * C * D)), v(k.size());
@@ -172,7 +172,7 @@ TEST(ChunkedKv, Fp8DelayedScalingCountsSaturationAndKeepsNonFiniteOut) {
   for (int64_t l = 0; l < cfg.L; ++l)  // the keys' history did not take the infinite chunk; the values' did grow
     EXPECT_EQ(json::dump(after.as_array()[static_cast<size_t>(2 * l)]), json::dump(before.as_array()[static_cast<size_t>(2 * l)]));
   kv.end();
-  PagedKvStore other(cfg, *ops, mem.device, mem.host, o, T, false);
+  PagedKvStore other(kv_dims(cfg), *ops, mem.device, mem.host, o, T, false);
   other.restore_amax(after);
   EXPECT_EQ(json::dump(other.amax_state()), json::dump(after));
   EXPECT_THROW(other.restore_amax(json::parse("[[1]]")), Error);
@@ -191,11 +191,11 @@ TEST(ChunkedEval, EqualsTheFullForward) {
   m.reserve(T, false, true);
   const CeResult full = m.forward(id_t, tg_t, false);
   for (KvOffload mode : {KvOffload::none, KvOffload::disk}) {
-    PagedKvStore kv(cfg, *ops, mem.device, mem.host, {40, 8, mode, spill_dir()}, T, false);
+    PagedKvStore kv(kv_dims(cfg), *ops, mem.device, mem.host, {40, 8, mode, spill_dir()}, T, false);
     const CeResult ch = m.chunked_eval(id_t, tg_t, 40, kv);
     EXPECT_EQ(ch.count, full.count);
     EXPECT_NEAR(ch.loss_sum, full.loss_sum, 1e-5 * std::abs(full.loss_sum)) << kv_offload_name(mode);
-    PagedKvStore one(cfg, *ops, mem.device, mem.host, {160, 8, mode, spill_dir()}, T, false);
+    PagedKvStore one(kv_dims(cfg), *ops, mem.device, mem.host, {160, 8, mode, spill_dir()}, T, false);
     const CeResult whole = m.chunked_eval(id_t, tg_t, 160, one);
     EXPECT_EQ(whole.loss_sum, full.loss_sum) << "one chunk is the full forward";
   }
@@ -215,14 +215,14 @@ TEST(ChunkedTraining, BadChunkAndPageLengthsAreClearErrors) {
   CpuMemory mem(size_t{1} << 30);
   auto ops = make_ops("cpu", &mem.device);
   try {
-    PagedKvStore kv(cfg, *ops, mem.device, mem.host, {48, 20, KvOffload::none, ""}, 100, true);
+    PagedKvStore kv(kv_dims(cfg), *ops, mem.device, mem.host, {48, 20, KvOffload::none, ""}, 100, true);
     FAIL() << "P not dividing C was accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("must divide the chunk length"), std::string::npos) << e.what();
   }
   EXPECT_THROW(parse_kv_offload("ssd"), Error);
   try {
-    PagedKvStore kv(cfg, *ops, mem.device, mem.host, {48, 16, KvOffload::disk, "/no/such/folder"}, 100, true);
+    PagedKvStore kv(kv_dims(cfg), *ops, mem.device, mem.host, {48, 16, KvOffload::disk, "/no/such/folder"}, 100, true);
     FAIL() << "a missing spill folder was accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("/no/such/folder"), std::string::npos) << e.what();

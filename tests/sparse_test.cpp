@@ -125,7 +125,7 @@ TEST(SparseAttention, GradientsMatchFiniteDifferencesWithTheSelectionFixed) {
     m.reserve(C, true, true);
     PagedKvOptions o{C, P, KvOffload::none, spill_dir()};
     o.sparse_pages = 2, o.sink_pages = 1, o.keep_selection = true;
-    PagedKvStore kv(cfg, *ops, mem.device, mem.host, o, T, true);
+    PagedKvStore kv(kv_dims(cfg), *ops, mem.device, mem.host, o, T, true);
     std::vector<int32_t> ids = tokens(T, cfg.V, 25), tg = targets_of(ids);
     Tensor id_t(ids.data(), DType::i32, {T}), tg_t(tg.data(), DType::i32, {T});
     int64_t N = 0;
@@ -151,7 +151,7 @@ TEST(SparseAttention, SelectsThePagesWhoseKeysMatchTheQueries) {
     auto ops = make_ops("cpu", &mem.device);
     PagedKvOptions o{C, P, KvOffload::none, spill_dir()};
     o.sparse_pages = 2, o.sink_pages = 1, o.summary = sum;
-    PagedKvStore kv(cfg, *ops, mem.device, mem.host, o, T, false);
+    PagedKvStore kv(kv_dims(cfg), *ops, mem.device, mem.host, o, T, false);
     std::mt19937_64 rng(5);
     std::normal_distribution<float> nd(0.0f, 0.1f);
     const float u[] = {1, -1, 1, 1, -1, 1};
@@ -190,7 +190,7 @@ TEST(SparseAttention, BadSettingsAreClearErrors) {
   PagedKvOptions o{32, 8, KvOffload::none, spill_dir()};
   o.sparse_pages = -1;
   try {
-    PagedKvStore kv(cfg, *ops, mem.device, mem.host, o, 128, true);
+    PagedKvStore kv(kv_dims(cfg), *ops, mem.device, mem.host, o, 128, true);
     ADD_FAILURE() << "no error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("--sparse-pages"), std::string::npos) << e.what();

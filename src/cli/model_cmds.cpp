@@ -21,7 +21,7 @@
 #include "model/gguf_export.h"
 #include "model/load.h"
 #include "model/model.h"
-#include "model/paged_kv.h"
+#include "kv/paged_kv.h"
 #include "model/quant_base.h"
 
 namespace oomless::cli {
@@ -173,7 +173,7 @@ int eval(const std::vector<std::string>& argv) {
     ko.sparse_pages = a.integer("sparse-pages", 0, 0, int64_t{1} << 30);
     ko.sink_pages = a.integer("sink-pages", 1, 0, int64_t{1} << 30);
     ko.summary = parse_page_summary(a.str("page-summary", "minmax"));
-    kv = std::make_unique<PagedKvStore>(l.src.cfg, *l.ops, l.mem->device, l.mem->host, ko, T, grads);
+    kv = std::make_unique<PagedKvStore>(kv_dims(l.src.cfg), *l.ops, l.mem->device, l.mem->host, ko, T, grads);
   }
   // Progress on stderr: a counter on a terminal, every tenth of the windows otherwise.
   const bool tty = isatty(2);

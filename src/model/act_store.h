@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "backend/ops.h"
+#include "io/amax_history.h"
 #include "io/json.h"
 #include "model/lora.h"
 
@@ -36,14 +37,6 @@ ActKind act_kind_of_slot(int slot);
 const char* act_kind_name(ActKind k);
 // "fp32" (as computed: f32), "bf16", "fp8" (f8_e4m3); anything else an error naming them.
 DType parse_act_dtype(std::string_view s);
-
-// A delayed-scaling amax history (per tensor, its last kAmaxHistory values) as JSON, exactly, and back into
-// h (sized already): a list of another length is refused as another run's (naming `per`, e.g. "2 per
-// layer"), an entry that is not a list of at most kAmaxHistory finite numbers >= 0 as damaged; `who` is the
-// messages' prefix ("[kv]").
-json::Value amax_history_json(const std::vector<std::vector<float>>& h);
-void restore_amax_history(std::vector<std::vector<float>>& h, const json::Value& state, const char* who,
-                          const std::string& per);
 
 struct ActCounts {
   uint64_t values = 0, saturated = 0, flushed = 0, nonfinite = 0;

@@ -37,8 +37,8 @@
 #include "backend/ops.h"
 #include "memory/arena.h"
 #include "memory/offloader.h"
+#include "kv/chunk_kv.h"
 #include "model/act_store.h"
-#include "model/chunk_kv.h"
 #include "model/config.h"
 #include "model/linear.h"
 #include "model/lora.h"
@@ -46,6 +46,9 @@
 #include "model/trainable.h"
 
 namespace oomless {
+
+// What a K/V store (kv/) needs of a model's shape.
+inline KvDims kv_dims(const ModelConfig& c) { return KvDims{c.L, c.H, c.Hkv, c.D}; }
 
 enum class SavePolicy { all, selective, none };
 SavePolicy parse_save_policy(std::string_view s);

@@ -11,7 +11,7 @@
 #include "model/act_store.h"
 #include "model/lora.h"
 #include "model/model.h"
-#include "model/paged_kv.h"
+#include "kv/paged_kv.h"
 #include "model/quant_base.h"
 #include "optim/adamw8bit.h"
 #include "optim/galore.h"

@@ -26,7 +26,7 @@
 #include "model/load.h"
 #include "model/model.h"
 #include "model/quant_base.h"
-#include "model/paged_kv.h"
+#include "kv/paged_kv.h"
 #include "optim/adamw.h"
 #include "optim/clip.h"
 #include "optim/disk_state.h"
@@ -863,7 +863,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
       ko.summary = parse_page_summary(c.page_summary);
       ko.kv_dtype = c.kv_dtype == "bf16" ? DType::bf16 : c.kv_dtype == "fp8" ? DType::f8_e4m3 : DType::f32;
       model.reserve(C, true, true);
-      s.kv = std::make_unique<PagedKvStore>(cfg, *s.e.ops, s.e.mem->device, s.e.mem->host, ko, c.seq, true);
+      s.kv = std::make_unique<PagedKvStore>(kv_dims(cfg), *s.e.ops, s.e.mem->device, s.e.mem->host, ko, c.seq, true);
     } else {
       model.reserve(c.seq, true);
     }

@@ -16,7 +16,7 @@
 #include "io/json.h"
 #include "model/engine.h"
 #include "model/eval.h"
-#include "model/paged_kv.h"
+#include "kv/paged_kv.h"
 #include "optim/optimizer.h"
 
 namespace oomless {

@@ -15,7 +15,7 @@
 #include "backend/ops.h"
 #include "memory/arena.h"
 #include "model/model.h"
-#include "model/paged_kv.h"
+#include "kv/paged_kv.h"
 
 namespace oomless::test {
 
@@ -210,7 +210,7 @@ inline Result run(const RunSetup& s, std::vector<int32_t> ids, int64_t C, int64_
     PagedKvOptions o{C, P, mode, spill_dir()};
     o.sparse_pages = s.sparse_pages, o.sink_pages = s.sink_pages, o.summary = s.summary;
     o.kv_dtype = s.kv_dtype;
-    PagedKvStore kv(s.cfg, *ops, mem.device, mem.host, o, T, true);
+    PagedKvStore kv(kv_dims(s.cfg), *ops, mem.device, mem.host, o, T, true);
     RecordingKv rec(kv);
     const CeResult ce = m.chunked_step(id_t, tg_t, C, rec, 1.0 / static_cast<double>(N));
     r.loss_sum = ce.loss_sum, r.count = ce.count;

@@ -14,6 +14,11 @@
 
 namespace oomless {
 
+// The model's sizes a store needs: layers, query heads, key/value heads, head dimension.
+struct KvDims {
+  int64_t L = 0, H = 0, Hkv = 0, D = 0;
+};
+
 class ChunkKv {
  public:
   virtual ~ChunkKv() = default;

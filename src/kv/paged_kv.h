@@ -41,12 +41,10 @@
 
 #include "backend/ops.h"
 #include "io/json.h"
+#include "kv/chunk_kv.h"
 #include "memory/offloader.h"
 #include "memory/page_pool.h"
 #include "memory/spill_file.h"
-#include "model/act_store.h"
-#include "model/chunk_kv.h"
-#include "model/config.h"
 
 namespace oomless {
 
@@ -92,7 +90,7 @@ struct Fp8Stats {
 class PagedKvStore final : public ChunkKv {
  public:
   // backward: also key-gradient pages (training); without, eval only. device/host arenas must outlive it.
-  PagedKvStore(const ModelConfig& cfg, Ops& ops, Arena& device, Arena& host, const PagedKvOptions& opt, int64_t max_T,
+  PagedKvStore(const KvDims& cfg, Ops& ops, Arena& device, Arena& host, const PagedKvOptions& opt, int64_t max_T,
                bool backward);
   ~PagedKvStore() override;
   PagedKvStore(const PagedKvStore&) = delete;
@@ -151,7 +149,7 @@ class PagedKvStore final : public ChunkKv {
   void release(int64_t seq, int32_t layer, int64_t lpage);
   void settle(std::vector<Offloader::Ticket>& tickets);
 
-  ModelConfig cfg_;
+  KvDims cfg_;
   Ops& ops_;
   PagedKvOptions opt_;
   bool bf16_products_ = false;

@@ -1,29 +1,20 @@
-#include "model/paged_kv.h"
-
-#include <array>
+#include "kv/paged_kv.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
 
+#include "io/amax_history.h"
+#include "kv/paged_kv_detail.h"
+
 namespace oomless {
 
+using kv_detail::rows;
+using kv_detail::span;
+
 namespace {
-
-// Rows [r0, r0 + n) of a (T, ...) tensor.
-Tensor rows(const Tensor& t, int64_t r0, int64_t n) {
-  const int64_t per = t.numel() / t.dims[0];
-  Tensor r = t;
-  r.data = static_cast<char*>(t.data) + dtype_bytes(t.dtype, r0 * per);
-  r.dims[0] = n;
-  return r;
-}
-
-// Elements [first, first + n) of t, as a 1-D tensor on t's tier.
-Tensor span(const Tensor& t, int64_t first, int64_t n) {
-  return Tensor(static_cast<char*>(t.data) + dtype_bytes(t.dtype, first), t.dtype, {n}, t.tier);
-}
 
 // Element i of an f32 or f64 tensor, as double.
 inline double at(const void* p, DType t, int64_t i) {
@@ -55,20 +46,7 @@ const char* kv_offload_name(KvOffload m) {
   }
   return "?";
 }
-
-// Up to C/P earlier pages of one layer, as attention reads them: in mode none the pages themselves (home
-// pool ids), otherwise fixed Device pages (dev) that transfers fill and empty.
-struct PagedKvStore::Window {
-  std::vector<int64_t> dev;                 // Device page ids in the window pool (host/disk)
-  std::vector<std::array<float, 2>> scales; // fp8: each held page's K and V scales
-  std::vector<int64_t> lps;                 // the logical pages held, in order
-  std::vector<int64_t> pages;               // none: the home page ids read in place
-  std::vector<Offloader::Ticket> pending;   // transfers into or out of dev not yet waited on
-  std::vector<KvBlock> blocks;
-  int64_t layer = -1;
-};
-
-PagedKvStore::PagedKvStore(const ModelConfig& cfg, Ops& ops, Arena& device, Arena& host, const PagedKvOptions& opt,
+PagedKvStore::PagedKvStore(const KvDims& cfg, Ops& ops, Arena& device, Arena& host, const PagedKvOptions& opt,
                            int64_t max_T, bool backward)
     : cfg_(cfg), ops_(ops), opt_(opt), backward_(backward) {
   OOM_CHECK(opt.C >= 1 && opt.P >= 1 && opt.C % opt.P == 0, "[kv] the page length must divide the chunk length; got "
@@ -180,14 +158,6 @@ void PagedKvStore::set_chunk(int64_t c) {
   OOM_CHECK(c >= 0 && c * opt_.C < T_, "[kv] chunk ", c, " is outside the sequence of ", T_, " tokens");
   chunk_ = c;
 }
-
-// The summary of page lp of `layer` from the chunk's keys k (Hkv, Tc, D), rows [row0, row0 + P).
-void PagedKvStore::summarize(int64_t layer, int64_t lp, const Tensor& k, int64_t row0) {
-  const int64_t S = opt_.summary == PageSummary::mean ? 1 : 2;
-  float* out = static_cast<float*>(summ_.data()) + ((layer * hist_pages_ + lp) * S) * cfg_.Hkv * cfg_.D;
-  ops_.page_summary(Tensor(out, DType::f32, {S, cfg_.Hkv, cfg_.D}, summ_.tier()), k, row0, opt_.P);
-}
-
 // Scatter rows: page i of a chunk holds positions [i P, (i + 1) P) of every kv head.
 float PagedKvStore::quantize_chunk(int64_t layer, int kind, const Tensor& x) {
   // The largest |x| of the chunk (NaN when any element is not finite)
@@ -269,88 +239,6 @@ void PagedKvStore::store(int64_t layer, Tensor k, Tensor v) {
 json::Value PagedKvStore::amax_state() const { return amax_history_json(amax_); }
 
 void PagedKvStore::restore_amax(const json::Value& state) { restore_amax_history(amax_, state, "[kv]", "2 per layer"); }
-
-// The selections of the current chunk in `layer` from its queries q (Tc, H, D), unless made already (a
-// recompute or backward of a chunk whose forward selected, or keep_selection).
-void PagedKvStore::select(int64_t layer, const Tensor& q) {
-  uint8_t& made = made_[static_cast<size_t>(layer * max_chunks_ + chunk_)];
-  if (made) return;
-  const int64_t Tc = q.dims[0], P = opt_.P, ppc = pages_per_chunk();
-  const int64_t hist = chunk_ * ppc, K = sel_width(), nq = (Tc + P - 1) / P;
-  const int64_t S = opt_.summary == PageSummary::mean ? 1 : 2, HD = cfg_.Hkv * cfg_.D;
-  float* summ = static_cast<float*>(summ_.data()) + layer * hist_pages_ * S * HD;
-  int32_t* sel = static_cast<int32_t*>(sel_.data()) + (layer * max_chunks_ + chunk_) * ppc * K;
-  int32_t* cnt = static_cast<int32_t*>(sel_n_.data()) + (layer * max_chunks_ + chunk_) * ppc;
-  const Tier t = sel_.tier();
-  if (nq < ppc) ops_.zero(Tensor(cnt + nq, DType::i32, {ppc - nq}, t));  // pages past a short last chunk: no queries
-  ops_.page_select(Tensor(sel, DType::i32, {nq, K}, t), Tensor(cnt, DType::i32, {nq}, t), q,
-                   Tensor(summ, DType::f32, {hist, S, cfg_.Hkv, cfg_.D}, summ_.tier()), P, opt_.sink_pages);
-  made = 1;
-}
-
-std::vector<int64_t> PagedKvStore::selection(int64_t layer, int64_t c, int64_t qp) const {
-  std::vector<int64_t> r;
-  if (!sparse() || layer < 0 || layer >= cfg_.L || c < 0 || c >= max_chunks_ || qp < 0 || qp >= pages_per_chunk() ||
-      !made_[static_cast<size_t>(layer * max_chunks_ + c)])
-    return r;
-  const int64_t i = (layer * max_chunks_ + c) * pages_per_chunk() + qp;
-  const int32_t* sel = static_cast<const int32_t*>(sel_.data()) + i * sel_width();
-  r.assign(sel, sel + static_cast<const int32_t*>(sel_n_.data())[i]);
-  return r;
-}
-
-// The windows the current chunk's history is read in. Dense: the earlier chunks, every row reading all of
-// each. Sparse: the union of the query pages' selections in page order, C/P pages per window; in each,
-// consecutive query pages that read the same pages of it form one group.
-std::vector<PagedKvStore::Step> PagedKvStore::plan(int64_t layer, int64_t Tc) const {
-  const int64_t ppc = pages_per_chunk(), P = opt_.P;
-  std::vector<Step> steps;
-  if (!sparse()) {
-    for (int64_t j = 0; j < chunk_; ++j) {
-      Step s;
-      Group g{0, Tc, {}};
-      for (int64_t i = 0; i < ppc; ++i) {
-        s.pages.push_back(j * ppc + i);
-        g.idx.push_back(static_cast<int32_t>(i));
-      }
-      s.groups.push_back(std::move(g));
-      steps.push_back(std::move(s));
-    }
-    return steps;
-  }
-  OOM_CHECK(made_[static_cast<size_t>(layer * max_chunks_ + chunk_)], "[kv] internal: layer ", layer, " chunk ",
-            chunk_, " has no page selection");
-  const int64_t nq = (Tc + P - 1) / P, K = sel_width();
-  const int32_t* sel = static_cast<const int32_t*>(sel_.data()) + (layer * max_chunks_ + chunk_) * ppc * K;
-  const int32_t* cnt = static_cast<const int32_t*>(sel_n_.data()) + (layer * max_chunks_ + chunk_) * ppc;
-  std::vector<int64_t> all;
-  for (int64_t qp = 0; qp < nq; ++qp) all.insert(all.end(), sel + qp * K, sel + qp * K + cnt[qp]);
-  std::sort(all.begin(), all.end());
-  all.erase(std::unique(all.begin(), all.end()), all.end());
-  for (size_t w0 = 0; w0 < all.size(); w0 += static_cast<size_t>(ppc)) {
-    Step s;
-    s.pages.assign(all.begin() + static_cast<std::ptrdiff_t>(w0),
-                   all.begin() + static_cast<std::ptrdiff_t>(std::min(all.size(), w0 + static_cast<size_t>(ppc))));
-    for (int64_t qp = 0; qp < nq; ++qp) {
-      std::vector<int32_t> idx;
-      size_t i = 0;
-      for (const int32_t* p = sel + qp * K; p < sel + qp * K + cnt[qp]; ++p) {
-        while (i < s.pages.size() && s.pages[i] < *p) ++i;
-        if (i < s.pages.size() && s.pages[i] == *p) idx.push_back(static_cast<int32_t>(i));
-      }
-      const int64_t r0 = qp * P, n = std::min(P, Tc - r0);
-      if (idx.empty()) continue;
-      if (!s.groups.empty() && s.groups.back().r0 + s.groups.back().n == r0 && s.groups.back().idx == idx) {
-        s.groups.back().n += n;
-      } else {
-        s.groups.push_back({r0, n, std::move(idx)});
-      }
-    }
-    steps.push_back(std::move(s));
-  }
-  return steps;
-}
-
 void PagedKvStore::start_fetch(Window& w, int64_t layer, const std::vector<int64_t>& lps, bool grads) {
   const int64_t seq = grads ? kGrad : kKv;
   w.layer = layer;
@@ -430,94 +318,6 @@ void PagedKvStore::write_back_grads(Window& w) {
                             : off_->copy(ghome_->k(ref.slot), src, gshape_.page_bytes(), Tier::Device, Tier::Host));
   }
 }
-
-void PagedKvStore::forward(int64_t layer, Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, Tensor pos) {
-  const int64_t Tc = q.dims[0], H = cfg_.H, D = cfg_.D;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  KvBlock own{k.data, v.data, static_cast<int32_t>(chunk_ * opt_.C), static_cast<int32_t>(Tc)};
-  ops_.attention_forward(o, lse, q, KvBlocks{&own, 1, cfg_.Hkv, Tc, D, k.dtype, bf16_products_}, pos, scale);
-  if (chunk_ == 0) return;
-  if (sparse()) select(layer, q);
-  const std::vector<Step> steps = plan(layer, Tc);
-  if (steps.empty()) return;
-  start_fetch(*kv_win_[0], layer, steps[0].pages, false);
-  for (size_t j = 0; j < steps.size(); ++j) {
-    Window& w = *kv_win_[j % 2];
-    if (j + 1 < steps.size()) start_fetch(*kv_win_[(j + 1) % 2], layer, steps[j + 1].pages, false);
-    finish_fetch(w);
-    for (const Group& g : steps[j].groups) {
-      Tensor o2(o2_.data, o.dtype, {g.n, H, D}), l2(lse2_.data, lse.dtype, {H, g.n});
-      ops_.attention_forward(o2, l2, rows(q, g.r0, g.n), blocks_of(w, false, g.idx), rows(pos, g.r0, g.n), scale);
-      ops_.attention_merge(o, lse, o2, l2, g.r0);
-    }
-  }
-}
-
-void PagedKvStore::backward(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v,
-                            Tensor o, Tensor lse, Tensor pos) {
-  OOM_CHECK(backward_, "[kv] this store was set up without key gradients (evaluation only)");
-  const int64_t Tc = q.dims[0], H = cfg_.H, Hkv = cfg_.Hkv, D = cfg_.D, P = opt_.P, ppc = pages_per_chunk();
-  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  // The chunk's own key gradients that later chunks left in the store (none for the last chunk): dk, dv
-  // start at zero, so taking them is a copy; this chunk's share is added on top by the kernel. A page no
-  // later chunk read (sparse) has none: its rows stay zero.
-  const int64_t own0 = chunk_ * ppc;
-  std::vector<int64_t> left;
-  for (int64_t i = 0; i < ppc && i * P < Tc; ++i)
-    if (table_.find(kGrad, static_cast<int32_t>(layer), own0 + i)) left.push_back(own0 + i);
-  if (!left.empty()) {
-    Window& w = *own_win_[0];
-    start_fetch(w, layer, left, true);
-    finish_fetch(w);
-    std::vector<int32_t> idx(left.size());
-    for (size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<int32_t>(i);
-    const KvBlocks g = blocks_of(w, true, idx);
-    for (size_t b = 0; b < left.size(); ++b) {
-      const int64_t i = left[b] - own0;
-      for (int64_t h = 0; h < Hkv; ++h) {
-        ops_.copy(span(dk, (h * Tc + i * P) * D, P * D), span(Tensor(g.blocks[b].k, dk.dtype, {Hkv * P * D}, Tier::Device), h * P * D, P * D));
-        ops_.copy(span(dv, (h * Tc + i * P) * D, P * D), span(Tensor(g.blocks[b].v, dv.dtype, {Hkv * P * D}, Tier::Device), h * P * D, P * D));
-      }
-    }
-  }
-  KvBlock own{k.data, v.data, static_cast<int32_t>(chunk_ * opt_.C), static_cast<int32_t>(Tc)};
-  KvBlock down{dk.data, dv.data, own.start, own.len};
-  ops_.attention_backward(dq, KvBlocks{&down, 1, Hkv, Tc, D, dk.dtype}, dout, q, KvBlocks{&own, 1, Hkv, Tc, D, k.dtype, bf16_products_},
-                          o, lse, pos, scale);
-  if (chunk_ == 0) return;
-  const std::vector<Step> steps = plan(layer, Tc);
-  if (steps.empty()) return;
-  start_fetch(*kv_win_[0], layer, steps[0].pages, false);
-  start_fetch(*grad_win_[0], layer, steps[0].pages, true);
-  for (size_t j = 0; j < steps.size(); ++j) {
-    Window& w = *kv_win_[j % 2];
-    Window& g = *grad_win_[j % 3];
-    if (j + 1 < steps.size()) {
-      start_fetch(*kv_win_[(j + 1) % 2], layer, steps[j + 1].pages, false);
-      start_fetch(*grad_win_[(j + 1) % 3], layer, steps[j + 1].pages, true);
-    }
-    finish_fetch(w);
-    finish_fetch(g);
-    for (const Group& gr : steps[j].groups) {
-      if (gr.n == Tc) {
-        Tensor dq2(dq2_.data, dq.dtype, {Tc, H, D});
-        ops_.attention_backward(dq2, blocks_of(g, true, gr.idx), dout, q, blocks_of(w, false, gr.idx), o, lse, pos,
-                                scale);
-        ops_.add(dq, dq, dq2);
-        continue;
-      }
-      // Some rows: their lse gathered into (H, n).
-      Tensor l(lse2_.data, lse.dtype, {H, gr.n}), dq2(dq2_.data, dq.dtype, {gr.n, H, D});
-      for (int64_t h = 0; h < H; ++h) ops_.copy(span(l, h * gr.n, gr.n), span(lse, h * Tc + gr.r0, gr.n));
-      const Tensor dq_rows = rows(dq, gr.r0, gr.n);
-      ops_.attention_backward(dq2, blocks_of(g, true, gr.idx), rows(dout, gr.r0, gr.n), rows(q, gr.r0, gr.n),
-                              blocks_of(w, false, gr.idx), rows(o, gr.r0, gr.n), l, rows(pos, gr.r0, gr.n), scale);
-      ops_.add(dq_rows, dq_rows, dq2);
-    }
-    write_back_grads(g);
-  }
-}
-
 void PagedKvStore::release(int64_t seq, int32_t layer, int64_t lpage) {
   const PageRef* ref = table_.find(seq, layer, lpage);
   if (!ref) return;
