@@ -12,6 +12,7 @@ void PagedKvStore::summarize(int64_t layer, int64_t lp, const Tensor& k, int64_t
   float* out = static_cast<float*>(summ_.data()) + ((layer * hist_pages_ + lp) * S) * cfg_.Hkv * cfg_.D;
   ops_.page_summary(Tensor(out, DType::f32, {S, cfg_.Hkv, cfg_.D}, summ_.tier()), k, row0, opt_.P);
 }
+
 // The selections of the current chunk in `layer` from its queries q (Tc, H, D), unless made already (a
 // recompute or backward of a chunk whose forward selected, or keep_selection).
 void PagedKvStore::select(int64_t layer, const Tensor& q) {

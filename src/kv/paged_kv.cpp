@@ -46,6 +46,7 @@ const char* kv_offload_name(KvOffload m) {
   }
   return "?";
 }
+
 PagedKvStore::PagedKvStore(const KvDims& cfg, Ops& ops, Arena& device, Arena& host, const PagedKvOptions& opt,
                            int64_t max_T, bool backward)
     : cfg_(cfg), ops_(ops), opt_(opt), backward_(backward) {
@@ -158,6 +159,7 @@ void PagedKvStore::set_chunk(int64_t c) {
   OOM_CHECK(c >= 0 && c * opt_.C < T_, "[kv] chunk ", c, " is outside the sequence of ", T_, " tokens");
   chunk_ = c;
 }
+
 // Scatter rows: page i of a chunk holds positions [i P, (i + 1) P) of every kv head.
 float PagedKvStore::quantize_chunk(int64_t layer, int kind, const Tensor& x) {
   // The largest |x| of the chunk (NaN when any element is not finite)
@@ -318,6 +320,7 @@ void PagedKvStore::write_back_grads(Window& w) {
                             : off_->copy(ghome_->k(ref.slot), src, gshape_.page_bytes(), Tier::Device, Tier::Host));
   }
 }
+
 void PagedKvStore::release(int64_t seq, int32_t layer, int64_t lpage) {
   const PageRef* ref = table_.find(seq, layer, lpage);
   if (!ref) return;
