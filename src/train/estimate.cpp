@@ -523,23 +523,24 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
   for (Ops::CeCall call : head_trained ? std::vector<Ops::CeCall>{Ops::CeCall::forward, Ops::CeCall::backward}
                                        : std::vector<Ops::CeCall>{Ops::CeCall::forward, Ops::CeCall::fused})
     transient = std::max(transient, ops.cross_entropy_workspace(call, T, E, V, ms.bf16, head_widened, &products));
+  // The model's and the head's products take bf16 operands under bf16 compute; GaLore's are f32 always.
+  std::vector<std::array<int64_t, 3>> f32_products;
   for (const auto& [m, n] : c.optim.rfind("galore", 0) == 0 ? ob.projected : std::vector<std::array<int64_t, 2>>{}) {
     const int64_t r = rank;  // the SVD of each matrix, its projection and the step back (optim/galore.cpp)
     transient = std::max(transient, lapack::svd_workspace(m, n, sizeof(float)));
-    products.push_back({m >= n ? m : r, m >= n ? r : n, m >= n ? n : m});
-    products.push_back({m, n, r});
+    f32_products.push_back({m >= n ? m : r, m >= n ? r : n, m >= n ? n : m});
+    f32_products.push_back({m, n, r});
   }
   size_t pack_shared = 0, pack_own = 0;
-  for (const auto& p : products) {
-    const std::array<size_t, 2> b = ops.matmul_workspace(p[0], p[1], p[2], ms.bf16);
-    pack_shared = std::max(pack_shared, b[0]);
-    pack_own = std::max(pack_own, b[1]);
-    if (ms.bf16) {  // products of f32 operands run beside the bf16 ones (the LM head's, GaLore's)
-      const std::array<size_t, 2> g = ops.matmul_workspace(p[0], p[1], p[2], false);
-      pack_shared = std::max(pack_shared, g[0]);
-      pack_own = std::max(pack_own, g[1]);
+  auto pack = [&](const std::vector<std::array<int64_t, 3>>& v, bool bf16) {
+    for (const auto& p : v) {
+      const std::array<size_t, 2> b = ops.matmul_workspace(p[0], p[1], p[2], bf16);
+      pack_shared = std::max(pack_shared, b[0]);
+      pack_own = std::max(pack_own, b[1]);
     }
-  }
+  };
+  pack(products, ms.bf16);
+  pack(f32_products, false);
   const size_t run_workspace = workspace_fixed + pack_shared + pack_own + transient;
   add(kDev, Category::workspace, std::max(run_workspace, load_workspace));
 
