@@ -18,14 +18,17 @@
 //   One position under GQA (a decode step): parallel over kv heads instead, the group's query heads the rows
 //   of one task, so each key tile is read once a group (the same bits: rows do not mix); with f32 products
 //   split further over every thread (decode_split), keys and values read in place by kernels of its own.
-// Backward, with D_i = rowsum(dO_i * O_i) precomputed and P = 2^(x - lse log2 e):
-//   pass 1, parallel over (key tile, kv head), looping over the group's query heads and every query
-//   tile that sees the key tile:  dV += P^T dO,  dP = dO V^T,  dS = scale P (dP - D),  dK += dS^T Q;
-//   pass 2, parallel over (query tile, head), looping over the visible key tiles:
-//   dQ += dS K (S, P, dP, dS recomputed).
-// Each output tile (O, dK, dV or dQ rows) is owned by one task, which adds its terms in a fixed order:
-// no atomics, and results are bitwise identical for any thread count. Tasks are dealt round-robin
-// (schedule(static, 1)) so the causal triangle's uneven task costs spread evenly.
+// Backward, with D_i = rowsum(dO_i * O_i) precomputed and P = 2^(x - lse log2 e), parallel over (key tile,
+// kv head), each task looping over the group's query heads and every query tile that sees its key tile:
+//   dV += P^T dO,  dP = dO V^T,  dS = scale P (dP - D),  dK += dS^T Q,  dQ += dS K.
+// O, dK and dV rows are each owned by one task, which adds its terms in a fixed order. A dQ tile takes terms
+// from every key tile it sees, so they take turns: a counter per (head, query tile) says how many of its
+// visible key tiles (in ascending order) have added theirs, and a task waits for its turn before adding.
+// The sums are those of a pass per query tile over its key tiles in order (S, P and dS are the same bits
+// wherever computed), without computing S, P and dS a second time: results are bitwise identical for any
+// thread count. Tasks are dealt round-robin, each thread taking its own in ascending order, so the causal
+// triangle's uneven task costs spread evenly, and the task holding the lowest unfinished key tile never
+// waits (no deadlock: a key tile waits only for lower ones).
 //
 // bf16 products (KvBlocks::bf16_products, bf16 compute): every tile product takes bf16 operands: q and dout
 // rounded once per call, key tiles per tile, P and dS per tile after the fp32 softmax and score gradients.
@@ -42,11 +45,14 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+
+#include <sched.h>
 
 #include "backend/attention_merge.h"
 #include "backend/checks.h"
@@ -87,6 +93,8 @@ struct Ctx {
   float* dq;
   const float* lse2;  // (H, T) lse log2(e), backward only
   const float* dsum;  // (H, T) D = rowsum(dout * o), backward only
+  int32_t* dq_done;       // (H, n_qt) backward: how many visible key tiles have added their dS K to dQ's tile
+  const int32_t* dq_turn;  // (n_kt, n_qt) backward: key tile i's place among those query tile j sees
   float c;            // scale log2(e)
   float scale;
   bool bf16 = false;           // bf16 products
@@ -540,6 +548,12 @@ void round_rows(Ctx* x, const float* src, float* dst, const float** rounded, con
   else *rounded = dst;
 }
 
+// The backward's shared floats: lse in base 2 and D (H, T), the rounded q and dout (`rows` each), and the dQ
+// turns as int32: the counters (H, n_qt) and each key tile's turn per query tile (n_kt, n_qt).
+int64_t backward_extra_floats(int64_t T, int64_t H, int64_t n_kt, int64_t n_qt, int64_t rows) {
+  return 2 * padded(H * T) + 2 * rows + padded(H * n_qt) + padded(n_kt * n_qt);
+}
+
 // ---- tasks ------------------------------------------------------------------------------------------
 
 // Keys of tile kt that some query of tile qt can see: the first n of the tile (0 when none).
@@ -832,7 +846,18 @@ void recompute_scores(const Ctx& x, int64_t h, const QueryTile& qt, const KeyTil
   *dS = score_operand(x, w.ds, w.dsh, qt.n * nk, nk);
 }
 
-void kv_grad_task(const Ctx& x, int64_t g, const KeyTile& kt, const Tiles& w) {
+// Waits until the dQ tile's counter reaches `turn`: spinning a while, then yielding the core (a thread that
+// waits for one that is not running, on a loaded machine, must not keep it off the CPU).
+void wait_turn(int32_t* done, int32_t turn) {
+  std::atomic_ref<int32_t> c(*done);
+  for (int spins = 0; c.load(std::memory_order_acquire) != turn; ++spins) {
+    if (spins < 4096) _mm_pause();
+    else sched_yield();
+  }
+}
+
+void kv_grad_task(const Ctx& x, int64_t g, int64_t ki, const Tiles& w) {
+  const KeyTile& kt = x.kt[ki];
   const KvBlock& dblk = x.dkv->blocks[kt.block];
   const int64_t off = (g * x.P + kt.j0) * x.D;
   float* dK = static_cast<float*>(dblk.k) + off;
@@ -850,23 +875,11 @@ void kv_grad_task(const Ctx& x, int64_t g, const KeyTile& kt, const Tiles& w) {
       recompute_scores(x, h, qt, kt, nk, K, V, w, &P, &dS);
       tile_gemm(nk, x.D, qt.n, true, false, P, dO, dV, x.D, true, w.work);   // dV += P^T dO
       tile_gemm(nk, x.D, qt.n, true, false, dS, Q, dK, x.D, true, w.work);   // dK += dS^T Q
+      int32_t* done = x.dq_done + h * x.n_qt + i;
+      wait_turn(done, x.dq_turn[ki * x.n_qt + i]);
+      tile_gemm(qt.n, x.D, nk, false, false, dS, K, x.dq + qt.r0 * x.ldq + h * x.D, x.ldq, true, w.work);  // dQ += dS K
+      std::atomic_ref<int32_t>(*done).fetch_add(1, std::memory_order_release);
     }
-  }
-}
-
-void q_grad_task(const Ctx& x, int64_t h, const QueryTile& qt, const Tiles& w) {
-  const int64_t g = h / x.group;
-  float* dQ = x.dq + qt.r0 * x.ldq + h * x.D;
-  for (int64_t r = 0; r < qt.n; ++r) std::fill(dQ + r * x.ldq, dQ + r * x.ldq + x.D, 0.0f);
-  for (int64_t i = 0; i < x.n_kt; ++i) {
-    const KeyTile& kt = x.kt[i];
-    const int64_t nk = visible_keys(kt, qt);
-    if (nk == 0) continue;
-    Opnd K, V;
-    key_operands(x, kt, g, nk, w, &K, &V);
-    Opnd P, dS;
-    recompute_scores(x, h, qt, kt, nk, K, V, w, &P, &dS);
-    tile_gemm(qt.n, x.D, nk, false, false, dS, K, dQ, x.ldq, true, w.work);  // dQ += dS K
   }
 }
 
@@ -921,7 +934,8 @@ void CpuOps::attention_backward(Tensor dq, const KvBlocks& dkv, Tensor dout, Ten
   x.n_qt = (x.T + kBq - 1) / kBq;
   const int64_t HT = x.H * x.T, rows = operand_floats(x);
   const int64_t trows = tile_rows(x.T, x.H, x.Hkv, x.amx, true);
-  Scratch s = make_scratch(*this, x.n_kt, x.n_qt, 2 * padded(HT) + 2 * rows, tiles_floats(x.D, widen, x.amx, trows));
+  Scratch s = make_scratch(*this, x.n_kt, x.n_qt, backward_extra_floats(x.T, x.H, x.n_kt, x.n_qt, rows),
+                           tiles_floats(x.D, widen, x.amx, trows));
   fill_key_tiles(s.kt, kv);
   fill_query_tiles(s.qt, x.pos, x.T);
   x.kt = s.kt;
@@ -932,7 +946,19 @@ void CpuOps::attention_backward(Tensor dq, const KvBlocks& dkv, Tensor dout, Ten
   round_rows(&x, x.dout, dsum + padded(HT) + rows, &x.dr, &x.dh);
   x.lse2 = lse2;
   x.dsum = dsum;
-  const int64_t kv_tasks = x.n_kt * x.Hkv, q_tasks = x.n_qt * x.H;
+  int32_t* dq_done = reinterpret_cast<int32_t*>(dsum + padded(HT) + 2 * rows);
+  int32_t* dq_turn = dq_done + padded(x.H * x.n_qt);
+  std::fill(dq_done, dq_done + x.H * x.n_qt, 0);
+  for (int64_t j = 0; j < x.n_qt; ++j) {
+    int32_t seen = 0;
+    for (int64_t i = 0; i < x.n_kt; ++i) {
+      dq_turn[i * x.n_qt + j] = seen;
+      if (visible_keys(x.kt[i], x.qt[j]) > 0) ++seen;
+    }
+  }
+  x.dq_done = dq_done;
+  x.dq_turn = dq_turn;
+  const int64_t kv_tasks = x.n_kt * x.Hkv;
 #pragma omp parallel
   {
     const Tiles w = carve_tiles(s.tiles + omp_get_thread_num() * s.tile_floats, x.D, widen, x.amx, trows);
@@ -945,11 +971,12 @@ void CpuOps::attention_backward(Tensor dq, const KvBlocks& dkv, Tensor dout, Ten
       for (int64_t d = 0; d < x.D; ++d) acc += orow[d] * grow[d];
       dsum[i] = acc;
       lse2[i] = static_cast<float>(static_cast<double>(x.lse[i]) * kLog2e);
+      std::fill(x.dq + t * x.ldq + h * x.D, x.dq + t * x.ldq + (h + 1) * x.D, 0.0f);
     }
-#pragma omp for schedule(static, 1)
-    for (int64_t t = 0; t < kv_tasks; ++t) kv_grad_task(x, t % x.Hkv, x.kt[t / x.Hkv], w);
-#pragma omp for schedule(static, 1)
-    for (int64_t t = 0; t < q_tasks; ++t) q_grad_task(x, t % x.H, x.qt[t / x.H], w);
+    // Round-robin by hand rather than schedule(static, 1): the turns need each thread to take its tasks in
+    // ascending order.
+    const int64_t nth = omp_get_num_threads();
+    for (int64_t t = omp_get_thread_num(); t < kv_tasks; t += nth) kv_grad_task(x, t % x.Hkv, t / x.Hkv, w);
   }
 }
 
@@ -969,8 +996,8 @@ size_t CpuOps::attention_workspace(bool backward, int64_t T, int64_t H, int64_t 
   const int64_t rows = operand_floats(T, H * D, bf16_products, amx);
   const int64_t group = Hkv > 0 ? H / Hkv : 1;
   const bool split = !backward && T == 1 && group > 1 && group <= kBq && !bf16_products;
-  const int64_t extra =
-      backward ? 2 * padded(H * T) + 2 * rows : padded(rows) + (split ? decode_split_floats(Hkv, n_kt, group, D) : 0);
+  const int64_t extra = backward ? backward_extra_floats(T, H, n_kt, n_qt, rows)
+                                 : padded(rows) + (split ? decode_split_floats(Hkv, n_kt, group, D) : 0);
   return static_cast<size_t>(scratch_bytes(n_kt, n_qt, extra, tiles_floats(D, widen, amx, tile_rows(T, H, Hkv, amx, backward))));
 }
 
