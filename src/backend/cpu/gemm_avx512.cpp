@@ -127,6 +127,46 @@ __attribute__((target("avx512f"))) void micro_avx512_wide(const Micro& u) {
   store_c_wide<M>(u, c0, c1);
 }
 
+// Unpacked A (Gemm::tile) over two adjacent panels, the second u.b2 floats after the first: twelve FMA chains
+// in flight where micro_avx512's six leave one of two 512-bit FMA pipes idle, each output's chain as there.
+template <int M, bool TA>
+__attribute__((target("avx512f"))) void micro_avx512_tile_wide(const Micro& u) {
+  __m512 c0[M], c1[M];
+#pragma GCC unroll 6
+  for (int i = 0; i < M; ++i) c0[i] = c1[i] = _mm512_setzero_ps();
+  const float* b = u.b;
+  const int64_t second = u.b2;
+  if constexpr (TA) {
+    const float* a = u.a;
+    for (int64_t k = 0; k < u.kc; ++k) {
+      const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + second);
+#pragma GCC unroll 6
+      for (int i = 0; i < M; ++i) {
+        const __m512 ai = _mm512_set1_ps(a[i]);
+        c0[i] = _mm512_fmadd_ps(ai, b0, c0[i]);
+        c1[i] = _mm512_fmadd_ps(ai, b1, c1[i]);
+      }
+      a += u.cas;
+      b += u.bs;
+    }
+  } else {
+    const float* ar[kMr];
+#pragma GCC unroll 6
+    for (int i = 0; i < M; ++i) ar[i] = u.a + i * u.ras;
+    for (int64_t k = 0; k < u.kc; ++k) {
+      const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + second);
+#pragma GCC unroll 6
+      for (int i = 0; i < M; ++i) {
+        const __m512 ai = _mm512_set1_ps(ar[i][k]);
+        c0[i] = _mm512_fmadd_ps(ai, b0, c0[i]);
+        c1[i] = _mm512_fmadd_ps(ai, b1, c1[i]);
+      }
+      b += u.bs;
+    }
+  }
+  store_c_wide<M>(u, c0, c1);
+}
+
 // ---- bf16 pairs -------------------------------------------------------------------------------------
 
 // A packed pair strip: word (k pair p, row i) at a[p * 6 + i]; a panel: word (p, column j) at b[p * 16 + j].
@@ -183,6 +223,10 @@ template <int... M>
 void fill_avx512_wide(MicroFn* f, std::integer_sequence<int, M...>) {
   ((f[M + 1] = &micro_avx512_wide<M + 1>), ...);
 }
+template <bool TA, int... M>
+void fill_avx512_tile_wide(MicroFn* f, std::integer_sequence<int, M...>) {
+  ((f[M + 1] = &micro_avx512_tile_wide<M + 1, TA>), ...);
+}
 template <int... M>
 void fill_bf16(MicroFn* f, MicroFn* wide, std::integer_sequence<int, M...>) {
   ((f[M + 1] = &micro_bf16<M + 1>), ...);
@@ -196,6 +240,8 @@ void fill_avx512_kernels(Kernels& k, bool bf16) {
   fill_avx512<true, false>(k.micro[1], std::make_integer_sequence<int, kMr>{});
   fill_avx512<true, true>(k.packed, std::make_integer_sequence<int, kMr>{});
   fill_avx512_wide(k.packed_wide, std::make_integer_sequence<int, kMr>{});
+  fill_avx512_tile_wide<false>(k.tile_wide[0], std::make_integer_sequence<int, kMr>{});
+  fill_avx512_tile_wide<true>(k.tile_wide[1], std::make_integer_sequence<int, kMr>{});
   if (bf16) fill_bf16(k.packed_pairs, k.packed_pairs_wide, std::make_integer_sequence<int, kMr>{});
 }
 

@@ -38,6 +38,9 @@ struct Micro {
   // Floats from one k's row of B to the next: kNr in a packed panel; Gemm::tile passes B's own rows (its
   // row stride) for a full panel it need not pack. Only the kernels of unpacked A (Gemm::tile) read it.
   int64_t bs = kNr;
+  // Floats from the first of two adjacent panels to the second (the tile_wide kernels): kNr * kc packed,
+  // kNr for B's rows read in place.
+  int64_t b2 = 0;
 };
 
 // ---- portable micro-kernel --------------------------------------------------------------------------
@@ -275,6 +278,9 @@ struct Kernels {
   // where the ISA has no pair instruction (bf16 then widens to f32 while packing).
   MicroFn packed_pairs[kMr + 1];
   MicroFn packed_pairs_wide[kMr + 1];  // the same over two adjacent pair panels
+  // [ta][rows], unpacked A (Gemm::tile) over two adjacent panels (n: 17..32 columns, Micro::b2 apart); null
+  // where the ISA has none (AVX2's 6 x 16 kernel already keeps twelve chains in flight).
+  MicroFn tile_wide[2][kMr + 1];
   void (*pack_bt)(float*, const float*, int64_t, int64_t, int64_t);
   bool avx2;                  // the AVX2 packing routines may run
   bool amx;                   // bf16 products of two rows or more take the AMX loop nest (micro_amx)

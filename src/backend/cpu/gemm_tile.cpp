@@ -6,6 +6,8 @@
 //     for each column block of up to kNc:                                   unless accumulate)
 //       for each 16-wide column panel:      B panel packed on the stack, kc x 16 contiguous floats
 //         for each 6-row strip of C:        the 6x16 micro-kernel, 12 accumulators in registers
+//   (on AVX-512, two adjacent panels at a time: the 6 x 32 tile_wide kernel, whose 12 chains keep both FMA
+//   pipes busy where the 6 x 16 zmm kernel's six cannot; each output's chain is the same)
 //
 // B is packed (transposed when b is stored (N, K), zero-padded past N): the panel stays in L1 while every
 // strip of C uses it, and read in place at a power-of-two leading dimension its rows would fall into a few
@@ -49,6 +51,7 @@ void Gemm::tile(const GemmShape& s, const float* a, const float* b, float* c) {
   }
   const Kernels& kern = kernels();
   const MicroFn* micro = kern.micro[s.ta ? 1 : 0];
+  const MicroFn* wide = kern.tile_wide[s.ta ? 1 : 0][1] ? kern.tile_wide[s.ta ? 1 : 0] : nullptr;
   const int64_t ras = s.ta ? 1 : lda, cas = s.ta ? lda : 1;
   alignas(64) float packed[kKc * kNc];
 
@@ -59,8 +62,10 @@ void Gemm::tile(const GemmShape& s, const float* a, const float* b, float* c) {
     for (int64_t n0 = 0; n0 < N; n0 += kNc) {
       const int64_t nc = std::min(kNc, N - n0);
       if (s.tb) kern.pack_bt(packed, b + n0 * ldb + k0, ldb, kc, nc);
-      for (int64_t p = 0; p < nc; p += kNr) {
-        const int n = static_cast<int>(std::min<int64_t>(kNr, nc - p));
+      for (int64_t p = 0; p < nc;) {
+        const bool two = wide && nc - p > kNr;  // two panels at once
+        const int64_t width = two ? 2 * kNr : kNr;
+        const int n = static_cast<int>(std::min(width, nc - p));
         Micro u{};
         u.ras = ras;
         u.cas = cas;
@@ -68,21 +73,26 @@ void Gemm::tile(const GemmShape& s, const float* a, const float* b, float* c) {
         u.kc = kc;
         u.n = n;
         u.acc = acc;
+        u.b2 = kNr * kc;
         if (s.tb) {
           u.b = packed + p * kc;
-        } else if (n == kNr && M <= kMr) {  // one strip, a full panel: B's rows in place (the same values, order)
+        } else if (n == width && M <= kMr) {  // one strip, full panels: B's rows in place (the same values, order)
           u.b = b + k0 * ldb + n0 + p;
           u.bs = ldb;
+          u.b2 = kNr;
         } else {
-          pack_b_panel(packed, b + k0 * ldb + n0 + p, ldb, kc, n);
+          pack_b_panel(packed, b + k0 * ldb + n0 + p, ldb, kc, std::min(n, static_cast<int>(kNr)));
+          if (two) pack_b_panel(packed + kNr * kc, b + k0 * ldb + n0 + p + kNr, ldb, kc, n - kNr);
           u.b = packed;
         }
+        const MicroFn* f = two ? wide : micro;
         for (int64_t i0 = 0; i0 < M; i0 += kMr) {
           const int m = static_cast<int>(std::min<int64_t>(kMr, M - i0));
           u.a = ak + i0 * ras;
           u.c = c + i0 * ldc + n0 + p;
-          micro[m](u);
+          f[m](u);
         }
+        p += n;
       }
     }
   }
