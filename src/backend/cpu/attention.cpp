@@ -36,6 +36,11 @@
 // (gemm_detail::tile_bf16_amx); on the other paths the rounded values stay in f32 and the f32 tile kernels
 // multiply them (the same sums as bf16 operands widened). Deterministic either way.
 //
+// The softmax rows (online_softmax, probabilities, score_grads) run eight lanes a vector on the avx2 and generic
+// GEMM paths and sixteen on avx512 and amx, with the same bits (each lane's operations are the same, and the
+// reductions fold sixteen fixed lanes either way); on amx the forward's P, and the backward's P and dS, go
+// to bf16 in the pass that makes them rather than in a pass of their own.
+//
 // K/V may be f32, bf16, f8_e4m3 (scaled per block or per row) or, forward only, i8 (scaled per row); narrow
 // key tiles are widened to f32 per tile. dK/dV blocks are f32 and
 // accumulate (+=). Scratch (per-thread tiles, tile tables, D and lse in base 2) is one workspace
@@ -99,6 +104,7 @@ struct Ctx {
   float scale;
   bool bf16 = false;           // bf16 products
   bool amx = false;            // ... as bf16 operands on AMX tiles
+  bool lanes16 = false;        // the softmax rows sixteen lanes a vector (the avx512 and amx GEMM paths)
   const float* qr = nullptr;   // bf16 products off amx: q and dout rounded, in f32 (T, ldq)
   const float* dr = nullptr;
   const uint16_t* qh = nullptr;  // bf16 products on amx: q and dout in bf16 (T, ldq)
@@ -121,34 +127,42 @@ int64_t padded(int64_t n) { return (n + 15) / 16 * 16; }
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 
-inline v8f splat(float a) { return v8f{a, a, a, a, a, a, a, a}; }
-inline v8f load8(const float* p) {
+__attribute__((always_inline)) inline v8f splat(float a) { return v8f{a, a, a, a, a, a, a, a}; }
+__attribute__((always_inline)) inline v8f load8(const float* p) {
   v8f v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
-inline v8f vmax(v8f a, v8f b) { return a > b ? a : b; }
-inline float hmax(v8f a) {
+__attribute__((always_inline)) inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
+__attribute__((always_inline)) inline v8f vmax(v8f a, v8f b) { return a > b ? a : b; }
+__attribute__((always_inline)) inline float hmax(v8f a) {
   float m = a[0];
   for (int k = 1; k < 8; ++k) m = m > a[k] ? m : a[k];
   return m;
 }
-inline float hsum(v8f a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
+__attribute__((always_inline)) inline float hsum(v8f a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
 
 // 2^x in f32, relative error about 1e-7: x = n + f with n an integer and |f| <= 1/2, 2^f from its
 // degree-7 Taylor polynomial in f ln 2, 2^n from the exponent bits. Below -126 it returns 0 (masked
-// and negligible terms); the arguments here are <= 0 up to rounding, clamped at 127.
-inline v8f exp2_v8(v8f x) {
-  const v8f round = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer in the low bits
-  const v8f lo = splat(-126.0f), hi = splat(127.0f);
-  v8f xc = x < lo ? lo : x;
+// and negligible terms); the arguments here are <= 0 up to rounding, clamped at 127. V: eight or sixteen
+// floats, I: as many int32 (the same operations on every lane, so a lane's value does not depend on V).
+template <class V>
+__attribute__((always_inline)) inline V splat_v(float a) {
+  V v;
+  for (int i = 0; i < static_cast<int>(sizeof(V) / sizeof(float)); ++i) v[i] = a;
+  return v;
+}
+template <class V, class I>
+__attribute__((always_inline)) inline V exp2_lanes(V x) {
+  const V round = splat_v<V>(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer in the low bits
+  const V lo = splat_v<V>(-126.0f), hi = splat_v<V>(127.0f);
+  V xc = x < lo ? lo : x;
   xc = xc > hi ? hi : xc;
-  const v8f t = xc + round;
-  const v8f n = t - round;
-  const v8f f = xc - n;
-  const v8i e = (((v8i)t - (v8i)round) + 127) << 23;
-  v8f p = splat(1.5252733804059840e-05f);
+  const V t = xc + round;
+  const V n = t - round;
+  const V f = xc - n;
+  const I e = (((I)t - (I)round) + 127) << 23;
+  V p = splat_v<V>(1.5252733804059840e-05f);
   p = p * f + 1.5403530393381609e-04f;
   p = p * f + 1.3333558146428443e-03f;
   p = p * f + 9.6181291076284772e-03f;
@@ -156,10 +170,11 @@ inline v8f exp2_v8(v8f x) {
   p = p * f + 2.4022650695910071e-01f;
   p = p * f + 6.9314718055994531e-01f;
   p = p * f + 1.0f;
-  const v8f y = p * (v8f)e;
-  return x < lo ? splat(0.0f) : y;
+  const V y = p * (V)e;
+  return x < lo ? splat_v<V>(0.0f) : y;
 }
-inline float exp2_f32(float x) { return exp2_v8(splat(x))[0]; }
+__attribute__((always_inline)) inline v8f exp2_v8(v8f x) { return exp2_lanes<v8f, v8i>(x); }
+__attribute__((always_inline)) inline float exp2_f32(float x) { return exp2_v8(splat(x))[0]; }
 
 // Keys of a tile that a query at position p sees: the first clamp(p - lo + 1, 0, n).
 inline int64_t visible(int32_t p, int64_t lo, int64_t n) { return std::clamp<int64_t>(p - lo + 1, 0, n); }
@@ -168,7 +183,7 @@ inline int64_t visible(int32_t p, int64_t lo, int64_t n) { return std::clamp<int
 // padded with `pad`; folds each y into the lane-wise reduction r = g(r, y) over 16 fixed lanes (two
 // vectors; padded lanes included, so `pad` must map to g's identity).
 template <class F, class G>
-inline void map_reduce(float* x, int64_t n, float pad, v8f* r0, v8f* r1, F f, G g) {
+__attribute__((always_inline)) inline void map_reduce(float* x, int64_t n, float pad, v8f* r0, v8f* r1, F f, G g) {
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
     const v8f y0 = f(load8(x + j)), y1 = f(load8(x + j + 8));
@@ -190,37 +205,155 @@ inline void map_reduce(float* x, int64_t n, float pad, v8f* r0, v8f* r1, F f, G 
 }
 
 // x[j] *= c for j < n, returns max_j x[j] (-inf when n == 0).
-inline float scale_max(float* x, int64_t n, float c) {
+__attribute__((always_inline)) inline float scale_max(float* x, int64_t n, float c) {
   v8f m0 = splat(kNegInf), m1 = m0;
   map_reduce(x, n, kNegInf, &m0, &m1, [c](v8f v) { return v * c; }, vmax);
   return hmax(vmax(m0, m1));
 }
 
 // x[j] = 2^(x[j] - shift) for j < n, returns their sum over 16 fixed lanes.
-inline float exp2_sum(float* x, int64_t n, float shift) {
+__attribute__((always_inline)) inline float exp2_sum(float* x, int64_t n, float shift) {
   v8f s0 = splat(0.0f), s1 = s0;
   map_reduce(x, n, kNegInf, &s0, &s1, [shift](v8f v) { return exp2_v8(v - shift); },
              [](v8f a, v8f b) { return a + b; });
   return hsum(s0 + s1);
 }
 
-// The online-softmax step of the forward for one (nq, nk) score tile S: turns S into P in place,
-// updates the running max m and sum l of each row and rescales the row of O (nq, D; stride ldo).
-__attribute__((target_clones("arch=x86-64-v3", "default")))
-void online_softmax(float* S, int64_t nq, int64_t nk, float c, const int32_t* qpos, int64_t klo, float* m, float* l,
-                    float* O, int64_t ldo, int64_t D) {
+// ---- the same row loops sixteen lanes a vector (the AVX-512 GEMM paths) ------------------------------
+// One 16-float vector holds the lanes of map_reduce's two eight-float ones (lane k < 8 of the first, k >= 8
+// of the second), element for element the same operations, and the reductions fold its halves as those
+// fold their two vectors: the same bits (Attention.Bf16ProductsOnEveryPath compares the avx2 and avx512 paths).
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+#define OOMLESS_LANES16 __attribute__((target("arch=x86-64-v4"), always_inline)) inline
+OOMLESS_LANES16 v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+OOMLESS_LANES16 void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
+OOMLESS_LANES16 v8f half8(v16f v, int k) {
+  v8f h;
+  std::memcpy(&h, reinterpret_cast<const char*>(&v) + 32 * k, sizeof h);
+  return h;
+}
+// f32_to_bf16's bits for sixteen floats (NaN kept quiet).
+OOMLESS_LANES16 void store_bf16x16(uint16_t* d, v16f y) {
+  const v16u u = (v16u)y;
+  const v16u quiet = (u >> 16) | 0x40u, rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const v16h h = __builtin_convertvector((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded, v16h);
+  std::memcpy(d, &h, sizeof h);
+}
+// x[0, n) padded with `pad` to sixteen, the padding lanes included in what is computed from it.
+OOMLESS_LANES16 v16f load_tail16(const float* x, int64_t n, float pad) {
+  alignas(64) float t[16];
+  for (int k = 0; k < 16; ++k) t[k] = k < n ? x[k] : pad;
+  return load16(t);
+}
+OOMLESS_LANES16 void store_tail16(float* x, int64_t n, v16f v) {
+  alignas(64) float t[16];
+  store16(t, v);
+  for (int k = 0; k < n; ++k) x[k] = t[k];
+}
+
+// scale_max on sixteen lanes.
+__attribute__((target("arch=x86-64-v4"))) float scale_max16(float* x, int64_t n, float c) {
+  v16f m = splat_v<v16f>(kNegInf);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const v16f y = load16(x + j) * c;
+    store16(x + j, y);
+    m = m > y ? m : y;
+  }
+  if (j < n) {
+    const v16f y = load_tail16(x + j, n - j, kNegInf) * c;
+    m = m > y ? m : y;
+    store_tail16(x + j, n - j, y);
+  }
+  return hmax(vmax(half8(m, 0), half8(m, 1)));
+}
+
+// exp2_sum on sixteen lanes; with h, the values go to h in bf16 (f32_to_bf16's bits) instead of back to x.
+__attribute__((target("arch=x86-64-v4"))) float exp2_sum16(float* x, int64_t n, float shift, uint16_t* h) {
+  v16f s = splat_v<v16f>(0.0f);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const v16f y = exp2_lanes<v16f, v16i>(load16(x + j) - shift);
+    if (h) store_bf16x16(h + j, y);
+    else store16(x + j, y);
+    s = s + y;
+  }
+  if (j < n) {
+    const v16f y = exp2_lanes<v16f, v16i>(load_tail16(x + j, n - j, kNegInf) - shift);
+    s = s + y;
+    if (h) {
+      alignas(64) uint16_t t[16];
+      store_bf16x16(t, y);
+      for (int k = 0; j + k < n; ++k) h[j + k] = t[k];
+    } else {
+      store_tail16(x + j, n - j, y);
+    }
+  }
+  return hsum(half8(s, 0) + half8(s, 1));
+}
+
+// probabilities' row on sixteen lanes: x[j] = 2^(c x[j] - shift) for j < n, and with h in bf16 too.
+__attribute__((target("arch=x86-64-v4"))) void probs16(float* x, int64_t n, float c, float shift, uint16_t* h) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const v16f y = exp2_lanes<v16f, v16i>(load16(x + j) * c - shift);
+    store16(x + j, y);
+    if (h) store_bf16x16(h + j, y);
+  }
+  if (j < n) {
+    const v16f y = exp2_lanes<v16f, v16i>(load_tail16(x + j, n - j, 0.0f) * c - shift);
+    store_tail16(x + j, n - j, y);
+    if (h) {
+      alignas(64) uint16_t t[16];
+      store_bf16x16(t, y);
+      for (int k = 0; j + k < n; ++k) h[j + k] = t[k];
+    }
+  }
+}
+
+// score_grads' row on sixteen lanes into bf16: h[j] = bf16(scale p[j] (g[j] - dr)) for j < nk.
+__attribute__((target("arch=x86-64-v4"))) void score_grads16_bf16(const float* g, const float* p, int64_t nk, float dr,
+                                                                  float scale, uint16_t* h) {
+  int64_t j = 0;
+  for (; j + 16 <= nk; j += 16) store_bf16x16(h + j, scale * load16(p + j) * (load16(g + j) - dr));
+  for (; j < nk; ++j) h[j] = f32_to_bf16(scale * p[j] * (g[j] - dr));
+}
+#undef OOMLESS_LANES16
+
+// The online-softmax step of the forward for one (nq, nk) score tile S: turns S into P in place (or, with
+// Sh, into bf16 P in Sh, row stride nk), updates the running max m and sum l of each row and rescales the row
+// of O (nq, D; stride ldo). W: eight lanes a vector or sixteen (the same bits).
+template <int W>
+__attribute__((always_inline)) inline void softmax_rows(float* S, uint16_t* Sh, int64_t nq, int64_t nk, float c,
+                                                        const int32_t* qpos, int64_t klo, float* m, float* l, float* O,
+                                                        int64_t ldo, int64_t D) {
   for (int64_t r = 0; r < nq; ++r) {
     float* x = S + r * nk;
+    uint16_t* xh = Sh ? Sh + r * nk : nullptr;
     const int64_t n = visible(qpos[r], klo, nk);
-    const float mt = scale_max(x, n, c);
+    float mt;
+    if constexpr (W == 16) mt = scale_max16(x, n, c);
+    else mt = scale_max(x, n, c);
     const float mn = std::max(m[r], mt);
     if (mn == kNegInf) {  // nothing visible yet: the row stays empty
-      std::fill(x, x + nk, 0.0f);
+      if (xh) std::fill(xh, xh + nk, uint16_t{0});
+      else std::fill(x, x + nk, 0.0f);
       continue;
     }
     const float alpha = exp2_f32(m[r] - mn);  // 0 when m[r] = -inf
-    const float sum = exp2_sum(x, n, mn);
-    std::fill(x + n, x + nk, 0.0f);
+    float sum;
+    if constexpr (W == 16) sum = exp2_sum16(x, n, mn, xh);
+    else sum = exp2_sum(x, n, mn);
+    if (xh) std::fill(xh + n, xh + nk, uint16_t{0});
+    else std::fill(x + n, x + nk, 0.0f);
     l[r] = l[r] * alpha + sum;
     m[r] = mn;
     if (alpha != 1.0f) {
@@ -228,6 +361,18 @@ void online_softmax(float* S, int64_t nq, int64_t nk, float c, const int32_t* qp
       for (int64_t d = 0; d < D; ++d) orow[d] *= alpha;
     }
   }
+}
+
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+void online_softmax(float* S, int64_t nq, int64_t nk, float c, const int32_t* qpos, int64_t klo, float* m, float* l,
+                    float* O, int64_t ldo, int64_t D) {
+  softmax_rows<8>(S, nullptr, nq, nk, c, qpos, klo, m, l, O, ldo, D);
+}
+
+__attribute__((target("arch=x86-64-v4")))
+void online_softmax16(float* S, uint16_t* Sh, int64_t nq, int64_t nk, float c, const int32_t* qpos, int64_t klo,
+                      float* m, float* l, float* O, int64_t ldo, int64_t D) {
+  softmax_rows<16>(S, Sh, nq, nk, c, qpos, klo, m, l, O, ldo, D);
 }
 
 // P = 2^(c S - lse2) in place for the visible keys of each row, 0 elsewhere and on rows that see no
@@ -245,8 +390,22 @@ void probabilities(float* S, int64_t nq, int64_t nk, float c, const int32_t* qpo
   }
 }
 
+// ... on sixteen lanes, and with Sh, P in bf16 there too (row stride nk).
+__attribute__((target("arch=x86-64-v4")))
+void probabilities16(float* S, uint16_t* Sh, int64_t nq, int64_t nk, float c, const int32_t* qpos, int64_t klo,
+                     const float* lse2) {
+  for (int64_t r = 0; r < nq; ++r) {
+    float* x = S + r * nk;
+    uint16_t* xh = Sh ? Sh + r * nk : nullptr;
+    const int64_t n = lse2[r] == kNegInf ? 0 : visible(qpos[r], klo, nk);
+    probs16(x, n, c, lse2[r], xh);
+    std::fill(x + n, x + nk, 0.0f);
+    if (xh) std::fill(xh + n, xh + nk, uint16_t{0});
+  }
+}
+
 // dS = scale P (dP - D) in place of dP, tiles (nq, nk).
-__attribute__((target_clones("arch=x86-64-v3", "default")))
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 void score_grads(float* dP, const float* P, int64_t nq, int64_t nk, const float* dsum, float scale) {
   for (int64_t r = 0; r < nq; ++r) {
     float* g = dP + r * nk;
@@ -254,6 +413,12 @@ void score_grads(float* dP, const float* P, int64_t nq, int64_t nk, const float*
     const float dr = dsum[r];
     for (int64_t j = 0; j < nk; ++j) g[j] = scale * p[j] * (g[j] - dr);
   }
+}
+
+// ... into bf16 dS (dSh, row stride nk), dP left as it is.
+__attribute__((target("arch=x86-64-v4")))
+void score_grads16(const float* dP, const float* P, uint16_t* dSh, int64_t nq, int64_t nk, const float* dsum, float scale) {
+  for (int64_t r = 0; r < nq; ++r) score_grads16_bf16(dP + r * nk, P + r * nk, nk, dsum[r], scale, dSh + r * nk);
 }
 
 // o /= l per row (o = 0 stays where nothing was seen); lse = ln 2 (m + log2 l), -inf for empty rows.
@@ -519,6 +684,7 @@ Ctx make_ctx(const AttentionDims& dims, const Tensor& q, const Tensor& o, const 
   x.scale = static_cast<float>(scale);
   x.bf16 = kv.bf16_products;
   x.amx = x.bf16 && gemm_isa() == GemmIsa::amx;
+  x.lanes16 = gemm_isa() == GemmIsa::avx512 || gemm_isa() == GemmIsa::amx;
   return x;
 }
 
@@ -577,8 +743,15 @@ void forward_rows(const Ctx& x, int64_t g, const QueryTile& qt, Opnd Q, int64_t 
     Opnd K, V;
     key_operands(x, kt, g, nk, w, &K, &V);
     tile_gemm(nq, nk, x.D, false, true, Q, K, w.s, nk, false, w.work);  // S = Q K^T
-    online_softmax(w.s, nq, nk, x.c, qpos, kt.lo, w.m, w.l, O, ldo, x.D);
-    tile_gemm(nq, x.D, nk, false, false, score_operand(x, w.s, w.sh, nq * nk, nk), V, O, ldo, true, w.work);  // O += P V
+    Opnd P;
+    if (x.lanes16) {  // on amx, P goes straight to bf16
+      online_softmax16(w.s, x.amx ? w.sh : nullptr, nq, nk, x.c, qpos, kt.lo, w.m, w.l, O, ldo, x.D);
+      P = x.amx ? Opnd{.h = w.sh, .ld = nk} : score_operand(x, w.s, w.sh, nq * nk, nk);
+    } else {
+      online_softmax(w.s, nq, nk, x.c, qpos, kt.lo, w.m, w.l, O, ldo, x.D);
+      P = score_operand(x, w.s, w.sh, nq * nk, nk);
+    }
+    tile_gemm(nq, x.D, nk, false, false, P, V, O, ldo, true, w.work);  // O += P V
   }
   finish_rows(O, ldo, x.D, nq, w.m, w.l, lse);
 }
@@ -838,10 +1011,20 @@ void recompute_scores(const Ctx& x, int64_t h, const QueryTile& qt, const KeyTil
                       const Tiles& w, Opnd* P, Opnd* dS) {
   const Opnd Q = q_rows(x, x.q, x.qr, x.qh, qt.r0, h);
   const Opnd dO = q_rows(x, x.dout, x.dr, x.dh, qt.r0, h);
+  const float* lse2 = x.lse2 + h * x.T + qt.r0;
+  const float* dsum = x.dsum + h * x.T + qt.r0;
+  const bool fused = x.amx && x.lanes16;  // P and dS straight to bf16 as they are made
   tile_gemm(qt.n, nk, x.D, false, true, Q, K, w.s, nk, false, w.work);    // S = Q K^T
-  probabilities(w.s, qt.n, nk, x.c, x.pos + qt.r0, kt.lo, x.lse2 + h * x.T + qt.r0);
+  if (x.lanes16) probabilities16(w.s, fused ? w.sh : nullptr, qt.n, nk, x.c, x.pos + qt.r0, kt.lo, lse2);
+  else probabilities(w.s, qt.n, nk, x.c, x.pos + qt.r0, kt.lo, lse2);
   tile_gemm(qt.n, nk, x.D, false, true, dO, V, w.ds, nk, false, w.work);  // dP = dO V^T
-  score_grads(w.ds, w.s, qt.n, nk, x.dsum + h * x.T + qt.r0, x.scale);
+  if (fused) {
+    score_grads16(w.ds, w.s, w.dsh, qt.n, nk, dsum, x.scale);
+    *P = Opnd{.h = w.sh, .ld = nk};
+    *dS = Opnd{.h = w.dsh, .ld = nk};
+    return;
+  }
+  score_grads(w.ds, w.s, qt.n, nk, dsum, x.scale);
   *P = score_operand(x, w.s, w.sh, qt.n * nk, nk);
   *dS = score_operand(x, w.ds, w.dsh, qt.n * nk, nk);
 }
