@@ -5,9 +5,10 @@
 // Gemm::tile).
 // Runs alternate (ours on each path, direct, ours, ...) and each figure is the median of `--reps` runs.
 // --isa names the GEMM paths to run side by side (comma-separated, or all: every path this CPU has;
-// default: the one in use, see OOMLESS_ISA in gemm.h); attention runs on the default path.
+// default: the one in use, see OOMLESS_ISA in gemm.h); attention runs on the default path. --tables picks the
+// tables after the GEMM one, whose rates are the attention table's reference.
 //
-// usage: bench_kernels [--reps N] [--quick] [--threads N] [--isa LIST]
+// usage: bench_kernels [--reps N] [--quick] [--threads N] [--isa LIST] [--tables LIST]
 #include <dnnl.hpp>
 #include <omp.h>
 
@@ -87,16 +88,32 @@ void fill(void* p, DType t, int64_t n, uint64_t seed) {
 int main(int argc, char** argv) {
   int reps = 5;
   bool quick = false;
-  std::string isa_list;
+  std::string isa_list, tables = "all";
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) set_threads(std::atoi(argv[++i]));
     else if (!std::strcmp(argv[i], "--isa") && i + 1 < argc) isa_list = argv[++i];
+    else if (!std::strcmp(argv[i], "--tables") && i + 1 < argc) tables = argv[++i];
     else {
-      std::fprintf(stderr, "usage: bench_kernels [--reps N] [--quick] [--threads N] [--isa LIST|all]\n");
+      std::fprintf(stderr, "usage: bench_kernels [--reps N] [--quick] [--threads N] [--isa LIST|all] [--tables LIST|all]\n"
+                           "  --tables: which tables after the GEMM one (always run: the others' reference rate), a\n"
+                           "            comma-separated list of attention, decode, optim, rows (default all)\n");
       return 2;
     }
+  }
+  auto table = [&](const char* name) {
+    return tables == "all" || ("," + tables + ",").find(std::string(",") + name + ",") != std::string::npos;
+  };
+  for (size_t p = 0; tables != "all" && p <= tables.size();) {
+    const size_t q = std::min(tables.find(',', p), tables.size());
+    const std::string t = tables.substr(p, q - p);
+    if (t != "attention" && t != "decode" && t != "optim" && t != "rows") {
+      std::fprintf(stderr, "bench_kernels: --tables: unknown table '%s' (known: attention, decode, optim, rows, or all)\n",
+                   t.c_str());
+      return 2;
+    }
+    p = q + 1;
   }
   const GemmIsa default_isa = gemm_isa();
   std::vector<GemmIsa> isas;
@@ -141,7 +158,7 @@ int main(int argc, char** argv) {
   std::printf("| shape | M | N | K | dtype | path | oomless GFLOP/s | oneDNN direct GFLOP/s | ratio |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|\n");
   double ref_rate = 0;
-  std::vector<double> f32_ratios, f32_rates;
+  std::vector<double> f32_ratios, f32_rates, bf16_rates;
   for (DType t : {DType::f32, DType::bf16}) {
     for (const GemmCase& g : cases) {
       size_t esz = dtype_bytes(t, 1);
@@ -180,6 +197,7 @@ int main(int argc, char** argv) {
         double r_ours = flops / median(ours[i]) * 1e-9;
         const bool main_path = isas[i] == default_isa || (i == 0 && std::find(isas.begin(), isas.end(), default_isa) == isas.end());
         if (t == DType::f32 && g.M > 16 && main_path) f32_rates.push_back(r_ours);
+        if (t == DType::bf16 && g.M > 16 && main_path) bf16_rates.push_back(r_ours);
         if (direct.ok) {
           double r_dir = flops / median(theirs) * 1e-9;
           if (t == DType::f32 && g.M > 16 && main_path) f32_ratios.push_back(r_ours / r_dir);
@@ -201,18 +219,24 @@ int main(int argc, char** argv) {
     std::printf("\nf32 model-shape ratio oomless/direct (%s): median %.2f, min %.2f\n", gemm_isa_name(default_isa), median(f32_ratios),
                 *std::min_element(f32_ratios.begin(), f32_ratios.end()));
 
+  // Causal attention: f32 products over f32 and bf16 K/V (the rate against the f32 GEMMs'), and bf16 products
+  // over bf16 K/V as bf16 compute runs them (against the bf16 GEMMs': on amx, AMX tiles).
+  const double bf16_ref = bf16_rates.empty() ? 0.0 : median(bf16_rates);
+  if (table("attention")) {
   std::printf("\n## Causal attention forward+backward (median of %d runs)\n\n", reps);
-  std::printf("FLOPs counted as 4*T*T*D*H/2 forward and 2.5x that backward; reference GEMM rate %.1f GFLOP/s "
-              "(median of this run's f32 model-shape GEMMs)\n\n",
-              ref_rate);
-  std::printf("| T | H | Hkv | D | K/V | fwd GFLOP/s | fwd+bwd GFLOP/s | fwd+bwd / GEMM |\n"
-              "|---|---|---|---|---|---|---|---|\n");
+  std::printf("FLOPs counted as 4*T*T*D*H/2 forward and 2.5x that backward; reference GEMM rates %.1f (f32) and %.1f "
+              "(bf16) GFLOP/s: medians of this run's model-shape GEMMs on the default path\n\n",
+              ref_rate, bf16_ref);
+  std::printf("| T | H | Hkv | D | K/V | products | fwd GFLOP/s | fwd+bwd GFLOP/s | fwd+bwd / GEMM of the products' dtype |\n"
+              "|---|---|---|---|---|---|---|---|---|\n");
   struct AttnCase {
     int64_t T, H, Hkv, D;
   };
   int64_t TA = quick ? 1024 : 4096;
-  for (DType kvt : {DType::f32, DType::bf16})
+  for (int mode = 0; mode < 3; ++mode)  // f32 K/V, bf16 K/V, bf16 K/V with bf16 products
   for (AttnCase ac : {AttnCase{TA, 9, 3, 64}, AttnCase{TA, 8, 2, 128}}) {
+    const DType kvt = mode == 0 ? DType::f32 : DType::bf16;
+    const bool bf16_products = mode == 2;
     int64_t T = ac.T, H = ac.H, Hkv = ac.Hkv, D = ac.D;
     auto act = [&](int64_t n, Category c, const char* w) { return mem.device.alloc(sizeof(float) * n, c, w); };
     Buffer q = act(T * H * D, Category::activations, "q"), o = act(T * H * D, Category::activations, "o");
@@ -228,6 +252,7 @@ int main(int argc, char** argv) {
     KvBlock blk{kv.data(), kv.as<char>() + dtype_bytes(kvt, T * Hkv * D), 0, static_cast<int32_t>(T)};
     KvBlock dblk{dkv.as<float>(), dkv.as<float>() + T * Hkv * D, 0, static_cast<int32_t>(T)};
     KvBlocks kvs{&blk, 1, Hkv, T, D, kvt}, dkvs{&dblk, 1, Hkv, T, D, DType::f32};
+    kvs.bf16_products = bf16_products;
     Tensor tq = q.view(DType::f32, {T, H, D}), to = o.view(DType::f32, {T, H, D});
     Tensor tdq = dq.view(DType::f32, {T, H, D}), tdo = dout.view(DType::f32, {T, H, D});
     Tensor tl = lse.view(DType::f32, {H, T}), tp = pos.view(DType::i32, {T});
@@ -245,14 +270,16 @@ int main(int argc, char** argv) {
     }
     double f = 4.0 * T * T * D * H / 2;
     double r_fwd = f / median(fwd) * 1e-9, r_both = 3.5 * f / median(both) * 1e-9;
-    std::printf("| %lld | %lld | %lld | %lld | %s | %.1f | %.1f | %.2f |\n", (long long)T, (long long)H, (long long)Hkv,
-                (long long)D, dtype_name(kvt), r_fwd, r_both, ref_rate > 0 ? r_both / ref_rate : 0.0);
+    const double ref = bf16_products ? bf16_ref : ref_rate;
+    std::printf("| %lld | %lld | %lld | %lld | %s | %s | %.1f | %.1f | %.2f |\n", (long long)T, (long long)H, (long long)Hkv,
+                (long long)D, dtype_name(kvt), bf16_products ? "bf16" : "f32", r_fwd, r_both, ref > 0 ? r_both / ref : 0.0);
     std::fflush(stdout);
+  }
   }
   // A decode step's attention: one position, SmolLM2's 9 query and 3 KV heads (D 64), over 30 layers' caches of
   // 1024 positions (--quick: 256), beyond the caches as a step's are; the direct decode kernels against
   // Gemm::tile's packed panels (set_decode_direct_kernels), alternating, and a plain read of the caches' bytes.
-  {
+  if (table("decode")) {
     const int64_t L = 30, H = 9, Hkv = 3, D = 64, T = quick ? 256 : 1024;
     std::printf("\n## Decode attention: one position over %lld layers' caches of %lld positions, %lld/%lld heads, "
                 "D %lld (median of %d alternating runs)\n\n",
@@ -324,7 +351,7 @@ int main(int argc, char** argv) {
   }
   // Optimizer steps over one tensor: fp32 AdamW (28 bytes of memory traffic a parameter: p, m, v read and
   // written, g read) against AdamW8bit (about 16: p read and written, g read, two codes read and written).
-  {
+  if (table("optim")) {
     const int64_t n = quick ? (int64_t{1} << 22) : (int64_t{1} << 24), blocks = (n + kAdam8Block - 1) / kAdam8Block;
     std::printf("\n## Optimizer step over %lld parameters (median of %d alternating runs)\n\n", (long long)n, reps);
     std::printf("| optimizer | ms | parameters/s (M) | GB/s of state traffic |\n|---|---|---|---|\n");
@@ -364,7 +391,7 @@ int main(int argc, char** argv) {
   // quantised to 8 bits (generate --decode-dot int8), over a matrix larger than the caches (four of
   // SmolLM2's LM heads: 196608 x 576; --quick: 8192 rows, in cache), the threads streaming their shares of
   // its rows, and a plain read of the same bytes (32-byte words) as the ceiling.
-  {
+  if (table("rows")) {
     const int64_t K = 576, rows = quick ? 8192 : 4 * 49152;
     std::printf("\n## One-row products over GGUF blocks, %lld x %lld (median of %d alternating runs; int8: %s)\n\n",
                 (long long)rows, (long long)K, reps, ggml_row_dot_q8_form());
