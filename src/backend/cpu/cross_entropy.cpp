@@ -50,6 +50,7 @@
 
 #include "backend/checks.h"
 #include "backend/cpu/cpu_ops.h"
+#include "backend/cpu/exp_f32.h"
 #include "backend/cpu/gemm.h"
 
 namespace oomless {
@@ -92,43 +93,11 @@ size_t scratch_bytes(CeCall call, int64_t T, int64_t E, int64_t V, bool bf16, bo
   return 4 * (tile_n + wc_n + hb_n + tb_n + row_n) + state;
 }
 
-// exp(x) in f32 to within 1.4 ulp (checked over every float in [-87, 88]). Cody-Waite reduction
-// x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial for exp(r) and the exponent bits of 2^n. Below -87
-// it returns 0 (the true value is under 2^-125, invisible next to a sum >= 1), above 88 inf, NaN for NaN.
-// The range tests are integer compares on the bits and masks, not float branches, so that loops over
-// it vectorise (float compares may trap, which keeps the compiler from if-converting them).
-inline float exp_f32(float x) {
-  constexpr float kLog2e = 1.44269504088896341f;
-  constexpr float kLn2Hi = 0.693359375f;
-  constexpr float kLn2Lo = -2.12194440e-4f;
-  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer in the low bits
-  const uint32_t ux = std::bit_cast<uint32_t>(x);
-  const uint32_t lo = 0u - static_cast<uint32_t>(ux > std::bit_cast<uint32_t>(-87.0f));  // x < -87, -NaN
-  const uint32_t hi = 0u - static_cast<uint32_t>(static_cast<int32_t>(ux) > std::bit_cast<int32_t>(88.0f));
-  const uint32_t nan = 0u - static_cast<uint32_t>((ux & 0x7fffffffu) > 0x7f800000u);
-  const float xs = std::bit_cast<float>(ux & ~(lo | hi));  // out-of-range inputs computed as 0
-  const float t = xs * kLog2e + kRound;
-  const float n = t - kRound;
-  const uint32_t ni = std::bit_cast<uint32_t>(t) - std::bit_cast<uint32_t>(kRound);
-  float r = xs - n * kLn2Hi;
-  r = r - n * kLn2Lo;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  uint32_t uy = std::bit_cast<uint32_t>(p * std::bit_cast<float>((ni + 127u) << 23));
-  uy = (uy & ~(lo | hi)) | (hi & 0x7f800000u);
-  uy = (uy & ~nan) | (nan & 0x7fc00000u);
-  return std::bit_cast<float>(uy);
-}
-
 // The maximum of x[0, n), taken over the order-preserving integer image of the floats: an integer max
 // vectorises where a float one does not (see exp_f32). A NaN need not win here; exp_f32 passes it on.
 inline int32_t order_key(int32_t bits) { return bits ^ ((bits >> 31) & 0x7fffffff); }  // an involution
 
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 float row_max(const float* x, int64_t n) {
   int32_t m = order_key(std::bit_cast<int32_t>(-std::numeric_limits<float>::infinity()));
   for (int64_t j = 0; j < n; ++j) {
@@ -139,6 +108,7 @@ float row_max(const float* x, int64_t n) {
 }
 
 // x[j] = exp(x[j] - shift) in place; returns their sum in double over kLanes fixed lanes.
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 double exp_shift_sum(float* x, int64_t n, float shift) {
   for (int64_t j = 0; j < n; ++j) x[j] = exp_f32(x[j] - shift);
   double lane[kLanes] = {};
@@ -147,6 +117,12 @@ double exp_shift_sum(float* x, int64_t n, float shift) {
     for (int k = 0; k < kLanes; ++k) lane[k] += x[j + k];
   for (int k = 0; j < n; ++j, ++k) lane[k] += x[j];
   return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
+
+// x[j] = gs exp(x[j] - l) in place: a row of dlogits before its target's term.
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+void scaled_exp_row(float* x, int64_t n, float gs, float l) {
+  for (int64_t j = 0; j < n; ++j) x[j] = gs * exp_f32(x[j] - l);
 }
 
 // The f32 rows [v0, v0 + nv) of w: a pointer into w when it is f32, else widened (bf16), rounded (f32
@@ -344,7 +320,7 @@ void CpuOps::linear_cross_entropy_backward(Tensor dh, Tensor dw, Tensor h, Tenso
         const float l = lp[t];
         const int64_t jt = tg[t] >= v0 && tg[t] < v0 + nv ? tg[t] - v0 : -1;
         const float pt = jt >= 0 ? exp_f32(x[jt] - l) : 0.0f;
-        for (int64_t j = 0; j < nv; ++j) x[j] = gs * exp_f32(x[j] - l);
+        scaled_exp_row(x, nv, gs, l);
         if (jt >= 0) x[jt] = gs * (pt - 1.0f);
       }
       if (bf16) round_rows(tb, tile, nt * nv);
