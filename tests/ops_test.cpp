@@ -134,6 +134,17 @@ TEST_P(OpsConformance, MatchesReference) {
     ref.swiglu_backward(dgr, dur, dr, gr, ur);
     expect_close(dgc, dgr, tol, "swiglu dgate");
     expect_close(duc, dur, tol, "swiglu dup");
+    // Element by element, within a few f32 roundings of each term's magnitude (exp to 1.4 ulp, then a
+    // division and products): a relative L2 error would let a slightly wrong exp through.
+    const double e = 16.0 * eps_of(DType::f32);
+    int64_t bad = 0;
+    for (int64_t i = 0; i < T * F; ++i) {
+      const double g = gr.get(i), u = ur.get(i), dy = dr.get(i), sg = 1.0 / (1.0 + std::exp(-g));
+      bad += std::fabs(yc.get(i) - yr.get(i)) > e * std::fabs(g * sg * u) + 1e-37;
+      bad += std::fabs(duc.get(i) - dur.get(i)) > e * std::fabs(dy * g * sg) + 1e-37;
+      bad += std::fabs(dgc.get(i) - dgr.get(i)) > e * std::fabs(dy * u * sg) * (1.0 + std::fabs(g) * (1.0 - sg)) + 1e-37;
+    }
+    EXPECT_EQ(bad, 0) << "swiglu: outputs beyond a few roundings of the reference";
   } else if (c.op == "elementwise") {
     int64_t n = d[0];
     auto [ac, ar] = act({n});

@@ -195,34 +195,6 @@ void CpuOps::rope_backward(Tensor din, Tensor dout, Tensor pos, const RopeConfig
   cpu_rope("[rope_backward]", din, dout, pos, cfg, -1.0f);
 }
 
-void CpuOps::swiglu_forward(Tensor out, Tensor gate, Tensor up) {
-  check_elementwise("[swiglu]", {&out, &gate, &up}, kAct);
-  const float* g = f32p(gate);
-  const float* u = f32p(up);
-  float* y = f32p(out);
-  int64_t n = out.numel();
-#pragma omp parallel for simd schedule(static)
-  for (int64_t i = 0; i < n; ++i) y[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
-}
-
-void CpuOps::swiglu_backward(Tensor dgate, Tensor dup, Tensor dout, Tensor gate, Tensor up) {
-  check_elementwise("[swiglu_backward]", {&dgate, &dup, &dout, &gate, &up}, kAct);
-  const float* g = f32p(gate);
-  const float* u = f32p(up);
-  const float* dy = f32p(dout);
-  float* dg = f32p(dgate);
-  float* du = f32p(dup);
-  int64_t n = dout.numel();
-#pragma omp parallel for simd schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    float s = 1.0f / (1.0f + std::exp(-g[i]));
-    float d = dy[i];
-    float gi = g[i], ui = u[i];
-    du[i] = d * gi * s;
-    dg[i] = d * ui * s * (1.0f + gi * (1.0f - s));
-  }
-}
-
 void CpuOps::add(Tensor out, Tensor a, Tensor b) {
   check_elementwise("[add]", {&out, &a, &b}, kAct);
   const float* x = f32p(a);
