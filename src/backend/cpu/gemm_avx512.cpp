@@ -134,35 +134,21 @@ __attribute__((target("avx512f"))) void micro_avx512_tile_wide(const Micro& u) {
   __m512 c0[M], c1[M];
 #pragma GCC unroll 6
   for (int i = 0; i < M; ++i) c0[i] = c1[i] = _mm512_setzero_ps();
+  // a(i, k) at ar[i][k * ks]: row i of a stored (M, K), or column i of a stored (K, M).
+  const float* ar[kMr];
+#pragma GCC unroll 6
+  for (int i = 0; i < M; ++i) ar[i] = u.a + i * (TA ? 1 : u.ras);
+  const int64_t ks = TA ? u.cas : 1;
   const float* b = u.b;
-  const int64_t second = u.b2;
-  if constexpr (TA) {
-    const float* a = u.a;
-    for (int64_t k = 0; k < u.kc; ++k) {
-      const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + second);
+  for (int64_t k = 0; k < u.kc; ++k) {
+    const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + u.b2);
 #pragma GCC unroll 6
-      for (int i = 0; i < M; ++i) {
-        const __m512 ai = _mm512_set1_ps(a[i]);
-        c0[i] = _mm512_fmadd_ps(ai, b0, c0[i]);
-        c1[i] = _mm512_fmadd_ps(ai, b1, c1[i]);
-      }
-      a += u.cas;
-      b += u.bs;
+    for (int i = 0; i < M; ++i) {
+      const __m512 ai = _mm512_set1_ps(ar[i][k * ks]);
+      c0[i] = _mm512_fmadd_ps(ai, b0, c0[i]);
+      c1[i] = _mm512_fmadd_ps(ai, b1, c1[i]);
     }
-  } else {
-    const float* ar[kMr];
-#pragma GCC unroll 6
-    for (int i = 0; i < M; ++i) ar[i] = u.a + i * u.ras;
-    for (int64_t k = 0; k < u.kc; ++k) {
-      const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + second);
-#pragma GCC unroll 6
-      for (int i = 0; i < M; ++i) {
-        const __m512 ai = _mm512_set1_ps(ar[i][k]);
-        c0[i] = _mm512_fmadd_ps(ai, b0, c0[i]);
-        c1[i] = _mm512_fmadd_ps(ai, b1, c1[i]);
-      }
-      b += u.bs;
-    }
+    b += u.bs;
   }
   store_c_wide<M>(u, c0, c1);
 }
