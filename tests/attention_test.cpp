@@ -312,7 +312,8 @@ TEST(Attention, BitwiseIdenticalAcrossThreadCounts) {
 // bf16 products (KvBlocks::bf16_products, bf16 compute): on every GEMM path the result is within bf16
 // rounding of the reference (which takes the operands as they are); the avx2 and avx512 paths give the same
 // bits (f32 tile kernels over the rounded values), amx runs the products on tiles; without the flag (f32
-// products) every path gives the same bits; the flag changes the result; 1, 2 and 3 threads give the same bits. f32 and bf16 K/V, GQA, paged, shuffled and contiguous.
+// products) every path gives the same bits; the flag changes the result; 1, 2 and 3 threads give the same bits.
+// f32 and bf16 K/V, GQA, paged, shuffled and contiguous.
 TEST(Attention, Bf16ProductsOnEveryPath) {
   const GemmIsa saved = gemm_isa();
   const int max_threads = omp_get_max_threads();

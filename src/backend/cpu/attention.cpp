@@ -140,7 +140,9 @@ __attribute__((always_inline)) inline float hmax(v8f a) {
   for (int k = 1; k < 8; ++k) m = m > a[k] ? m : a[k];
   return m;
 }
-__attribute__((always_inline)) inline float hsum(v8f a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
+__attribute__((always_inline)) inline float hsum(v8f a) {
+  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
 
 // 2^x in f32, relative error about 1e-7: x = n + f with n an integer and |f| <= 1/2, 2^f from its
 // degree-7 Taylor polynomial in f ln 2, 2^n from the exponent bits. Below -126 it returns 0 (masked
