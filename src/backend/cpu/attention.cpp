@@ -109,6 +109,8 @@ struct Ctx {
   const float* dr = nullptr;
   const uint16_t* qh = nullptr;  // bf16 products on amx: q and dout in bf16 (T, ldq)
   const uint16_t* dh = nullptr;
+  const uint16_t* kvh = nullptr;  // forward on amx, f32 K/V converted once (kv_once_floats): block b's K at
+                                  // kvh + 2 b Hkv P D, its V Hkv P D after
   const KeyTile* kt;
   int64_t n_kt;
   const QueryTile* qt;
@@ -574,6 +576,12 @@ void key_operands(const Ctx& x, const KeyTile& kt, int64_t g, int64_t n, const T
     V->h = static_cast<const uint16_t*>(blk.v) + off;
     return;
   }
+  if (x.kvh) {
+    const int64_t side = x.Hkv * x.P * x.D;
+    K->h = x.kvh + 2 * kt.block * side + off;
+    V->h = K->h + side;
+    return;
+  }
   key_rows(x, kt, g, n, &K->f, &V->f, w.k, w.v);
   if (!x.bf16 || x.kv->dtype == DType::bf16) return;  // bf16 pages widen exactly
   if (x.amx) {
@@ -714,6 +722,15 @@ void round_rows(Ctx* x, const float* src, float* dst, const float** rounded, con
   }
   if (x->amx) *h16 = h;
   else *rounded = dst;
+}
+
+// Under bf16 products on amx, f32 K/V whose keys number no more than the queries (Hkv x blocks x P <= H x T,
+// as in full-sequence attention) are converted to bf16 once per forward call, not per key tile of every
+// (query tile, head) task: the floats of that copy (0 where it is not made). The same values either way.
+int64_t kv_once_floats(int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t n_blocks, int64_t P, DType kv_dtype,
+                       bool amx) {
+  if (!amx || kv_dtype != DType::f32 || Hkv * n_blocks * P > H * T) return 0;
+  return padded(n_blocks * Hkv * P * D);  // 2 n_blocks Hkv P D halves
 }
 
 // The backward's shared floats: lse in base 2 and D (H, T), the rounded q and dout (`rows` each), and the dQ
@@ -1086,12 +1103,26 @@ void CpuOps::attention_forward(Tensor o, Tensor lse, Tensor q, const KvBlocks& k
   const bool decode = x.T == 1 && x.group > 1 && x.group <= kBq;
   const bool split = decode && !x.bf16;  // (f32 products: decode_split)
   const int64_t split_floats = split ? decode_split_floats(x.Hkv, x.n_kt, x.group, x.D) : 0;
-  Scratch s = make_scratch(*this, x.n_kt, x.n_qt, padded(rows) + split_floats, tiles_floats(x.D, widen, x.amx, trows));
+  const int64_t once_floats = decode ? 0 : kv_once_floats(x.T, x.H, x.Hkv, x.D, kv.n_blocks, kv.P, kv.dtype, x.amx);
+  Scratch s = make_scratch(*this, x.n_kt, x.n_qt, padded(rows) + split_floats + once_floats,
+                           tiles_floats(x.D, widen, x.amx, trows));
   fill_key_tiles(s.kt, kv);
   fill_query_tiles(s.qt, x.pos, x.T);
   x.kt = s.kt;
   x.qt = s.qt;
   round_rows(&x, x.q, s.extra, &x.qr, &x.qh);
+  if (once_floats > 0) {
+    uint16_t* h = reinterpret_cast<uint16_t*>(s.extra + padded(rows) + split_floats);
+    const int64_t side = x.Hkv * x.P * x.D;
+#pragma omp parallel for schedule(static)
+    for (int64_t u = 0; u < 2 * kv.n_blocks * x.Hkv; ++u) {  // (block, side, kv head): its len rows
+      const int64_t b = u / (2 * x.Hkv), sd = u / x.Hkv % 2, g = u % x.Hkv;
+      const KvBlock& blk = kv.blocks[b];
+      const float* src = static_cast<const float*>(sd ? blk.v : blk.k) + g * x.P * x.D;
+      oomless::convert(h + (2 * b + sd) * side + g * x.P * x.D, DType::bf16, src, DType::f32, blk.len * x.D);
+    }
+    x.kvh = h;
+  }
   if (split) return decode_split(x, s.extra + padded(rows), s.tiles, s.tile_floats, widen, trows);
   const int64_t tasks = decode ? x.Hkv : x.n_qt * x.H;
 #pragma omp parallel
@@ -1181,8 +1212,10 @@ size_t CpuOps::attention_workspace(bool backward, int64_t T, int64_t H, int64_t 
   const int64_t rows = operand_floats(T, H * D, bf16_products, amx);
   const int64_t group = Hkv > 0 ? H / Hkv : 1;
   const bool split = !backward && T == 1 && group > 1 && group <= kBq && !bf16_products;
+  const bool decode = T == 1 && group > 1 && group <= kBq;
   const int64_t extra = backward ? backward_extra_floats(T, H, n_kt, n_qt, rows)
-                                 : padded(rows) + (split ? decode_split_floats(Hkv, n_kt, group, D) : 0);
+                                 : padded(rows) + (split ? decode_split_floats(Hkv, n_kt, group, D) : 0) +
+                                       (decode ? 0 : kv_once_floats(T, H, Hkv, D, key_blocks, block_len, kv_dtype, amx));
   return static_cast<size_t>(scratch_bytes(n_kt, n_qt, extra, tiles_floats(D, widen, amx, tile_rows(T, H, Hkv, amx, backward))));
 }
 
