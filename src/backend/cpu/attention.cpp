@@ -148,36 +148,32 @@ __attribute__((always_inline)) inline float hsum(v8f a) {
 
 // 2^x in f32, relative error about 1e-7: x = n + f with n an integer and |f| <= 1/2, 2^f from its
 // degree-7 Taylor polynomial in f ln 2, 2^n from the exponent bits. Below -126 it returns 0 (masked
-// and negligible terms); the arguments here are <= 0 up to rounding, clamped at 127. V: eight or sixteen
-// floats, I: as many int32 (the same operations on every lane, so a lane's value does not depend on V).
-template <class V>
-__attribute__((always_inline)) inline V splat_v(float a) {
-  V v;
-  for (int i = 0; i < static_cast<int>(sizeof(V) / sizeof(float)); ++i) v[i] = a;
-  return v;
-}
-template <class V, class I>
-__attribute__((always_inline)) inline V exp2_lanes(V x) {
-  const V round = splat_v<V>(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer in the low bits
-  const V lo = splat_v<V>(-126.0f), hi = splat_v<V>(127.0f);
-  V xc = x < lo ? lo : x;
-  xc = xc > hi ? hi : xc;
-  const V t = xc + round;
-  const V n = t - round;
-  const V f = xc - n;
-  const I e = (((I)t - (I)round) + 127) << 23;
-  V p = splat_v<V>(1.5252733804059840e-05f);
-  p = p * f + 1.5403530393381609e-04f;
-  p = p * f + 1.3333558146428443e-03f;
-  p = p * f + 9.6181291076284772e-03f;
-  p = p * f + 5.5504108664821580e-02f;
-  p = p * f + 2.4022650695910071e-01f;
-  p = p * f + 6.9314718055994531e-01f;
-  p = p * f + 1.0f;
-  const V y = p * (V)e;
-  return x < lo ? splat_v<V>(0.0f) : y;
-}
-__attribute__((always_inline)) inline v8f exp2_v8(v8f x) { return exp2_lanes<v8f, v8i>(x); }
+// and negligible terms); the arguments here are <= 0 up to rounding, clamped at 127. One body for eight
+// floats (V, with I as many int32) and sixteen (exp2_v16 below): the same operations on every lane, so a
+// lane's value does not depend on the width. (A macro rather than a template: clang refuses a 64-byte vector
+// passed to a function not compiled for AVX-512, even one always inlined.)
+#define OOMLESS_EXP2_BODY(V, I)                                                    \
+  {                                                                                \
+    const V round = V{} + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer in the low bits */ \
+    const V lo = V{} - 126.0f, hi = V{} + 127.0f;                                  \
+    V xc = x < lo ? lo : x;                                                        \
+    xc = xc > hi ? hi : xc;                                                        \
+    const V t = xc + round;                                                        \
+    const V n = t - round;                                                         \
+    const V f = xc - n;                                                            \
+    const I e = (((I)t - (I)round) + 127) << 23;                                   \
+    V p = V{} + 1.5252733804059840e-05f;                                           \
+    p = p * f + 1.5403530393381609e-04f;                                           \
+    p = p * f + 1.3333558146428443e-03f;                                           \
+    p = p * f + 9.6181291076284772e-03f;                                           \
+    p = p * f + 5.5504108664821580e-02f;                                           \
+    p = p * f + 2.4022650695910071e-01f;                                           \
+    p = p * f + 6.9314718055994531e-01f;                                           \
+    p = p * f + 1.0f;                                                              \
+    const V y = p * (V)e;                                                          \
+    return x < lo ? V{} : y;                                                       \
+  }
+__attribute__((always_inline)) inline v8f exp2_v8(v8f x) OOMLESS_EXP2_BODY(v8f, v8i)
 __attribute__((always_inline)) inline float exp2_f32(float x) { return exp2_v8(splat(x))[0]; }
 
 // Keys of a tile that a query at position p sees: the first clamp(p - lo + 1, 0, n).
@@ -233,16 +229,27 @@ typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 
 #define OOMLESS_LANES16 __attribute__((target("arch=x86-64-v4"), always_inline)) inline
+OOMLESS_LANES16 v16f exp2_v16(v16f x) OOMLESS_EXP2_BODY(v16f, v16i)
+#undef OOMLESS_EXP2_BODY
 OOMLESS_LANES16 v16f load16(const float* p) {
   v16f v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 OOMLESS_LANES16 void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
-OOMLESS_LANES16 v8f half8(v16f v, int k) {
-  v8f h;
-  std::memcpy(&h, reinterpret_cast<const char*>(&v) + 32 * k, sizeof h);
-  return h;
+// hmax(vmax(first eight lanes, last eight)) and hsum(first eight + last eight): the eight-lane forms' folds.
+OOMLESS_LANES16 float hmax16(v16f v) {
+  float m = v[0] > v[8] ? v[0] : v[8];
+  for (int k = 1; k < 8; ++k) {
+    const float a = v[k] > v[k + 8] ? v[k] : v[k + 8];
+    m = m > a ? m : a;
+  }
+  return m;
+}
+OOMLESS_LANES16 float hsum16(v16f v) {
+  float a[8];
+  for (int k = 0; k < 8; ++k) a[k] = v[k] + v[k + 8];
+  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
 }
 // f32_to_bf16's bits for sixteen floats (NaN kept quiet).
 OOMLESS_LANES16 void store_bf16x16(uint16_t* d, v16f y) {
@@ -265,7 +272,7 @@ OOMLESS_LANES16 void store_tail16(float* x, int64_t n, v16f v) {
 
 // scale_max on sixteen lanes.
 __attribute__((target("arch=x86-64-v4"))) float scale_max16(float* x, int64_t n, float c) {
-  v16f m = splat_v<v16f>(kNegInf);
+  v16f m = v16f{} + kNegInf;
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
     const v16f y = load16(x + j) * c;
@@ -277,21 +284,21 @@ __attribute__((target("arch=x86-64-v4"))) float scale_max16(float* x, int64_t n,
     m = m > y ? m : y;
     store_tail16(x + j, n - j, y);
   }
-  return hmax(vmax(half8(m, 0), half8(m, 1)));
+  return hmax16(m);
 }
 
 // exp2_sum on sixteen lanes; with h, the values go to h in bf16 (f32_to_bf16's bits) instead of back to x.
 __attribute__((target("arch=x86-64-v4"))) float exp2_sum16(float* x, int64_t n, float shift, uint16_t* h) {
-  v16f s = splat_v<v16f>(0.0f);
+  v16f s = v16f{};
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
-    const v16f y = exp2_lanes<v16f, v16i>(load16(x + j) - shift);
+    const v16f y = exp2_v16(load16(x + j) - shift);
     if (h) store_bf16x16(h + j, y);
     else store16(x + j, y);
     s = s + y;
   }
   if (j < n) {
-    const v16f y = exp2_lanes<v16f, v16i>(load_tail16(x + j, n - j, kNegInf) - shift);
+    const v16f y = exp2_v16(load_tail16(x + j, n - j, kNegInf) - shift);
     s = s + y;
     if (h) {
       alignas(64) uint16_t t[16];
@@ -301,19 +308,19 @@ __attribute__((target("arch=x86-64-v4"))) float exp2_sum16(float* x, int64_t n, 
       store_tail16(x + j, n - j, y);
     }
   }
-  return hsum(half8(s, 0) + half8(s, 1));
+  return hsum16(s);
 }
 
 // probabilities' row on sixteen lanes: x[j] = 2^(c x[j] - shift) for j < n, and with h in bf16 too.
 __attribute__((target("arch=x86-64-v4"))) void probs16(float* x, int64_t n, float c, float shift, uint16_t* h) {
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
-    const v16f y = exp2_lanes<v16f, v16i>(load16(x + j) * c - shift);
+    const v16f y = exp2_v16(load16(x + j) * c - shift);
     store16(x + j, y);
     if (h) store_bf16x16(h + j, y);
   }
   if (j < n) {
-    const v16f y = exp2_lanes<v16f, v16i>(load_tail16(x + j, n - j, 0.0f) * c - shift);
+    const v16f y = exp2_v16(load_tail16(x + j, n - j, 0.0f) * c - shift);
     store_tail16(x + j, n - j, y);
     if (h) {
       alignas(64) uint16_t t[16];
