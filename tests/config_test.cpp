@@ -139,6 +139,15 @@ TEST(Config, RopeScalingOverride) {
     }
     EXPECT_NE(what.find("--rope-scaling"), std::string::npos) << bad << ": " << what;
   }
+  // A factor that would take the positions past an int32 (found by model_config_fuzz: the scaled count
+  // overflowed and the written config no longer read back).
+  std::string what;
+  try {
+    apply_rope_scaling(c, "linear:2555555555555555555555555555.5", "--rope-scaling");
+  } catch (const Error& e) {
+    what = e.what();
+  }
+  EXPECT_NE(what.find("give a smaller FACTOR"), std::string::npos) << what;
 }
 
 TEST(Config, UnsupportedValuesSayWhatIsSupported) {

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 
 #include "core/error.h"
 
@@ -285,7 +286,12 @@ void apply_rope_scaling(ModelConfig& c, std::string_view spec, std::string_view 
                 factor >= 1 && std::isfinite(factor),
             "[config] ", source, ": rope scaling '", spec, "' is not TYPE:FACTOR with TYPE linear, llama3 or yarn and "
             "FACTOR >= 1 (e.g. yarn:4), none, or a rope_scaling JSON object");
-  // The model's context so far is the original one; the scaled model covers FACTOR times more.
+  // The model's context so far is the original one; the scaled model covers FACTOR times more, and a position
+  // is an int32 (config.json's max_position_embeddings too).
+  const double scaled = static_cast<double>(c.max_position) * factor;
+  OOM_CHECK(scaled <= static_cast<double>(std::numeric_limits<int32_t>::max()), "[config] ", source, ": rope scaling '",
+            spec, "' would give ", scaled, " positions (", c.max_position, " x ", factor,
+            "), more than a position can number (2^31 - 1): give a smaller FACTOR");
   json::Value rs = json::Value::object();
   rs.set("rope_type", json::Value::string(std::string(type)));
   rs.set("factor", json::Value::number(factor));
