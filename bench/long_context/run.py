@@ -286,8 +286,9 @@ def parse_oomless(res, out, T):
     row["ledger_peak"] = (row["device_peak"] or 0) + (row["host_peak"] or 0)
     m = KV_LINE.search(res["text"])
     if m:
+        # The wait's share as the run printed it (its total is printed to 0.01 s: 0.00 for a fast step).
         row.update(kv_io=m.group(1), kv_out=parse_size(m.group(2)), kv_in=parse_size(m.group(3)),
-                   wait_s=float(m.group(4)), wait_frac=float(m.group(4)) / float(m.group(6)))
+                   wait_s=float(m.group(4)), wait_frac=float(m.group(5)) / 100)
     return row
 
 
