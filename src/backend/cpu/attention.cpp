@@ -264,6 +264,11 @@ OOMLESS_LANES16 v16f load_tail16(const float* x, int64_t n, float pad) {
   for (int k = 0; k < 16; ++k) t[k] = k < n ? x[k] : pad;
   return load16(t);
 }
+OOMLESS_LANES16 void store_bf16_tail16(uint16_t* h, int64_t n, v16f v) {
+  alignas(64) uint16_t t[16];
+  store_bf16x16(t, v);
+  for (int k = 0; k < n; ++k) h[k] = t[k];
+}
 OOMLESS_LANES16 void store_tail16(float* x, int64_t n, v16f v) {
   alignas(64) float t[16];
   store16(t, v);
@@ -301,9 +306,7 @@ __attribute__((target("arch=x86-64-v4"))) float exp2_sum16(float* x, int64_t n, 
     const v16f y = exp2_v16(load_tail16(x + j, n - j, kNegInf) - shift);
     s = s + y;
     if (h) {
-      alignas(64) uint16_t t[16];
-      store_bf16x16(t, y);
-      for (int k = 0; j + k < n; ++k) h[j + k] = t[k];
+      store_bf16_tail16(h + j, n - j, y);
     } else {
       store_tail16(x + j, n - j, y);
     }
@@ -323,9 +326,7 @@ __attribute__((target("arch=x86-64-v4"))) void probs16(float* x, int64_t n, floa
     const v16f y = exp2_v16(load_tail16(x + j, n - j, 0.0f) * c - shift);
     store_tail16(x + j, n - j, y);
     if (h) {
-      alignas(64) uint16_t t[16];
-      store_bf16x16(t, y);
-      for (int k = 0; j + k < n; ++k) h[j + k] = t[k];
+      store_bf16_tail16(h + j, n - j, y);
     }
   }
 }
