@@ -25,6 +25,10 @@ namespace {
 constexpr DType kAct = DType::f32;
 constexpr int64_t kColBlock = 64;        // columns per task in column-parallel reductions
 constexpr int64_t kSumChunk = 1 << 14;   // elements per partial sum in sum_squares
+// Elementwise and row-wise kernels below this many elements run on the calling thread: waking the team and
+// waiting at its barrier costs more than the work (a decode step's rows of a few hundred floats, some twenty
+// of them a layer). Every element's operations are the same either way.
+constexpr int64_t kParallelMin = 1 << 14;
 
 float* f32p(const Tensor& t) { return static_cast<float*>(t.data); }
 const int32_t* i32p(const Tensor& t) { return static_cast<const int32_t*>(t.data); }
@@ -68,16 +72,16 @@ void CpuOps::embedding_forward(Tensor out, Tensor ids, Tensor table) {
   if (table.quant) {  // each row dequantised as the GEMM reads it
     const QuantMatrix* q = table.quant;
     const int64_t q0 = table.qrow0;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * E >= kParallelMin)
     for (int64_t t = 0; t < T; ++t) q->dequant_row(*q, q0 + id[t], 0, E, o + t * E);
   } else if (table.dtype == DType::bf16) {
     const uint16_t* w = static_cast<const uint16_t*>(table.data);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * E >= kParallelMin)
     for (int64_t t = 0; t < T; ++t)
       for (int64_t e = 0; e < E; ++e) o[t * E + e] = bf16_to_f32(w[id[t] * E + e]);
   } else {
     const float* w = f32p(table);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * E >= kParallelMin)
     for (int64_t t = 0; t < T; ++t)
       for (int64_t e = 0; e < E; ++e) o[t * E + e] = w[id[t] * E + e];
   }
@@ -108,7 +112,7 @@ void CpuOps::rmsnorm_forward(Tensor out, Tensor rstd, Tensor in, Tensor weight, 
   const float* w = f32p(weight);
   float* y = f32p(out);
   float* rs = f32p(rstd);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (R * E >= kParallelMin)
   for (int64_t r = 0; r < R; ++r) {
     double ss = 0;
     for (int64_t e = 0; e < E; ++e) ss += static_cast<double>(x[r * E + e]) * x[r * E + e];
@@ -164,7 +168,7 @@ void cpu_rope(const char* op, Tensor out, Tensor in, Tensor pos, const RopeConfi
   const float* x = f32p(in);
   float* y = f32p(out);
   const int32_t* p = i32p(pos);
-#pragma omp parallel
+#pragma omp parallel if (T * H * D >= kParallelMin)
   {
     std::vector<float> cs(half), sn(half);
 #pragma omp for schedule(static)
@@ -201,7 +205,7 @@ void CpuOps::add(Tensor out, Tensor a, Tensor b) {
   const float* y = f32p(b);
   float* o = f32p(out);
   int64_t n = out.numel();
-#pragma omp parallel for simd schedule(static)
+#pragma omp parallel for simd schedule(static) if (n >= kParallelMin)
   for (int64_t i = 0; i < n; ++i) o[i] = x[i] + y[i];
 }
 
@@ -211,7 +215,7 @@ void CpuOps::axpy(Tensor y, double alpha, Tensor x) {
   const float* xs = f32p(x);
   float* ys = f32p(y);
   int64_t n = y.numel();
-#pragma omp parallel for simd schedule(static)
+#pragma omp parallel for simd schedule(static) if (n >= kParallelMin)
   for (int64_t i = 0; i < n; ++i) ys[i] += a * xs[i];
 }
 
@@ -220,7 +224,7 @@ void CpuOps::scale(Tensor x, double alpha) {
   float a = static_cast<float>(alpha);
   float* xs = f32p(x);
   int64_t n = x.numel();
-#pragma omp parallel for simd schedule(static)
+#pragma omp parallel for simd schedule(static) if (n >= kParallelMin)
   for (int64_t i = 0; i < n; ++i) xs[i] *= a;
 }
 
@@ -326,7 +330,7 @@ void CpuOps::fill(Tensor x, double value) {
   float v = static_cast<float>(value);
   float* xs = f32p(x);
   int64_t n = x.numel();
-#pragma omp parallel for simd schedule(static)
+#pragma omp parallel for simd schedule(static) if (n >= kParallelMin)
   for (int64_t i = 0; i < n; ++i) xs[i] = v;
 }
 
