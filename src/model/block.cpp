@@ -64,7 +64,32 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
   // and stored rounded (fp8 / int8 with a scale per head and position); attention then reads every
   // position, this pass's too, from the cache.
   const bool staged = kv.k.dtype != act_;
-  for (int64_t h = 0; h < Hkv; ++h) {
+  // Store head h's keys and values (T positions, made in kh / vh) into the cache, rounded if it is narrower.
+  auto store = [&](int64_t h, Tensor kh, Tensor vh) {
+    if (staged && kv.k_scale.data) {
+      ops_.cast_rows_scaled(head(kv.k, h, Pk, t0, T, D), span_of(kv.k_scale, h * Pk + t0, T), kh);
+      ops_.cast_rows_scaled(head(kv.v, h, Pk, t0, T, D), span_of(kv.v_scale, h * Pk + t0, T), vh);
+    } else if (staged) {
+      convert(head(kv.k, h, Pk, t0, T, D).data, kv.k.dtype, kh.data, act_, T * D);
+      convert(head(kv.v, h, Pk, t0, T, D).data, kv.v.dtype, vh.data, act_, T * D);
+    } else {
+      ops_.copy(head(kv.k, h, Pk, t0, T, D), kh);
+      ops_.copy(head(kv.v, h, Pk, t0, T, D), vh);
+    }
+  };
+  if (T == 1 && pass == Pass::full) {
+    // One position (a decode step): (Hkv, 1, D) is the projection's (1, Hkv D) row, so the keys and values of
+    // every kv head are one product each (every output is its own one-row dot: the bits of a product a head),
+    // normed and rotated in one call each, then stored a head at a time.
+    auto row = [&](const Tensor& t) { return t.data ? mat(t, 1, Hkv * D) : Tensor(); };
+    const Tensor k_all(a.k.data, a.k.dtype, {1, Hkv, D});
+    project(K, cfg_.qk_norm ? row(a.k_pre) : row(a.k), a.h1, h1, u_of(Proj::k), row(z_of(Proj::k)));
+    if (cfg_.qk_norm) ops_.rmsnorm_forward(mat(a.k, Hkv, D), a.k_rstd, mat(a.k_pre, Hkv, D), P.k_norm, eps);
+    ops_.rope_forward(k_all, k_all, pos, cfg_.rope);
+    project(V, row(a.v), a.h1, h1, u_of(Proj::v), row(z_of(Proj::v)));
+    for (int64_t h = 0; h < Hkv; ++h) store(h, head(a.k, h, 1, 0, 1, D), head(a.v, h, 1, 0, 1, D));
+  }
+  for (int64_t h = 0; h < Hkv && !(T == 1 && pass == Pass::full); ++h) {
     Tensor kh = staged ? head(a.k, h, T, 0, T, D) : head(kv.k, h, Pk, t0, T, D);
     Tensor vh = staged ? head(a.v, h, T, 0, T, D) : head(kv.v, h, Pk, t0, T, D);
     Tensor klin = cfg_.qk_norm ? head(a.k_pre, h, T, 0, T, D) : kh;
@@ -73,13 +98,7 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
     Tensor kh3(kh.data, kh.dtype, {T, int64_t{1}, D});
     ops_.rope_forward(kh3, kh3, pos, cfg_.rope);
     project(V.rows(h * D, D), vh, a.h1, h1, u_of(Proj::v), z_head(z_of(Proj::v), h, T, D));
-    if (staged && kv.k_scale.data) {
-      ops_.cast_rows_scaled(head(kv.k, h, Pk, t0, T, D), span_of(kv.k_scale, h * Pk + t0, T), kh);
-      ops_.cast_rows_scaled(head(kv.v, h, Pk, t0, T, D), span_of(kv.v_scale, h * Pk + t0, T), vh);
-    } else if (staged) {
-      convert(head(kv.k, h, Pk, t0, T, D).data, kv.k.dtype, kh.data, act_, T * D);
-      convert(head(kv.v, h, Pk, t0, T, D).data, kv.v.dtype, vh.data, act_, T * D);
-    }
+    if (staged) store(h, kh, vh);
   }
 
   if (pass == Pass::full || pass == Pass::kv_only) {
