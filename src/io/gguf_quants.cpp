@@ -401,6 +401,109 @@ OOMLESS_DOT_TARGET void dot_rows(const uint8_t* const* rows, int g, int64_t bloc
   for (; i < g; ++i) dot_rows_g<Chunks, Bytes, 1>(rows + i, blocks, a, acc + 8 * i, ahead);
 }
 
+// The AVX-512 form: two rows a vector, lanes 0-7 the first row's eight lanes and 8-15 the second's, every lane's
+// operations those of the chunks above (the same d * q [+ m], the same fused multiply-add into the same lane of
+// its row's sum), so the bits are the eight-lane form's; half the instructions a block.
+#define OOMLESS_DOT512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+// GCC 12's AVX-512 intrinsics trip -Wmaybe-uninitialized on their own undefined operand.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+// Eight bytes at a, then eight at b.
+OOMLESS_DOT512_TARGET inline __m128i pair8(const uint8_t* a, const uint8_t* b) {
+  return _mm_castpd_si128(
+      _mm_loadh_pd(_mm_castsi128_pd(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a))), reinterpret_cast<const double*>(b)));
+}
+// The f16 pairs (d, m) at a and at b as f32 [d_a, m_a, d_b, m_b] (m: whatever follows d where there is none).
+OOMLESS_DOT512_TARGET inline __m128 scales4(const uint8_t* a, const uint8_t* b) {
+  int32_t x, y;
+  std::memcpy(&x, a, 4);
+  std::memcpy(&y, b, 4);
+  return _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(x), y, 1));
+}
+// Lane 0 of s4 in lanes 0-7 and lane 2 in lanes 8-15 (Off 0: the d's), or lanes 1 and 3 (Off 1: the m's).
+template <int Off>
+OOMLESS_DOT512_TARGET inline __m512 spread(__m128 s4) {
+  const __m512i idx = _mm512_set_epi32(2 + Off, 2 + Off, 2 + Off, 2 + Off, 2 + Off, 2 + Off, 2 + Off, 2 + Off, Off, Off,
+                                       Off, Off, Off, Off, Off, Off);
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(s4));
+}
+OOMLESS_DOT512_TARGET inline __m512 wide_u8(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)); }
+OOMLESS_DOT512_TARGET inline __m512 wide_i8(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
+// Eight floats at p in both halves.
+OOMLESS_DOT512_TARGET inline __m512 twice(const float* p) {
+  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
+}
+
+// The chunks: the bytes of both rows' chunk c side by side as they are loaded ([a 0-7 | b 0-7] for chunks 0
+// and 2 of the nibble types, [a 8-15 | b 8-15] for 1 and 3), so the only shuffles are the widenings and the
+// scales' spreading.
+OOMLESS_DOT512_TARGET inline void chunks2_q4_0(const uint8_t* a, const uint8_t* b, __m512* x) {
+  const __m512 d = spread<0>(scales4(a, b));
+  const __m128i nib = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+  const __m128i q0 = pair8(a + 2, b + 2), q1 = pair8(a + 10, b + 10);
+  x[0] = _mm512_mul_ps(wide_i8(_mm_sub_epi8(_mm_and_si128(q0, nib), eight)), d);
+  x[1] = _mm512_mul_ps(wide_i8(_mm_sub_epi8(_mm_and_si128(q1, nib), eight)), d);
+  x[2] = _mm512_mul_ps(wide_i8(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q0, 4), nib), eight)), d);
+  x[3] = _mm512_mul_ps(wide_i8(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q1, 4), nib), eight)), d);
+}
+
+OOMLESS_DOT512_TARGET inline void chunks2_q4_1(const uint8_t* a, const uint8_t* b, __m512* x) {
+  const __m128 s4 = scales4(a, b);
+  const __m512 d = spread<0>(s4), m = spread<1>(s4);
+  const __m128i nib = _mm_set1_epi8(0x0F);
+  const __m128i q0 = pair8(a + 4, b + 4), q1 = pair8(a + 12, b + 12);
+  x[0] = _mm512_fmadd_ps(wide_u8(_mm_and_si128(q0, nib)), d, m);
+  x[1] = _mm512_fmadd_ps(wide_u8(_mm_and_si128(q1, nib)), d, m);
+  x[2] = _mm512_fmadd_ps(wide_u8(_mm_and_si128(_mm_srli_epi16(q0, 4), nib)), d, m);
+  x[3] = _mm512_fmadd_ps(wide_u8(_mm_and_si128(_mm_srli_epi16(q1, 4), nib)), d, m);
+}
+
+OOMLESS_DOT512_TARGET inline void chunks2_q8_0(const uint8_t* a, const uint8_t* b, __m512* x) {
+  const __m512 d = spread<0>(scales4(a, b));
+  x[0] = _mm512_mul_ps(wide_i8(pair8(a + 2, b + 2)), d);
+  x[1] = _mm512_mul_ps(wide_i8(pair8(a + 10, b + 10)), d);
+  x[2] = _mm512_mul_ps(wide_i8(pair8(a + 18, b + 18)), d);
+  x[3] = _mm512_mul_ps(wide_i8(pair8(a + 26, b + 26)), d);
+}
+
+// 2 P rows at once, as dot_rows_g (acc's rows are eight floats apart, so a pair's sums are sixteen in a row).
+template <void (*Chunks2)(const uint8_t*, const uint8_t*, __m512*), int Bytes, int P>
+OOMLESS_DOT512_TARGET inline void dot_pairs_g(const uint8_t* const* rows, int64_t blocks, const float* a, float* acc,
+                                              int64_t ahead) {
+  constexpr int kEvery = 64 / Bytes;  // blocks a cache line
+  __m512 s[P];
+  for (int i = 0; i < P; ++i) s[i] = _mm512_loadu_ps(acc + 16 * i);
+  for (int64_t k = 0; k < blocks; ++k) {
+    const float* ak = a + 32 * k;
+    const __m512 a0 = twice(ak), a1 = twice(ak + 8), a2 = twice(ak + 16), a3 = twice(ak + 24);
+    for (int i = 0; i < P; ++i) {
+      const uint8_t* b0 = rows[2 * i] + k * Bytes;
+      const uint8_t* b1 = rows[2 * i + 1] + k * Bytes;
+      if (k % kEvery == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(b0) + ahead, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b1) + ahead, _MM_HINT_T0);
+      }
+      __m512 x[4];
+      Chunks2(b0, b1, x);
+      s[i] = _mm512_fmadd_ps(a0, x[0], s[i]);
+      s[i] = _mm512_fmadd_ps(a1, x[1], s[i]);
+      s[i] = _mm512_fmadd_ps(a2, x[2], s[i]);
+      s[i] = _mm512_fmadd_ps(a3, x[3], s[i]);
+    }
+  }
+  for (int i = 0; i < P; ++i) _mm512_storeu_ps(acc + 16 * i, s[i]);
+}
+
+template <void (*Chunks)(const uint8_t*, __m256*), void (*Chunks2)(const uint8_t*, const uint8_t*, __m512*), int Bytes>
+OOMLESS_DOT512_TARGET void dot_rows512(const uint8_t* const* rows, int g, int64_t blocks, const float* a, float* acc,
+                                       int64_t ahead) {
+  int i = 0;
+  for (; i + 8 <= g; i += 8) dot_pairs_g<Chunks2, Bytes, 4>(rows + i, blocks, a, acc + 8 * i, ahead);
+  for (; i + 2 <= g; i += 2) dot_pairs_g<Chunks2, Bytes, 1>(rows + i, blocks, a, acc + 8 * i, ahead);
+  if (i < g) dot_rows_g<Chunks, Bytes, 1>(rows + i, blocks, a, acc + 8 * i, ahead);
+}
+
 using BlockFn = void (*)(const uint8_t*, float*);
 
 // The vector forms this CPU has, lowered by OOMLESS_ISA as the GEMM's are (generic: none, avx2: no AVX-512),
@@ -480,6 +583,12 @@ GgmlBlockDecoder ggml_block_decoder(GgmlType t) { return block_decoder(t); }
 GgmlRowDot ggml_row_dot(GgmlType t) {
   static const bool fma = detect_cpu().fma;
   if (!have_avx2() || !fma) return nullptr;
+  if (have_avx512()) switch (t) {
+      case GgmlType::Q4_0: return dot_rows512<chunks_q4_0, chunks2_q4_0, 18>;
+      case GgmlType::Q4_1: return dot_rows512<chunks_q4_1, chunks2_q4_1, 20>;
+      case GgmlType::Q8_0: return dot_rows512<chunks_q8_0, chunks2_q8_0, 34>;
+      default: return nullptr;
+    }
   switch (t) {
     case GgmlType::Q4_0: return dot_rows<chunks_q4_0, 18>;
     case GgmlType::Q4_1: return dot_rows<chunks_q4_1, 20>;
@@ -487,6 +596,7 @@ GgmlRowDot ggml_row_dot(GgmlType t) {
     default: return nullptr;
   }
 }
+#pragma GCC diagnostic pop  // (from the AVX-512 one-row kernels, instantiated above)
 
 bool ggml_can_dequantize(GgmlType t) {
   return block_decoder(t) != nullptr;
