@@ -190,8 +190,9 @@ TEST(QuantGemm, GgufOneRowFromTheBlocksIsBitwiseTheDequantisedProduct) {
       EXPECT_EQ(w.quant->dot_rows != nullptr, fused) << name;
       const int64_t N = w.dims[0], K = w.dims[1];
       std::vector<float> dense = p.dense(w);
-      // the whole matrix, and rows [3, 3 + 13) as a view
-      for (int64_t r0 : {int64_t{0}, int64_t{3}}) {
+      // the whole matrix, and rows [3, 3 + 13) and [20, 20 + 13) as views (q_proj's groups of eight then cross
+      // a half head, and a head, of its un-permuted rows)
+      for (int64_t r0 : {int64_t{0}, int64_t{3}, int64_t{20}}) {
         const int64_t n = r0 ? 13 : N;
         Tensor wq = w;
         wq.dims[0] = n, wq.qrow0 = r0;

@@ -22,6 +22,28 @@ int64_t gguf_row(const QuantBase::Blocks& g, int64_t r) {
   return h * g.D + 2 * i + s;
 }
 
+// Where HF rows rows[0, g) start (base: their first block's column), gguf_row's rows: a run of consecutive
+// rows stepped through (one set of divisions a run, not a row; the products of a decode step ask for some
+// 200K rows in runs of eight).
+void row_starts(const QuantBase::Blocks& b, const int64_t* rows, int g, const uint8_t* base, const uint8_t** p) {
+  if (b.heads == 0) {
+    for (int i = 0; i < g; ++i) p[i] = base + rows[i] * b.row_bytes;
+    return;
+  }
+  const int64_t half = b.D / 2;
+  int64_t h = 0, s = 0, j = 0;  // HF row h D + s D/2 + j is GGUF row h D + 2 j + s
+  for (int i = 0; i < g; ++i) {
+    if (i == 0 || rows[i] != rows[i - 1] + 1) {
+      const int64_t rem = rows[i] % b.D;
+      h = rows[i] / b.D, s = rem / half, j = rem % half;
+    } else if (++j == half) {
+      j = 0;
+      if (++s == 2) s = 0, ++h;
+    }
+    p[i] = base + (h * b.D + 2 * j + s) * b.row_bytes;
+  }
+}
+
 // Row r (HF order) of a GGUF matrix, elements [col, col + n), one block at a time.
 void dequant_gguf_row(const QuantMatrix& q, int64_t r, int64_t col, int64_t n, float* out) {
   const QuantBase::Blocks& g = *static_cast<const QuantBase::Blocks*>(q.aux);
@@ -54,8 +76,7 @@ bool dot_gguf_rows(const QuantMatrix& q, const int64_t* rows, int g, int64_t col
   const QuantBase::Blocks& b = *static_cast<const QuantBase::Blocks*>(q.aux);
   if (!b.dot || g > 8 || col % b.block || n % b.block) return false;
   const uint8_t* p[8];
-  const uint8_t* base = static_cast<const uint8_t*>(q.data) + col / b.block * b.block_bytes;
-  for (int i = 0; i < g; ++i) p[i] = base + gguf_row(b, rows[i]) * b.row_bytes;
+  row_starts(b, rows, g, static_cast<const uint8_t*>(q.data) + col / b.block * b.block_bytes, p);
   b.dot(p, g, n / b.block, a, acc, 8 * b.row_bytes);  // the next group of eight rows
   return true;
 }
@@ -67,8 +88,7 @@ bool dot_gguf_rows_q8(const QuantMatrix& q, const int64_t* rows, int g, int64_t 
   if (!b.dot_q8 || g > 8 || col % b.block || n % b.block || b.block != kQ8Block) return false;
   if (g == 0) return true;
   const uint8_t* p[8];
-  const uint8_t* base = static_cast<const uint8_t*>(q.data) + col / b.block * b.block_bytes;
-  for (int i = 0; i < g; ++i) p[i] = base + gguf_row(b, rows[i]) * b.row_bytes;
+  row_starts(b, rows, g, static_cast<const uint8_t*>(q.data) + col / b.block * b.block_bytes, p);
   b.dot_q8(p, g, n / b.block, a, out, 8 * b.row_bytes);
   return true;
 }

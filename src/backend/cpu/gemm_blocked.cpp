@@ -563,17 +563,18 @@ void run_row(const GemmShape& s, const float* af, BP b, float* c, float* work, c
   const int64_t N = s.N, K = s.K;
   if constexpr (std::is_same_v<BP, QuantB>) {
     // (Asked for no rows first: whether the span is whole blocks, which is the same for every group.)
-    if (qa && s.tb && b.q->dot_rows_q8(*b.q, nullptr, 0, b.off % s.ldb, K, *qa, nullptr)) {
+    // Output j is the matrix's row row0 + j, from column col on (divided out once, not per row).
+    const int64_t row0 = b.qrow0 + b.off / s.ldb, col = b.off % s.ldb;
+    if (qa && s.tb && b.q->dot_rows_q8(*b.q, nullptr, 0, col, K, *qa, nullptr)) {
       const int64_t groups = cdiv(N, kRowGroup);
 #pragma omp parallel for schedule(static)
       for (int64_t q = 0; q < groups; ++q) {
         const int64_t j0 = q * kRowGroup;
         const int g = static_cast<int>(std::min<int64_t>(kRowGroup, N - j0));
-        const QuantB b0 = b + j0 * s.ldb;
         int64_t rows[kRowGroup];
         float out[kRowGroup];
-        for (int i = 0; i < g; ++i) rows[i] = b0.qrow0 + (b0.off + i * s.ldb) / s.ldb;
-        b.q->dot_rows_q8(*b.q, rows, g, b0.off % s.ldb, K, *qa, out);
+        for (int i = 0; i < g; ++i) rows[i] = row0 + j0 + i;
+        b.q->dot_rows_q8(*b.q, rows, g, col, K, *qa, out);
         for (int i = 0; i < g; ++i) c[j0 + i] = s.accumulate ? c[j0 + i] + out[i] : out[i];
       }
       return;
@@ -591,11 +592,11 @@ void run_row(const GemmShape& s, const float* af, BP b, float* c, float* work, c
       const float* r[kRowGroup];
       int64_t k_from = 0;  // [0, k_from) done from the blocks
       if constexpr (std::is_same_v<BP, QuantB>) {
-        const QuantB b0 = b + j0 * s.ldb;
         if (b.q->dot_rows && k8 > 0 && dot_from_blocks()) {
           int64_t rows[kRowGroup];
-          for (int i = 0; i < g; ++i) rows[i] = b0.qrow0 + (b0.off + i * s.ldb) / s.ldb;
-          if (b.q->dot_rows(*b.q, rows, g, b0.off % s.ldb, k8, af, reinterpret_cast<float*>(acc))) k_from = k8;
+          const int64_t row0 = b.qrow0 + b.off / s.ldb;  // as above: output j is row row0 + j
+          for (int i = 0; i < g; ++i) rows[i] = row0 + j0 + i;
+          if (b.q->dot_rows(*b.q, rows, g, b.off % s.ldb, k8, af, reinterpret_cast<float*>(acc))) k_from = k8;
         }
       }
       for (int64_t k0 = k_from; k0 < K; k0 += kRowSeg) {
