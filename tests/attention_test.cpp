@@ -371,12 +371,13 @@ TEST(Attention, Bf16ProductsOnEveryPath) {
 // call of several positions (one task a head), on every GEMM path, for f32 and bf16 K/V, with and without
 // bf16 products, over paged history. The shapes reach every piece of the direct kernels: key tiles of 16s,
 // an 8 and a tail (blocks of 29 and 15 keys), groups of 3, 5 (4 + 1 and 3 + 2 rows) and 4, D = 32, 40
-// (32 + 8 columns) and 12 (not a multiple of 8: Gemm::tile); with the direct kernels switched off too.
+// (32 + 8 columns), 104 (64 + 32 + 8: the sixteen-lane P V on AVX-512) and 12 (not a multiple of 8:
+// Gemm::tile); with the direct kernels switched off too.
 TEST(Attention, OnePositionUnderGqaIsItsRowOfAWiderCall) {
   const GemmIsa saved = gemm_isa();
   const bool saved_direct = decode_direct_kernels();
   for (const Shape& s : {Shape{3, 6, 2, 32, 16, 45, false}, Shape{3, 10, 2, 40, 29, 70, false},
-                         Shape{2, 8, 2, 12, 7, 9, true}})
+                         Shape{2, 8, 2, 12, 7, 9, true}, Shape{2, 6, 2, 104, 16, 20, false}})
     for (GemmIsa isa : supported_gemm_isas())
       for (DType kvt : {DType::f32, DType::bf16})
         for (bool bf : {false, true})

@@ -872,10 +872,37 @@ __attribute__((target("avx2,fma"))) void pv_direct_cols(const float* p, int64_t 
     for (int w = 0; w < W; ++w) _mm256_storeu_ps(C + r * ldc + 8 * w, acc[r][w]);
 }
 
-// ... over all D columns (a multiple of 8), 32 at a time.
+// The same with sixteen columns a vector (each column's chain is the same: the same bits), W * 16 columns.
+#define OOMLESS_PV512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
+OOMLESS_PV512 inline __m512 load16v(const float* p) { return _mm512_loadu_ps(p); }
+OOMLESS_PV512 inline __m512 load16v(const uint16_t* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+template <class T, int R, int W>
+OOMLESS_PV512 void pv_direct_cols16(const float* p, int64_t ldp, const T* V, int64_t ldv, int64_t n, float* C,
+                                    int64_t ldc) {
+  __m512 acc[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int w = 0; w < W; ++w) acc[r][w] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 v[W];
+    for (int w = 0; w < W; ++w) v[w] = load16v(V + j * ldv + 16 * w);
+    for (int r = 0; r < R; ++r) {
+      const __m512 pj = _mm512_set1_ps(p[r * ldp + j]);
+      for (int w = 0; w < W; ++w) acc[r][w] = _mm512_fmadd_ps(pj, v[w], acc[r][w]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int w = 0; w < W; ++w) _mm512_storeu_ps(C + r * ldc + 16 * w, acc[r][w]);
+}
+
+// ... over all D columns (a multiple of 8): 64 at a time where the GEMM path is AVX-512's, then 32 at a time.
 template <class T, int R>
 void pv_direct_rows(const float* p, int64_t ldp, const T* V, int64_t n, int64_t D, float* C, int64_t ldc) {
   int64_t d0 = 0;
+  if (gemm_isa() == GemmIsa::avx512 || gemm_isa() == GemmIsa::amx)
+    for (; d0 + 64 <= D; d0 += 64) pv_direct_cols16<T, R, 4>(p, ldp, V + d0, D, n, C + d0, ldc);
   for (; d0 + 32 <= D; d0 += 32) pv_direct_cols<T, R, 4>(p, ldp, V + d0, D, n, C + d0, ldc);
   switch ((D - d0) / 8) {
     case 3: return pv_direct_cols<T, R, 3>(p, ldp, V + d0, D, n, C + d0, ldc);
