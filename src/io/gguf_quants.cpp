@@ -367,6 +367,9 @@ OOMLESS_DOT_TARGET inline void chunks_q8_0(const uint8_t* b, __m256* x) {
   x[3] = _mm256_mul_ps(widen_i8(_mm_srli_si128(q1, 8)), d);
 }
 
+// A block's four chunks x[0..3] times a0..a3 fused-multiply-added into the sum s, in chunk order (k ascending).
+#define OOMLESS_DOT_CHUNKS(FMA, s) FMA(a3, x[3], FMA(a2, x[2], FMA(a1, x[1], FMA(a0, x[0], s))))
+
 // G rows at once (a read once per block for all of them), k ascending within each lane.
 // ahead: bytes past each row's blocks to prefetch, a line at a time (where the next group of rows lies).
 template <void (*Chunks)(const uint8_t*, __m256*), int Bytes, int G>
@@ -384,10 +387,7 @@ OOMLESS_DOT_TARGET inline void dot_rows_g(const uint8_t* const* rows, int64_t bl
       if (k % kEvery == 0) _mm_prefetch(reinterpret_cast<const char*>(b) + ahead, _MM_HINT_T0);
       __m256 x[4];
       Chunks(b, x);
-      s[i] = _mm256_fmadd_ps(a0, x[0], s[i]);
-      s[i] = _mm256_fmadd_ps(a1, x[1], s[i]);
-      s[i] = _mm256_fmadd_ps(a2, x[2], s[i]);
-      s[i] = _mm256_fmadd_ps(a3, x[3], s[i]);
+      s[i] = OOMLESS_DOT_CHUNKS(_mm256_fmadd_ps, s[i]);
     }
   }
   for (int i = 0; i < G; ++i) _mm256_storeu_ps(acc + 8 * i, s[i]);
@@ -407,7 +407,9 @@ OOMLESS_DOT_TARGET void dot_rows(const uint8_t* const* rows, int g, int64_t bloc
 #define OOMLESS_DOT512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 // GCC 12's AVX-512 intrinsics trip -Wmaybe-uninitialized on their own undefined operand.
 #pragma GCC diagnostic push
+#if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 // Eight bytes at a, then eight at b.
 OOMLESS_DOT512_TARGET inline __m128i pair8(const uint8_t* a, const uint8_t* b) {
@@ -486,10 +488,7 @@ OOMLESS_DOT512_TARGET inline void dot_pairs_g(const uint8_t* const* rows, int64_
       }
       __m512 x[4];
       Chunks2(b0, b1, x);
-      s[i] = _mm512_fmadd_ps(a0, x[0], s[i]);
-      s[i] = _mm512_fmadd_ps(a1, x[1], s[i]);
-      s[i] = _mm512_fmadd_ps(a2, x[2], s[i]);
-      s[i] = _mm512_fmadd_ps(a3, x[3], s[i]);
+      s[i] = OOMLESS_DOT_CHUNKS(_mm512_fmadd_ps, s[i]);
     }
   }
   for (int i = 0; i < P; ++i) _mm512_storeu_ps(acc + 16 * i, s[i]);
