@@ -341,10 +341,11 @@ TEST(Attention, Bf16ProductsOnEveryPath) {
     // sixteen on avx512 and amx): the same bits.
     for (size_t i = 1; i < outs.size(); ++i)
       for (auto m : {&Outputs::o, &Outputs::lse, &Outputs::dq, &Outputs::dk, &Outputs::dv}) {
-        if (outs[i].first != GemmIsa::amx)
+        if (outs[i].first != GemmIsa::amx) {
           EXPECT_EQ(std::memcmp((outs[0].second.*m).t().data, (outs[i].second.*m).t().data,
                                 (outs[0].second.*m).t().nbytes()), 0)
               << what << ": " << gemm_isa_name(outs[i].first) << " differs from " << gemm_isa_name(outs[0].first);
+        }
         EXPECT_EQ(std::memcmp((plains[0].second.*m).t().data, (plains[i].second.*m).t().data,
                               (plains[0].second.*m).t().nbytes()), 0)
             << what << ", f32 products: " << gemm_isa_name(plains[i].first) << " differs from "

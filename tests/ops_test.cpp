@@ -165,6 +165,26 @@ TEST_P(OpsConformance, MatchesReference) {
     expect_close(ac, ar, tol, "scale");
     double sc = ops->sum_squares(ac), sr = ref.sum_squares(ar);
     EXPECT_LE(std::fabs(sc - sr), 1e-6 * sr + 1e-30) << "sum_squares";
+    // abs_max: the same value (a max takes no rounding), then NaN once an element is not finite (inf or NaN),
+    // wherever it is.
+    double mc = 0, mr = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      mc = std::max(mc, std::fabs(static_cast<double>(ac.ptr<float>()[i])));
+      mr = std::max(mr, std::fabs(ar.ptr<double>()[i]));
+    }
+    EXPECT_EQ(ops->abs_max(ac), mc) << "abs_max";
+    EXPECT_EQ(ref.abs_max(ar), mr) << "abs_max";
+    EXPECT_GT(mc, 0.0) << "abs_max";
+    for (double bad : {INFINITY, -INFINITY, NAN}) {
+      const int64_t at = n / 2;
+      const float keep = ac.ptr<float>()[at];
+      ac.ptr<float>()[at] = static_cast<float>(bad);
+      ar.ptr<double>()[at] = bad;
+      EXPECT_TRUE(std::isnan(ops->abs_max(ac))) << "abs_max with " << bad;
+      EXPECT_TRUE(std::isnan(ref.abs_max(ar))) << "abs_max with " << bad;
+      ac.ptr<float>()[at] = keep;
+      ar.ptr<double>()[at] = keep;
+    }
     ops->fill(ac, 0.25);
     ref.fill(ar, 0.25);
     expect_close(ac, ar, 0.0, "fill");

@@ -187,6 +187,9 @@ class Ops {
   virtual void dropout(Tensor out, Tensor in, double p, uint64_t seed, int64_t offset, bool accumulate) = 0;
   // sum of x^2 in double, combined in a fixed order (deterministic for any thread count).
   virtual double sum_squares(Tensor x) = 0;
+  // The largest |x| over x's elements (act dtype; 0 for none), NaN where any element is not finite: the amax
+  // cast_scaled reports, taken before a scale is chosen (fp8 K/V chunks).
+  virtual double abs_max(Tensor x) = 0;
   // dst = src converted element-wise (float dtypes; rounding to nearest even).
   virtual void convert(Tensor dst, Tensor src) = 0;
   // dst (bf16, f8_e4m3 or f8_e5m2) = src * scale rounded to nearest even as convert rounds (f8_e4m3

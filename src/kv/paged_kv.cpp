@@ -162,15 +162,9 @@ void PagedKvStore::set_chunk(int64_t c) {
 
 // Scatter rows: page i of a chunk holds positions [i P, (i + 1) P) of every kv head.
 float PagedKvStore::quantize_chunk(int64_t layer, int kind, const Tensor& x) {
-  // The largest |x| of the chunk (NaN when any element is not finite)
-  const int64_t n = x.numel();
-  float amax = 0;
-  bool finite = true;
-  for (int64_t i = 0; i < n; ++i) {
-    const float a = std::fabs(static_cast<float>(at(x.data, x.dtype, i)));
-    finite &= std::isfinite(a);
-    amax = std::max(amax, a);
-  }
+  // The largest |x| of the chunk (NaN when any element is not finite), by the backend.
+  const float amax = static_cast<float>(ops_.abs_max(x));
+  const bool finite = std::isfinite(amax);
   std::vector<float>& hist = amax_[static_cast<size_t>(2 * layer + kind)];
   Fp8Counts& cnt = kind == 0 ? fp8_.k : fp8_.v;
   float ref = amax;

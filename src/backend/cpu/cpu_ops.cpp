@@ -352,6 +352,33 @@ double CpuOps::sum_squares(Tensor x) {
   return total;
 }
 
+double CpuOps::abs_max(Tensor x) {
+  check_elementwise("[abs_max]", {&x}, kAct);
+  const float* xs = f32p(x);
+  const int64_t n = x.numel(), chunks = (n + kSumChunk - 1) / kSumChunk;
+  std::vector<float> part(static_cast<size_t>(chunks));
+  std::vector<char> finite(static_cast<size_t>(chunks));
+#pragma omp parallel for schedule(static) if (chunks > 1)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t i0 = c * kSumChunk, i1 = std::min(n, i0 + kSumChunk);
+    float m = 0;
+    bool f = true;
+    for (int64_t i = i0; i < i1; ++i) {
+      const float a = std::fabs(xs[i]);
+      f &= std::isfinite(a);
+      m = std::max(m, a);
+    }
+    part[static_cast<size_t>(c)] = m;
+    finite[static_cast<size_t>(c)] = f;
+  }
+  double m = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    if (!finite[static_cast<size_t>(c)]) return NAN;
+    m = std::max(m, static_cast<double>(part[static_cast<size_t>(c)]));
+  }
+  return m;
+}
+
 void CpuOps::convert(Tensor dst, Tensor src) {
   OOM_CHECK(dst.numel() == src.numel(), "[convert] dst ", dst.str(), " and src ", src.str(), " differ in size");
   int64_t n = src.numel();

@@ -243,6 +243,17 @@ double RefOps::sum_squares(Tensor x) {
   return s;
 }
 
+double RefOps::abs_max(Tensor x) {
+  check_elementwise("[abs_max]", {&x}, kAct);
+  double m = 0;
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    const double a = std::fabs(f64(x)[i]);
+    if (!std::isfinite(a)) return NAN;
+    m = std::max(m, a);
+  }
+  return m;
+}
+
 void RefOps::convert(Tensor dst, Tensor src) {
   OOM_CHECK(dst.numel() == src.numel(), "[convert] dst ", dst.str(), " and src ", src.str(), " differ in size");
   oomless::convert(dst.data, dst.dtype, src.data, src.dtype, src.numel());

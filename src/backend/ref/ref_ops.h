@@ -34,6 +34,7 @@ class RefOps final : public Ops {
   void dora_backward(Tensor dz, Tensor dm, Tensor dy, Tensor z, Tensor g, Tensor n) override;
   void scale_rows(Tensor x, Tensor g) override;
   double sum_squares(Tensor x) override;
+  double abs_max(Tensor x) override;
   void convert(Tensor dst, Tensor src) override;
   CastStats cast_scaled(Tensor dst, Tensor src, double scale) override;
   void cast_rows_scaled(Tensor dst, Tensor scales, Tensor src) override;
