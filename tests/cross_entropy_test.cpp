@@ -258,6 +258,52 @@ TEST(CrossEntropy, HeadReadAsBf16IsBf16Compute) {
   }
 }
 
+// target_logits: each supervised row's h . w[target] in double, 0 for ignored rows, against ref; lse minus it,
+// summed over the rows, is the forward's loss; with the head read as bf16, the logits of the bf16-rounded head,
+// and again the loss's terms.
+TEST(CrossEntropy, TargetLogitsAreTheLossesLogits) {
+  RefOps ref;
+  for (DType wt : {DType::f32, DType::bf16}) {
+    const Problem p = make_problem(67, 40, 301, wt, 23);
+    const int64_t T = p.h.t().dims[0];
+    const HostTensor h64 = p.h.as(DType::f64), w64 = p.w.as(DType::f64);
+    const std::vector<double> want = ref.target_logits(h64, w64, p.targets, kIgnore);
+    for (const std::string& be : backends_under_test()) {
+      auto ops = make_ops(be);
+      const Outputs o = run(*ops, p, 1.0);
+      const HostTensor h = p.h.as(ops->act_dtype());
+      HostTensor w = ops->act_dtype() == DType::f64 ? p.w.as(DType::f64) : p.w.clone();
+      const std::vector<double> got = ops->target_logits(h, w, p.targets, kIgnore);
+      ASSERT_EQ(got.size(), static_cast<size_t>(T));
+      double sum = 0;
+      for (int64_t t = 0; t < T; ++t) {
+        const size_t i = static_cast<size_t>(t);
+        if (p.targets.get(t) == kIgnore) {
+          EXPECT_EQ(got[i], 0.0) << be << " row " << t;
+          continue;
+        }
+        EXPECT_NEAR(got[i], want[i], 1e-6 * (1 + std::fabs(want[i]))) << be << " row " << t;
+        sum += o.lse.get(t) - got[i];
+      }
+      EXPECT_NEAR(sum, o.r.loss_sum, 1e-5 * std::fabs(o.r.loss_sum)) << be << " " << dtype_name(wt);
+      if (wt != DType::f32) continue;
+      // The head read as bf16: the rounded head's logits (the same bits as a bf16 copy of it).
+      const HostTensor w_round = p.w.as(DType::bf16).as(ops->act_dtype());
+      const std::vector<double> read = ops->target_logits(h, w.t().read_as_bf16(), p.targets, kIgnore);
+      const std::vector<double> copy = ops->target_logits(h, w_round.t().read_as_bf16(), p.targets, kIgnore);
+      EXPECT_EQ(std::memcmp(read.data(), copy.data(), read.size() * sizeof(double)), 0) << be;
+      EXPECT_NE(std::memcmp(read.data(), got.data(), read.size() * sizeof(double)), 0) << be << ": not rounded";
+      // and lse minus them sums to that head's loss (h rounded too, where the backend's products are bf16)
+      HostTensor lse(ops->act_dtype(), {T});
+      const CeResult rb = ops->linear_cross_entropy_forward(lse, h, w.t().read_as_bf16(), p.targets, kIgnore);
+      double sb = 0;
+      for (int64_t t = 0; t < T; ++t)
+        if (p.targets.get(t) != kIgnore) sb += lse.get(t) - read[static_cast<size_t>(t)];
+      EXPECT_NEAR(sb, rb.loss_sum, 1e-6 * std::fabs(rb.loss_sum)) << be << " read as bf16";
+    }
+  }
+}
+
 // Every row ignored: no loss, lse 0, dh 0, dw untouched; on ref too.
 TEST(CrossEntropy, AllRowsIgnored) {
   std::vector<std::string> bes = backends_under_test();

@@ -152,6 +152,14 @@ void check_attention_backward(const char* op, const AttentionDims& d, const Tens
 
 CeDims check_cross_entropy(const char* op, const Tensor& lse, const Tensor& h, const Tensor& w, const Tensor& targets,
                            int32_t ignore_index, DType act) {
+  const CeDims d = check_head_rows(op, h, w, targets, ignore_index, act);
+  check_dtype(op, "lse", lse, {act});
+  check_shape(op, "lse", lse, {d.T});
+  return d;
+}
+
+CeDims check_head_rows(const char* op, const Tensor& h, const Tensor& w, const Tensor& targets, int32_t ignore_index,
+                       DType act) {
   check_dtype(op, "h", h, {act});
   OOM_CHECK(h.ndim == 2, op, " h must be (T, E), got ", h.str());
   OOM_CHECK(w.ndim == 2, op, " w must be (V, E), got ", w.str());
@@ -163,8 +171,6 @@ CeDims check_cross_entropy(const char* op, const Tensor& lse, const Tensor& h, c
     check_dtype(op, "w", w, {act, DType::bf16});
   int64_t T = h.dims[0], E = h.dims[1], V = w.dims[0];
   OOM_CHECK(w.dims[1] == E, op, " w ", w.str(), " and h ", h.str(), " disagree on the width E");
-  check_dtype(op, "lse", lse, {act});
-  check_shape(op, "lse", lse, {T});
   check_dtype(op, "targets", targets, {DType::i32});
   check_shape(op, "targets", targets, {T});
   const int32_t* tg = static_cast<const int32_t*>(targets.data);

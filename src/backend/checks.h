@@ -63,6 +63,9 @@ struct CeDims {
 // Also checks that every target is in [0, V) or equals ignore_index.
 CeDims check_cross_entropy(const char* op, const Tensor& lse, const Tensor& h, const Tensor& w, const Tensor& targets,
                            int32_t ignore_index, DType act);
+// The same without lse: h (T, E), w (V, E) and targets (T) (target_logits).
+CeDims check_head_rows(const char* op, const Tensor& h, const Tensor& w, const Tensor& targets, int32_t ignore_index,
+                       DType act);
 
 // The backward's outputs: dh (T, E) and dw (V, E), both act dtype.
 void check_cross_entropy_backward(const char* op, const CeDims& d, const Tensor& dh, const Tensor& dw, DType act);

@@ -240,6 +240,12 @@ class Ops {
   // targets (T) i32, rows with target == ignore_index are not supervised. The caller divides.
   virtual CeResult linear_cross_entropy_forward(Tensor lse, Tensor h, Tensor w, Tensor targets,
                                                 int32_t ignore_index) = 0;
+  // The target's logit of each row, on the host: out[t] = h[t] . w[targets[t]] in double, the operands as the
+  // head above reads them (w's row dequantised when block-quantised; with w read as bf16, both rounded to
+  // bf16 where the backend's head multiplies bf16 operands), 0 for a row whose target is ignore_index. A
+  // token's loss is lse[t] minus it (Model::token_losses): the losses of the supervised rows sum to the
+  // forward's loss up to its own accumulation.
+  virtual std::vector<double> target_logits(Tensor h, Tensor w, Tensor targets, int32_t ignore_index) = 0;
   // With dlogits = grad_scale * (softmax - onehot(target)) on supervised rows and 0 elsewhere:
   // dh (T, E) = dlogits . w; dw (V, E) += dlogits^T . h (act dtype), skipped when dw is empty (a frozen head).
   virtual void linear_cross_entropy_backward(Tensor dh, Tensor dw, Tensor h, Tensor w, Tensor targets, Tensor lse,

@@ -128,30 +128,20 @@ void Model::logits(Tensor out) {
 
 std::vector<double> Model::token_losses() {
   OOM_CHECK(s_ && T_ > 0, "[model] token losses need a forward first");
-  // CE_t = lse_t - logit_t[target_t], the target logit from the same head the loss used (rounded to
-  // bf16 as it read it, in bf16 mode).
-  const Tensor& head = head_;
-  const int64_t E = cfg_.E;
-  std::vector<double> out(static_cast<size_t>(T_), 0.0), h(static_cast<size_t>(E)), w(static_cast<size_t>(E)),
-      lse(static_cast<size_t>(T_));
-  convert(lse.data(), DType::f64, s_->lse_f.data, act_, T_);
-  const int32_t* tg = s_->targets.as<int32_t>("[model]");
-  for (int64_t t = 0; t < T_; ++t) {
-    if (tg[t] < 0) continue;
-    convert(h.data(), DType::f64, static_cast<const char*>(s_->hn.data) + dtype_bytes(act_, t * E), act_, E);
-    if (head.quant) {  // a frozen head held quantised: its row as the loss dequantised it
-      std::vector<float> row(static_cast<size_t>(E));
-      head.quant->dequant_row(*head.quant, head.qrow0 + tg[t], 0, E, row.data());
-      std::copy(row.begin(), row.end(), w.begin());
-    } else {
-      convert(w.data(), DType::f64, static_cast<const char*>(head.data) + dtype_bytes(head.dtype, tg[t] * E), head.dtype, E);
-    }
-    if (head.as_bf16)
-      for (double& x : w) x = round_to_bf16(static_cast<float>(x));
-    double dot = 0;
-    for (int64_t e = 0; e < E; ++e) dot += h[static_cast<size_t>(e)] * w[static_cast<size_t>(e)];
-    out[static_cast<size_t>(t)] = lse[static_cast<size_t>(t)] - dot;
-  }
+  // CE_t = lse_t - logit_t[target_t], the target logit from the operands the loss used (bf16 in bf16 mode), taken
+  // by the backend; lse and the targets come back to the host beside it.
+  const int64_t T = T_;
+  const Tensor hn(s_->hn.data, act_, {T, cfg_.E}), tg_t(s_->targets.data, DType::i32, {T}),
+      lse_t(s_->lse_f.data, act_, {T});
+  const std::vector<double> logit = ops_.target_logits(hn, head_, tg_t, kIgnore);
+  std::vector<int32_t> tg(static_cast<size_t>(T));
+  std::vector<char> lse_raw(static_cast<size_t>(lse_t.nbytes()));
+  ops_.download(tg.data(), tg_t);
+  ops_.download(lse_raw.data(), lse_t);
+  std::vector<double> out(static_cast<size_t>(T), 0.0), lse(static_cast<size_t>(T));
+  convert(lse.data(), DType::f64, lse_raw.data(), act_, T);
+  for (int64_t t = 0; t < T; ++t)
+    if (tg[static_cast<size_t>(t)] >= 0) out[static_cast<size_t>(t)] = lse[static_cast<size_t>(t)] - logit[static_cast<size_t>(t)];
   return out;
 }
 

@@ -220,6 +220,36 @@ void finish_loss(int64_t T, const int32_t* tg, int32_t ignore_index, const float
 }
 }  // namespace
 
+std::vector<double> CpuOps::target_logits(Tensor h, Tensor w, Tensor targets, int32_t ignore_index) {
+  const CeDims d = check_head_rows("[target_logits]", h, w, targets, ignore_index, kAct);
+  const int64_t T = d.T, E = d.E;
+  const float* hp = static_cast<const float*>(h.data);
+  const int32_t* tg = static_cast<const int32_t*>(targets.data);
+  std::vector<double> out(static_cast<size_t>(T), 0.0);
+#pragma omp parallel if (T * E >= (int64_t{1} << 14))
+  {
+    std::vector<float> row(static_cast<size_t>(E));  // the target's row of w as the head reads it
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      if (tg[t] == ignore_index) continue;
+      if (w.quant)
+        w.quant->dequant_row(*w.quant, w.qrow0 + tg[t], 0, E, row.data());
+      else
+        oomless::convert(row.data(), DType::f32, static_cast<const char*>(w.data) + dtype_bytes(w.dtype, tg[t] * E),
+                         w.dtype, E);
+      double dot = 0;
+      if (bf16_operands(w)) {  // both operands rounded, as the head's bf16 products take them
+        for (int64_t e = 0; e < E; ++e)
+          dot += static_cast<double>(round_to_bf16(hp[t * E + e])) * round_to_bf16(row[static_cast<size_t>(e)]);
+      } else {
+        for (int64_t e = 0; e < E; ++e) dot += static_cast<double>(hp[t * E + e]) * row[static_cast<size_t>(e)];
+      }
+      out[static_cast<size_t>(t)] = dot;
+    }
+  }
+  return out;
+}
+
 CeResult CpuOps::linear_cross_entropy_forward(Tensor lse, Tensor h, Tensor w, Tensor targets, int32_t ignore_index) {
   auto [T_, E_, V_] = check_cross_entropy(kOp, lse, h, w, targets, ignore_index, kAct);
   // Copies: clang before 16 cannot capture structured bindings in lambdas / OpenMP regions.

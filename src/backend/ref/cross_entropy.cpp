@@ -54,6 +54,20 @@ CeResult RefOps::linear_cross_entropy_forward(Tensor lse, Tensor h, Tensor w, Te
   return r;
 }
 
+std::vector<double> RefOps::target_logits(Tensor h, Tensor w, Tensor targets, int32_t ignore_index) {
+  auto [T, E, V] = check_head_rows("[target_logits]", h, w, targets, ignore_index, kAct);
+  const double* hp = static_cast<const double*>(h.data);
+  const int32_t* tg = static_cast<const int32_t*>(targets.data);
+  std::vector<double> out(static_cast<size_t>(T), 0.0);
+  for (int64_t t = 0; t < T; ++t) {
+    if (tg[t] == ignore_index) continue;
+    double s = 0;
+    for (int64_t e = 0; e < E; ++e) s += hp[t * E + e] * load(w, tg[t] * E + e);
+    out[static_cast<size_t>(t)] = s;
+  }
+  return out;
+}
+
 void RefOps::linear_cross_entropy_backward(Tensor dh, Tensor dw, Tensor h, Tensor w, Tensor targets, Tensor lse,
                                            int32_t ignore_index, double grad_scale) {
   const CeDims dims = check_cross_entropy(kOp, lse, h, w, targets, ignore_index, kAct);

@@ -35,6 +35,7 @@ class RefOps final : public Ops {
   void scale_rows(Tensor x, Tensor g) override;
   double sum_squares(Tensor x) override;
   double abs_max(Tensor x) override;
+  std::vector<double> target_logits(Tensor h, Tensor w, Tensor targets, int32_t ignore_index) override;
   void convert(Tensor dst, Tensor src) override;
   CastStats cast_scaled(Tensor dst, Tensor src, double scale) override;
   void cast_rows_scaled(Tensor dst, Tensor scales, Tensor src) override;
