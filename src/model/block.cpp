@@ -70,8 +70,8 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
       ops_.cast_rows_scaled(head(kv.k, h, Pk, t0, T, D), span_of(kv.k_scale, h * Pk + t0, T), kh);
       ops_.cast_rows_scaled(head(kv.v, h, Pk, t0, T, D), span_of(kv.v_scale, h * Pk + t0, T), vh);
     } else if (staged) {
-      convert(head(kv.k, h, Pk, t0, T, D).data, kv.k.dtype, kh.data, act_, T * D);
-      convert(head(kv.v, h, Pk, t0, T, D).data, kv.v.dtype, vh.data, act_, T * D);
+      ops_.convert(head(kv.k, h, Pk, t0, T, D), kh);
+      ops_.convert(head(kv.v, h, Pk, t0, T, D), vh);
     } else {
       ops_.copy(head(kv.k, h, Pk, t0, T, D), kh);
       ops_.copy(head(kv.v, h, Pk, t0, T, D), vh);
