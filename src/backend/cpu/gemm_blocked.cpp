@@ -66,7 +66,10 @@ constexpr int64_t kAmxMinRows = 2;
 constexpr int64_t kMcMax = 192;       // rows of an A block (a multiple of 6)
 constexpr int64_t kNcMax = 4096;      // columns of a B panel (a multiple of 16)
 constexpr int64_t kUnits = 6;         // units per panel at least, where the shape allows
-constexpr int64_t kSkinnyStrips = 4;  // products of up to 24 rows take the skinny loop nest
+// Products of up to 132 rows take the skinny loop nest: measured against the blocked nest on every f32 path
+// (docs/BENCHMARKS.md), it is 1.2-2.2x faster from 30 to 128 rows (the shared panel of the blocked nest is packed
+// and read back for too few rows to pay for it), even at 128 rows for E x E, and behind from about 256 rows.
+constexpr int64_t kSkinnyStrips = 22;
 constexpr int64_t kSkinnyUnits = 12;  // column ranges of a skinny product
 constexpr int64_t kSpare = 8;         // floats past each packed A block that strip packing may spill into
 constexpr int64_t kRowSeg = 512;      // run_row: k (tb) or columns per segment; a multiple of 8
