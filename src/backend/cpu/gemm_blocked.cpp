@@ -637,7 +637,7 @@ void run_row(const GemmShape& s, const float* af, BP b, float* c, float* work, c
 
 // ---- the AMX nest ------------------------------------------------------------------------------------
 
-// bf16 products on the amx path that are not skinny: the blocked nest above with 32-row strips, A packed in
+// bf16 products on the amx path that are not skinny (below): the blocked nest above with 32-row strips, A packed in
 // rows of pair words (pack_a_amx), the B pair panels of the vdpbf16ps kernels, k slices padded with zero
 // pairs to whole tiles (16 pairs), and 32 x 32 AMX micro tiles (two panels at a time).
 inline int64_t amx_depth(int64_t kc) { return cdiv(depth(kc, true), 16) * 16; }
@@ -704,6 +704,64 @@ void run_blocked_amx(const GemmShape& s, const uint16_t* a, BP b, float* c, floa
   }
 }
 
+// bf16 products on the amx path with few rows (the plan's skinny test): the skinny nest over AMX tiles. For
+// each k slice, each thread packs every strip of A once, then for each pair of B panels in its column ranges
+// packs them into its own buffer just before the tiles read them: no shared panel written and read back, no
+// barrier (the column ranges are the same static share for every slice). The k slices, panel pairs and micro
+// tiles are the blocked AMX nest's, so the bits are too.
+size_t skinny_amx_words(const Plan& p, int64_t kpp) {
+  return static_cast<size_t>(p.strips * kMrAmx * kpp + 2 * kNr * kpp);
+}
+
+template <class BP>
+void run_skinny_amx(const GemmShape& s, const Plan& p, const uint16_t* a, BP b, float* c, float* apack) {
+  const int64_t kpp = amx_depth(p.kc);
+  const int64_t panels = cdiv(s.N, kNr), units = std::min(panels, kSkinnyUnits);
+  const size_t stride = skinny_amx_words(p, kpp);
+#pragma omp parallel
+  {
+    uint32_t* ap = reinterpret_cast<uint32_t*>(apack) + static_cast<size_t>(omp_get_thread_num()) * stride;
+    uint32_t* bp = ap + p.strips * kMrAmx * kpp;
+    amx_begin();
+    for (int64_t kp = 0; kp < p.nk; ++kp) {
+      const int64_t k0 = kp * p.kc;
+      const int64_t kc = std::min(p.kc, s.K - k0), kd = depth(kc, true);
+      bool packed = false;  // A's k slice, packed by this thread once it has a unit of it
+#pragma omp for schedule(static) nowait
+      for (int64_t u = 0; u < units; ++u) {
+        if (!packed) pack_a_amx(ap, s.ta ? a + k0 * s.lda : a + k0, s.lda, s.ta, kc, s.M, kpp), packed = true;
+        AmxMicro m{};
+        m.lda = kpp;
+        m.b_second = kNr * kpp;
+        m.ldc = s.ldc;
+        m.kpp = kpp;
+        m.acc = s.accumulate || kp > 0;
+        m.b = bp;
+        const int64_t q1 = (u + 1) * panels / units;
+        for (int64_t q = u * panels / units; q < q1;) {
+          const int64_t jq = q * kNr, w = q + 1 < q1 ? 2 : 1;
+          m.n = static_cast<int>(std::min<int64_t>(w * kNr, s.N - jq));
+          for (int64_t h = 0; h < w; ++h) {
+            const int64_t jh = jq + h * kNr;
+            uint32_t* d = bp + h * kNr * kpp;
+            pack_b_pairs(d, s.tb ? b + jh * s.ldb + k0 : b + k0 * s.ldb + jh, s.ldb, s.tb, kc,
+                         std::min<int64_t>(kNr, s.N - jh));
+            std::memset(d + kd * kNr, 0, sizeof(uint32_t) * (kpp - kd) * kNr);
+          }
+          for (int64_t r = 0; r < s.M; r += kMrAmx) {
+            m.a = ap + r * kpp;
+            m.c = c + r * s.ldc + jq;
+            m.m = static_cast<int>(std::min<int64_t>(kMrAmx, s.M - r));
+            micro_amx(m);
+          }
+          q += w;
+        }
+      }
+    }
+    amx_end();
+  }
+}
+
 template <class TA, class BP>
 void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, float* apack) {
   if constexpr (std::is_same_v<BP, const float*> || std::is_same_v<BP, QuantB>) {
@@ -720,7 +778,11 @@ void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, 
     }
   }
   if constexpr (std::is_same_v<TA, uint16_t>) {
-    if (use_amx(s)) return run_blocked_amx(s, a, b, c, bpack, apack);
+    if (use_amx(s)) {
+      const Plan p = make_plan(s, kMrAmx, kKcAmx, kNcAmx);
+      if (p.skinny) return run_skinny_amx(s, p, a, b, c, apack);
+      return run_blocked_amx(s, a, b, c, bpack, apack);
+    }
   }
   const Plan p = make_plan(s);
   if (p.skinny) return run_skinny(s, p, a, b, c, apack);
@@ -835,6 +897,10 @@ BlockedSizes blocked_sizes(const GemmShape& s) {
   if (use_amx(s)) {
     const Plan p = make_plan(s, kMrAmx, kKcAmx, kNcAmx);
     const int64_t kpp = amx_depth(p.kc);
+    if (p.skinny) {
+      z.a_floats_per_thread = skinny_amx_words(p, kpp);
+      return z;
+    }
     z.b_floats = static_cast<size_t>(kpp * cdiv(p.nc, kNr) * kNr);
     z.a_floats_per_thread = static_cast<size_t>(p.max_strips * kMrAmx * kpp);
     return z;
