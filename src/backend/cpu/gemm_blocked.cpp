@@ -442,7 +442,8 @@ size_t skinny_floats(const Plan& p) { return static_cast<size_t>(p.strips * kMr 
 // Few rows: B is read once and barely reused, so sharing a packed panel buys nothing. The columns are
 // cut into ranges (from the shape) spread over the threads, and each thread packs every kc x 16
 // micro-panel of its range into a private buffer just before the micro-kernel uses it, with no barrier
-// at all. The k slices and micro-kernel are those of the blocked loop nest, so the bits are too.
+// at all; A's k slice is packed once a slice by each thread, for all its ranges. The k slices and
+// micro-kernel are those of the blocked loop nest, so the bits are too.
 // BP: a pointer to B's elements (f32, bf16, f32-as-bf16) or a QuantB position.
 template <class TA, class BP>
 void run_skinny(const GemmShape& s, const Plan& p, const TA* a, BP b, float* c, float* work) {
@@ -453,39 +454,44 @@ void run_skinny(const GemmShape& s, const Plan& p, const TA* a, BP b, float* c, 
   const int64_t panels = cdiv(s.N, kNr);
   const int64_t units = std::min(panels, kSkinnyUnits);
   const size_t stride = skinny_floats(p);
-#pragma omp parallel for schedule(static)
-  for (int64_t u = 0; u < units; ++u) {
+#pragma omp parallel
+  {
     float* ap = work + static_cast<size_t>(omp_get_thread_num()) * stride;
     float* bp = ap + p.strips * kMr * p.kc + kSpare;
-    const int64_t q0 = u * panels / units, q1 = (u + 1) * panels / units;
     for (int64_t kp = 0; kp < p.nk; ++kp) {
       const int64_t k0 = kp * p.kc;
       const int64_t kc = std::min(p.kc, s.K - k0), kd = depth(kc, pairs);
-      pack_a_any(ap, s.ta ? a + k0 * s.lda : a + k0, s.lda, s.ta, kc, s.M, avx2, pairs);
-      Micro m{};
-      m.ras = 1;
-      m.cas = kMr;
-      m.ldc = s.ldc;
-      m.kc = kd;
-      m.acc = s.accumulate || kp > 0;
-      m.b = bp;
-      for (int64_t q = q0; q < q1;) {
-        const int64_t jq = q * kNr;
-        // Two panels at a time where the ISA has a wide kernel, packed side by side (as in the blocked nest).
-        const int64_t w = wide[1] && q + 1 < q1 ? 2 : 1;
-        m.n = static_cast<int>(std::min<int64_t>(w * kNr, s.N - jq));
-        for (int64_t h = 0; h < w; ++h) {
-          const int64_t jh = jq + h * kNr;
-          pack_b_any(bp + h * kNr * kd, s.tb ? b + jh * s.ldb + k0 : b + k0 * s.ldb + jh, s.ldb, s.tb, kc,
-                     std::min<int64_t>(kNr, s.N - jh), avx2, pairs);
+      bool packed = false;  // A's k slice, packed by this thread once it has a unit of it
+      // The same static share of the column ranges for every slice, so no barrier between slices.
+#pragma omp for schedule(static) nowait
+      for (int64_t u = 0; u < units; ++u) {
+        if (!packed) pack_a_any(ap, s.ta ? a + k0 * s.lda : a + k0, s.lda, s.ta, kc, s.M, avx2, pairs), packed = true;
+        Micro m{};
+        m.ras = 1;
+        m.cas = kMr;
+        m.ldc = s.ldc;
+        m.kc = kd;
+        m.acc = s.accumulate || kp > 0;
+        m.b = bp;
+        const int64_t q1 = (u + 1) * panels / units;
+        for (int64_t q = u * panels / units; q < q1;) {
+          const int64_t jq = q * kNr;
+          // Two panels at a time where the ISA has a wide kernel, packed side by side (as in the blocked nest).
+          const int64_t w = wide[1] && q + 1 < q1 ? 2 : 1;
+          m.n = static_cast<int>(std::min<int64_t>(w * kNr, s.N - jq));
+          for (int64_t h = 0; h < w; ++h) {
+            const int64_t jh = jq + h * kNr;
+            pack_b_any(bp + h * kNr * kd, s.tb ? b + jh * s.ldb + k0 : b + k0 * s.ldb + jh, s.ldb, s.tb, kc,
+                       std::min<int64_t>(kNr, s.N - jh), avx2, pairs);
+          }
+          const MicroFn* fn = w == 2 ? wide : micro;
+          for (int64_t r = 0; r < s.M; r += kMr) {
+            m.a = ap + r * kd;
+            m.c = c + r * s.ldc + jq;
+            fn[std::min<int64_t>(kMr, s.M - r)](m);
+          }
+          q += w;
         }
-        const MicroFn* fn = w == 2 ? wide : micro;
-        for (int64_t r = 0; r < s.M; r += kMr) {
-          m.a = ap + r * kd;
-          m.c = c + r * s.ldc + jq;
-          fn[std::min<int64_t>(kMr, s.M - r)](m);
-        }
-        q += w;
       }
     }
   }
