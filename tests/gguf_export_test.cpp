@@ -95,7 +95,7 @@ TEST(GgufExport, AModelReadsBackAsItself) {
   for (const char* type : {"f32", "f16", "bf16", "q8_0", "q4_k"}) {
     SCOPED_TRACE(type);
     const std::string path = (dir / (std::string("micro-") + type + ".gguf")).string();
-    save_gguf(path, m.src, *m.params, parse_gguf_type(type));
+    save_gguf(*make_ops("cpu", &m.mem->device), path, m.src, *m.params, parse_gguf_type(type));
     Loaded g(path);
     EXPECT_EQ(g.src.kind, "gguf");
     const ModelConfig &a = m.src.cfg, &b = g.src.cfg;

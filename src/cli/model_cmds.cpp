@@ -496,12 +496,12 @@ int convert(const std::vector<std::string>& argv) {
   OOM_CHECK(dt == "fp32" || dt == "bf16", "[convert] --dtype ", dt, " is not supported; use fp32 or bf16");
   Loaded l = load(a, true);
   if (gguf) {
-    for (const std::string& n : save_gguf(out, l.src, *l.params, type)) std::fprintf(stderr, "oomless convert: %s\n", n.c_str());
+    for (const std::string& n : save_gguf(*l.ops, out, l.src, *l.params, type)) std::fprintf(stderr, "oomless convert: %s\n", n.c_str());
     std::printf("wrote %s (GGUF %s, %s, %lld parameters)\n", out.c_str(), a.str("type", "f16").c_str(),
                 arch_name(l.src.cfg.arch), static_cast<long long>(l.src.cfg.param_count()));
     return 0;
   }
-  save_hf_model(out, l.src, *l.params, dt == "bf16" ? DType::bf16 : DType::f32);
+  save_hf_model(*l.ops, out, l.src, *l.params, dt == "bf16" ? DType::bf16 : DType::f32);
   std::printf("wrote %s (%s, %lld parameters)\n", out.c_str(), arch_name(l.src.cfg.arch),
               static_cast<long long>(l.src.cfg.param_count()));
   return 0;
@@ -535,7 +535,7 @@ int merge(const std::vector<std::string>& argv) {
   OOM_CHECK(dt == "fp32" || dt == "bf16", "[merge] --dtype ", dt, " is not supported; use fp32 or bf16");
   Loaded l = load(a, true);
   merge_lora(*l.ops, *l.params, *l.adapters, l.mem->device);
-  save_hf_model(out, l.src, *l.params, dt == "bf16" ? DType::bf16 : DType::f32);
+  save_hf_model(*l.ops, out, l.src, *l.params, dt == "bf16" ? DType::bf16 : DType::f32);
   std::printf("wrote %s: %s with the adapter of %s merged (r %lld, %zu projections per layer)\n", out.c_str(),
               arch_name(l.src.cfg.arch), a.str("adapter").c_str(), static_cast<long long>(l.adapters->settings().r),
               l.adapters->settings().targets.size());

@@ -81,7 +81,8 @@ void tokenizer_metadata(KV& kv, const ModelSource& src) {
 
 }  // namespace
 
-std::vector<std::string> save_gguf(const std::string& path, const ModelSource& src, const ParamSet& params, GgmlType type) {
+std::vector<std::string> save_gguf(Ops& ops, const std::string& path, const ModelSource& src, const ParamSet& params,
+                                   GgmlType type) {
   const ModelConfig& c = src.cfg;
   const std::string arch = c.arch == Arch::qwen2 ? "qwen2" : c.arch == Arch::qwen3 ? "qwen3" : "llama";
   OOM_CHECK(c.rope.scaling == RopeScaling::none || c.rope.scaling == RopeScaling::linear || c.rope.scaling == RopeScaling::yarn,
@@ -143,9 +144,11 @@ std::vector<std::string> save_gguf(const std::string& path, const ModelSource& s
     const bool q = w.name.find(".attn_q.") != std::string::npos, k = w.name.find(".attn_k.") != std::string::npos;
     const int64_t heads = arch == "llama" && (q || k) ? (q ? c.H : c.Hkv) : 0;
     const GgmlType wt = w.type;
-    w.fill = [t, rows, cols, heads, wt](uint8_t* out) {
+    w.fill = [&ops, t, rows, cols, heads, wt](uint8_t* out) {  // (called by write_gguf below)
+      std::vector<char> raw(static_cast<size_t>(t.nbytes()));
+      ops.download(raw.data(), t);
       std::vector<float> f(static_cast<size_t>(rows * cols));
-      convert(f.data(), DType::f32, t.data, t.dtype, rows * cols);
+      convert(f.data(), DType::f32, raw.data(), t.dtype, rows * cols);
       if (heads > 0) {
         std::vector<float> hf = f;
         const int64_t D = rows / heads, half = D / 2;

@@ -6,6 +6,7 @@
 #pragma once
 #include <string>
 
+#include "backend/ops.h"
 #include "io/gguf.h"
 #include "model/load.h"
 #include "model/params.h"
@@ -15,8 +16,10 @@ namespace oomless {
 // "f32", "f16", "bf16" or "q8_0" (an error names them otherwise).
 GgmlType parse_gguf_type(const std::string& s);
 
-// Writes PATH; returns notes for the user (e.g. a tensor kept in F16 because its rows do not fit Q8_0's
-// blocks). Errors name what cannot be written (a tokenizer other than byte-level BPE).
-std::vector<std::string> save_gguf(const std::string& path, const ModelSource& src, const ParamSet& params, GgmlType type);
+// Writes PATH, each tensor brought to the host through `ops` (the backend that holds params); returns notes for
+// the user (e.g. a tensor kept in F16 because its rows do not fit Q8_0's blocks). Errors name what cannot be
+// written (a tokenizer other than byte-level BPE).
+std::vector<std::string> save_gguf(Ops& ops, const std::string& path, const ModelSource& src, const ParamSet& params,
+                                   GgmlType type);
 
 }  // namespace oomless

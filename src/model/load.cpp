@@ -10,6 +10,7 @@
 #include <map>
 #include <vector>
 
+#include "backend/ops.h"
 #include "data/text.h"
 #include "io/gguf.h"
 #include "quant/bnb4.h"
@@ -165,13 +166,12 @@ ModelSource open_hf(const std::string& spec, const fs::path& dir) {
   auto set = std::make_shared<SafetensorsSet>(SafetensorsSet::open(dir.string()));
   m.keep_open = set;
   if (is_bnb4_weight(*set, "model.layers.0.self_attn.q_proj")) m.bnb4 = set;
-  const ModelConfig cfg = m.cfg;
   m.read_f32 = [set, dir](const ParamSpec& s, float* out) {
     const StTensor* t = set->find(s.name);
     OOM_CHECK(t, "[model] ", dir.string(), ": the weights have no tensor '", s.name, "'");
     read_as_f32(*t, s.shape, out);
   };
-  m.load_weights = [set, cfg, dir](ParamSet& p) {
+  m.load_weights = [set, dir](ParamSet& p) {
     std::vector<float> buf;
     for (size_t i = 0; i < p.specs().size(); ++i) {
       const ParamSpec& s = p.specs()[i];
@@ -294,7 +294,7 @@ json::Value generation_config(const ModelSource& src) {
   return g;
 }
 
-void save_hf_model(const std::string& dir, const ModelSource& src, const ParamSet& params, DType dtype) {
+void save_hf_model(Ops& ops, const std::string& dir, const ModelSource& src, const ParamSet& params, DType dtype) {
   OOM_CHECK(dtype == DType::f32 || dtype == DType::bf16, "[model] a Hugging Face folder is written in F32 or BF16, not ",
             dtype_name(dtype));
   std::error_code ec;
@@ -306,8 +306,10 @@ void save_hf_model(const std::string& dir, const ModelSource& src, const ParamSe
   std::vector<StWrite> w;
   for (size_t i = 0; i < params.specs().size(); ++i) {
     const Tensor& t = params.tensors()[i];
+    std::vector<char> raw(static_cast<size_t>(t.nbytes()));
+    ops.download(raw.data(), t);
     copies.emplace_back(static_cast<size_t>(dtype_bytes(dtype, t.numel())));
-    convert(copies.back().data(), dtype, t.data, t.dtype, t.numel());
+    convert(copies.back().data(), dtype, raw.data(), t.dtype, t.numel());
     w.push_back({params.specs()[i].name, dtype, params.specs()[i].shape, copies.back().data()});
   }
   write_safetensors((fs::path(dir) / "model.safetensors").string(), w, {{"format", "pt"}});

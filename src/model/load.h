@@ -16,6 +16,8 @@
 
 namespace oomless {
 
+class Ops;
+
 struct ModelSource {
   std::string spec;                  // as given
   std::string kind;                  // "preset", "hf", "gguf" or "config" (a config.json alone: random init)
@@ -67,7 +69,9 @@ json::Value generation_config(const ModelSource& src);
 // Writes a model folder transformers loads as it is: config.json + model.safetensors (F32, HF names;
 // tied models store only the embedding) + generation_config.json + src's tokenizer.json and
 // tokenizer_config.json when it has them.
-// dir must not exist or be empty; files are written under dir and fsynced.
-void save_hf_model(const std::string& dir, const ModelSource& src, const ParamSet& params, DType dtype = DType::f32);
+// dir must not exist or be empty; files are written under dir and fsynced. The tensors come to the host through
+// `ops` (the backend that holds params).
+void save_hf_model(Ops& ops, const std::string& dir, const ModelSource& src, const ParamSet& params,
+                   DType dtype = DType::f32);
 
 }  // namespace oomless
