@@ -75,7 +75,7 @@ void check_variant(const std::string& name, const std::string& base, Mode mode) 
   }
   ParamSet& params = src.bnb4 ? *quantised.params : *full;
   AdapterSet ad(src.cfg, read_adapter_settings(dir, src.cfg), ops->act_dtype(), arena, Category::adapter);
-  load_adapter(dir, src.cfg, ad, params);
+  load_adapter(*ops, dir, src.cfg, ad, params);
   Model m(src.cfg, *ops, params, arena, {mode == Mode::bf16 ? ComputeDType::bf16 : ComputeDType::f32, SavePolicy::all, &ad});
   m.reserve(T, true);
   m.set_dropout_seed(1234);  // make_peft.py's DROPOUT_SEED: a variant with dropout applied these masks in PEFT
@@ -157,7 +157,7 @@ TEST(LoraPeft, MergeMatchesPeftMergeAndUnload) {
     ParamSet params(src.cfg, DType::f64, arena, Category::weights);
     src.load_weights(params);
     AdapterSet ad(src.cfg, read_adapter_settings(dir, src.cfg), DType::f64, arena, Category::adapter);
-    load_adapter(dir, src.cfg, ad, params);
+    load_adapter(*ops, dir, src.cfg, ad, params);
     const std::string key = "model.layers.0.self_attn.q_proj.weight";
     const std::vector<double> before = to_f64(*params.find(key));
     merge_lora(*ops, params, ad, arena);

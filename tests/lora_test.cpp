@@ -147,7 +147,7 @@ TEST(Lora, AnUntrainedAdapterChangesNothing) {
     ParamSet params(var.cfg, DType::f32, mem.device, Category::weights);
     init_random(params, 5, 0.3);
     AdapterSet ad(var.cfg, lora(4, "all-linear", 8.0, false, 0, dora), DType::f32, mem.device, Category::adapter);
-    init_lora(ad, 1);
+    init_lora(*ops, ad, 1);
     init_dora(*ops, ad, params);
     const int64_t T = 21;
     Seq s = seq(T, var.cfg.V, 6);
@@ -172,7 +172,7 @@ TEST(Lora, FrozenBaseHasNoGradientsAndTrainingLeavesItsBytes) {
   const std::vector<char> before(static_cast<const char*>(params.data()),
                                  static_cast<const char*>(params.data()) + params.bytes());
   AdapterSet ad(var.cfg, lora(4, "all-linear", 8.0, false, 0, dora), DType::f32, mem.device, Category::adapter);
-  init_lora(ad, 1);
+  init_lora(*ops, ad, 1);
   init_dora(*ops, ad, params);
   Model m(var.cfg, *ops, params, mem.device, {ComputeDType::f32, SavePolicy::all, &ad});
   const TrainableSet tr = m.trainable();

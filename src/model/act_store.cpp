@@ -25,7 +25,7 @@ DType parse_act_dtype(std::string_view s) {
   fail("[train] --act-dtype ", s, " is not a storage for saved activations oomless has; use fp32, bf16 or fp8");
 }
 
-ActStorage::ActStorage(DType storage, int64_t layers) : storage_(storage), layers_(layers) {
+ActStorage::ActStorage(DType storage, int64_t layers) : storage_(storage) {
   OOM_CHECK(storage == DType::bf16 || storage == DType::f8_e4m3, "[model] saved activations are stored as bf16 or "
             "f8_e4m3, not ", dtype_name(storage));
   hist_.assign(static_cast<size_t>(layers * kActSlots), {});

@@ -64,7 +64,6 @@ class ActStorage {
 
  private:
   DType storage_;
-  int64_t layers_;
   std::vector<std::vector<float>> hist_;  // per (layer, slot): the last kAmaxHistory amax values
   std::vector<double> scale_;             // per (layer, slot): the scale of the last narrow()
   std::array<ActCounts, kActKinds> counts_{};

@@ -90,7 +90,7 @@ std::vector<NamedTensor> adapter_tensors(const AdapterSet& a, const ParamSet& ba
   return w;
 }
 
-void load_adapter(const std::string& dir, const ModelConfig& cfg, AdapterSet& a, ParamSet& base) {
+void load_adapter(Ops& ops, const std::string& dir, const ModelConfig& cfg, AdapterSet& a, ParamSet& base) {
   const Resolved r = resolve_dir(dir, cfg);
   const LoraSettings& want = r.settings;
   const LoraSettings& have = a.settings();
@@ -108,10 +108,11 @@ void load_adapter(const std::string& dir, const ModelConfig& cfg, AdapterSet& a,
     const StTensor* t = f.find(key);
     OOM_CHECK(t && t->dtype && t->numel() == d.numel() && d.data, "[adapter] ", path, ": tensor '", key,
               "' is missing or has another shape");
-    // Through an aligned copy: another writer's data may be unaligned.
-    std::vector<char> tmp(t->nbytes);
+    // Through an aligned copy (another writer's data may be unaligned), converted on the host, then uploaded.
+    std::vector<char> tmp(t->nbytes), host(static_cast<size_t>(d.nbytes()));
     std::memcpy(tmp.data(), t->data, t->nbytes);
-    convert(d.data, d.dtype, tmp.data(), *t->dtype, d.numel());
+    convert(host.data(), d.dtype, tmp.data(), *t->dtype, d.numel());
+    ops.upload(d, host.data());
   };
   const ParamSet& set = a.tensors();
   for (size_t i = 0; i < set.specs().size(); ++i) read(set.specs()[i].name, set.tensors()[i]);

@@ -25,6 +25,6 @@ std::vector<NamedTensor> adapter_tensors(const AdapterSet& a, const ParamSet& ba
 // settings must be a's (rank, targets, alpha, rsLoRA); a tensor missing, of another shape, or not part
 // of a's layout is an error naming it.
 // A modules_to_save tensor (embed_tokens, lm_head) goes into `base`.
-void load_adapter(const std::string& dir, const ModelConfig& cfg, AdapterSet& a, ParamSet& base);
+void load_adapter(Ops& ops, const std::string& dir, const ModelConfig& cfg, AdapterSet& a, ParamSet& base);
 
 }  // namespace oomless

@@ -37,12 +37,12 @@ Engine build_engine(const EngineOptions& o) {
   e.src.release_weights();
   if (o.lora) {
     e.adapters = std::make_unique<AdapterSet>(e.src.cfg, *o.lora, DType::f32, e.mem->device, Category::adapter);
-    init_lora(*e.adapters, o.lora_seed);
+    init_lora(*e.ops, *e.adapters, o.lora_seed);
     init_dora(*e.ops, *e.adapters, *e.params);
-    if (!o.adapter.empty()) load_adapter(o.adapter, e.src.cfg, *e.adapters, *e.params);
+    if (!o.adapter.empty()) load_adapter(*e.ops, o.adapter, e.src.cfg, *e.adapters, *e.params);
   } else if (!o.adapter.empty()) {
     e.adapters = std::make_unique<AdapterSet>(e.src.cfg, *saved, DType::f32, e.mem->device, Category::adapter);
-    load_adapter(o.adapter, e.src.cfg, *e.adapters, *e.params);
+    load_adapter(*e.ops, o.adapter, e.src.cfg, *e.adapters, *e.params);
   }
   ModelOptions mo{o.dtype, SavePolicy::all, e.adapters.get(), o.act_store};
   mo.save_layers = parse_save_policies(o.save_policy, e.src.cfg.L);

@@ -167,7 +167,7 @@ void merge_lora(Ops& ops, ParamSet& params, const AdapterSet& a, Arena& arena) {
     }
 }
 
-void init_lora(AdapterSet& a, uint64_t seed) {
+void init_lora(Ops& ops, AdapterSet& a, uint64_t seed) {
   std::mt19937_64 rng(seed);
   for (size_t i = 0; i < a.tensors().specs().size(); ++i) {
     const Tensor& t = a.tensors().tensors()[i];
@@ -178,7 +178,9 @@ void init_lora(AdapterSet& a, uint64_t seed) {
       const double bound = 1.0 / std::sqrt(static_cast<double>(t.dims[1]));
       for (double& x : v) x = bound * (2.0 * static_cast<double>(rng() >> 11) * 0x1.0p-53 - 1.0);
     }
-    convert(t.data, t.dtype, v.data(), DType::f64, t.numel());
+    std::vector<char> host(static_cast<size_t>(t.nbytes()));
+    convert(host.data(), t.dtype, v.data(), DType::f64, t.numel());
+    ops.upload(t, host.data());
   }
 }
 

@@ -93,7 +93,7 @@ class AdapterSet {
 void merge_lora(Ops& ops, ParamSet& params, const AdapterSet& a, Arena& arena);
 
 // PEFT's default initialisation: A ~ U(-1/sqrt(K), 1/sqrt(K)) from a seeded generator, B = 0.
-void init_lora(AdapterSet& a, uint64_t seed);
+void init_lora(Ops& ops, AdapterSet& a, uint64_t seed);
 // DoRA's magnitudes at their initial value, m = row norms of the base weights (any storage) through `ops`.
 void init_dora(Ops& ops, AdapterSet& a, const ParamSet& base);
 

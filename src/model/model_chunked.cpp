@@ -10,8 +10,6 @@ namespace oomless {
 
 namespace {
 
-constexpr int32_t kIgnore = -100;
-
 // Chunk c of an i32 vector (T), C per chunk.
 Tensor chunk_of(const Tensor& t, int64_t c, int64_t C) {
   const int64_t T = t.dims[0], n = std::min(C, T - c * C);

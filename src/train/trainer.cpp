@@ -1022,7 +1022,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
     if (s.e.adapters) {
       const SafetensorsFile af = SafetensorsFile::open(ck->path + "/" + kAdapterWeights);
       for (const StTensor& t : af.tensors()) rounded |= t.dtype == DType::bf16;
-      load_adapter(ck->path, cfg, *s.e.adapters, *s.e.params);
+      load_adapter(*s.e.ops, ck->path, cfg, *s.e.adapters, *s.e.params);
     } else {
       rounded = read_tensors(*s.e.ops, SafetensorsFile::open(ck->path + "/model.safetensors"), model_state(s.e));
     }

@@ -96,7 +96,7 @@ inline LoraSettings all_linear_lora(int64_t r) {
 inline std::unique_ptr<AdapterSet> random_adapters(const ModelConfig& cfg, const LoraSettings& s, DType dtype,
                                                    Arena& arena, uint64_t seed) {
   auto a = std::make_unique<AdapterSet>(cfg, s, dtype, arena, Category::adapter);
-  init_lora(*a, seed);
+  init_lora(*make_ops("cpu"), *a, seed);  // (the host default upload: any dtype)
   std::mt19937_64 rng(seed + 1);
   std::uniform_real_distribution<double> u(-0.3, 0.3);
   for (size_t i = 0; i < a->tensors().specs().size(); ++i) {
