@@ -439,6 +439,25 @@ void pack_b_any(float* dst, BP src, int64_t ld, bool tb, int64_t kc, int64_t n, 
 // A thread's buffer in the skinny nest: its A strips, then two B micro-panels (the wide kernels read two).
 size_t skinny_floats(const Plan& p) { return static_cast<size_t>(p.strips * kMr * p.kc + kSpare + 2 * kNr * p.kc); }
 
+// The skinny nests' loop, inside a parallel region: for each k slice, this thread's static share of the
+// column ranges (the same share every slice, so no barrier between slices), A's slice packed once by
+// pack_a(k0, kc) before its first range, then from each range's first micro-panel q on,
+// q += step(kp, k0, kc, q, q1) (the micro-panels it ran: one, or two side by side).
+template <class PackA, class Step>
+void skinny_loop(const GemmShape& s, const Plan& p, int64_t panels, PackA&& pack_a, Step&& step) {
+  const int64_t units = std::min(panels, kSkinnyUnits);
+  for (int64_t kp = 0; kp < p.nk; ++kp) {
+    const int64_t k0 = kp * p.kc, kc = std::min(p.kc, s.K - k0);
+    bool packed = false;
+#pragma omp for schedule(static) nowait
+    for (int64_t u = 0; u < units; ++u) {
+      if (!packed) pack_a(k0, kc), packed = true;
+      const int64_t q1 = (u + 1) * panels / units;
+      for (int64_t q = u * panels / units; q < q1;) q += step(kp, k0, kc, q, q1);
+    }
+  }
+}
+
 // Few rows: B is read once and barely reused, so sharing a packed panel buys nothing. The columns are
 // cut into ranges (from the shape) spread over the threads, and each thread packs every kc x 16
 // micro-panel of its range into a private buffer just before the micro-kernel uses it, with no barrier
@@ -452,48 +471,39 @@ void run_skinny(const GemmShape& s, const Plan& p, const TA* a, BP b, float* c, 
   const MicroFn* micro = pairs ? kern.packed_pairs : kern.packed;
   const MicroFn* wide = pairs ? kern.packed_pairs_wide : kern.packed_wide;
   const int64_t panels = cdiv(s.N, kNr);
-  const int64_t units = std::min(panels, kSkinnyUnits);
   const size_t stride = skinny_floats(p);
 #pragma omp parallel
   {
     float* ap = work + static_cast<size_t>(omp_get_thread_num()) * stride;
     float* bp = ap + p.strips * kMr * p.kc + kSpare;
-    for (int64_t kp = 0; kp < p.nk; ++kp) {
-      const int64_t k0 = kp * p.kc;
-      const int64_t kc = std::min(p.kc, s.K - k0), kd = depth(kc, pairs);
-      bool packed = false;  // A's k slice, packed by this thread once it has a unit of it
-      // The same static share of the column ranges for every slice, so no barrier between slices.
-#pragma omp for schedule(static) nowait
-      for (int64_t u = 0; u < units; ++u) {
-        if (!packed) pack_a_any(ap, s.ta ? a + k0 * s.lda : a + k0, s.lda, s.ta, kc, s.M, avx2, pairs), packed = true;
-        Micro m{};
-        m.ras = 1;
-        m.cas = kMr;
-        m.ldc = s.ldc;
-        m.kc = kd;
-        m.acc = s.accumulate || kp > 0;
-        m.b = bp;
-        const int64_t q1 = (u + 1) * panels / units;
-        for (int64_t q = u * panels / units; q < q1;) {
-          const int64_t jq = q * kNr;
-          // Two panels at a time where the ISA has a wide kernel, packed side by side (as in the blocked nest).
-          const int64_t w = wide[1] && q + 1 < q1 ? 2 : 1;
-          m.n = static_cast<int>(std::min<int64_t>(w * kNr, s.N - jq));
-          for (int64_t h = 0; h < w; ++h) {
-            const int64_t jh = jq + h * kNr;
-            pack_b_any(bp + h * kNr * kd, s.tb ? b + jh * s.ldb + k0 : b + k0 * s.ldb + jh, s.ldb, s.tb, kc,
-                       std::min<int64_t>(kNr, s.N - jh), avx2, pairs);
-          }
-          const MicroFn* fn = w == 2 ? wide : micro;
-          for (int64_t r = 0; r < s.M; r += kMr) {
-            m.a = ap + r * kd;
-            m.c = c + r * s.ldc + jq;
-            fn[std::min<int64_t>(kMr, s.M - r)](m);
-          }
-          q += w;
-        }
+    auto pack_a = [&](int64_t k0, int64_t kc) {
+      pack_a_any(ap, s.ta ? a + k0 * s.lda : a + k0, s.lda, s.ta, kc, s.M, avx2, pairs);
+    };
+    skinny_loop(s, p, panels, pack_a, [&](int64_t kp, int64_t k0, int64_t kc, int64_t q, int64_t q1) -> int64_t {
+      const int64_t jq = q * kNr, kd = depth(kc, pairs);
+      // Two panels at a time where the ISA has a wide kernel, packed side by side (as in the blocked nest).
+      const int64_t w = wide[1] && q + 1 < q1 ? 2 : 1;
+      Micro m{};
+      m.ras = 1;
+      m.cas = kMr;
+      m.ldc = s.ldc;
+      m.kc = kd;
+      m.acc = s.accumulate || kp > 0;
+      m.b = bp;
+      m.n = static_cast<int>(std::min<int64_t>(w * kNr, s.N - jq));
+      for (int64_t h = 0; h < w; ++h) {
+        const int64_t jh = jq + h * kNr;
+        pack_b_any(bp + h * kNr * kd, s.tb ? b + jh * s.ldb + k0 : b + k0 * s.ldb + jh, s.ldb, s.tb, kc,
+                   std::min<int64_t>(kNr, s.N - jh), avx2, pairs);
       }
-    }
+      const MicroFn* fn = w == 2 ? wide : micro;
+      for (int64_t r = 0; r < s.M; r += kMr) {
+        m.a = ap + r * kd;
+        m.c = c + r * s.ldc + jq;
+        fn[std::min<int64_t>(kMr, s.M - r)](m);
+      }
+      return w;
+    });
   }
 }
 
@@ -722,48 +732,41 @@ size_t skinny_amx_words(const Plan& p, int64_t kpp) {
 template <class BP>
 void run_skinny_amx(const GemmShape& s, const Plan& p, const uint16_t* a, BP b, float* c, float* apack) {
   const int64_t kpp = amx_depth(p.kc);
-  const int64_t panels = cdiv(s.N, kNr), units = std::min(panels, kSkinnyUnits);
+  const int64_t panels = cdiv(s.N, kNr);
   const size_t stride = skinny_amx_words(p, kpp);
 #pragma omp parallel
   {
     uint32_t* ap = reinterpret_cast<uint32_t*>(apack) + static_cast<size_t>(omp_get_thread_num()) * stride;
     uint32_t* bp = ap + p.strips * kMrAmx * kpp;
     amx_begin();
-    for (int64_t kp = 0; kp < p.nk; ++kp) {
-      const int64_t k0 = kp * p.kc;
-      const int64_t kc = std::min(p.kc, s.K - k0), kd = depth(kc, true);
-      bool packed = false;  // A's k slice, packed by this thread once it has a unit of it
-#pragma omp for schedule(static) nowait
-      for (int64_t u = 0; u < units; ++u) {
-        if (!packed) pack_a_amx(ap, s.ta ? a + k0 * s.lda : a + k0, s.lda, s.ta, kc, s.M, kpp), packed = true;
-        AmxMicro m{};
-        m.lda = kpp;
-        m.b_second = kNr * kpp;
-        m.ldc = s.ldc;
-        m.kpp = kpp;
-        m.acc = s.accumulate || kp > 0;
-        m.b = bp;
-        const int64_t q1 = (u + 1) * panels / units;
-        for (int64_t q = u * panels / units; q < q1;) {
-          const int64_t jq = q * kNr, w = q + 1 < q1 ? 2 : 1;
-          m.n = static_cast<int>(std::min<int64_t>(w * kNr, s.N - jq));
-          for (int64_t h = 0; h < w; ++h) {
-            const int64_t jh = jq + h * kNr;
-            uint32_t* d = bp + h * kNr * kpp;
-            pack_b_pairs(d, s.tb ? b + jh * s.ldb + k0 : b + k0 * s.ldb + jh, s.ldb, s.tb, kc,
-                         std::min<int64_t>(kNr, s.N - jh));
-            std::memset(d + kd * kNr, 0, sizeof(uint32_t) * (kpp - kd) * kNr);
-          }
-          for (int64_t r = 0; r < s.M; r += kMrAmx) {
-            m.a = ap + r * kpp;
-            m.c = c + r * s.ldc + jq;
-            m.m = static_cast<int>(std::min<int64_t>(kMrAmx, s.M - r));
-            micro_amx(m);
-          }
-          q += w;
-        }
+    auto pack_a = [&](int64_t k0, int64_t kc) {
+      pack_a_amx(ap, s.ta ? a + k0 * s.lda : a + k0, s.lda, s.ta, kc, s.M, kpp);
+    };
+    skinny_loop(s, p, panels, pack_a, [&](int64_t kp, int64_t k0, int64_t kc, int64_t q, int64_t q1) -> int64_t {
+      const int64_t jq = q * kNr, w = q + 1 < q1 ? 2 : 1, kd = depth(kc, true);
+      AmxMicro m{};
+      m.lda = kpp;
+      m.b_second = kNr * kpp;
+      m.ldc = s.ldc;
+      m.kpp = kpp;
+      m.acc = s.accumulate || kp > 0;
+      m.b = bp;
+      m.n = static_cast<int>(std::min<int64_t>(w * kNr, s.N - jq));
+      for (int64_t h = 0; h < w; ++h) {
+        const int64_t jh = jq + h * kNr;
+        uint32_t* d = bp + h * kNr * kpp;
+        pack_b_pairs(d, s.tb ? b + jh * s.ldb + k0 : b + k0 * s.ldb + jh, s.ldb, s.tb, kc,
+                     std::min<int64_t>(kNr, s.N - jh));
+        std::memset(d + kd * kNr, 0, sizeof(uint32_t) * (kpp - kd) * kNr);
       }
-    }
+      for (int64_t r = 0; r < s.M; r += kMrAmx) {
+        m.a = ap + r * kpp;
+        m.c = c + r * s.ldc + jq;
+        m.m = static_cast<int>(std::min<int64_t>(kMrAmx, s.M - r));
+        micro_amx(m);
+      }
+      return w;
+    });
     amx_end();
   }
 }
