@@ -14,15 +14,6 @@ namespace oomless {
 using kv_detail::rows;
 using kv_detail::span;
 
-namespace {
-
-// Element i of an f32 or f64 tensor, as double.
-inline double at(const void* p, DType t, int64_t i) {
-  return t == DType::f64 ? static_cast<const double*>(p)[i] : static_cast<const float*>(p)[i];
-}
-
-}  // namespace
-
 PageSummary parse_page_summary(std::string_view s) {
   if (s == "mean") return PageSummary::mean;
   if (s == "minmax") return PageSummary::minmax;

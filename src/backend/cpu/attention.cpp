@@ -875,9 +875,10 @@ __attribute__((target("avx2,fma"))) void pv_direct_cols(const float* p, int64_t 
 // The same with sixteen columns a vector (each column's chain is the same: the same bits), W * 16 columns.
 #define OOMLESS_PV512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 OOMLESS_PV512 inline __m512 load16v(const float* p) { return _mm512_loadu_ps(p); }
-OOMLESS_PV512 inline __m512 load16v(const uint16_t* p) {
-  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+OOMLESS_PV512 inline __m512 load16v(const uint16_t* p) {  // bf16 widened (vector extensions: GCC 12 warns on
+  v16h h;                                                    // the intrinsics' undefined operand)
+  std::memcpy(&h, p, sizeof h);
+  return reinterpret_cast<__m512>(__builtin_convertvector(h, v16u) << 16);
 }
 template <class T, int R, int W>
 OOMLESS_PV512 void pv_direct_cols16(const float* p, int64_t ldp, const T* V, int64_t ldv, int64_t n, float* C,

@@ -25,10 +25,6 @@ namespace {
 constexpr DType kAct = DType::f32;
 constexpr int64_t kColBlock = 64;        // columns per task in column-parallel reductions
 constexpr int64_t kSumChunk = 1 << 14;   // elements per partial sum in sum_squares
-// Elementwise and row-wise kernels below this many elements run on the calling thread: waking the team and
-// waiting at its barrier costs more than the work (a decode step's rows of a few hundred floats, some twenty
-// of them a layer). Every element's operations are the same either way.
-constexpr int64_t kParallelMin = 1 << 14;
 
 float* f32p(const Tensor& t) { return static_cast<float*>(t.data); }
 const int32_t* i32p(const Tensor& t) { return static_cast<const int32_t*>(t.data); }
@@ -205,7 +201,11 @@ void CpuOps::add(Tensor out, Tensor a, Tensor b) {
   const float* y = f32p(b);
   float* o = f32p(out);
   int64_t n = out.numel();
-#pragma omp parallel for simd schedule(static) if (n >= kParallelMin)
+  if (n < kParallelMin) {  // on this thread (see kParallelMin)
+    for (int64_t i = 0; i < n; ++i) o[i] = x[i] + y[i];
+    return;
+  }
+#pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; ++i) o[i] = x[i] + y[i];
 }
 
@@ -215,7 +215,11 @@ void CpuOps::axpy(Tensor y, double alpha, Tensor x) {
   const float* xs = f32p(x);
   float* ys = f32p(y);
   int64_t n = y.numel();
-#pragma omp parallel for simd schedule(static) if (n >= kParallelMin)
+  if (n < kParallelMin) {  // on this thread (see kParallelMin)
+    for (int64_t i = 0; i < n; ++i) ys[i] += a * xs[i];
+    return;
+  }
+#pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; ++i) ys[i] += a * xs[i];
 }
 
@@ -224,7 +228,11 @@ void CpuOps::scale(Tensor x, double alpha) {
   float a = static_cast<float>(alpha);
   float* xs = f32p(x);
   int64_t n = x.numel();
-#pragma omp parallel for simd schedule(static) if (n >= kParallelMin)
+  if (n < kParallelMin) {  // on this thread (see kParallelMin)
+    for (int64_t i = 0; i < n; ++i) xs[i] *= a;
+    return;
+  }
+#pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; ++i) xs[i] *= a;
 }
 
@@ -330,7 +338,11 @@ void CpuOps::fill(Tensor x, double value) {
   float v = static_cast<float>(value);
   float* xs = f32p(x);
   int64_t n = x.numel();
-#pragma omp parallel for simd schedule(static) if (n >= kParallelMin)
+  if (n < kParallelMin) {  // on this thread (see kParallelMin)
+    for (int64_t i = 0; i < n; ++i) xs[i] = v;
+    return;
+  }
+#pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; ++i) xs[i] = v;
 }
 
@@ -519,7 +531,7 @@ void CpuOps::cast_rows_scaled(Tensor dst, Tensor scales, Tensor src) {
   const int64_t N = rc.rows, K = rc.cols;  // (named, not bound: clang's OpenMP takes no structured bindings)
   const bool e4m3 = dst.dtype == DType::f8_e4m3;
   const float qmax = e4m3 ? 448.0f : 127.0f;
-#pragma omp parallel for schedule(static) if (N * K >= 16384)
+#pragma omp parallel for schedule(static) if (N * K >= kParallelMin)
   for (int64_t n = 0; n < N; ++n) {
     const float* x = f32p(src) + n * K;
     float amax = 0;

@@ -12,6 +12,11 @@ namespace oomless {
 
 class Gemm;
 
+// Elementwise and row-wise kernels below this many elements run on the calling thread: waking the team and
+// waiting at its barrier costs more than the work (a decode step's rows of a few hundred floats, some twenty
+// of them a layer). Every element's operations are the same either way.
+inline constexpr int64_t kParallelMin = 1 << 14;
+
 // A decode step's attention with f32 products (one position under GQA) reads keys and values in place through
 // kernels of its own where the GEMM path has AVX2 + FMA, instead of Gemm::tile's packed panels: the same bits.
 // On unless OOMLESS_DECODE_DIRECT=0; benchmarks switch it to compare the two. Not while attention runs.

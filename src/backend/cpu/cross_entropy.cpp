@@ -226,7 +226,7 @@ std::vector<double> CpuOps::target_logits(Tensor h, Tensor w, Tensor targets, in
   const float* hp = static_cast<const float*>(h.data);
   const int32_t* tg = static_cast<const int32_t*>(targets.data);
   std::vector<double> out(static_cast<size_t>(T), 0.0);
-#pragma omp parallel if (T * E >= (int64_t{1} << 14))
+#pragma omp parallel if (T * E >= kParallelMin)
   {
     std::vector<float> row(static_cast<size_t>(E));  // the target's row of w as the head reads it
 #pragma omp for schedule(static)
