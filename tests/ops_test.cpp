@@ -311,6 +311,58 @@ TEST(Matmul, BReadAsBf16EqualsTheProductWithABf16Copy) {
   }
 }
 
+// A backend may keep the last call's rotation table (the CPU one does, while positions and frequencies repeat):
+// every call in a sequence that changes one of them at a time, forward and backward, must be bitwise the same
+// call on a fresh backend; and a call too long for the table gives the rows the table gives.
+TEST(Rope, ARepeatedCallIsTheFreshCall) {
+  std::mt19937_64 rng(11);
+  for (const std::string& be : backends_under_test()) {
+    auto ops = make_ops(be);
+    const DType act = ops->act_dtype();
+    const int64_t T = 40, H = 3, D = 64;
+    HostTensor x(DType::f32, {T, H, D});
+    x.randn(rng);
+    const HostTensor xa = x.as(act);
+    HostTensor pa(DType::i32, {T}), pb(DType::i32, {T}), pc(DType::i32, {T / 2});
+    pa.randint(rng, 0, 100000);
+    pb.randint(rng, 0, 100000);
+    for (int64_t t = 0; t < T / 2; ++t) pc.ptr<int32_t>()[t] = pa.ptr<int32_t>()[t];
+    RopeConfig c1, c2;
+    c2.theta = 500000.0;
+    c2.scaling = RopeScaling::yarn, c2.factor = 4.0, c2.attention_factor = 1.1;
+    HostTensor pa2 = pa;  // pa with its last position moved
+    pa2.ptr<int32_t>()[T - 1] += 1;
+    struct Call { const HostTensor* pos; const RopeConfig* cfg; bool backward; };
+    const std::vector<Call> calls = {{&pa, &c1, false}, {&pa, &c1, true}, {&pb, &c1, false}, {&pa, &c2, false},
+                                     {&pa, &c1, true}, {&pa2, &c1, false}, {&pc, &c1, false}, {&pa, &c1, false}};
+    for (size_t i = 0; i < calls.size(); ++i) {
+      const Call& c = calls[i];
+      const int64_t n = c.pos->numel();
+      const Tensor in(xa.t().data, act, {n, H, D});  // its first n rows
+      HostTensor got(act, {n, H, D}), want(act, {n, H, D});
+      auto fresh = make_ops(be);
+      if (c.backward) {
+        ops->rope_backward(got, in, *c.pos, *c.cfg);
+        fresh->rope_backward(want, in, *c.pos, *c.cfg);
+      } else {
+        ops->rope_forward(got, in, *c.pos, *c.cfg);
+        fresh->rope_forward(want, in, *c.pos, *c.cfg);
+      }
+      EXPECT_EQ(std::memcmp(got.t().data, want.t().data, got.t().nbytes()), 0) << be << " call " << i;
+    }
+    // 2100 positions x 32 pairs: past the CPU backend's table; its first 40 rows are the 40-position call's.
+    const int64_t L = 2100;
+    HostTensor pl(DType::i32, {L}), xl(DType::f32, {L, 1, D});
+    pl.randint(rng, 0, 100000);
+    xl.randn(rng);
+    const HostTensor xla = xl.as(act);
+    HostTensor yl(act, {L, 1, D}), ys(act, {T, 1, D});
+    ops->rope_forward(yl, xla, pl, c2);
+    ops->rope_forward(ys, Tensor(xla.t().data, act, {T, 1, D}), Tensor(pl.t().data, DType::i32, {T}), c2);
+    EXPECT_EQ(std::memcmp(yl.t().data, ys.t().data, ys.t().nbytes()), 0) << be;
+  }
+}
+
 // Only matmul's b and the cross-entropy head take a tensor read as bf16; every other use names it.
 TEST(OpsErrors, ReadAsBf16IsRefusedWhereNotSupported) {
   for (const std::string& be : backends_under_test()) {

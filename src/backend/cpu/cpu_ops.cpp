@@ -153,8 +153,10 @@ void CpuOps::rmsnorm_backward(Tensor din, Tensor dweight, Tensor dout, Tensor in
 namespace {
 // Rotates pairs (x[i], x[i + D/2]) by +angle (forward, sign 1) or -angle (backward, sign -1), scaled by
 // attention_factor (yarn; 1 otherwise). The angles and their cos/sin are computed in double, then applied
-// in f32.
-void cpu_rope(const char* op, Tensor out, Tensor in, Tensor pos, const RopeConfig& cfg, float sign) {
+// in f32. A call whose positions and frequencies are the last table's (q then k of a block, and their
+// gradients in backward: four calls a layer over the same positions) reads that table instead of computing
+// its T x D/2 sines and cosines again; the values are the ones it would compute.
+void cpu_rope(const char* op, Tensor out, Tensor in, Tensor pos, const RopeConfig& cfg, float sign, RopeTable& tab) {
   auto [T_, H_, D_] = check_rope(op, out, in, pos, kAct);
   // Copies: clang before 16 cannot capture structured bindings in lambdas / OpenMP regions.
   const int64_t T = T_, H = H_, D = D_;
@@ -164,12 +166,37 @@ void cpu_rope(const char* op, Tensor out, Tensor in, Tensor pos, const RopeConfi
   const float* x = f32p(in);
   float* y = f32p(out);
   const int32_t* p = i32p(pos);
+  const bool table = T * half <= RopeTable::kMaxEntries;
+  if (table && !(tab.inv == inv && tab.factor == cfg.attention_factor && tab.pos.size() == static_cast<size_t>(T) &&
+                 std::equal(p, p + T, tab.pos.begin()))) {
+    tab.inv = inv;
+    tab.factor = cfg.attention_factor;
+    tab.pos.assign(p, p + T);
+    tab.cs.resize(static_cast<size_t>(T * half));
+    tab.sn.resize(static_cast<size_t>(T * half));
+    float* tc = tab.cs.data();
+    float* ts = tab.sn.data();
+#pragma omp parallel for schedule(static) if (T * half >= kParallelMin / 8)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < half; ++i) {
+        double ang = static_cast<double>(p[t]) * inv[i];
+        tc[t * half + i] = static_cast<float>(cfg.attention_factor * std::cos(ang));
+        ts[t * half + i] = static_cast<float>(cfg.attention_factor * std::sin(ang));
+      }
+  }
+  const float* tc = table ? tab.cs.data() : nullptr;
+  const float* ts = table ? tab.sn.data() : nullptr;
 #pragma omp parallel if (T * H * D >= kParallelMin)
   {
     std::vector<float> cs(half), sn(half);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
       for (int64_t i = 0; i < half; ++i) {
+        if (tc) {
+          cs[i] = tc[t * half + i];
+          sn[i] = sign * ts[t * half + i];
+          continue;
+        }
         double ang = static_cast<double>(p[t]) * inv[i];
         cs[i] = static_cast<float>(cfg.attention_factor * std::cos(ang));
         sn[i] = sign * static_cast<float>(cfg.attention_factor * std::sin(ang));
@@ -189,10 +216,10 @@ void cpu_rope(const char* op, Tensor out, Tensor in, Tensor pos, const RopeConfi
 }  // namespace
 
 void CpuOps::rope_forward(Tensor out, Tensor in, Tensor pos, const RopeConfig& cfg) {
-  cpu_rope("[rope]", out, in, pos, cfg, 1.0f);
+  cpu_rope("[rope]", out, in, pos, cfg, 1.0f, rope_table_);
 }
 void CpuOps::rope_backward(Tensor din, Tensor dout, Tensor pos, const RopeConfig& cfg) {
-  cpu_rope("[rope_backward]", din, dout, pos, cfg, -1.0f);
+  cpu_rope("[rope_backward]", din, dout, pos, cfg, -1.0f, rope_table_);
 }
 
 void CpuOps::add(Tensor out, Tensor a, Tensor b) {

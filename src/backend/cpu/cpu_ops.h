@@ -4,6 +4,7 @@
 // depend on the thread count, combined in a fixed order.
 #pragma once
 #include <memory>
+#include <vector>
 
 #include "backend/ops.h"
 #include "memory/arena.h"
@@ -16,6 +17,16 @@ class Gemm;
 // waiting at its barrier costs more than the work (a decode step's rows of a few hundred floats, some twenty
 // of them a layer). Every element's operations are the same either way.
 inline constexpr int64_t kParallelMin = 1 << 14;
+
+// The cos and sin of the last rope call's positions (cpu_rope reuses them while its positions and frequencies
+// repeat); at most kMaxEntries of each (512 KiB together), larger calls compute theirs as they go.
+struct RopeTable {
+  static constexpr int64_t kMaxEntries = 1 << 16;
+  std::vector<double> inv;
+  double factor = 0;
+  std::vector<int32_t> pos;
+  std::vector<float> cs, sn;
+};
 
 // A decode step's attention with f32 products (one position under GQA) reads keys and values in place through
 // kernels of its own where the GEMM path has AVX2 + FMA, instead of Gemm::tile's packed panels: the same bits.
@@ -86,6 +97,7 @@ class CpuOps final : public Ops {
   std::unique_ptr<Arena> own_arena_;
   Arena* ws_;
   std::unique_ptr<Gemm> gemm_;
+  RopeTable rope_table_;
 };
 
 }  // namespace oomless
