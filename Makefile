@@ -113,6 +113,7 @@ test-smoke: build
 	python3 bench/act_offload.py --bin $(BUILD)/oomless --model preset:tiny --seq 64 --steps 2 --rounds 1 --work $(SMOKE)/act-offload
 	python3 bench/peers/run.py --smoke --oomless $(BUILD)/oomless --work $(SMOKE)/peers
 	python3 bench/long_context/run.py --smoke --oomless $(BUILD)/oomless --work $(SMOKE)/long
+	python3 bench/dist/dp.py --smoke --oomless $(BUILD)/oomless --work $(SMOKE)/dp
 
 # Adapters between oomless and PEFT both ways (PEFT loads oomless's, oomless loads PEFT's, merge equals
 # merge_and_unload), on a tiny transformers model; installs torch + transformers + peft into tools/golden/.venv.

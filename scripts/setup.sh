@@ -7,8 +7,9 @@ set -euo pipefail
 # python3: the benchmark drivers (bench/peers, bench/long_context), which `make test` runs at a smoke size.
 # libopenblas-openmp-dev: LAPACK (GaLore's SVD), OpenBLAS built on the same OpenMP runtime.
 # libglpk-dev: GLPK, the mixed-integer solver of `oomless plan`.
+# libopenmpi-dev, openmpi-bin: MPI for runs over several processes (`mpirun -np N oomless train ...`).
 packages=(g++ cmake make pkg-config libdnnl-dev ocl-icd-opencl-dev libgtest-dev libpcre2-dev libutf8proc-dev liburing-dev time
-          python3 libopenblas-openmp-dev libglpk-dev)
+          python3 libopenblas-openmp-dev libglpk-dev libopenmpi-dev openmpi-bin)
 # `scripts/setup.sh fuzz`: also what the libFuzzer build needs.
 if [ "${1:-}" = fuzz ]; then packages+=(clang libomp-14-dev libclang-rt-14-dev); fi
 

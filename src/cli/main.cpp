@@ -11,6 +11,7 @@
 #include "cli/commands.h"
 #include "core/cpu_info.h"
 #include "core/error.h"
+#include "dist/comm.h"
 
 namespace {
 
@@ -53,6 +54,20 @@ void choose_wait_policy(const std::string& cmd, char** argv) {
   unsetenv("OOMLESS_WAIT_CHOSEN");
 }
 
+int run(const std::string& cmd, const std::vector<std::string>& args) {
+  if (cmd == "probe") return oomless::cli::probe(args);
+  if (cmd == "train") return oomless::cli::train(args);
+  if (cmd == "estimate") return oomless::cli::estimate(args);
+  if (cmd == "plan") return oomless::cli::plan(args);
+  if (cmd == "eval") return oomless::cli::eval(args);
+  if (cmd == "generate") return oomless::cli::generate(args);
+  if (cmd == "tokenize") return oomless::cli::tokenize(args);
+  if (cmd == "convert") return oomless::cli::convert(args);
+  if (cmd == "merge") return oomless::cli::merge(args);
+  std::fprintf(stderr, "oomless: unknown command '%s'\n\n%s", cmd.c_str(), kUsage);
+  return 2;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -61,8 +76,9 @@ int main(int argc, char** argv) {
     return argc < 2 ? 2 : 0;
   }
   if (!std::strcmp(argv[1], "--version") || !std::strcmp(argv[1], "version")) {
-    std::printf("oomless %s (%s build, %s; CUDA backend %s)\nthis CPU: %s, %s\n", OOMLESS_VERSION, OOMLESS_BUILD_TYPE,
-                OOMLESS_COMPILER, OOMLESS_HAS_CUDA ? "compiled in" : "not built", oomless::detect_cpu().model.c_str(),
+    std::printf("oomless %s (%s build, %s; CUDA backend %s; MPI %s)\nthis CPU: %s, %s\n", OOMLESS_VERSION,
+                OOMLESS_BUILD_TYPE, OOMLESS_COMPILER, OOMLESS_HAS_CUDA ? "compiled in" : "not built",
+                oomless::dist::built_with_mpi() ? "compiled in" : "not built", oomless::detect_cpu().model.c_str(),
                 oomless::detect_cpu().isa_summary().c_str());
     try {
       std::printf("gemm path: %s\n", oomless::gemm_path().c_str());
@@ -74,24 +90,23 @@ int main(int argc, char** argv) {
   std::string cmd = argv[1];
   choose_wait_policy(cmd, argv);
   std::vector<std::string> args(argv + 2, argv + argc);
+  int rc = 1;
   try {
     oomless::gemm_isa();  // OOMLESS_ISA, if set, must name a path this CPU has
-    if (cmd == "probe") return oomless::cli::probe(args);
-    if (cmd == "train") return oomless::cli::train(args);
-    if (cmd == "estimate") return oomless::cli::estimate(args);
-    if (cmd == "plan") return oomless::cli::plan(args);
-    if (cmd == "eval") return oomless::cli::eval(args);
-    if (cmd == "generate") return oomless::cli::generate(args);
-    if (cmd == "tokenize") return oomless::cli::tokenize(args);
-    if (cmd == "convert") return oomless::cli::convert(args);
-    if (cmd == "merge") return oomless::cli::merge(args);
-    std::fprintf(stderr, "oomless: unknown command '%s'\n\n%s", cmd.c_str(), kUsage);
-    return 2;
+    // Launched by mpirun / srun: join the other ranks (only train runs over several).
+    if (oomless::dist::init(&argc, &argv) && oomless::dist::distributed() && cmd != "train")
+      oomless::fail("only `train` runs over several ranks (", oomless::dist::size(), " here); run `", cmd,
+                    "` without mpirun / srun");
+    rc = run(cmd, args);
   } catch (const oomless::Error& e) {
-    std::fprintf(stderr, "oomless %s: %s\n", cmd.c_str(), e.what());
+    std::fprintf(stderr, "oomless %s: %s%s\n", cmd.c_str(), oomless::dist::rank_prefix().c_str(), e.what());
+    oomless::dist::abort(1);  // the other ranks would wait on this one
     return 1;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "oomless %s: internal error: %s\n", cmd.c_str(), e.what());
+    std::fprintf(stderr, "oomless %s: %sinternal error: %s\n", cmd.c_str(), oomless::dist::rank_prefix().c_str(), e.what());
+    oomless::dist::abort(1);
     return 1;
   }
+  oomless::dist::finalize();
+  return rc;
 }

@@ -27,6 +27,8 @@ std::string train_help() {
          "(OUT/checkpoint-STEP: model.safetensors with Hugging Face names and config.json, or a PEFT adapter\n"
          "folder with --lora; tokenizer files, optimizer state, trainer state) are crash-safe; --resume continues\n"
          "bit-exactly. Flags override a --config file, whose keys are the long flag names without --.\n"
+         "`mpirun -np N oomless train ...` (or srun) trains data parallel: each rank a share of every step's\n"
+         "sequences, gradients summed over ranks in a fixed order; rank 0 writes the run folder.\n"
          "With no --data: preset:tiny (or --model) on the bundled KJV corpus, 250 steps unless --steps/--epochs.\n"
          "\n" +
          train_options_help() +

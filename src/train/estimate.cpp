@@ -8,6 +8,7 @@
 
 #include "backend/lapack.h"
 #include "core/error.h"
+#include "dist/comm.h"
 #include "model/act_store.h"
 #include "model/lora.h"
 #include "model/model.h"
@@ -462,6 +463,12 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
     add(kDev, Category::optimizer, window);
   } else {
     add(c.optim_state == "device" ? kDev : kHost, Category::optimizer, ob.arena);
+  }
+  // Several ranks (data parallel): the buffer the gradients are summed through (Trainer::State::dp_stage).
+  if (dist::distributed()) {
+    int64_t most = 0;
+    for (const ParamSpec& s : trained) most = std::max(most, numel(s.shape));
+    add(kHost, Category::workspace, a64(nbytes(f, 2 * std::min(most, dist::kSumBucket) + dist::size())));
   }
 
   // Activations and the model's workspace.

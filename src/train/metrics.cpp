@@ -77,7 +77,7 @@ void MetricsWriter::append(const std::string& line) {
 
 void MetricsWriter::write_step(int64_t step, double loss, double lr, double grad_norm, double tokens_per_s,
                                bool skipped, const Ledger& ledger, const json::Value& kv_fp8,
-                               const json::Value& act_fp8) {
+                               const json::Value& act_fp8, const json::Value& ranks) {
   json::Value o = json::Value::object();
   o.set("type", json::Value::string("train"));
   o.set("step", json::Value::integer(step));
@@ -90,6 +90,7 @@ void MetricsWriter::write_step(int64_t step, double loss, double lr, double grad
   o.set("memory", memory_json(ledger));
   if (!kv_fp8.is_null()) o.set("kv_fp8", kv_fp8);
   if (!act_fp8.is_null()) o.set("act_fp8", act_fp8);
+  if (!ranks.is_null()) o.set("ranks", ranks);
   append(json::dump(o));
 }
 

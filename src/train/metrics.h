@@ -3,6 +3,7 @@
 //    "params":{"trainable":N,"trainable_bytes":B,"frozen":N,"frozen_bytes":B},
 //    "memory":{"device":{"weights":{"current":B,"peak":B},...,"total":{...}},...}}
 //   {"type":"eval","step":N,"loss":x,"ppl":x}
+// A run over several ranks adds "ranks":{"size":N,"peak":[B per rank],"bytes_sent":[B per rank]} to train lines.
 // memory lists, per tier, the ledger categories that have held bytes (peak > 0) and the tier's total;
 // tiers that never held anything are left out. Nonfinite numbers (a skipped step's NaN norm) are
 // written as null, since JSON has no NaN.
@@ -33,7 +34,8 @@ class MetricsWriter {
 
   void write_step(int64_t step, double loss, double lr, double grad_norm, double tokens_per_s, bool skipped,
                   const Ledger& ledger,
-                  const json::Value& kv_fp8 = json::Value(), const json::Value& act_fp8 = json::Value());
+                  const json::Value& kv_fp8 = json::Value(), const json::Value& act_fp8 = json::Value(),
+                  const json::Value& ranks = json::Value());
   void write_eval(int64_t step, double loss, double ppl);
   // Written with every train line as "params": what trains and what is frozen, counts and bytes.
   void set_params(int64_t trainable, int64_t trainable_bytes, int64_t frozen, int64_t frozen_bytes);

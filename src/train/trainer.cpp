@@ -14,10 +14,13 @@
 #include <filesystem>
 #include <map>
 
+#include <omp.h>
+
 #include "core/cpu_info.h"
 #include "data/chat.h"
 #include "data/dataset.h"
 #include "data/text.h"
+#include "dist/comm.h"
 #include "io/safetensors.h"
 #include "memory/arena.h"
 #include "model/eval.h"
@@ -477,19 +480,48 @@ void validate_config(const TrainConfig& c) {
   }
 }
 
+namespace {
+// A run over several ranks (mpirun / srun; data parallel): every rank must have been given the same settings,
+// since each computes the same update from the summed gradients. Compared by a hash of the settings; the
+// error names the first rank that differs. Then what data parallelism needs of them.
+void check_ranks_agree(const TrainConfig& c) {
+  const std::string text = json::dump(c.to_json());
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (unsigned char ch : text) h = (h ^ ch) * 1099511628211ull;
+  const std::vector<uint64_t> all = dist::all_u64(h);
+  for (size_t r = 1; r < all.size(); ++r)
+    OOM_CHECK(all[r] == all[0], "[train] rank ", r, " was started with other settings than rank 0 (every rank of a "
+              "run needs the same flags, data and model: one command line for all, e.g. mpirun -np ", all.size(),
+              " oomless train ...)");
+  const int64_t n = c.batch * c.grad_accum, R = dist::size();
+  int64_t g = c.grad_accum;
+  while (c.batch * g % R) ++g;
+  OOM_CHECK(n % R == 0, "[train] ", R, " ranks share each step's --batch x --grad-accum = ", n, " sequences, which needs "
+            "a multiple of ", R, ": e.g. --batch ", c.batch, " --grad-accum ", g);
+  OOM_CHECK(!c.step_in_backward, "[train] --step-in-backward steps each layer during backward, before the ranks' "
+            "gradients are summed: run it without mpirun, or drop --step-in-backward");
+}
+}  // namespace
+
 int run_training(const TrainConfig& c, const json::Value& plan) {
   validate_config(c);
-  if (c.threads > 0) set_threads(static_cast<int>(c.threads));
+  if (c.threads > 0) {
+    set_threads(static_cast<int>(c.threads));
+  } else if (dist::local_size() > 1) {  // ranks sharing this machine share its CPUs
+    set_threads(std::max(1, omp_get_num_procs() / dist::local_size()));
+  }
+  if (dist::distributed()) check_ranks_agree(c);
+  const bool writer = dist::rank() == 0;  // rank 0 writes the run folder: metrics, checkpoints, report
   std::string out = c.resume && !c.resume_dir.empty() ? c.resume_dir : c.out;
   if (out.empty()) {
     OOM_CHECK(!c.resume, "[train] --resume needs the run folder: --resume DIR (or --out DIR)");
     char stamp[32];
-    const std::time_t now = std::time(nullptr);
+    const std::time_t now = static_cast<std::time_t>(dist::all_u64(static_cast<uint64_t>(std::time(nullptr)))[0]);  // rank 0's
     std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", std::localtime(&now));
     out = std::string("runs/run-") + stamp;
   }
   // A new run never writes over an earlier one: its checkpoints and metrics stay as they are.
-  if (!c.resume && fs::exists(out)) {
+  if (!c.resume && fs::exists(out) && writer) {
     bool used = false;
     for (const auto& e : fs::directory_iterator(out)) used |= e.path().filename().string().rfind("checkpoint-", 0) == 0;
     OOM_CHECK(!used, "[train] ", out, " already holds a run (checkpoints); continue it with --resume, or give a new --out");
@@ -497,15 +529,15 @@ int run_training(const TrainConfig& c, const json::Value& plan) {
     if (fs::exists(MetricsWriter::path_in(out))) MetricsWriter::truncate_after(MetricsWriter::path_in(out), 0);
   }
   const bool created = !fs::exists(out);
-  fs::create_directories(out);
+  if (writer) fs::create_directories(out);
   // No --data: the bundled corpus, written once into the run folder so the data pipeline (and a resumed
   // run) reads it like any file.
   TrainConfig cfg_local = c;
   if (c.data.empty()) {
     const std::string dir = out + "/bundled-data";
-    fs::create_directories(dir);
+    if (writer) fs::create_directories(dir);
     auto put = [&](const std::string& p, std::string_view text) {
-      if (fs::exists(p) && fs::file_size(p) == text.size()) return;
+      if (!writer || (fs::exists(p) && fs::file_size(p) == text.size())) return;
       std::FILE* f = std::fopen(p.c_str(), "wb");
       OOM_CHECK(f && std::fwrite(text.data(), 1, text.size(), f) == text.size() && std::fclose(f) == 0,
                 "[train] cannot write the bundled corpus to ", p, ": ", std::strerror(errno));
@@ -535,15 +567,17 @@ int run_training(const TrainConfig& c, const json::Value& plan) {
     // The embedded default is sized to finish in minutes on a 2-core machine.
     if (cfg_local.steps == 0 && cfg_local.epochs == 0) cfg_local.steps = 250;
     if (cfg_local.eval_data.empty()) cfg_local.eval_data = dir + "/kjv-eval.txt";
-    std::fprintf(stderr, "oomless train: no --data: training %s on the bundled KJV corpus (%s)\n", c.model.c_str(),
-                 cfg_local.data.c_str());
+    if (writer)
+      std::fprintf(stderr, "oomless train: no --data: training %s on the bundled KJV corpus (%s)\n", c.model.c_str(),
+                   cfg_local.data.c_str());
   }
+  dist::barrier();  // the other ranks read what rank 0 wrote
   try {
     return train_run(cfg_local, out, plan);
   } catch (...) {
     // A new run that failed before its first checkpoint leaves no folder behind when it made the folder
     // (it holds at most the bundled corpus and a metrics file of no step).
-    if (created) {
+    if (created && writer) {
       std::error_code ec;
       bool saved = false;
       for (const auto& e : fs::directory_iterator(out, ec)) saved |= e.path().filename().string().rfind("checkpoint-", 0) == 0;
@@ -558,6 +592,10 @@ struct Trainer::State {
   std::string out;
   Engine e;
   TrainableSet trained;
+  // Data parallel (several ranks): a bucket of gradients downloaded for the sum over ranks, and the ranks'
+  // copies of this rank's part of it (dist::sum_floats).
+  Buffer dp_stage;
+  int64_t dp_bucket = 0;
   std::unique_ptr<Optimizer> opt;
   std::unique_ptr<PagedKvStore> kv;
   int64_t C = 0;  // chunk length (0: whole sequences)
@@ -889,6 +927,21 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
   } catch (const OutOfBudget& e) {
     out_of_budget(c, e.what(), s.e.mem ? &s.e.mem->ledger : nullptr);
   }
+  if (dist::distributed()) {
+    int64_t most = 0;
+    for (const auto& t : s.trained) {
+      OOM_CHECK(t.grad.dtype == DType::f32, "[train] data parallel sums f32 gradients; ", t.name, "'s is ",
+                dtype_name(t.grad.dtype));
+      most = std::max(most, t.grad.numel());
+    }
+    s.dp_bucket = std::min<int64_t>(most, dist::kSumBucket);
+    const size_t bytes = sizeof(float) * static_cast<size_t>(2 * s.dp_bucket + dist::size());
+    try {
+      s.dp_stage = s.e.mem->host.alloc(bytes, Category::workspace, "data-parallel gradient sum");
+    } catch (const OutOfBudget& e) {
+      out_of_budget(c, e.what(), &s.e.mem->ledger);
+    }
+  }
   const ModelConfig& cfg = s.e.src.cfg;
   {
     const Ledger& l = s.e.mem->ledger;
@@ -1045,7 +1098,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
                 "(act_amax) for --act-dtype fp8; the checkpoint is damaged or another run's");
       as->restore_amax(st.at("act_amax"));
     }
-    MetricsWriter::truncate_after(MetricsWriter::path_in(out), s.step);
+    if (dist::rank() == 0) MetricsWriter::truncate_after(MetricsWriter::path_in(out), s.step);
     say("oomless train: resumed from %s (step %lld of %lld)\n", ck->path.c_str(), static_cast<long long>(s.step),
         static_cast<long long>(s.total));
   }
@@ -1151,16 +1204,20 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
   const Fp8Stats fp8_before = s.kv ? s.kv->fp8_stats() : Fp8Stats{};
   ActStorage* act_st = model.act_storage();
   const std::array<ActCounts, kActKinds> act_before = act_st ? act_st->counts() : std::array<ActCounts, kActKinds>{};
+  // Several ranks (data parallel): this rank takes its share of the step's sequences, [i0, i1); every rank drew
+  // the whole step (the same data stream), so N counts the step's targets on every rank alike.
+  const bool dp = dist::distributed();
+  const int64_t i0 = n * dist::rank() / dist::size(), i1 = n * (dist::rank() + 1) / dist::size();
   try {
     model.zero_grads();
     double loss_sum = 0;
-    for (int64_t i = 0; i < n && N > 0; ++i) {
+    for (int64_t i = i0; i < i1 && N > 0; ++i) {
       const Tensor id_t(const_cast<int32_t*>(b.ids[static_cast<size_t>(i)].data()), DType::i32, {c.seq});
       const Tensor tg_t(const_cast<int32_t*>(b.targets[static_cast<size_t>(i)].data()), DType::i32, {c.seq});
       // LoRA dropout masks: one seed per (run seed, step, sequence), so a resumed run draws the same ones.
       model.set_dropout_seed((static_cast<uint64_t>(c.seed) * 0x9E3779B97F4A7C15ull) ^
                              (static_cast<uint64_t>(r.step) << 20) ^ static_cast<uint64_t>(i));
-      if (i + 1 == n) model.on_grads_final(on_final);  // the last pass into the gradients
+      if (i + 1 == n && !dp) model.on_grads_final(on_final);  // the last pass into the gradients (dp: after the sum)
       if (s.kv) {
         loss_sum += model.chunked_step(id_t, tg_t, s.C, *s.kv, 1.0 / static_cast<double>(N)).loss_sum;
       } else {
@@ -1170,6 +1227,20 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
         model.backward(scale);
         loss_sum += ce.loss_sum;
       }
+    }
+    if (dp) {  // the ranks' losses and gradients summed, in rank order: the same on every rank
+      const std::vector<double> parts = dist::all_f64(loss_sum);
+      loss_sum = 0;
+      for (double v : parts) loss_sum += v;
+      float* stage = s.dp_stage.as<float>();
+      for (const Trainable& t : s.trained)
+        for (int64_t o = 0, total = t.grad.numel(); o < total; o += s.dp_bucket) {
+          const int64_t len = std::min(s.dp_bucket, total - o);
+          const Tensor part(static_cast<float*>(t.grad.data) + o, DType::f32, {len}, t.grad.tier);
+          ops.download(stage, part);
+          dist::sum_floats(stage, len, stage + s.dp_bucket);
+          ops.upload(part, stage);
+        }
     }
     r.loss = N > 0 ? loss_sum / static_cast<double>(N) : 0.0;
     double sum = 0;
@@ -1200,6 +1271,17 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
   }
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   r.tokens_per_s = static_cast<double>(n * c.seq) / r.seconds;
+  if (dp) {
+    const Ledger& l = s.e.mem->ledger;
+    json::Value peaks = json::Value::array(), sent = json::Value::array();
+    for (uint64_t v : dist::all_u64(l.peak_total(Tier::Device) + l.peak_total(Tier::Host)))
+      peaks.push_back(json::Value::integer(static_cast<int64_t>(v)));
+    for (uint64_t v : dist::all_u64(dist::bytes_sent())) sent.push_back(json::Value::integer(static_cast<int64_t>(v)));
+    r.ranks = json::Value::object();
+    r.ranks.set("size", json::Value::integer(dist::size()));
+    r.ranks.set("peak", peaks);
+    r.ranks.set("bytes_sent", sent);
+  }
   if (s.kv && s.kv->options().kv_dtype == DType::f8_e4m3) {
     const Fp8Stats now = s.kv->fp8_stats();
     auto part = [](const Fp8Counts& a, const Fp8Counts& b) {
@@ -1328,47 +1410,58 @@ std::string first_words(const std::string& path, int n) {
 }
 
 int train_run(const TrainConfig& c, const std::string& out, const json::Value& plan) {
-  Trainer tr(c, out, stderr);
+  // Several ranks: rank 0 speaks, evaluates and writes the run folder; the others train their share of each step.
+  const bool writer = dist::rank() == 0;
+  Trainer tr(c, out, writer ? stderr : nullptr);
   Engine& e = tr.engine();
   const int64_t total = tr.total_steps();
-  MetricsWriter metrics(out);
-  metrics.set_params(tr.trainable_params(), tr.trainable_bytes(), tr.frozen_params(), tr.frozen_bytes());
+  std::optional<MetricsWriter> metrics;
+  if (writer) metrics.emplace(out);
+  if (writer) metrics->set_params(tr.trainable_params(), tr.trainable_bytes(), tr.frozen_params(), tr.frozen_bytes());
   auto run_eval = [&](int64_t s) {
+    if (!writer) return;
     const std::optional<EvalResult> r = tr.evaluate();
     if (!r) return;
-    metrics.write_eval(s, r->loss(), std::exp(r->loss()));
+    metrics->write_eval(s, r->loss(), std::exp(r->loss()));
     std::fprintf(stderr, "%seval at step %lld: loss %.4f  ppl %.2f\n", isatty(2) ? "\n" : "", static_cast<long long>(s),
                  r->loss(), std::exp(r->loss()));
   };
-  auto save = [&]() { std::fprintf(stderr, "oomless train: saved %s\n", tr.save().c_str()); };
+  auto save = [&]() {
+    if (writer) std::fprintf(stderr, "oomless train: saved %s\n", tr.save().c_str());
+  };
 
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);
-  std::FILE* dump = c.dump_tokens.empty() ? nullptr : std::fopen(c.dump_tokens.c_str(), c.resume ? "ab" : "wb");
-  OOM_CHECK(c.dump_tokens.empty() || dump, "[train] cannot write --dump-tokens ", c.dump_tokens, ": ", std::strerror(errno));
+  std::FILE* dump = c.dump_tokens.empty() || !writer ? nullptr : std::fopen(c.dump_tokens.c_str(), c.resume ? "ab" : "wb");
+  OOM_CHECK(c.dump_tokens.empty() || !writer || dump, "[train] cannot write --dump-tokens ", c.dump_tokens, ": ", std::strerror(errno));
   const bool tty = isatty(2);
   double last_loss = 0;
   auto t_start = std::chrono::steady_clock::now();
   const int64_t first = tr.steps_done();
-  while (tr.steps_done() < total && !g_stop) {
+  // A signal reaches the ranks at different moments: they stop together, at the first step boundary where any
+  // has seen it.
+  auto stopping = [&]() { return dist::distributed() ? dist::any(g_stop != 0) : g_stop != 0; };
+  bool stopped = false;
+  while (tr.steps_done() < total && !(stopped = stopping())) {
     const StepBatch b = tr.next_batch();
     if (dump) std::fputs((dump_line(tr.steps_done() + 1, b.ids, b.targets) + "\n").c_str(), dump);
     const StepResult r = tr.step(b);
     const int64_t step = r.step;
-    if (r.skipped) {
+    if (r.skipped && writer) {
       std::fprintf(stderr, "oomless train: step %lld skipped: non-finite %s (%lld in a row, %lld in all)\n",
                    static_cast<long long>(step), std::isfinite(r.loss) ? "gradients" : "loss",
                    static_cast<long long>(tr.nonfinite_in_a_row()), static_cast<long long>(tr.nonfinite_total()));
-    } else {
-      last_loss = r.loss;
     }
-    metrics.write_step(step, r.loss, r.lr, r.grad_norm, r.tokens_per_s, r.skipped, e.mem->ledger, r.kv_fp8, r.act_fp8);
+    if (!r.skipped) last_loss = r.loss;
+    if (writer)
+      metrics->write_step(step, r.loss, r.lr, r.grad_norm, r.tokens_per_s, r.skipped, e.mem->ledger, r.kv_fp8, r.act_fp8,
+                          r.ranks);
     OOM_CHECK(tr.nonfinite_in_a_row() <= c.max_nonfinite, "[train] ", tr.nonfinite_in_a_row(),
               " steps in a row had a non-finite loss or gradient (more than --max-nonfinite ", c.max_nonfinite,
               "); lower --lr, check the data, or use fp32; the last checkpoint is in ", out);
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
     const double eta = elapsed / static_cast<double>(step - first) * static_cast<double>(total - step);
-    std::fprintf(stderr, tty ? "\rstep %lld/%lld  loss %.4f  lr %.2e  %.0f tok/s  ETA %.0fs  memory peak %s   "
+    if (writer) std::fprintf(stderr, tty ? "\rstep %lld/%lld  loss %.4f  lr %.2e  %.0f tok/s  ETA %.0fs  memory peak %s   "
                              : "step %lld/%lld  loss %.4f  lr %.2e  %.0f tok/s  ETA %.0fs  memory peak %s\n",
                  static_cast<long long>(step), static_cast<long long>(total), r.loss, r.lr, r.tokens_per_s, eta,
                  format_bytes(e.mem->ledger.peak_total(Tier::Device) + e.mem->ledger.peak_total(Tier::Host)).c_str());
@@ -1376,6 +1469,7 @@ int train_run(const TrainConfig& c, const std::string& out, const json::Value& p
     if (c.save_every > 0 && step % c.save_every == 0 && step < total) save();
   }
   const int64_t step = tr.steps_done();
+  if (!writer) return stopped ? 130 : 0;
   if (tty) std::fprintf(stderr, "\n");
   PagedKvStore* kv = tr.kv();
   if (kv && kv->options().offload != KvOffload::none) {

@@ -159,6 +159,9 @@ struct StepResult {
   // --act-dtype fp8: this step's counts per kind of saved activation (values, saturated, flushed, stashes
   // with a non-finite amax), and their totals; null otherwise.
   json::Value act_fp8;
+  // Several ranks (data parallel): {"size": N, "peak": [each rank's ledger peak, Device + Host],
+  // "bytes_sent": [each rank's bytes sent through the collectives so far]}; null otherwise.
+  json::Value ranks;
 };
 
 // A training run (setup, step, evaluate, save, resume), shared by `oomless train`, the tests and the

@@ -1,0 +1,108 @@
+"""Data parallel on one machine: `mpirun -np N oomless train` for N in --ranks, the same global batch.
+
+For each N: the median tokens/s of the steps after the first (the whole step's tokens over its time, so the
+ranks' work together), each rank's ledger peak (metrics.jsonl "ranks") and peak RSS (/usr/bin/time -v around
+each rank), and the bytes each rank sent per step (bytes_sent between two steps) against the formula of a
+ring all-reduce of the gradients, 2 (N - 1) / N x 4 bytes x trainable parameters (the ZeRO paper's 2 Psi for
+data parallel), plus the few small collectives of a step. Threads: the machine's CPUs shared by the ranks
+(--threads-per-rank, default CPUs / N), so on a 2-core machine N = 2 runs one thread a rank and N > 2
+oversubscribes: step time vs N measures the sum's cost there, not scaling.
+
+usage: python3 bench/dist/dp.py [--oomless build/release/oomless] [--model preset:tiny] [--ranks 1,2,4]
+                                [--seq 256] [--batch 4] [--steps 4] [--rounds 2] [--work build/bench-dp] [--smoke]
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def run(a, n, tag):
+    out = os.path.join(a.work, tag)
+    shutil.rmtree(out, ignore_errors=True)
+    threads = a.threads_per_rank or max(1, (os.cpu_count() or 1) // n)
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1")
+    cmd = ["mpirun", "-np", str(n), "/usr/bin/time", "-v", a.oomless, "train", "--model", a.model, "--seq", str(a.seq),
+           "--batch", str(a.batch), "--steps", str(a.steps), "--threads", str(threads), "--eval-every", "0",
+           "--save-every", "0", "--out", out]
+    if a.data:
+        cmd[cmd.index("--seq"):cmd.index("--seq")] = ["--data", a.data]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        sys.exit(f"dp.py: {' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+    rss = [int(x) * 1024 for x in re.findall(r"Maximum resident set size \(kbytes\): (\d+)", p.stderr)]
+    rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl")) if '"train"' in l]
+    tps = statistics.median(r["tokens_per_s"] for r in rows[1:]) if len(rows) > 1 else rows[0]["tokens_per_s"]
+    params = rows[0]["params"]["trainable"]
+    ranks = rows[-1].get("ranks")
+    peaks = ranks["peak"] if ranks else [sum(rows[-1]["memory"][t]["total"]["peak"] for t in rows[-1]["memory"])]
+    sent = (ranks["bytes_sent"][0] - rows[-2]["ranks"]["bytes_sent"][0]) if ranks and len(rows) > 1 else 0
+    shutil.rmtree(out, ignore_errors=True)
+    return {"ranks": n, "threads_per_rank": threads, "tokens_per_s": tps, "ledger_peak": peaks, "rss": sorted(rss),
+            "bytes_sent_per_step": sent, "formula_bytes": 2 * (n - 1) / n * 4 * params, "params": params,
+            "losses": [r["loss"] for r in rows]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--oomless", default=os.path.join(ROOT, "build/release/oomless"))
+    ap.add_argument("--model", default="preset:tiny")
+    ap.add_argument("--data", default=None)
+    ap.add_argument("--ranks", default="1,2,4")
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=2, help="the N values alternate, this many times")
+    ap.add_argument("--threads-per-rank", type=int, default=0)
+    ap.add_argument("--work", default=os.path.join(ROOT, "build/bench-dp"))
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--smoke", action="store_true", help="preset:micro, --seq 32, 2 steps, ranks 1,2, one round")
+    a = ap.parse_args()
+    if a.smoke:
+        a.model, a.seq, a.steps, a.ranks, a.rounds, a.batch = "preset:micro", 32, 2, "1,2", 1, 2
+    if not shutil.which("mpirun"):
+        sys.exit("dp.py: no mpirun (scripts/setup.sh installs openmpi-bin)")
+    os.makedirs(a.work, exist_ok=True)
+    ns = [int(x) for x in a.ranks.split(",")]
+    res = {n: [] for n in ns}
+    for r in range(a.rounds):
+        for n in ns:
+            res[n].append(run(a, n, f"n{n}"))
+    print(f"{a.model}, --seq {a.seq} --batch {a.batch} (global), {a.steps} steps, {a.rounds} round(s); "
+          f"{os.cpu_count()} CPUs")
+    print("| ranks | threads a rank | tok/s (median of rounds) | vs 1 rank | ledger peak a rank | peak RSS a rank "
+          "| sent a step a rank | formula 2(N-1)/N x 4 B x params |")
+    print("|---|---|---|---|---|---|---|---|")
+    base = statistics.median(x["tokens_per_s"] for x in res[ns[0]])
+    summary = []
+    for n in ns:
+        xs = res[n]
+        tps = statistics.median(x["tokens_per_s"] for x in xs)
+        peak = max(max(x["ledger_peak"]) for x in xs)
+        rss = max(max(x["rss"]) for x in xs) if all(x["rss"] for x in xs) else 0
+        sent = xs[-1]["bytes_sent_per_step"]
+        print(f"| {n} | {xs[0]['threads_per_rank']} | {tps:.0f} | {tps / base:.2f}x | {peak / 2**20:.1f} MiB | "
+              f"{rss / 2**20:.1f} MiB | {sent / 2**20:.2f} MiB | {xs[0]['formula_bytes'] / 2**20:.2f} MiB |")
+        summary.append({"ranks": n, "tokens_per_s": tps, "ledger_peak": peak, "rss": rss, "bytes_sent_per_step": sent,
+                        "formula_bytes": xs[0]["formula_bytes"], "runs": xs})
+    for n in ns[1:]:  # the same global batch: the 1-rank losses within fp32 rounding
+        a0, b0 = res[ns[0]][0]["losses"], res[n][0]["losses"]
+        worst = max(abs(x - y) / abs(x) for x, y in zip(a0, b0))
+        print(f"{n} ranks: losses within {worst:.1e} (relative) of {ns[0]} rank(s)'")
+        if worst > 1e-5:
+            sys.exit(f"dp.py: {n} ranks' losses {b0} differ from {a0}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"model": a.model, "seq": a.seq, "batch": a.batch, "steps": a.steps, "summary": summary}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

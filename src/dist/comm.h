@@ -1,0 +1,53 @@
+// The ranks of a run beyond one process: MPI when `mpirun` or `srun` launched oomless, one rank otherwise.
+//
+// A run started by a launcher (OpenMPI's OMPI_COMM_WORLD_SIZE, PMI's PMI_SIZE, PMIx's PMIX_RANK, Slurm's
+// SLURM_STEP_NUM_TASKS in the environment) joins MPI_COMM_WORLD at startup (dist::init, from main); any other
+// run is one rank and never touches MPI. Every collective below is deterministic: its result depends on the
+// ranks' inputs and the rank count only, never on timing or on the MPI library's algorithm choice (sums are
+// taken here, in rank order, not by MPI_Allreduce).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace oomless::dist {
+
+// Joins MPI_COMM_WORLD when a launcher started this process (once; later calls do nothing). Returns false
+// for a plain run. Throws oomless::Error when the environment names a launcher but this build has no MPI.
+bool init(int* argc, char*** argv);
+// Leaves MPI (at a normal exit). After an error, abort() instead: the other ranks must not wait on this one.
+void finalize();
+// Ends every rank of the job with `code` (MPI_Abort); returns only for a plain run.
+void abort(int code);
+
+int rank();        // 0 for a plain run
+int size();        // 1 for a plain run
+int local_size();  // ranks on this machine (the launcher's count; 1 for a plain run)
+inline bool distributed() { return size() > 1; }
+// Whether this build can join MPI (false: a plain run only).
+bool built_with_mpi();
+// "rank 2 of 4: " for a distributed run, "" otherwise: the prefix of messages every rank prints.
+std::string rank_prefix();
+
+// Blocks until every rank reaches it.
+void barrier();
+// The values of every rank, in rank order.
+std::vector<uint64_t> all_u64(uint64_t v);
+std::vector<double> all_f64(double v);
+// Whether any rank passes true.
+bool any(bool v);
+
+// Floats a caller sums at once (16 MiB; its scratch as much again): the trainer's gradient buckets.
+inline constexpr int64_t kSumBucket = int64_t{1} << 22;
+
+// x (n floats, the same n on every rank) becomes the sum over ranks, taken in rank order in float
+// (((x0 + x1) + x2) + ...), identical on every rank. `scratch` holds at least n + size() floats. Moves 2 (N-1)/N n
+// floats in and out of each rank (a reduce-scatter then an all-gather, as a ring all-reduce does).
+void sum_floats(float* x, int64_t n, float* scratch);
+
+// Bytes this rank has sent through the collectives above since the start (what the benchmarks compare with
+// the formulas: 2 (N-1)/N of the gradient per step for data parallel).
+uint64_t bytes_sent();
+
+}  // namespace oomless::dist

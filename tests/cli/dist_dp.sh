@@ -1,0 +1,131 @@
+#!/bin/sh
+# Data parallel over MPI ranks on this machine (`mpirun -np N oomless train`):
+#  - 2 and 3 ranks give the 1-rank run's losses and final weights within fp32 rounding (the same global batch);
+#  - a rerun with 2 ranks gives the same bytes (weights and optimizer state);
+#  - a checkpoint of 3 ranks resumes on 2 ranks and on 1, each continuing as the 1-rank run does; one of 2 ranks
+#    resumes on 2 to the uninterrupted run's bytes;
+#  - ranks started with different settings stop with an error naming the rank, and leave no run folder;
+#  - a rank killed in the middle of a run stops the others within a minute, and its last checkpoint resumes.
+# Skipped (77) when mpirun or an MPI build is missing.
+# usage: dist_dp.sh OOMLESS_BINARY SOURCE_DIR WORK_DIR
+set -u
+bin=$1; src=$2; work=$3/dist_dp
+command -v mpirun > /dev/null 2>&1 || { echo "no mpirun: skipped"; exit 77; }
+"$bin" --version | grep -q "MPI compiled in" || { echo "oomless built without MPI: skipped"; exit 77; }
+command -v python3 > /dev/null 2>&1 || { echo "no python3: skipped"; exit 77; }
+rm -rf "$work"; mkdir -p "$work"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+# Under the sanitizer build: the MPI library's own allocations at exit are not this program's leaks.
+export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0"
+args="--model preset:micro --data $src/data/kjv/eval.txt --seq 48 --batch 6 --eval-every 0 --threads 1 --lr 3e-3"
+mpi() { n=$1; shift; mpirun -np "$n" "$bin" "$@"; }
+
+# The tensors of two safetensors files within `tol` (max |a - b| / max |a|, per tensor), or byte-equal (tol 0).
+close() {
+  python3 - "$1" "$2" "$3" <<'EOF'
+import json, struct, sys, array
+def read(p):
+    b = open(p, "rb").read()
+    n = struct.unpack("<Q", b[:8])[0]
+    h = json.loads(b[8:8 + n]); h.pop("__metadata__", None)
+    out = {}
+    for k, v in h.items():
+        if v["dtype"] != "F32":
+            continue
+        s, e = v["data_offsets"]
+        a = array.array("f"); a.frombytes(b[8 + n + s:8 + n + e]); out[k] = a
+    return out
+a, b, tol = read(sys.argv[1]), read(sys.argv[2]), float(sys.argv[3])
+assert a.keys() == b.keys() and a, "different tensors"
+worst = 0.0
+for k in a:
+    scale = max(max(abs(x) for x in a[k]), 1e-30)
+    worst = max(worst, max(abs(x - y) for x, y in zip(a[k], b[k])) / scale)
+print(f"max relative difference {worst:.3g}")
+sys.exit(0 if worst <= tol else 1)
+EOF
+}
+losses() { python3 -c "import json,sys; print(' '.join('%.9f' % json.loads(l)['loss'] for l in open(sys.argv[1]) if '\"train\"' in l))" "$1"; }
+same_losses() {  # relative 1e-6
+  python3 -c "
+import sys
+a, b = [list(map(float, s.split())) for s in sys.argv[1:3]]
+sys.exit(0 if len(a) == len(b) and all(abs(x - y) <= 1e-6 * abs(x) for x, y in zip(a, b)) else 1)" "$1" "$2"
+}
+
+"$bin" train $args --steps 4 --save-every 2 --out "$work/one" > "$work/one.log" 2>&1 || { echo "1 rank failed"; cat "$work/one.log"; exit 1; }
+ref=$(losses "$work/one/metrics.jsonl")
+for n in 2 3; do
+  mpi $n train $args --steps 4 --save-every 2 --out "$work/r$n" > "$work/r$n.log" 2>&1 || { echo "$n ranks failed"; cat "$work/r$n.log"; exit 1; }
+  got=$(losses "$work/r$n/metrics.jsonl")
+  same_losses "$ref" "$got" || { echo "$n ranks: losses $got, 1 rank: $ref"; exit 1; }
+  close "$work/one/checkpoint-4/model.safetensors" "$work/r$n/checkpoint-4/model.safetensors" 1e-5 \
+    || { echo "$n ranks: final weights differ from 1 rank's"; exit 1; }
+  grep -q "\"ranks\":{\"size\":$n" "$work/r$n/metrics.jsonl" || { echo "$n ranks: no per-rank memory in metrics.jsonl"; exit 1; }
+  echo "$n ranks: the 1-rank losses ($got) and weights"
+done
+
+mpi 2 train $args --steps 4 --save-every 2 --out "$work/r2b" > "$work/r2b.log" 2>&1 || { echo "2 ranks again failed"; cat "$work/r2b.log"; exit 1; }
+for f in model.safetensors optimizer.safetensors; do
+  cmp -s "$work/r2/checkpoint-4/$f" "$work/r2b/checkpoint-4/$f" || { echo "2 ranks twice: $f differs"; exit 1; }
+done
+echo "2 ranks twice: the same bytes"
+
+# A 3-rank run's step-2 checkpoint, continued on 2 ranks and on 1 rank.
+for n in 2 1; do
+  cp -r "$work/r3" "$work/from3to$n" && rm -rf "$work/from3to$n/checkpoint-4"
+  python3 -c "
+import json, sys
+p = sys.argv[1]; lines = [l for l in open(p) if json.loads(l).get('step', 0) <= 2]
+open(p, 'w').writelines(lines)" "$work/from3to$n/metrics.jsonl"
+  mpi $n train $args --steps 4 --save-every 2 --out "$work/from3to$n" --resume > "$work/from3to$n.log" 2>&1 \
+    || { echo "3 ranks -> $n: resume failed"; cat "$work/from3to$n.log"; exit 1; }
+  got=$(losses "$work/from3to$n/metrics.jsonl")
+  same_losses "$ref" "$got" || { echo "3 ranks -> $n: losses $got, 1 rank: $ref"; exit 1; }
+  close "$work/one/checkpoint-4/model.safetensors" "$work/from3to$n/checkpoint-4/model.safetensors" 1e-5 \
+    || { echo "3 ranks -> $n: final weights differ from 1 rank's"; exit 1; }
+  echo "3 ranks' checkpoint resumed on $n: the 1-rank losses"
+done
+
+# The 2-rank run's step-2 checkpoint resumed on 2 ranks: the uninterrupted run's bytes.
+cp -r "$work/r2" "$work/again2" && rm -rf "$work/again2/checkpoint-4"
+mpi 2 train $args --steps 4 --save-every 2 --out "$work/again2" --resume > "$work/again2.log" 2>&1 \
+  || { echo "2 ranks -> 2: resume failed"; cat "$work/again2.log"; exit 1; }
+cmp -s "$work/r2/checkpoint-4/model.safetensors" "$work/again2/checkpoint-4/model.safetensors" \
+  || { echo "2 ranks -> 2: resumed weights differ from the uninterrupted run's"; exit 1; }
+echo "2 ranks' checkpoint resumed on 2: the uninterrupted run's bytes"
+
+# Other settings on one rank (an MPMD launch): an error naming it, from every rank; no folder left.
+mpirun -np 1 "$bin" train $args --steps 2 --out "$work/mixed" : -np 1 "$bin" train $args --steps 2 --lr 1e-3 --out "$work/mixed" \
+  > "$work/mixed.log" 2>&1 && { echo "mixed settings: ran"; exit 1; }
+grep -q "rank 1 was started with other settings than rank 0" "$work/mixed.log" || { echo "mixed settings: no such error"; cat "$work/mixed.log"; exit 1; }
+[ ! -e "$work/mixed" ] || { echo "mixed settings: left $work/mixed"; exit 1; }
+echo "mixed settings: refused"
+
+# A batch the ranks cannot share evenly.
+mpi 4 train $args --steps 1 --out "$work/uneven" > "$work/uneven.log" 2>&1 && { echo "6 sequences on 4 ranks: ran"; exit 1; }
+grep -q "4 ranks share each step's --batch x --grad-accum = 6 sequences" "$work/uneven.log" || { echo "uneven: no such error"; cat "$work/uneven.log"; exit 1; }
+echo "6 sequences on 4 ranks: refused"
+
+# A rank killed mid-run: the job ends (non-zero) within a minute and the last checkpoint resumes.
+mpirun -np 2 "$bin" train $args --steps 100000 --save-every 2 --out "$work/killed" > "$work/killed.log" 2>&1 &
+launcher=$!
+i=0
+until ls -d "$work/killed"/checkpoint-* > /dev/null 2>&1; do
+  i=$((i + 1)); [ $i -le 600 ] || { echo "kill: no checkpoint after 60 s"; kill $launcher; exit 1; }
+  sleep 0.1
+done
+victim=$(pgrep -P $launcher | tail -n 1)
+[ -n "$victim" ] || { echo "kill: no rank process found"; kill $launcher; exit 1; }
+kill -9 "$victim"
+i=0
+while kill -0 $launcher 2> /dev/null; do
+  i=$((i + 1)); [ $i -le 600 ] || { echo "kill: the other rank still runs after 60 s"; kill -9 $launcher; exit 1; }
+  sleep 0.1
+done
+wait $launcher && { echo "kill: the launcher reported success"; exit 1; }
+last=$(ls -d "$work/killed"/checkpoint-* | sort -t- -k2 -n | tail -n 1)
+step=${last##*-}
+"$bin" train $args --steps $((step + 2)) --save-every 2 --out "$work/killed" --resume > "$work/killed.2.log" 2>&1 \
+  || { echo "kill: resuming $last failed"; cat "$work/killed.2.log"; exit 1; }
+echo "rank killed after $last: the run stopped, and resumed from it"
