@@ -30,7 +30,8 @@ def run(a, n, tag):
     threads = a.threads_per_rank or max(1, (os.cpu_count() or 1) // n)
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1")
-    cmd = ["mpirun", "-np", str(n), "/usr/bin/time", "-v", a.oomless, "train", "--model", a.model, "--seq", str(a.seq),
+    # --bind-to none: OpenMPI binds each of 1-2 ranks to one core, which would leave a rank's second thread none.
+    cmd = ["mpirun", "-np", str(n), "--bind-to", "none", "/usr/bin/time", "-v", a.oomless, "train", "--model", a.model, "--seq", str(a.seq),
            "--batch", str(a.batch), "--steps", str(a.steps), "--threads", str(threads), "--eval-every", "0",
            "--save-every", "0", "--out", out]
     if a.data:

@@ -510,6 +510,11 @@ int run_training(const TrainConfig& c, const json::Value& plan) {
   } else if (dist::local_size() > 1) {  // ranks sharing this machine share its CPUs
     set_threads(std::max(1, omp_get_num_procs() / dist::local_size()));
   }
+  if (c.threads > omp_get_num_procs())
+    std::fprintf(stderr, "oomless train: %swarning: --threads %lld, but this process may run on %d CPU%s only (its "
+                 "affinity; under mpirun, --bind-to none or --map-by slot:PE=%lld gives a rank more)\n",
+                 dist::rank_prefix().c_str(), static_cast<long long>(c.threads), omp_get_num_procs(),
+                 omp_get_num_procs() == 1 ? "" : "s", static_cast<long long>(c.threads));
   if (dist::distributed()) check_ranks_agree(c);
   const bool writer = dist::rank() == 0;  // rank 0 writes the run folder: metrics, checkpoints, report
   std::string out = c.resume && !c.resume_dir.empty() ? c.resume_dir : c.out;
