@@ -73,11 +73,39 @@ Outputs run_fused(Ops& ops, const Problem& p, double grad_scale) {
   return o;
 }
 
+// The one-call version with a trained head (linear_cross_entropy_trained: dw += as well).
+Outputs run_trained(Ops& ops, const Problem& p, double grad_scale, bool w_as_bf16 = false) {
+  const DType act = ops.act_dtype();
+  const int64_t T = p.h.t().dims[0], E = p.h.t().dims[1];
+  HostTensor h = p.h.as(act);
+  HostTensor w = act == DType::f64 ? p.w.as(DType::f64) : p.w.clone();
+  Outputs o{CeResult{}, HostTensor(act, {T}), HostTensor(act, {T, E}), p.dw0.as(act)};
+  o.lse.fill(12345.0);
+  o.dh.fill(7.0);
+  o.r = ops.linear_cross_entropy_trained(o.lse, o.dh, o.dw, h, w_as_bf16 ? w.t().read_as_bf16() : w.t(), p.targets,
+                                         kIgnore, grad_scale);
+  return o;
+}
+
 // got - base, in f64.
 HostTensor minus(const HostTensor& got, const HostTensor& base) {
   HostTensor d(DType::f64, {got.numel()});
   for (int64_t i = 0; i < got.numel(); ++i) d.set(i, got.get(i) - base.get(i));
   return d;
+}
+
+// Bit for bit the same outputs: count, loss, lse, dh, and dw unless `dw_close` (then dw - dw0 within f32's
+// tolerance).
+void expect_same(const Outputs& got, const Outputs& want, const Problem& p, const std::string& what,
+                 bool dw_close = false) {
+  EXPECT_EQ(got.r.count, want.r.count) << what;
+  EXPECT_EQ(std::memcmp(&got.r.loss_sum, &want.r.loss_sum, sizeof(double)), 0) << what << " loss";
+  EXPECT_EQ(std::memcmp(got.lse.t().data, want.lse.t().data, want.lse.t().nbytes()), 0) << what << " lse";
+  EXPECT_EQ(std::memcmp(got.dh.t().data, want.dh.t().data, want.dh.t().nbytes()), 0) << what << " dh";
+  if (dw_close)
+    expect_close(minus(got.dw, p.dw0), minus(want.dw, p.dw0), tol_for(DType::f32), what + " dw - dw0");
+  else
+    EXPECT_EQ(std::memcmp(got.dw.t().data, want.dw.t().data, want.dw.t().nbytes()), 0) << what << " dw";
 }
 
 // Compares a backend's outputs with ref's at relative tolerance `tol`. The loss is a sum of
@@ -134,6 +162,8 @@ TEST_P(CrossEntropyMatrix, MatchesReference) {
   EXPECT_EQ(fused.r.count, got.r.count);
   EXPECT_EQ(std::memcmp(fused.lse.t().data, got.lse.t().data, got.lse.t().nbytes()), 0) << c.backend << " fused lse";
   expect_close(fused.dh, want.dh, tol_for(DType::f32), c.backend + " fused dh");
+  // The trained call (dw too): the forward's and backward's bits (the CPU backend keeps Tc rows here).
+  expect_same(run_trained(*ops, p, gs), got, p, c.backend + " trained");
 }
 
 std::vector<Case> all_cases() {
@@ -190,12 +220,13 @@ TEST(CrossEntropy, BitwiseIdenticalAcrossThreadCounts) {
   for (const std::string& be : backends_under_test())
     for (DType wt : {DType::f32, DType::bf16}) {
       Problem p = make_problem(1100, 64, 10007, wt, 99);  // several token and vocab chunks
-      std::vector<Outputs> outs, fused;
+      std::vector<Outputs> outs, fused, trained;
       for (int threads : {1, 2, 3}) {
         omp_set_num_threads(threads);
         auto ops = make_ops(be);
         outs.push_back(run(*ops, p, 0.25));
         fused.push_back(run_fused(*ops, p, 0.25));
+        trained.push_back(run_trained(*ops, p, 0.25));
       }
       omp_set_num_threads(max_threads);
       for (size_t k = 1; k < outs.size(); ++k) {
@@ -205,6 +236,7 @@ TEST(CrossEntropy, BitwiseIdenticalAcrossThreadCounts) {
               << what << " fused";
         EXPECT_EQ(std::memcmp(&outs[0].r.loss_sum, &outs[k].r.loss_sum, sizeof(double)), 0) << what << " loss";
         EXPECT_EQ(outs[0].r.count, outs[k].r.count) << what;
+        expect_same(trained[k], trained[0], p, what + " trained");
         for (auto m : {&Outputs::lse, &Outputs::dh, &Outputs::dw})
           EXPECT_EQ(std::memcmp((outs[0].*m).t().data, (outs[k].*m).t().data, (outs[0].*m).t().nbytes()), 0) << what;
       }
@@ -313,6 +345,7 @@ TEST(CrossEntropy, AllRowsIgnored) {
     p.targets.fill(kIgnore);
     auto ops = make_ops(be);
     Outputs o = run(*ops, p, 0.5), f = run_fused(*ops, p, 0.5);
+    expect_same(run_trained(*ops, p, 0.5), o, p, be + " trained");
     EXPECT_EQ(f.r.count, 0) << be;
     for (int64_t i = 0; i < f.dh.numel(); ++i) ASSERT_EQ(f.dh.get(i), 0.0) << be << " fused dh[" << i << "]";
     for (int64_t i = 0; i < f.lse.numel(); ++i) ASSERT_EQ(f.lse.get(i), 0.0) << be << " fused lse[" << i << "]";
@@ -321,6 +354,27 @@ TEST(CrossEntropy, AllRowsIgnored) {
     for (int64_t i = 0; i < o.lse.numel(); ++i) ASSERT_EQ(o.lse.get(i), 0.0) << be << " lse[" << i << "]";
     for (int64_t i = 0; i < o.dh.numel(); ++i) ASSERT_EQ(o.dh.get(i), 0.0) << be << " dh[" << i << "]";
     for (int64_t i = 0; i < o.dw.numel(); ++i) ASSERT_EQ(o.dw.get(i), p.dw0.get(i)) << be << " dw[" << i << "]";
+  }
+}
+
+// The trained call at a vocabulary whose Tc rows of logits (512 x 33000 floats) pass the CPU backend's 64 MiB
+// store: it keeps 496-row blocks, so lse, the loss and dh keep the two calls' bits and dw their value within
+// fp32 rounding; and with the head read as bf16 (bf16 compute), where every product takes bf16 operands.
+TEST(CrossEntropy, TrainedIsTheForwardThenTheBackward) {
+  for (const std::string& be : backends_under_test()) {
+    auto ops = make_ops(be);
+    Problem p = make_problem(600, 16, 33000, DType::f32, 17);
+    const double gs = grad_scale_for(p);
+    expect_same(run_trained(*ops, p, gs), run(*ops, p, gs), p, be + " V 33000", true);
+    Problem q = make_problem(300, 48, 5000, DType::f32, 18);
+    Outputs want = run_trained(*ops, q, 0.125);  // the same call twice: the same bits
+    expect_same(run_trained(*ops, q, 0.125), want, q, be + " again");
+    // bf16 compute: the forward then the backward over the head read as bf16.
+    HostTensor h = q.h.as(ops->act_dtype()), w = q.w.clone();
+    Outputs two{CeResult{}, HostTensor(ops->act_dtype(), {300}), HostTensor(ops->act_dtype(), {300, 48}), q.dw0.clone()};
+    two.r = ops->linear_cross_entropy_forward(two.lse, h, w.t().read_as_bf16(), q.targets, kIgnore);
+    ops->linear_cross_entropy_backward(two.dh, two.dw, h, w.t().read_as_bf16(), q.targets, two.lse, kIgnore, 0.125);
+    expect_same(run_trained(*ops, q, 0.125, true), two, q, be + " head read as bf16");
   }
 }
 

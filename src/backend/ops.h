@@ -113,7 +113,7 @@ class Ops {
   // Held while one fused LM head + cross-entropy call runs (h (T, E), w (V, E)): `w_read_as_bf16` under bf16
   // compute, `w_widened` when w is stored bf16 or quantised and read in f32. `products`, when given, receives
   // the (M, N, K) of the products the call runs through matmul's packing (see matmul_workspace).
-  enum class CeCall { forward, backward, fused };
+  enum class CeCall { forward, backward, fused, trained };
   virtual size_t cross_entropy_workspace(CeCall call, int64_t T, int64_t E, int64_t V, bool w_read_as_bf16,
                                          bool w_widened,
                                          std::vector<std::array<int64_t, 3>>* products = nullptr) const {
@@ -258,6 +258,18 @@ class Ops {
                                               int32_t ignore_index, double grad_scale) {
     const CeResult r = linear_cross_entropy_forward(lse, h, w, targets, ignore_index);
     linear_cross_entropy_backward(dh, Tensor(), h, w, targets, lse, ignore_index, grad_scale);
+    return r;
+  }
+
+  // The forward and the whole backward (dh, and dw += with a trained head) in one call, when grad_scale is known
+  // before the forward: lse, the loss, dh and dw as linear_cross_entropy_forward then _backward give them (the
+  // CPU backend: bit for bit, or dw within fp32 rounding when it must cut the tokens finer, see
+  // cross_entropy.cpp). This version calls the two; the CPU backend keeps a block of tokens' logits over the
+  // whole vocabulary, so the logits are computed once (three GEMMs over the vocabulary instead of four).
+  virtual CeResult linear_cross_entropy_trained(Tensor lse, Tensor dh, Tensor dw, Tensor h, Tensor w, Tensor targets,
+                                                int32_t ignore_index, double grad_scale) {
+    const CeResult r = linear_cross_entropy_forward(lse, h, w, targets, ignore_index);
+    linear_cross_entropy_backward(dh, dw, h, w, targets, lse, ignore_index, grad_scale);
     return r;
   }
 

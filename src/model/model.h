@@ -143,9 +143,11 @@ class Model {
   // Forward of one sequence: ids (T) i32, targets (T) i32 with -100 = not supervised. Returns the
   // summed cross-entropy and the supervised count. With for_backward the activations the SavePolicy
   // names are kept for backward().
-  // Given the grad_scale that backward() will get (training: 1 / the step's supervised count), a frozen
-  // LM head computes its dh with the loss (Ops::linear_cross_entropy_fused: the logits once instead of
-  // twice); the loss and every gradient agree with the two-pass form within fp32 rounding.
+  // Given the grad_scale that backward() will get (training: 1 / the step's supervised count), the LM head
+  // computes its dh (and a trained head's dw) with the loss: Ops::linear_cross_entropy_fused for a frozen
+  // head, _trained for a trained one, the logits once instead of twice; the loss and every gradient agree
+  // with the two-pass form within fp32 rounding (on the CPU, bit for bit but a trained head's dw at large
+  // vocabularies, see cross_entropy.cpp).
   CeResult forward(Tensor ids, Tensor targets, bool for_backward, std::optional<double> grad_scale = std::nullopt);
   // Backward of the last forward(for_backward = true): parameter gradients += d(grad_scale * loss_sum).
   void backward(double grad_scale);
@@ -218,8 +220,8 @@ class Model {
   // grad_scale: as forward's.
   CeResult chunk_forward(Tensor ids, Tensor targets, int64_t t0, ChunkKv& kv, bool store, bool loss, bool for_backward,
                          std::optional<double> grad_scale = std::nullopt);
-  // The final norm's output hn through the LM head: the loss and lse, and with a scale for a frozen head
-  // also dh (fused_scale_ set).
+  // The final norm's output hn through the LM head: the loss and lse, and with a scale also dh and a trained
+  // head's dw (fused_scale_ set).
   CeResult head_forward(Tensor lse, Tensor hn, Tensor targets, bool for_backward, std::optional<double> grad_scale);
 
   // Projection p of `layer` as a Linear (model/linear.h): the weight the GEMMs read, the bias, the adapter

@@ -35,9 +35,12 @@ Tensor Model::run_blocks(Tensor ids, Tensor pos, std::vector<KvSlots>* cache, in
 CeResult Model::head_forward(Tensor lse, Tensor hn, Tensor targets, bool for_backward, std::optional<double> grad_scale) {
   fused_scale_.reset();
   const Linear head = head_linear();
-  if (!for_backward || !grad_scale || head.gw.data) return ops_.linear_cross_entropy_forward(lse, hn, head.w, targets, kIgnore);
+  if (!for_backward || !grad_scale) return ops_.linear_cross_entropy_forward(lse, hn, head.w, targets, kIgnore);
+  // Training: the head's whole backward with the loss (a trained head's dw too), so backward starts at dh.
   Tensor dh(s_->dh.data, act_, {hn.dims[0], cfg_.E});
-  const CeResult r = ops_.linear_cross_entropy_fused(lse, dh, hn, head.w, targets, kIgnore, *grad_scale);
+  const CeResult r =
+      head.gw.data ? ops_.linear_cross_entropy_trained(lse, dh, head.gw, hn, head.w, targets, kIgnore, *grad_scale)
+                   : ops_.linear_cross_entropy_fused(lse, dh, hn, head.w, targets, kIgnore, *grad_scale);
   fused_scale_ = grad_scale;
   return r;
 }

@@ -527,7 +527,7 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
                                                             backward ? saved_k : f, ms.bf16));
   const bool head_widened = (tables_elsewhere && !adapters) || (tables_elsewhere && !head_trained);
   std::vector<std::array<int64_t, 3>> products = model_products(ms, T, !adapters);
-  for (Ops::CeCall call : head_trained ? std::vector<Ops::CeCall>{Ops::CeCall::forward, Ops::CeCall::backward}
+  for (Ops::CeCall call : head_trained ? std::vector<Ops::CeCall>{Ops::CeCall::forward, Ops::CeCall::trained}
                                        : std::vector<Ops::CeCall>{Ops::CeCall::forward, Ops::CeCall::fused})
     transient = std::max(transient, ops.cross_entropy_workspace(call, T, E, V, ms.bf16, head_widened, &products));
   // The model's and the head's products take bf16 operands under bf16 compute; GaLore's are f32 always.

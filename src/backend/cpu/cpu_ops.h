@@ -77,6 +77,8 @@ class CpuOps final : public Ops {
                                      int32_t ignore_index, double grad_scale) override;
   CeResult linear_cross_entropy_fused(Tensor lse, Tensor dh, Tensor h, Tensor w, Tensor targets, int32_t ignore_index,
                                       double grad_scale) override;
+  CeResult linear_cross_entropy_trained(Tensor lse, Tensor dh, Tensor dw, Tensor h, Tensor w, Tensor targets,
+                                        int32_t ignore_index, double grad_scale) override;
   void adamw_step(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamWConfig& cfg) override;
   void adamw8bit_step(Tensor param, Tensor grad, Tensor m_codes, Tensor m_absmax, Tensor v_codes, Tensor v_absmax,
                       const AdamWConfig& cfg) override;

@@ -24,6 +24,20 @@
 // GEMMs per (vocabulary chunk, token chunk) instead of the forward's one and the backward's two; lse and
 // the loss are the forward's bits.
 //
+// Trained (training with a trainable head, grad_scale known before the forward): the logits of a block of Tb
+// tokens over the whole vocabulary are kept (the store, Tb x V floats), so that each is computed once. For each
+// block: pass A computes the logits tiles (Tb, Vc) into the store, vocabulary chunk by chunk, and updates each
+// row's running max and sum as the forward does (on a copy of the row's chunk: exp_shift_sum works in place);
+// the rows' lse and losses follow. Pass B turns the store into dlogits as the backward does and takes
+//   dh_block (Tb, E) = / += dlogits_chunk . w_chunk,   dw_chunk (Vc, E) += dlogits_chunk^T . h_block
+// per chunk. Three GEMMs per (vocabulary chunk, token block) instead of the forward's one and the backward's
+// three. Tb is the forward's Tc when Tc rows of the store fit kStoreBytes: every product then has the
+// forward's and backward's shapes and every output is theirs bit for bit (the products' sums run over E or
+// over the vocabulary chunk in the same order; dw's terms come in the same token-chunk order). Otherwise Tb
+// is as many rows as fit (a multiple of 16): lse, the loss and dh are still theirs bit for bit, dw sums over
+// other token chunks (within fp32 rounding); with fewer than kMinStoreRows rows the call is the forward then
+// the backward.
+//
 // Scratch, one workspace allocation per call; it does not grow with V, and with T only through the
 // forward's 16 bytes of row state. The sizes are measured choices (a 2-core AVX2 machine, E = 576,
 // V = 49152: tiles from 4 to 32 MiB and Vc from 1024 to 8192 were within noise of each other, the
@@ -63,6 +77,8 @@ constexpr int64_t kMinVocabChunk = 256;
 constexpr int64_t kWChunkBytes = int64_t{16} << 20;
 constexpr int64_t kTileBytes = int64_t{8} << 20;
 constexpr int kLanes = 8;        // fixed summation lanes of the per-row exp sums
+constexpr int64_t kStoreBytes = int64_t{64} << 20;  // the trained form's logits rows
+constexpr int64_t kMinStoreRows = 64;
 
 struct Plan {
   int64_t Vc, Tc;
@@ -77,6 +93,15 @@ Plan plan_for(int64_t T, int64_t E, int64_t V) {
   return {vc, tc};
 }
 
+// The trained form's token block: Tc when Tc rows of V logits fit kStoreBytes, else the multiple of 16 rows that
+// fit; 0 (the forward then the backward) when fewer than kMinStoreRows do.
+int64_t store_rows(const Plan& pl, int64_t T, int64_t V) {
+  const int64_t fit = kStoreBytes / (4 * std::max<int64_t>(V, 1));
+  if (pl.Tc <= fit) return pl.Tc;
+  const int64_t r = fit / 16 * 16;
+  return r >= kMinStoreRows ? std::min(r, T) : 0;
+}
+
 // n rounded up to a multiple of 16 elements, so that every scratch region starts 64-byte aligned.
 size_t padded(int64_t n) { return static_cast<size_t>((n + 15) / 16 * 16); }
 
@@ -86,6 +111,15 @@ using CeCall = Ops::CeCall;
 // the widened w chunk, h in bf16, the tile in bf16, the fused form's per-thread target rows, and the row state.
 size_t scratch_bytes(CeCall call, int64_t T, int64_t E, int64_t V, bool bf16, bool widen) {
   const Plan pl = plan_for(T, E, V);
+  if (call == CeCall::trained) {
+    const int64_t tb = store_rows(pl, T, V);
+    if (tb == 0)  // the forward, then the backward
+      return std::max(scratch_bytes(CeCall::forward, T, E, V, bf16, widen),
+                      scratch_bytes(CeCall::backward, T, E, V, bf16, widen));
+    const size_t store_n = padded(tb * V), wc_n = widen ? padded(pl.Vc * E) : 0, hb_n = bf16 ? padded(T * E) / 2 : 0;
+    const size_t tbf_n = bf16 ? padded(tb * pl.Vc) / 2 : 0, rows_n = padded(omp_get_max_threads() * pl.Vc);
+    return 4 * (store_n + wc_n + hb_n + tbf_n + rows_n) + 16 * padded(tb);
+  }
   const size_t tile_n = padded(pl.Tc * pl.Vc), wc_n = widen ? padded(pl.Vc * E) : 0;
   const size_t hb_n = bf16 ? padded(T * E) / 2 : 0, tb_n = bf16 && call != CeCall::forward ? tile_n / 2 : 0;
   const size_t row_n = call == CeCall::fused ? padded(omp_get_max_threads() * E) : 0;
@@ -170,9 +204,9 @@ void round_rows(uint16_t* dst, const float* src, int64_t n) {
 // dlogits or P tile, N = E, K = nv). f32: wv holds the chunk's rows (w_chunk); bf16: a is bf16 and w is read
 // in place.
 void gemm_w(Gemm& g, const Tensor& w, bool bf16, int64_t v0, const float* wv, const void* a, float* c, int64_t M,
-            int64_t N, int64_t K, bool tb, bool acc, int64_t E) {
+            int64_t N, int64_t K, bool tb, bool acc, int64_t E, int64_t lda = 0, int64_t ldc = 0) {
   GemmShape s;
-  s.M = M, s.N = N, s.K = K, s.tb = tb, s.accumulate = acc;
+  s.M = M, s.N = N, s.K = K, s.tb = tb, s.accumulate = acc, s.lda = lda, s.ldc = ldc;
   if (!bf16) return g.run(s, a, wv, c);
   s.ab = DType::bf16;
   if (w.quant) {
@@ -205,7 +239,8 @@ RowStep online_row(float* x, int64_t nv, int64_t jt, float* rmax, double* rsum, 
   return {cs, alpha};
 }
 
-// lse = m + log l per supervised row (0 elsewhere) and the loss, summed over rows in order in double.
+// lse = m + log l per supervised row (0 elsewhere) and the loss, summed over rows in order in double (rows
+// [0, T) of tg, lp and the row state; callers add an offset for a block of rows).
 void finish_loss(int64_t T, const int32_t* tg, int32_t ignore_index, const float* rmax, const double* rsum,
                  const float* tlogit, float* lp, CeResult* res) {
   for (int64_t t = 0; t < T; ++t) {
@@ -472,14 +507,119 @@ CeResult CpuOps::linear_cross_entropy_fused(Tensor lse, Tensor dh, Tensor h, Ten
   return res;
 }
 
+CeResult CpuOps::linear_cross_entropy_trained(Tensor lse, Tensor dh, Tensor dw, Tensor h, Tensor w, Tensor targets,
+                                              int32_t ignore_index, double grad_scale) {
+  const CeDims dims = check_cross_entropy(kOp, lse, h, w, targets, ignore_index, kAct);
+  check_cross_entropy_backward(kOp, dims, dh, dw, kAct);
+  auto [T_, E_, V_] = dims;
+  // Copies: clang before 16 cannot capture structured bindings in lambdas / OpenMP regions.
+  const int64_t T = T_, E = E_, V = V_;
+  const Plan pl = plan_for(T, E, V);
+  const int64_t Tb = store_rows(pl, T, V);
+  if (Tb == 0 || !dw.data) return Ops::linear_cross_entropy_trained(lse, dh, dw, h, w, targets, ignore_index, grad_scale);
+  const float* hp = static_cast<const float*>(h.data);
+  const int32_t* tg = static_cast<const int32_t*>(targets.data);
+  float* lp = static_cast<float*>(lse.data);
+  float* dhp = static_cast<float*>(dh.data);
+  float* dwp = static_cast<float*>(dw.data);
+  CeResult res;
+  res.count = supervised_rows(tg, T, ignore_index);
+  if (res.count == 0) {  // as the forward and the backward: lse 0, dh 0, dw unchanged
+    std::fill(lp, lp + T, 0.0f);
+    std::fill(dhp, dhp + T * E, 0.0f);
+    return res;
+  }
+  const bool bf16 = bf16_operands(w);
+  const bool widen = !bf16 && (w.dtype == DType::bf16 || w.as_bf16 || w.quant);
+  const size_t store_n = padded(Tb * V), wc_n = widen ? padded(pl.Vc * E) : 0, hb_n = bf16 ? padded(T * E) / 2 : 0;
+  const size_t tbf_n = bf16 ? padded(Tb * pl.Vc) / 2 : 0;
+  Buffer buf = scratch(scratch_bytes(CeCall::trained, T, E, V, bf16, widen), "cross_entropy");
+  float* store = buf.as<float>();                                  // (Tb, V) logits, then dlogits in place
+  float* wc = store + store_n;                                     // (Vc, E) when w is bf16 or quantised (f32 GEMMs)
+  uint16_t* hb = reinterpret_cast<uint16_t*>(wc + wc_n);          // (T, E) h in bf16 (bf16 GEMMs)
+  uint16_t* tbf = reinterpret_cast<uint16_t*>(wc + wc_n + hb_n);  // (Tb, Vc) a dlogits chunk in bf16
+  float* rows = wc + wc_n + hb_n + tbf_n;                          // (threads, Vc) a row's chunk, exponentiated
+  float* rmax = rows + padded(omp_get_max_threads() * pl.Vc);      // (Tb) running max
+  double* rsum = reinterpret_cast<double*>(rmax + padded(Tb));     // (Tb) running sum of exp(logit - rmax)
+  float* tlogit = reinterpret_cast<float*>(rsum + padded(Tb));     // (Tb) the target's logit
+  const float gs = static_cast<float>(grad_scale);
+  if (bf16) round_rows(hb, hp, T * E);
+
+  for (int64_t t0 = 0; t0 < T; t0 += Tb) {
+    const int64_t nt = std::min(Tb, T - t0);
+    for (int64_t i = 0; i < nt; ++i) {
+      rsum[i] = 0.0;
+      rmax[i] = -std::numeric_limits<float>::infinity();
+      tlogit[i] = 0.0f;
+    }
+    const void* ha = bf16 ? static_cast<const void*>(hb + t0 * E) : hp + t0 * E;
+    // Pass A: the logits, and each row's running max and sum as the forward takes them.
+    for (int64_t v0 = 0; v0 < V; v0 += pl.Vc) {
+      const int64_t nv = std::min(pl.Vc, V - v0);
+      const float* wv = bf16 ? nullptr : w_chunk(w, v0, nv, E, wc);
+      gemm_w(gemm(), w, bf16, v0, wv, ha, store + v0, nt, nv, E, true, false, E, 0, V);
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < nt; ++i) {
+        const int64_t t = t0 + i;
+        if (tg[t] == ignore_index) continue;
+        float* x = rows + static_cast<int64_t>(omp_get_thread_num()) * pl.Vc;
+        std::memcpy(x, store + i * V + v0, sizeof(float) * static_cast<size_t>(nv));
+        online_row(x, nv, tg[t] >= v0 && tg[t] < v0 + nv ? tg[t] - v0 : -1, &rmax[i], &rsum[i], &tlogit[i]);
+      }
+    }
+    finish_loss(nt, tg + t0, ignore_index, rmax, rsum, tlogit, lp + t0, &res);
+    // Pass B: dlogits in place, then dh and dw, chunk by chunk.
+    for (int64_t v0 = 0; v0 < V; v0 += pl.Vc) {
+      const int64_t nv = std::min(pl.Vc, V - v0);
+      const float* wv = bf16 ? nullptr : w_chunk(w, v0, nv, E, wc);
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < nt; ++i) {
+        const int64_t t = t0 + i;
+        float* x = store + i * V + v0;
+        if (tg[t] == ignore_index) {
+          std::memset(x, 0, static_cast<size_t>(nv) * sizeof(float));
+        } else {
+          const float l = lp[t];
+          const int64_t jt = tg[t] >= v0 && tg[t] < v0 + nv ? tg[t] - v0 : -1;
+          const float pt = jt >= 0 ? exp_f32(x[jt] - l) : 0.0f;
+          scaled_exp_row(x, nv, gs, l);
+          if (jt >= 0) x[jt] = gs * (pt - 1.0f);
+        }
+        if (bf16)
+          oomless::convert(tbf + i * nv, DType::bf16, x, DType::f32, nv);
+      }
+      // dh (nt, E) = / += dlogits (nt, nv) . wv (nv, E)
+      if (bf16)
+        gemm_w(gemm(), w, bf16, v0, wv, tbf, dhp + t0 * E, nt, E, nv, false, v0 > 0, E);
+      else
+        gemm_w(gemm(), w, bf16, v0, wv, store + v0, dhp + t0 * E, nt, E, nv, false, v0 > 0, E, V);
+      // dw (nv, E) += dlogits^T (nv, nt) . h (nt, E)
+      if (bf16)
+        gemm().run(GemmShape{.M = nv, .N = E, .K = nt, .ta = true, .ab = DType::bf16, .accumulate = true}, tbf,
+                   hb + t0 * E, dwp + v0 * E);
+      else
+        gemm().run(GemmShape{.M = nv, .N = E, .K = nt, .ta = true, .lda = V, .accumulate = true}, store + v0,
+                   hp + t0 * E, dwp + v0 * E);
+    }
+  }
+  return res;
+}
+
 size_t CpuOps::cross_entropy_workspace(CeCall call, int64_t T, int64_t E, int64_t V, bool w_read_as_bf16,
                                        bool w_widened, std::vector<std::array<int64_t, 3>>* products) const {
   if (T <= 0 || V <= 0) return 0;
   if (products) {  // per (vocabulary chunk, token chunk): the logits; dh; dw (backward with a trained head)
     const Plan pl = plan_for(T, E, V);
-    products->push_back({pl.Tc, pl.Vc, E});
-    if (call != CeCall::forward) products->push_back({pl.Tc, E, pl.Vc});
-    if (call == CeCall::backward) products->push_back({pl.Vc, E, pl.Tc});
+    const int64_t tb = call == CeCall::trained ? store_rows(pl, T, V) : pl.Tc;
+    if (call == CeCall::trained && tb > 0) {  // per (vocabulary chunk, token block): the same three
+      products->push_back({tb, pl.Vc, E});
+      products->push_back({tb, E, pl.Vc});
+      products->push_back({pl.Vc, E, tb});
+    } else {
+      products->push_back({pl.Tc, pl.Vc, E});
+      if (call != CeCall::forward) products->push_back({pl.Tc, E, pl.Vc});
+      if (call == CeCall::backward || call == CeCall::trained) products->push_back({pl.Vc, E, pl.Tc});
+    }
   }
   return scratch_bytes(call, T, E, V, w_read_as_bf16, !w_read_as_bf16 && w_widened);
 }
