@@ -50,6 +50,8 @@
 //                                            (d)logits tile rounded, so every GEMM takes bf16 operands
 //   row state         T * 16 bytes        forward only (running max, running sum, target logit)
 // so at most 28 MiB + 18 T + 2 T E bytes, plus the GEMM scratchpads that Gemm charges to the same arena.
+// The trained form holds instead its store (Tb * V * 4 bytes <= kStoreBytes, 64 MiB), a chunk of a row per
+// thread, Tb rows of state, and under bf16 compute h and one dlogits chunk in bf16.
 //
 // Determinism: chunk sizes depend on (T, E, V) only; each row is handled by one thread; per-row sums use
 // a fixed lane pattern; partial results across tiles combine in loop order; the loss is summed over
