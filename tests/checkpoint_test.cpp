@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <random>
 #include <fstream>
 #include <iterator>
 #include <string>
@@ -105,7 +106,38 @@ std::string error_of(const std::function<void()>& f) {
 
 // ---------------------------------------------------------------------------------------------------
 
-TEST(Sha256, NistVectors) {
+// The vectors on every implementation this CPU runs (portable, and SHA-NI where it has the extensions).
+class Sha256Paths : public testing::TestWithParam<bool> {
+ protected:
+  void SetUp() override {
+    if (GetParam() && !sha256_sha_ni()) GTEST_SKIP() << "this CPU has no SHA extensions";
+    was_ = sha256_sha_ni();
+    set_sha256_sha_ni(GetParam());
+  }
+  void TearDown() override { set_sha256_sha_ni(was_); }
+  bool was_ = false;
+};
+INSTANTIATE_TEST_SUITE_P(Sha256, Sha256Paths, testing::Values(false, true),
+                         [](const testing::TestParamInfo<bool>& i) { return i.param ? "sha_ni" : "portable"; });
+
+// Random messages of every length up to 300 bytes and a few long ones: the SHA-NI digests are the portable ones.
+TEST(Sha256, ShaNiIsThePortableDigest) {
+  if (!sha256_sha_ni()) GTEST_SKIP() << "this CPU has no SHA extensions";
+  std::mt19937_64 rng(7);
+  std::vector<size_t> lengths;
+  for (size_t n = 0; n <= 300; ++n) lengths.push_back(n);
+  for (size_t n : {4096, 65536 + 17, 1000003}) lengths.push_back(n);
+  for (size_t n : lengths) {
+    std::string m(n, '\0');
+    for (char& c : m) c = static_cast<char>(rng());
+    set_sha256_sha_ni(false);
+    const std::string want = sha256_hex(m.data(), m.size());
+    set_sha256_sha_ni(true);
+    ASSERT_EQ(sha256_hex(m.data(), m.size()), want) << "length " << n;
+  }
+}
+
+TEST_P(Sha256Paths, NistVectors) {
   EXPECT_EQ(sha256_hex("", 0), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
   EXPECT_EQ(sha256_hex("abc", 3), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
   const std::string m448 = "abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq";

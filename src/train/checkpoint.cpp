@@ -9,6 +9,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
@@ -49,7 +54,9 @@ inline uint32_t rotr(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
 Sha256::Sha256()
     : h_{0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19} {}
 
-void Sha256::block(const uint8_t* p) {
+namespace {
+
+void block_portable(uint32_t* h_, const uint8_t* p) {
   uint32_t w[64];
   for (int t = 0; t < 16; ++t)
     w[t] = uint32_t(p[4 * t]) << 24 | uint32_t(p[4 * t + 1]) << 16 | uint32_t(p[4 * t + 2]) << 8 | p[4 * t + 3];
@@ -81,6 +88,72 @@ void Sha256::block(const uint8_t* p) {
   h_[7] += h;
 }
 
+#if defined(__x86_64__)
+// The same compression on SHA-NI. The state lives as (A, B, E, F) and (C, D, G, H), the word order
+// sha256rnds2 takes; each sha256rnds2 runs two rounds on two words of message + constants, and
+// sha256msg1 / sha256msg2 extend the message schedule four words at a time:
+//   W[t..t+3] = msg2(msg1(W[t-16..t-13], W[t-12..t-9]) + W[t-7..t-4], W[t-4..t-1]).
+__attribute__((target("sha,ssse3,sse4.1"))) void blocks_sha_ni(uint32_t* h, const uint8_t* p, size_t n) {
+  const __m128i bswap = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);  // big-endian words
+  // Lanes listed from lane 0 up.
+  __m128i t = _mm_shuffle_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)), 0xB1);      // B A D C
+  __m128i s1 = _mm_shuffle_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 4)), 0x1B);  // H G F E
+  __m128i s0 = _mm_alignr_epi8(t, s1, 8);  // F E B A
+  s1 = _mm_blend_epi16(s1, t, 0xF0);      // H G D C
+  for (; n > 0; --n, p += 64) {
+    const __m128i abef = s0, cdgh = s1;
+    __m128i w[4];
+    for (int i = 0; i < 16; ++i) {
+      __m128i x;
+      if (i < 4) {
+        x = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * i)), bswap);
+      } else {
+        x = _mm_add_epi32(_mm_sha256msg1_epu32(w[i & 3], w[(i + 1) & 3]), _mm_alignr_epi8(w[(i + 3) & 3], w[(i + 2) & 3], 4));
+        x = _mm_sha256msg2_epu32(x, w[(i + 3) & 3]);
+      }
+      w[i & 3] = x;
+      __m128i m = _mm_add_epi32(x, _mm_loadu_si128(reinterpret_cast<const __m128i*>(kK + 4 * i)));
+      s1 = _mm_sha256rnds2_epu32(s1, s0, m);
+      s0 = _mm_sha256rnds2_epu32(s0, s1, _mm_shuffle_epi32(m, 0x0E));
+    }
+    s0 = _mm_add_epi32(s0, abef);
+    s1 = _mm_add_epi32(s1, cdgh);
+  }
+  t = _mm_shuffle_epi32(s0, 0x1B);   // A B E F
+  s1 = _mm_shuffle_epi32(s1, 0xB1);  // G H C D
+  s0 = _mm_blend_epi16(t, s1, 0xF0); // A B C D
+  s1 = _mm_alignr_epi8(s1, t, 8);    // E F G H
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(h), s0);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(h + 4), s1);
+}
+
+bool cpu_has_sha_ni() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(b & (1u << 29))) return false;  // SHA
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
+  return (c & (1u << 9)) && (c & (1u << 19));  // SSSE3, SSE4.1
+}
+#else
+bool cpu_has_sha_ni() { return false; }
+#endif
+
+bool g_sha_ni = cpu_has_sha_ni();
+
+}  // namespace
+
+bool sha256_sha_ni() { return g_sha_ni; }
+void set_sha256_sha_ni(bool on) {
+  OOM_CHECK(!on || cpu_has_sha_ni(), "[checkpoint] this CPU has no SHA extensions");
+  g_sha_ni = on;
+}
+
+void Sha256::blocks(const uint8_t* p, size_t n) {
+#if defined(__x86_64__)
+  if (g_sha_ni) return blocks_sha_ni(h_, p, n);
+#endif
+  for (; n > 0; --n, p += 64) block_portable(h_, p);
+}
+
 void Sha256::update(const void* data, size_t n) {
   auto p = static_cast<const uint8_t*>(data);
   total_ += n;
@@ -91,10 +164,12 @@ void Sha256::update(const void* data, size_t n) {
     p += take;
     n -= take;
     if (buf_len_ < 64) return;
-    block(buf_);
+    blocks(buf_, 1);
     buf_len_ = 0;
   }
-  for (; n >= 64; p += 64, n -= 64) block(p);
+  blocks(p, n / 64);
+  p += n / 64 * 64;
+  n %= 64;
   if (n > 0) std::memcpy(buf_, p, n);
   buf_len_ = n;
 }
