@@ -363,6 +363,41 @@ TEST(Rope, ARepeatedCallIsTheFreshCall) {
   }
 }
 
+// Ids and targets outside the vocabulary: each backend checks the values where it reads them (the shared
+// checks read no tensor memory), with a message naming the op, the value and its position.
+TEST(OpsErrors, IdsAndTargetsOutsideTheVocabularyNameThem) {
+  std::vector<std::string> bes = backends_under_test();
+  bes.push_back("ref");
+  for (const std::string& be : bes) {
+    auto ops = make_ops(be);
+    const DType act = ops->act_dtype();
+    HostTensor table(act, {6, 5}), rows(act, {4, 5}), ids(DType::i32, {4});
+    table.fill(0.5);
+    for (int64_t t = 0; t < 4; ++t) ids.set(t, t == 2 ? 99 : t);
+    auto expect_msg = [&](auto&& fn, const std::string& want) {
+      try {
+        fn();
+        ADD_FAILURE() << be << ": no error, expected " << want;
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << be << ": " << e.what();
+      }
+    };
+    expect_msg([&] { ops->embedding_forward(rows, ids, table); },
+               "[embedding] id 99 at position 2 is outside the vocabulary [0, 6)");
+    expect_msg([&] { ops->embedding_backward(table, rows, ids); },
+               "[embedding_backward] id 99 at position 2 is outside the vocabulary [0, 6)");
+    HostTensor h(act, {4, 5}), lse(act, {4}), dh(act, {4, 5}), dw(act, {6, 5}), tg(DType::i32, {4});
+    h.fill(0.25);
+    for (int64_t t = 0; t < 4; ++t) tg.set(t, t == 3 ? 6 : t == 1 ? -100 : t);
+    const std::string bad = "target 6 of row 3 is outside the vocabulary [0, 6) and is not the ignore index -100";
+    expect_msg([&] { ops->linear_cross_entropy_forward(lse, h, table, tg, -100); }, bad);
+    expect_msg([&] { ops->linear_cross_entropy_backward(dh, dw, h, table, tg, lse, -100, 1.0); }, bad);
+    expect_msg([&] { ops->linear_cross_entropy_fused(lse, dh, h, table, tg, -100, 1.0); }, bad);
+    expect_msg([&] { ops->linear_cross_entropy_trained(lse, dh, dw, h, table, tg, -100, 1.0); }, bad);
+    expect_msg([&] { ops->target_logits(h, table, tg, -100); }, bad);
+  }
+}
+
 // Only matmul's b and the cross-entropy head take a tensor read as bf16; every other use names it.
 TEST(OpsErrors, ReadAsBf16IsRefusedWhereNotSupported) {
   for (const std::string& be : backends_under_test()) {

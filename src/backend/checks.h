@@ -14,8 +14,15 @@ MatmulDims check_matmul(const Tensor& c, const Tensor& a, const Tensor& b, bool 
 struct RowsCols {
   int64_t rows, cols;
 };
+// Shapes and dtypes only: these checks read no tensor's memory (it may be a device's). The values of ids and
+// targets are checked by each backend where it reads them: check_ids / check_targets below on host memory
+// (the CPU backends' tensors themselves), with the same messages.
 RowsCols check_embedding(const char* op, const Tensor& rows_out, const Tensor& ids, const Tensor& table, DType act,
                          bool table_may_be_bf16);
+// Every id in [0, V): else "OP id X at position T is outside the vocabulary [0, V)".
+void check_ids(const char* op, const int32_t* ids, int64_t T, int64_t V);
+// Every target in [0, V) or ignore_index: else "OP target X of row T is outside the vocabulary ...".
+void check_targets(const char* op, const int32_t* targets, int64_t T, int64_t V, int32_t ignore_index);
 RowsCols check_rmsnorm(const char* op, const Tensor& out, const Tensor& rstd, const Tensor& in, const Tensor& weight,
                        DType act);
 struct RopeDims {
@@ -60,7 +67,7 @@ AttentionDims check_attention_merge(const char* op, const Tensor& o, const Tenso
 struct CeDims {
   int64_t T, E, V;
 };
-// Also checks that every target is in [0, V) or equals ignore_index.
+// The targets' values: check_targets, by the backend.
 CeDims check_cross_entropy(const char* op, const Tensor& lse, const Tensor& h, const Tensor& w, const Tensor& targets,
                            int32_t ignore_index, DType act);
 // The same without lse: h (T, E), w (V, E) and targets (T) (target_logits).

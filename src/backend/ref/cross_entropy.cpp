@@ -32,6 +32,7 @@ void row_logits(std::vector<double>& logits, const double* h, const Tensor& w, i
 
 CeResult RefOps::linear_cross_entropy_forward(Tensor lse, Tensor h, Tensor w, Tensor targets, int32_t ignore_index) {
   auto [T, E, V] = check_cross_entropy(kOp, lse, h, w, targets, ignore_index, kAct);
+  check_targets(kOp, static_cast<const int32_t*>(targets.data), targets.dims[0], w.dims[0], ignore_index);
   const double* hp = static_cast<const double*>(h.data);
   const int32_t* tg = static_cast<const int32_t*>(targets.data);
   double* lp = static_cast<double*>(lse.data);
@@ -56,6 +57,7 @@ CeResult RefOps::linear_cross_entropy_forward(Tensor lse, Tensor h, Tensor w, Te
 
 std::vector<double> RefOps::target_logits(Tensor h, Tensor w, Tensor targets, int32_t ignore_index) {
   auto [T, E, V] = check_head_rows("[target_logits]", h, w, targets, ignore_index, kAct);
+  check_targets("[target_logits]", static_cast<const int32_t*>(targets.data), targets.dims[0], w.dims[0], ignore_index);
   const double* hp = static_cast<const double*>(h.data);
   const int32_t* tg = static_cast<const int32_t*>(targets.data);
   std::vector<double> out(static_cast<size_t>(T), 0.0);
@@ -71,6 +73,7 @@ std::vector<double> RefOps::target_logits(Tensor h, Tensor w, Tensor targets, in
 void RefOps::linear_cross_entropy_backward(Tensor dh, Tensor dw, Tensor h, Tensor w, Tensor targets, Tensor lse,
                                            int32_t ignore_index, double grad_scale) {
   const CeDims dims = check_cross_entropy(kOp, lse, h, w, targets, ignore_index, kAct);
+  check_targets(kOp, static_cast<const int32_t*>(targets.data), targets.dims[0], w.dims[0], ignore_index);
   check_cross_entropy_backward(kOp, dims, dh, dw, kAct);
   auto [T, E, V] = dims;
   const double* hp = static_cast<const double*>(h.data);
