@@ -9,7 +9,7 @@ data parallel), plus the few small collectives of a step. Threads: the machine's
 oversubscribes: step time vs N measures the sum's cost there, not scaling.
 
 usage: python3 bench/dist/dp.py [--oomless build/release/oomless] [--model preset:tiny] [--ranks 1,2,4]
-                                [--seq 256] [--batch 4] [--steps 4] [--rounds 2] [--work build/bench-dp] [--smoke]
+                                [--seq 256] [--batch 4] [--steps 4] [--rounds 2] [--zero 0|1] [--work build/bench-dp] [--smoke]
 """
 import argparse
 import json
@@ -33,7 +33,7 @@ def run(a, n, tag):
     # --bind-to none: OpenMPI binds each of 1-2 ranks to one core, which would leave a rank's second thread none.
     cmd = ["mpirun", "-np", str(n), "--bind-to", "none", "/usr/bin/time", "-v", a.oomless, "train", "--model", a.model, "--seq", str(a.seq),
            "--batch", str(a.batch), "--steps", str(a.steps), "--threads", str(threads), "--eval-every", "0",
-           "--save-every", "0", "--out", out]
+           "--save-every", "0", "--zero", str(a.zero), "--out", out]
     if a.data:
         cmd[cmd.index("--seq"):cmd.index("--seq")] = ["--data", a.data]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -45,9 +45,12 @@ def run(a, n, tag):
     params = rows[0]["params"]["trainable"]
     ranks = rows[-1].get("ranks")
     peaks = ranks["peak"] if ranks else [sum(rows[-1]["memory"][t]["total"]["peak"] for t in rows[-1]["memory"])]
+    optim = ranks["optimizer"] if ranks else [sum(rows[-1]["memory"][t].get("optimizer", {}).get("peak", 0)
+                                                  for t in rows[-1]["memory"])]
     sent = (ranks["bytes_sent"][0] - rows[-2]["ranks"]["bytes_sent"][0]) if ranks and len(rows) > 1 else 0
     shutil.rmtree(out, ignore_errors=True)
-    return {"ranks": n, "threads_per_rank": threads, "tokens_per_s": tps, "ledger_peak": peaks, "rss": sorted(rss),
+    return {"ranks": n, "threads_per_rank": threads, "tokens_per_s": tps, "ledger_peak": peaks, "optimizer": optim,
+            "rss": sorted(rss),
             "bytes_sent_per_step": sent, "formula_bytes": 2 * (n - 1) / n * 4 * params, "params": params,
             "losses": [r["loss"] for r in rows]}
 
@@ -63,6 +66,7 @@ def main():
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2, help="the N values alternate, this many times")
     ap.add_argument("--threads-per-rank", type=int, default=0)
+    ap.add_argument("--zero", type=int, default=0, help="ZeRO stage (--zero of oomless train)")
     ap.add_argument("--work", default=os.path.join(ROOT, "build/bench-dp"))
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="preset:micro, --seq 32, 2 steps, ranks 1,2, one round")
@@ -79,9 +83,10 @@ def main():
             res[n].append(run(a, n, f"n{n}"))
     print(f"{a.model}, --seq {a.seq} --batch {a.batch} (global), {a.steps} steps, {a.rounds} round(s); "
           f"{os.cpu_count()} CPUs")
-    print("| ranks | threads a rank | tok/s (median of rounds) | vs 1 rank | ledger peak a rank | peak RSS a rank "
-          "| sent a step a rank | formula 2(N-1)/N x 4 B x params |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"--zero {a.zero}")
+    print("| ranks | threads a rank | tok/s (median of rounds) | vs 1 rank | ledger peak a rank (largest) | optimizer "
+          "state a rank (largest) | peak RSS a rank | sent a step a rank | formula 2(N-1)/N x 4 B x params |")
+    print("|---|---|---|---|---|---|---|---|---|")
     base = statistics.median(x["tokens_per_s"] for x in res[ns[0]])
     summary = []
     for n in ns:
@@ -90,9 +95,12 @@ def main():
         peak = max(max(x["ledger_peak"]) for x in xs)
         rss = max(max(x["rss"]) for x in xs) if all(x["rss"] for x in xs) else 0
         sent = xs[-1]["bytes_sent_per_step"]
+        opt = max(max(x["optimizer"]) for x in xs)
         print(f"| {n} | {xs[0]['threads_per_rank']} | {tps:.0f} | {tps / base:.2f}x | {peak / 2**20:.1f} MiB | "
-              f"{rss / 2**20:.1f} MiB | {sent / 2**20:.2f} MiB | {xs[0]['formula_bytes'] / 2**20:.2f} MiB |")
-        summary.append({"ranks": n, "tokens_per_s": tps, "ledger_peak": peak, "rss": rss, "bytes_sent_per_step": sent,
+              f"{opt / 2**20:.1f} MiB | {rss / 2**20:.1f} MiB | {sent / 2**20:.2f} MiB | "
+              f"{xs[0]['formula_bytes'] / 2**20:.2f} MiB |")
+        summary.append({"ranks": n, "tokens_per_s": tps, "ledger_peak": peak, "optimizer": opt, "rss": rss,
+                        "bytes_sent_per_step": sent,
                         "formula_bytes": xs[0]["formula_bytes"], "runs": xs})
     for n in ns[1:]:  # the same global batch: the 1-rank losses within fp32 rounding
         a0, b0 = res[ns[0]][0]["losses"], res[n][0]["losses"]
@@ -102,7 +110,8 @@ def main():
             sys.exit(f"dp.py: {n} ranks' losses {b0} differ from {a0}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"model": a.model, "seq": a.seq, "batch": a.batch, "steps": a.steps, "summary": summary}, f, indent=1)
+            json.dump({"model": a.model, "seq": a.seq, "batch": a.batch, "steps": a.steps, "zero": a.zero,
+                       "summary": summary}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -151,6 +151,106 @@ void sum_floats(float* x, int64_t n, float* scratch) {
 #endif
 }
 
+void broadcast(void* x, int64_t n, int root) {
+#if OOMLESS_HAS_MPI
+  if (g_size <= 1 || n <= 0) return;
+  OOM_CHECK(n <= INT32_MAX, "[dist] a broadcast of ", n, " bytes at once; the caller splits it");
+  MPI_Bcast(x, static_cast<int>(n), MPI_BYTE, root, MPI_COMM_WORLD);
+  if (g_rank == root) g_sent += static_cast<uint64_t>(n) * static_cast<uint64_t>(g_size - 1);
+#else
+  (void)x, (void)n, (void)root;
+#endif
+}
+
+std::vector<int> owners(const std::vector<int64_t>& sizes, int ranks) {
+  const int64_t n = static_cast<int64_t>(sizes.size());
+  int64_t total = 0;
+  for (int64_t x : sizes) total += x;
+  // Rank r's run starts at the first tensor whose middle lies past r / ranks of the total, but at least one
+  // tensor after rank r - 1's start and early enough to leave one for each rank after it (while there are enough).
+  std::vector<int> out(static_cast<size_t>(n), 0);
+  int64_t start = 0;
+  for (int r = 1; r < ranks; ++r) {
+    int64_t i = start + 1, before = 0;
+    for (int64_t j = 0; j < i && j < n; ++j) before += sizes[static_cast<size_t>(j)];
+    while (i < n && 2 * before + sizes[static_cast<size_t>(i)] < 2 * total * r / ranks) before += sizes[static_cast<size_t>(i++)];
+    i = std::min(i, n - (ranks - r));
+    if (i <= start) break;  // fewer tensors than ranks: the last ranks own none
+    for (int64_t j = i; j < n; ++j) out[static_cast<size_t>(j)] = r;
+    start = i;
+  }
+  return out;
+}
+
+namespace {
+constexpr int kTagRequest = 7001, kTagData = 7002;
+}  // namespace
+
+void read_remote(int from, int64_t entry, void* dst, size_t offset, size_t n) {
+#if OOMLESS_HAS_MPI
+  const int64_t req[3] = {entry, static_cast<int64_t>(offset), static_cast<int64_t>(n)};
+  MPI_Send(req, 3, MPI_INT64_T, from, kTagRequest, MPI_COMM_WORLD);
+  OOM_CHECK(n <= INT32_MAX, "[dist] a read of ", n, " bytes at once");
+  MPI_Recv(dst, static_cast<int>(n), MPI_BYTE, from, kTagData, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+#else
+  (void)from, (void)entry, (void)dst, (void)offset, (void)n;
+  fail("[dist] read_remote without MPI");
+#endif
+}
+
+void serve_reads(const std::function<void(int64_t entry, void* dst, size_t offset, size_t n)>& read_local) {
+#if OOMLESS_HAS_MPI
+  std::vector<char> buf;
+  for (;;) {
+    int64_t req[3];
+    MPI_Recv(req, 3, MPI_INT64_T, 0, kTagRequest, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    if (req[0] < 0) return;  // end_reads
+    buf.resize(static_cast<size_t>(req[2]));
+    read_local(req[0], buf.data(), static_cast<size_t>(req[1]), static_cast<size_t>(req[2]));
+    MPI_Send(buf.data(), static_cast<int>(req[2]), MPI_BYTE, 0, kTagData, MPI_COMM_WORLD);
+    g_sent += static_cast<uint64_t>(req[2]);
+  }
+#else
+  (void)read_local;
+#endif
+}
+
+void end_reads() {
+#if OOMLESS_HAS_MPI
+  const int64_t done[3] = {-1, 0, 0};
+  for (int r = 1; r < g_size; ++r) MPI_Send(done, 3, MPI_INT64_T, r, kTagRequest, MPI_COMM_WORLD);
+#endif
+}
+
+std::vector<std::string> gather_strings(const std::string& s) {
+  std::vector<std::string> out;
+#if OOMLESS_HAS_MPI
+  if (g_size > 1) {
+    const uint64_t n = s.size();
+    std::vector<uint64_t> sizes(static_cast<size_t>(g_size));
+    MPI_Gather(&n, 1, MPI_UINT64_T, sizes.data(), 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
+    std::vector<int> cnt(static_cast<size_t>(g_size)), off(static_cast<size_t>(g_size));
+    int total = 0;
+    for (int r = 0; r < g_size; ++r) {
+      cnt[static_cast<size_t>(r)] = static_cast<int>(sizes[static_cast<size_t>(r)]);
+      off[static_cast<size_t>(r)] = total;
+      total += cnt[static_cast<size_t>(r)];
+    }
+    std::string all(g_rank == 0 ? static_cast<size_t>(total) : 0, '\0');
+    MPI_Gatherv(s.data(), static_cast<int>(n), MPI_CHAR, all.data(), cnt.data(), off.data(), MPI_CHAR, 0, MPI_COMM_WORLD);
+    if (g_rank != 0) {
+      g_sent += n;
+      return out;
+    }
+    for (int r = 0; r < g_size; ++r)
+      out.push_back(all.substr(static_cast<size_t>(off[static_cast<size_t>(r)]), static_cast<size_t>(cnt[static_cast<size_t>(r)])));
+    return out;
+  }
+#endif
+  out.push_back(s);
+  return out;
+}
+
 uint64_t bytes_sent() { return g_sent; }
 
 }  // namespace oomless::dist

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,24 @@ inline constexpr int64_t kSumBucket = int64_t{1} << 22;
 // (((x0 + x1) + x2) + ...), identical on every rank. `scratch` holds at least n + size() floats. Moves 2 (N-1)/N n
 // floats in and out of each rank (a reduce-scatter then an all-gather, as a ring all-reduce does).
 void sum_floats(float* x, int64_t n, float* scratch);
+
+// x (n bytes) becomes root's copy on every rank.
+void broadcast(void* x, int64_t n, int root);
+
+// The rank that owns each of a list of tensors (sizes in elements, in order) under sharding: contiguous runs of
+// the list, rank r's starting at the first tensor whose middle lies past r / ranks of the total, each rank at
+// least one tensor while there are as many tensors as ranks. Whole tensors: a tensor larger than a rank's share
+// leaves its rank more (a tied embedding). The same for every rank and every caller.
+std::vector<int> owners(const std::vector<int64_t>& sizes, int ranks);
+
+// For a checkpoint written by rank 0 from every rank's part (ZeRO): rank 0 reads `n` bytes at `offset` of entry
+// `entry` of rank `from`'s list through read_remote; that rank answers in serve_reads, which returns when rank 0
+// calls end_reads. `read_local(entry, dst, offset, n)` fills from this rank's own entries.
+void read_remote(int from, int64_t entry, void* dst, size_t offset, size_t n);
+void serve_reads(const std::function<void(int64_t entry, void* dst, size_t offset, size_t n)>& read_local);
+void end_reads();
+// Every rank's string, on rank 0 (in rank order; empty elsewhere).
+std::vector<std::string> gather_strings(const std::string& s);
 
 // Bytes this rank has sent through the collectives above since the start (what the benchmarks compare with
 // the formulas: 2 (N-1)/N of the gradient per step for data parallel).

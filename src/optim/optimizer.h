@@ -47,6 +47,15 @@ class Optimizer {
 // Checks that a checkpoint's optimizer file holds exactly `want` (names, dtypes, sizes); throws naming the
 // first difference and what to do.
 void check_state_file(const SafetensorsFile& f, const std::vector<StWrite>& want, const char* optimizer);
+// While one lives, check_state_file accepts a file holding more tensors than `want` (every one of `want` still
+// checked): an optimizer over a share of the tensors (ZeRO) reading its part of a whole run's state.
+class StateFileSubset {
+ public:
+  StateFileSubset();
+  ~StateFileSubset();
+  StateFileSubset(const StateFileSubset&) = delete;
+  StateFileSubset& operator=(const StateFileSubset&) = delete;
+};
 
 struct AdamWSettings;
 struct GaLoreSettings;

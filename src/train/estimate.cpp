@@ -455,10 +455,20 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
 
   // The optimizer.
   const int64_t rank = c.galore_rank > 0 ? c.galore_rank : std::max<int64_t>(E / 4, 1);
-  const OptimBytes ob = optim_bytes(c.optim, trained, rank);
+  std::vector<ParamSpec> stepped;  // the optimizer's tensors: all, or under --zero 1 this rank's share (as the trainer cuts it)
+  if (c.zero >= 1 && dist::distributed()) {
+    std::vector<int64_t> sizes;
+    for (const ParamSpec& s : trained) sizes.push_back(numel(s.shape));
+    const std::vector<int> own = dist::owners(sizes, dist::size());
+    for (size_t i = 0; i < trained.size(); ++i)
+      if (own[i] == dist::rank()) stepped.push_back(trained[i]);
+  } else {
+    stepped = trained;
+  }
+  const OptimBytes ob = optim_bytes(c.optim, stepped, rank);
   if (c.optim_state == "disk") {
     size_t file = 0, window = 0;
-    disk_optim(c.optim, trained, rank, &file, &window);
+    disk_optim(c.optim, stepped, rank, &file, &window);
     add(kDisk, Category::optimizer, file);
     add(kDev, Category::optimizer, window);
   } else {

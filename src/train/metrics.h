@@ -3,7 +3,8 @@
 //    "params":{"trainable":N,"trainable_bytes":B,"frozen":N,"frozen_bytes":B},
 //    "memory":{"device":{"weights":{"current":B,"peak":B},...,"total":{...}},...}}
 //   {"type":"eval","step":N,"loss":x,"ppl":x}
-// A run over several ranks adds "ranks":{"size":N,"peak":[B per rank],"bytes_sent":[B per rank]} to train lines.
+// A run over several ranks adds "ranks":{"size":N,"peak":[B per rank],"bytes_sent":[B per rank],
+// "optimizer":[B per rank]} to train lines.
 // memory lists, per tier, the ledger categories that have held bytes (peak > 0) and the tier's total;
 // tiers that never held anything are left out. Nonfinite numbers (a skipped step's NaN norm) are
 // written as null, since JSON has no NaN.

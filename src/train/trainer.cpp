@@ -96,6 +96,20 @@ CheckpointFile tensors_file(const std::string& name, const std::vector<NamedTens
 }
 
 // The optimizer's state file: its entries as the optimizer gives them (some may stream from disk).
+// Names, dtypes and shapes of a list of entries (a rank's part of a sharded optimizer state, for rank 0).
+std::string entries_json(const std::vector<StWrite>& entries) {
+  json::Value list = json::Value::array();
+  for (const StWrite& e : entries) {
+    json::Value o = json::Value::object(), shape = json::Value::array();
+    for (int64_t d : e.shape) shape.push_back(json::Value::integer(d));
+    o.set("name", json::Value::string(e.name));
+    o.set("dtype", json::Value::integer(static_cast<int64_t>(e.dtype)));
+    o.set("shape", shape);
+    list.push_back(o);
+  }
+  return json::dump(list);
+}
+
 CheckpointFile state_file(const std::string& name, std::vector<StWrite> entries) {
   return {name, "", [entries = std::move(entries), name](int fd) {
             write_safetensors_stream(entries, {{"format", "pt"}}, [fd](const void* d, size_t n) { checkpoint_write(fd, d, n); },
@@ -211,6 +225,11 @@ const std::vector<TrainOption>& train_options() {
            "where the optimizer state lives: device, host, or disk (a file in --spill-dir,\nstreamed through a window "
            "of three tensors' state while the threads update)\n(default host; on a CPU run Device and Host are both RAM)",
            &C::optim_state),
+      whole("zero", false, "S",
+            "under mpirun: 1 shards the optimizer state over the ranks (ZeRO stage 1: each\nrank steps and keeps the "
+            "state of its share of the tensors, then sends their new\nvalues to the others); 0 keeps it on every rank "
+            "(default 0)",
+            &C::zero),
       real("beta1", true, "b", "AdamW beta1 (default 0.9)", &C::beta1),
       real("beta2", true, "b", "AdamW beta2 (default 0.95)", &C::beta2),
       real("eps", true, "e", "AdamW epsilon (default 1e-8)", &C::eps),
@@ -409,6 +428,8 @@ LoraSettings lora_settings(const TrainConfig& c) {
 }
 
 void validate_config(const TrainConfig& c) {
+  OOM_CHECK(c.zero == 0 || c.zero == 1, "[train] --zero ", c.zero, ": ZeRO stages 2 and 3 (gradients and weights "
+            "sharded) are not built yet; --zero 1 shards the optimizer state over the ranks, 0 keeps it on every rank");
   parse_truncation(c.truncation);
   OOM_CHECK(c.save_dtype == "fp32" || c.save_dtype == "bf16", "[train] --save-dtype ", c.save_dtype,
             " is not supported; use fp32 or bf16");
@@ -601,6 +622,11 @@ struct Trainer::State {
   // copies of this rank's part of it (dist::sum_floats).
   Buffer dp_stage;
   int64_t dp_bucket = 0;
+  // --zero 1: the rank that owns each trained tensor (dist::owners), the tensors this rank owns (the optimizer's
+  // set) and each trained tensor's index in it (-1: another rank's).
+  std::vector<int> owner;
+  TrainableSet owned;
+  std::vector<int64_t> owned_at;
   std::unique_ptr<Optimizer> opt;
   std::unique_ptr<PagedKvStore> kv;
   int64_t C = 0;  // chunk length (0: whole sequences)
@@ -864,6 +890,20 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
   if (c.step_in_backward && !s.e.adapters) model.share_layer_grads();
   s.trained = model.trainable();
   for (size_t i = 0; i < s.trained.size(); ++i) s.groups[s.trained[i].group].push_back(i);
+  // ZeRO stage 1: this rank's optimizer covers its share of the tensors only.
+  {
+    std::vector<int64_t> sizes;
+    for (const Trainable& t : s.trained) sizes.push_back(t.param.numel());
+    s.owner = c.zero >= 1 ? dist::owners(sizes, dist::size()) : std::vector<int>(s.trained.size(), dist::rank());
+    s.owned_at.assign(s.trained.size(), -1);
+    for (size_t i = 0; i < s.trained.size(); ++i)
+      if (s.owner[i] == dist::rank()) {
+        s.owned_at[i] = static_cast<int64_t>(s.owned.size());
+        s.owned.push_back(s.trained[i]);
+      }
+    OOM_CHECK(!s.owned.empty() || c.zero == 0, "[train] --zero 1 over ", dist::size(), " ranks leaves rank ",
+              dist::rank(), " no tensor of the ", s.trained.size(), " trained: use fewer ranks, or --zero 0");
+  }
   {
     const AdamWSettings adam{c.lr, c.beta1, c.beta2, c.eps, c.weight_decay};
     const GaLoreSettings galore{c.galore_rank > 0 ? c.galore_rank : std::max<int64_t>(cfg.E / 4, 1), c.galore_gap,
@@ -871,7 +911,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
     if (c.optim_state == "disk") {
       const std::string dir = spill_folder("--optim-state");
       s.opt = std::make_unique<DiskState>(
-          s.trained,
+          s.owned,
           [name = c.optim, adam, galore](const TrainableSet& one, Arena& arena) {
             return make_optimizer(name, one, arena, adam, galore);
           },
@@ -879,7 +919,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
           [galore_run = c.optim.rfind("galore", 0) == 0](const Trainable& t) { return !galore_run || !galore_projects(t); },
           dir, s.e.mem->device);
     } else {
-      s.opt = make_optimizer(c.optim, s.trained, c.optim_state == "device" ? s.e.mem->device : s.e.mem->host, adam,
+      s.opt = make_optimizer(c.optim, s.owned, c.optim_state == "device" ? s.e.mem->device : s.e.mem->host, adam,
                              galore);
     }
   }
@@ -1087,7 +1127,11 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
     if (rounded)
       warn("the checkpoint's weights are bf16 (--save-dtype bf16): the run continues from the rounded weights, not "
            "bit-exactly as an uninterrupted run would");
-    s.opt->load_state(*s.e.ops, SafetensorsFile::open(ck->path + "/optimizer.safetensors"));
+    {
+      std::optional<StateFileSubset> part;  // --zero 1: this rank's share of the run's state
+      if (s.owned.size() < s.trained.size()) part.emplace();
+      s.opt->load_state(*s.e.ops, SafetensorsFile::open(ck->path + "/optimizer.safetensors"));
+    }
     OOM_CHECK(s.data, "[train] --resume needs the run's --data");
     s.data->restore(st.at("data"));
     s.step = st.at("step").as_int();
@@ -1189,6 +1233,13 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
       c.clip > 0 && c.clip_norm == "previous" && std::isfinite(s.prev_norm) && s.prev_norm > c.clip
           ? c.clip / (s.prev_norm + 1e-6) : 1.0;
   bool halted = false;  // --step-in-backward: a non-finite loss or gradient stopped the stepping
+  // The positions in the optimizer's set (this rank's tensors under --zero 1, else all) of trained tensors `which`.
+  auto mine = [&](const std::vector<size_t>& which) {
+    std::vector<size_t> own;
+    for (size_t i : which)
+      if (s.owned_at[i] >= 0) own.push_back(static_cast<size_t>(s.owned_at[i]));
+    return own;
+  };
   auto on_final = [&](int64_t g) {
     const auto it = s.groups.find(g);
     if (it == s.groups.end()) return;
@@ -1199,7 +1250,7 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
     if (halted) return;
     if (clip_prev != 1.0)
       for (size_t i : it->second) ops.scale(s.trained[i].grad, clip_prev);
-    s.opt->step_tensors(ops, s.trained, it->second, r.lr, opt_step);
+    s.opt->step_tensors(ops, s.owned, mine(it->second), r.lr, opt_step);
     for (size_t i : it->second) ops.fill(s.trained[i].grad, 0.0);
   };
   struct Disarm {
@@ -1266,7 +1317,22 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
         } else if (clip_prev != 1.0) {
           for (size_t i : rest) ops.scale(s.trained[i].grad, clip_prev);
         }
-        s.opt->step_tensors(ops, s.trained, rest, r.lr, opt_step);
+        const std::vector<size_t> own = mine(rest);
+        if (!own.empty()) s.opt->step_tensors(ops, s.owned, own, r.lr, opt_step);
+        // --zero 1: each tensor's new values from the rank that stepped it.
+        if (dp && c.zero >= 1) {
+          float* stage = s.dp_stage.as<float>();
+          for (size_t i : rest) {
+            const Tensor& p = s.trained[i].param;
+            for (int64_t o = 0, total = p.numel(); o < total; o += s.dp_bucket) {
+              const int64_t len = std::min(s.dp_bucket, total - o);
+              const Tensor part(static_cast<float*>(p.data) + o, DType::f32, {len}, p.tier);
+              if (s.owner[i] == dist::rank()) ops.download(stage, part);
+              dist::broadcast(stage, len * static_cast<int64_t>(sizeof(float)), s.owner[i]);
+              if (s.owner[i] != dist::rank()) ops.upload(part, stage);
+            }
+          }
+        }
       }
       s.prev_norm = r.grad_norm;
     }
@@ -1286,6 +1352,11 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
     r.ranks.set("size", json::Value::integer(dist::size()));
     r.ranks.set("peak", peaks);
     r.ranks.set("bytes_sent", sent);
+    json::Value optim = json::Value::array();
+    size_t mine = 0;
+    for (int t = 0; t < kTierCount; ++t) mine += l.peak(static_cast<Tier>(t), Category::optimizer);
+    for (uint64_t v : dist::all_u64(mine)) optim.push_back(json::Value::integer(static_cast<int64_t>(v)));
+    r.ranks.set("optimizer", optim);
   }
   if (s.kv && s.kv->options().kv_dtype == DType::f8_e4m3) {
     const Fp8Stats now = s.kv->fp8_stats();
@@ -1346,7 +1417,26 @@ std::string Trainer::save() {
     files.push_back({"config.json", json::dump(src.cfg.to_json(), 2) + "\n", {}});
     files.push_back({"generation_config.json", json::dump(generation_config(src), 2) + "\n", {}});
   }
-  if (s.c.save_optimizer == "yes") files.push_back(state_file("optimizer.safetensors", s.opt->state_entries()));
+  const bool sharded = s.owned.size() < s.trained.size() && s.c.save_optimizer == "yes";
+  if (s.c.save_optimizer == "yes") {
+    std::vector<StWrite> entries = s.opt->state_entries();
+    if (sharded) {  // --zero 1: every rank's part in the one file, the others' read from them as it is written
+      const std::vector<std::string> lists = dist::gather_strings(entries_json(entries));
+      for (size_t r = 1; r < lists.size(); ++r) {
+        const json::Value list = json::parse(lists[r]);
+        for (size_t k = 0; k < list.size(); ++k) {
+          const json::Value& e = list[k];
+          StWrite w{e.at("name").as_string(), static_cast<DType>(e.at("dtype").as_int()), {}, nullptr, {}};
+          for (size_t d = 0; d < e.at("shape").size(); ++d) w.shape.push_back(e.at("shape")[d].as_int());
+          w.read = [r, k](void* dst, size_t off, size_t n) {
+            dist::read_remote(static_cast<int>(r), static_cast<int64_t>(k), dst, off, n);
+          };
+          entries.push_back(std::move(w));
+        }
+      }
+    }
+    files.push_back(state_file("optimizer.safetensors", std::move(entries)));
+  }
   if (src.tokenizer_json.size()) files.push_back({"tokenizer.json", src.tokenizer_json, {}});
   if (!src.tokenizer_config.is_null()) files.push_back({"tokenizer_config.json", json::dump(src.tokenizer_config, 2) + "\n", {}});
   json::Value st = json::Value::object();
@@ -1364,7 +1454,23 @@ std::string Trainer::save() {
   st.set("binary", json::Value::string(binary_id()));
   st.set("lr", json::Value::number(lr_at(s.sched, std::max<int64_t>(s.step, 1))));
   files.push_back({"trainer_state.json", json::dump(st, 2) + "\n", {}});
-  return save_checkpoint(s.out, s.step, files, {static_cast<int>(s.c.keep)});
+  const std::string path = save_checkpoint(s.out, s.step, files, {static_cast<int>(s.c.keep)});
+  if (sharded) dist::end_reads();
+  return path;
+}
+
+void Trainer::serve_save() {
+  State& s = *s_;
+  if (!(s.owned.size() < s.trained.size() && s.c.save_optimizer == "yes")) return;
+  const std::vector<StWrite> entries = s.opt->state_entries();
+  dist::gather_strings(entries_json(entries));
+  dist::serve_reads([&](int64_t k, void* dst, size_t off, size_t n) {
+    const StWrite& e = entries[static_cast<size_t>(k)];
+    if (e.read)
+      e.read(dst, off, n);
+    else
+      std::memcpy(dst, static_cast<const char*>(e.data) + off, n);
+  });
 }
 
 namespace {
@@ -1431,8 +1537,11 @@ int train_run(const TrainConfig& c, const std::string& out, const json::Value& p
     std::fprintf(stderr, "%seval at step %lld: loss %.4f  ppl %.2f\n", isatty(2) ? "\n" : "", static_cast<long long>(s),
                  r->loss(), std::exp(r->loss()));
   };
-  auto save = [&]() {
-    if (writer) std::fprintf(stderr, "oomless train: saved %s\n", tr.save().c_str());
+  auto save = [&]() {  // every rank: rank 0 writes, the others send their part of a sharded optimizer state
+    if (writer)
+      std::fprintf(stderr, "oomless train: saved %s\n", tr.save().c_str());
+    else
+      tr.serve_save();
   };
 
   std::signal(SIGINT, on_signal);
@@ -1474,7 +1583,10 @@ int train_run(const TrainConfig& c, const std::string& out, const json::Value& p
     if (c.save_every > 0 && step % c.save_every == 0 && step < total) save();
   }
   const int64_t step = tr.steps_done();
-  if (!writer) return stopped ? 130 : 0;
+  if (!writer) {
+    save();
+    return stopped ? 130 : 0;
+  }
   if (tty) std::fprintf(stderr, "\n");
   PagedKvStore* kv = tr.kv();
   if (kv && kv->options().offload != KvOffload::none) {

@@ -46,6 +46,7 @@ struct TrainConfig {
   double galore_scale = -1;     // < 0: 1 (galore_torch's projector default), or the saved run's on resume
   std::string galore_refresh = "all";  // all | staggered
   std::string optim_state = "host";    // device | host | disk: where the optimizer state lives
+  int64_t zero = 0;                    // ZeRO stage over the ranks: 0 (replicated) or 1 (optimizer state sharded)
   std::string kv_dtype = "fp32";       // fp32 | bf16 | fp8: the chunk-recurrent K/V history's storage
   std::string act_dtype = "fp32";      // fp32 | bf16 | fp8: storage of the activations kept for backward
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
@@ -160,7 +161,8 @@ struct StepResult {
   // with a non-finite amax), and their totals; null otherwise.
   json::Value act_fp8;
   // Several ranks (data parallel): {"size": N, "peak": [each rank's ledger peak, Device + Host],
-  // "bytes_sent": [each rank's bytes sent through the collectives so far]}; null otherwise.
+  // "bytes_sent": [each rank's bytes sent through the collectives so far], "optimizer": [each rank's optimizer
+  // state bytes, every tier]}; null otherwise.
   json::Value ranks;
 };
 
@@ -189,6 +191,9 @@ class Trainer {
   std::optional<EvalResult> evaluate();
   // Writes OUT/checkpoint-STEP (keeping the newest --keep); returns its path.
   std::string save();
+  // On ranks other than 0 at the moment rank 0 calls save(): with --zero 1, sends this rank's part of the
+  // optimizer state as rank 0 writes it (nothing otherwise).
+  void serve_save();
 
   const TrainConfig& config() const;
   const std::string& out() const;

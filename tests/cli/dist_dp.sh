@@ -5,6 +5,7 @@
 #  - a checkpoint of 3 ranks resumes on 2 ranks and on 1, each continuing as the 1-rank run does; one of 2 ranks
 #    resumes on 2 to the uninterrupted run's bytes;
 #  - ranks started with different settings stop with an error naming the rank, and leave no run folder;
+#  - ZeRO stage 1 (--zero 1): the same for the sharded optimizer state, which every rank holds less of;
 #  - a rank killed in the middle of a run stops the others within a minute, and its last checkpoint resumes.
 # Skipped (77) when mpirun or an MPI build is missing.
 # usage: dist_dp.sh OOMLESS_BINARY SOURCE_DIR WORK_DIR
@@ -94,6 +95,57 @@ mpi 2 train $args --steps 4 --save-every 2 --out "$work/again2" --resume > "$wor
 cmp -s "$work/r2/checkpoint-4/model.safetensors" "$work/again2/checkpoint-4/model.safetensors" \
   || { echo "2 ranks -> 2: resumed weights differ from the uninterrupted run's"; exit 1; }
 echo "2 ranks' checkpoint resumed on 2: the uninterrupted run's bytes"
+
+# ZeRO stage 1 (--zero 1): the optimizer state sharded over the ranks. 2 and 3 ranks: the 1-rank losses, weights and
+# optimizer file (rank 0 writes every rank's part); a rerun the same bytes; its checkpoint resumed on 3 ranks with
+# --zero 1 and on 1 rank without, as the 1-rank run continues; and each rank's ledger holding less optimizer state.
+for n in 2 3; do
+  mpi $n train $args --steps 4 --save-every 2 --zero 1 --out "$work/z$n" > "$work/z$n.log" 2>&1 || { echo "zero 1, $n ranks failed"; cat "$work/z$n.log"; exit 1; }
+  got=$(losses "$work/z$n/metrics.jsonl")
+  same_losses "$ref" "$got" || { echo "zero 1, $n ranks: losses $got, 1 rank: $ref"; exit 1; }
+  for f in model optimizer; do
+    close "$work/one/checkpoint-4/$f.safetensors" "$work/z$n/checkpoint-4/$f.safetensors" 1e-5 \
+      || { echo "zero 1, $n ranks: $f.safetensors differs from 1 rank's"; exit 1; }
+  done
+  echo "zero 1, $n ranks: the 1-rank losses, weights and optimizer state"
+done
+mpi 2 train $args --steps 4 --save-every 2 --zero 1 --out "$work/z2b" > "$work/z2b.log" 2>&1 || { echo "zero 1 again failed"; cat "$work/z2b.log"; exit 1; }
+for f in model.safetensors optimizer.safetensors; do
+  cmp -s "$work/z2/checkpoint-4/$f" "$work/z2b/checkpoint-4/$f" || { echo "zero 1, 2 ranks twice: $f differs"; exit 1; }
+done
+echo "zero 1, 2 ranks twice: the same bytes"
+python3 -c "
+import json, sys
+zero = [json.loads(l) for l in open(sys.argv[1]) if '\"train\"' in l][-1]
+plain = [json.loads(l) for l in open(sys.argv[2]) if '\"train\"' in l][-1]
+opt = lambda m: sum(m[t].get('optimizer', {}).get('peak', 0) for t in m if isinstance(m[t], dict))
+assert opt(zero['memory']) < opt(plain['memory']), (opt(zero['memory']), opt(plain['memory']))
+assert max(zero['ranks']['peak']) < max(plain['ranks']['peak']), (zero['ranks'], plain['ranks'])
+print('zero 1, 3 ranks: rank 0 holds %d of %d optimizer bytes; peaks %s vs %s' % (opt(zero['memory']), opt(plain['memory']),
+      zero['ranks']['peak'], plain['ranks']['peak']))" "$work/z3/metrics.jsonl" "$work/r3/metrics.jsonl" \
+  || { echo "zero 1: no less optimizer state on the ranks"; exit 1; }
+for to in "3 --zero 1" "1"; do
+  n=${to%% *}; tag=zfrom3to$n
+  cp -r "$work/z3" "$work/$tag" && rm -rf "$work/$tag/checkpoint-4"
+  python3 -c "
+import json, sys
+p = sys.argv[1]; lines = [l for l in open(p) if json.loads(l).get('step', 0) <= 2]
+open(p, 'w').writelines(lines)" "$work/$tag/metrics.jsonl"
+  mpi $n train $args --steps 4 --save-every 2 ${to#$n} --out "$work/$tag" --resume > "$work/$tag.log" 2>&1 \
+    || { echo "zero 1, 3 ranks -> $to: resume failed"; cat "$work/$tag.log"; exit 1; }
+  got=$(losses "$work/$tag/metrics.jsonl")
+  same_losses "$ref" "$got" || { echo "zero 1, 3 ranks -> $to: losses $got, 1 rank: $ref"; exit 1; }
+  echo "zero 1: 3 ranks' checkpoint resumed on $to: the 1-rank losses"
+done
+cp -r "$work/z2" "$work/zagain" && rm -rf "$work/zagain/checkpoint-4"
+mpi 2 train $args --steps 4 --save-every 2 --zero 1 --out "$work/zagain" --resume > "$work/zagain.log" 2>&1 \
+  || { echo "zero 1, 2 ranks -> 2: resume failed"; cat "$work/zagain.log"; exit 1; }
+for f in model.safetensors optimizer.safetensors; do
+  cmp -s "$work/z2/checkpoint-4/$f" "$work/zagain/checkpoint-4/$f" || { echo "zero 1, 2 ranks -> 2: $f differs"; exit 1; }
+done
+echo "zero 1: 2 ranks' checkpoint resumed on 2: the uninterrupted run's bytes"
+mpi 2 train $args --steps 1 --zero 2 --out "$work/zero2" > "$work/zero2.log" 2>&1 && { echo "--zero 2: ran"; exit 1; }
+grep -q "ZeRO stages 2 and 3" "$work/zero2.log" || { echo "--zero 2: no such error"; cat "$work/zero2.log"; exit 1; }
 
 # Other settings on one rank (an MPMD launch): an error naming it, from every rank; no folder left.
 mpirun -np 1 "$bin" train $args --steps 2 --out "$work/mixed" : -np 1 "$bin" train $args --steps 2 --lr 1e-3 --out "$work/mixed" \
