@@ -46,6 +46,14 @@ print(f"max relative difference {worst:.3g}")
 sys.exit(0 if worst <= tol else 1)
 EOF
 }
+# A 4-step run folder as if it had stopped after its step-2 checkpoint.
+back_to_step_2() {
+  rm -rf "$1/checkpoint-4"
+  python3 -c "
+import json, sys
+p = sys.argv[1]; lines = [l for l in open(p) if json.loads(l).get('step', 0) <= 2]
+open(p, 'w').writelines(lines)" "$1/metrics.jsonl"
+}
 losses() { python3 -c "import json,sys; print(' '.join('%.9f' % json.loads(l)['loss'] for l in open(sys.argv[1]) if '\"train\"' in l))" "$1"; }
 same_losses() {  # relative 1e-6
   python3 -c "
@@ -74,11 +82,7 @@ echo "2 ranks twice: the same bytes"
 
 # A 3-rank run's step-2 checkpoint, continued on 2 ranks and on 1 rank.
 for n in 2 1; do
-  cp -r "$work/r3" "$work/from3to$n" && rm -rf "$work/from3to$n/checkpoint-4"
-  python3 -c "
-import json, sys
-p = sys.argv[1]; lines = [l for l in open(p) if json.loads(l).get('step', 0) <= 2]
-open(p, 'w').writelines(lines)" "$work/from3to$n/metrics.jsonl"
+  cp -r "$work/r3" "$work/from3to$n" && back_to_step_2 "$work/from3to$n"
   mpi $n train $args --steps 4 --save-every 2 --out "$work/from3to$n" --resume > "$work/from3to$n.log" 2>&1 \
     || { echo "3 ranks -> $n: resume failed"; cat "$work/from3to$n.log"; exit 1; }
   got=$(losses "$work/from3to$n/metrics.jsonl")
@@ -89,7 +93,7 @@ open(p, 'w').writelines(lines)" "$work/from3to$n/metrics.jsonl"
 done
 
 # The 2-rank run's step-2 checkpoint resumed on 2 ranks: the uninterrupted run's bytes.
-cp -r "$work/r2" "$work/again2" && rm -rf "$work/again2/checkpoint-4"
+cp -r "$work/r2" "$work/again2" && back_to_step_2 "$work/again2"
 mpi 2 train $args --steps 4 --save-every 2 --out "$work/again2" --resume > "$work/again2.log" 2>&1 \
   || { echo "2 ranks -> 2: resume failed"; cat "$work/again2.log"; exit 1; }
 cmp -s "$work/r2/checkpoint-4/model.safetensors" "$work/again2/checkpoint-4/model.safetensors" \
@@ -126,24 +130,34 @@ print('zero 1, 3 ranks: rank 0 holds %d of %d optimizer bytes; peaks %s vs %s' %
   || { echo "zero 1: no less optimizer state on the ranks"; exit 1; }
 for to in "3 --zero 1" "1"; do
   n=${to%% *}; tag=zfrom3to$n
-  cp -r "$work/z3" "$work/$tag" && rm -rf "$work/$tag/checkpoint-4"
-  python3 -c "
-import json, sys
-p = sys.argv[1]; lines = [l for l in open(p) if json.loads(l).get('step', 0) <= 2]
-open(p, 'w').writelines(lines)" "$work/$tag/metrics.jsonl"
+  cp -r "$work/z3" "$work/$tag" && back_to_step_2 "$work/$tag"
   mpi $n train $args --steps 4 --save-every 2 ${to#$n} --out "$work/$tag" --resume > "$work/$tag.log" 2>&1 \
     || { echo "zero 1, 3 ranks -> $to: resume failed"; cat "$work/$tag.log"; exit 1; }
   got=$(losses "$work/$tag/metrics.jsonl")
   same_losses "$ref" "$got" || { echo "zero 1, 3 ranks -> $to: losses $got, 1 rank: $ref"; exit 1; }
   echo "zero 1: 3 ranks' checkpoint resumed on $to: the 1-rank losses"
 done
-cp -r "$work/z2" "$work/zagain" && rm -rf "$work/zagain/checkpoint-4"
+cp -r "$work/z2" "$work/zagain" && back_to_step_2 "$work/zagain"
 mpi 2 train $args --steps 4 --save-every 2 --zero 1 --out "$work/zagain" --resume > "$work/zagain.log" 2>&1 \
   || { echo "zero 1, 2 ranks -> 2: resume failed"; cat "$work/zagain.log"; exit 1; }
 for f in model.safetensors optimizer.safetensors; do
   cmp -s "$work/z2/checkpoint-4/$f" "$work/zagain/checkpoint-4/$f" || { echo "zero 1, 2 ranks -> 2: $f differs"; exit 1; }
 done
 echo "zero 1: 2 ranks' checkpoint resumed on 2: the uninterrupted run's bytes"
+# With the optimizer state on disk (ZeRO-Offload's place) and with a LoRA adapter (only its tensors sharded):
+# 2 ranks under --zero 1 resumed on 3 give the 1-rank losses.
+for extra in "--optim-state disk --spill-dir $work" "--lora 8"; do
+  tag=$(echo "$extra" | tr -c 'a-z0-9\n' _ | cut -c1-20)
+  "$bin" train $args $extra --steps 4 --out "$work/one$tag" > "$work/one$tag.log" 2>&1 || { echo "$extra: 1 rank failed"; cat "$work/one$tag.log"; exit 1; }
+  mpi 2 train $args $extra --steps 4 --save-every 2 --zero 1 --out "$work/zx$tag" > "$work/zx$tag.log" 2>&1 \
+    || { echo "$extra: 2 ranks failed"; cat "$work/zx$tag.log"; exit 1; }
+  back_to_step_2 "$work/zx$tag"
+  mpi 3 train $args $extra --steps 4 --save-every 2 --zero 1 --out "$work/zx$tag" --resume > "$work/zx$tag.2.log" 2>&1 \
+    || { echo "$extra: resuming on 3 failed"; cat "$work/zx$tag.2.log"; exit 1; }
+  want=$(losses "$work/one$tag/metrics.jsonl"); got=$(losses "$work/zx$tag/metrics.jsonl")
+  same_losses "$want" "$got" || { echo "$extra: zero 1 on 2 then 3 ranks: losses $got, 1 rank: $want"; exit 1; }
+  echo "zero 1 with $extra, 2 ranks then 3: the 1-rank losses"
+done
 mpi 2 train $args --steps 1 --zero 2 --out "$work/zero2" > "$work/zero2.log" 2>&1 && { echo "--zero 2: ran"; exit 1; }
 grep -q "ZeRO stages 2 and 3" "$work/zero2.log" || { echo "--zero 2: no such error"; cat "$work/zero2.log"; exit 1; }
 
