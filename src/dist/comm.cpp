@@ -251,6 +251,46 @@ std::vector<std::string> gather_strings(const std::string& s) {
   return out;
 }
 
+void sum_floats_to(float* x, int64_t n, float* scratch, int root) {
+#if OOMLESS_HAS_MPI
+  if (g_size <= 1 || n <= 0) return;
+  OOM_CHECK(n <= INT32_MAX / g_size, "[dist] a sum of ", n, " floats at once; the caller splits it");
+  MPI_Gather(x, static_cast<int>(n), MPI_FLOAT, scratch, static_cast<int>(n), MPI_FLOAT, root, MPI_COMM_WORLD);
+  if (g_rank != root) {
+    g_sent += sizeof(float) * static_cast<uint64_t>(n);
+    return;
+  }
+  std::memcpy(x, scratch, sizeof(float) * static_cast<size_t>(n));
+  for (int s = 1; s < g_size; ++s) {
+    const float* y = scratch + static_cast<size_t>(s) * static_cast<size_t>(n);
+    for (int64_t j = 0; j < n; ++j) x[j] += y[j];
+  }
+#else
+  (void)x, (void)n, (void)scratch, (void)root;
+#endif
+}
+
+std::vector<double> all_doubles(const std::vector<double>& mine) {
+#if OOMLESS_HAS_MPI
+  if (g_size > 1) {
+    const std::vector<uint64_t> counts = all_u64(mine.size());
+    std::vector<int> cnt(static_cast<size_t>(g_size)), off(static_cast<size_t>(g_size));
+    int total = 0;
+    for (int r = 0; r < g_size; ++r) {
+      cnt[static_cast<size_t>(r)] = static_cast<int>(counts[static_cast<size_t>(r)]);
+      off[static_cast<size_t>(r)] = total;
+      total += cnt[static_cast<size_t>(r)];
+    }
+    std::vector<double> out(static_cast<size_t>(total));
+    MPI_Allgatherv(mine.data(), static_cast<int>(mine.size()), MPI_DOUBLE, out.data(), cnt.data(), off.data(), MPI_DOUBLE,
+                   MPI_COMM_WORLD);
+    g_sent += sizeof(double) * mine.size() * static_cast<uint64_t>(g_size - 1);
+    return out;
+  }
+#endif
+  return mine;
+}
+
 uint64_t bytes_sent() { return g_sent; }
 
 }  // namespace oomless::dist

@@ -65,6 +65,12 @@ void end_reads();
 // Every rank's string, on rank 0 (in rank order; empty elsewhere).
 std::vector<std::string> gather_strings(const std::string& s);
 
+// The same sum on rank `root` only (x elsewhere is left as it was): the float sums of sum_floats, bit for bit,
+// moving (N-1) n floats into root. `scratch` holds N n floats on root.
+void sum_floats_to(float* x, int64_t n, float* scratch, int root);
+// Every rank's doubles, concatenated in rank order (the ranks' counts may differ).
+std::vector<double> all_doubles(const std::vector<double>& mine);
+
 // Bytes this rank has sent through the collectives above since the start (what the benchmarks compare with
 // the formulas: 2 (N-1)/N of the gradient per step for data parallel).
 uint64_t bytes_sent();

@@ -1289,14 +1289,34 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
       loss_sum = 0;
       for (double v : parts) loss_sum += v;
       float* stage = s.dp_stage.as<float>();
-      for (const Trainable& t : s.trained)
-        for (int64_t o = 0, total = t.grad.numel(); o < total; o += s.dp_bucket) {
-          const int64_t len = std::min(s.dp_bucket, total - o);
-          const Tensor part(static_cast<float*>(t.grad.data) + o, DType::f32, {len}, t.grad.tier);
+      // --zero 1: each gradient summed on its owner only (the others' copies are left as they are: no rank reads
+      // them), in pieces whose N copies fit the scratch; the sum is the all-reduce's, bit for bit (rank order).
+      const bool to_owner = c.zero >= 1;
+      const int64_t piece = to_owner ? std::max<int64_t>(1, s.dp_bucket / dist::size()) : s.dp_bucket;
+      for (size_t i = 0; i < s.trained.size(); ++i) {
+        const Tensor& g = s.trained[i].grad;
+        const bool owned = s.owner[i] == dist::rank();
+        for (int64_t o = 0, total = g.numel(); o < total; o += piece) {
+          const int64_t len = std::min(piece, total - o);
+          const Tensor part(static_cast<float*>(g.data) + o, DType::f32, {len}, g.tier);
           ops.download(stage, part);
-          dist::sum_floats(stage, len, stage + s.dp_bucket);
-          ops.upload(part, stage);
+          if (to_owner)
+            dist::sum_floats_to(stage, len, stage + s.dp_bucket, s.owner[i]);
+          else
+            dist::sum_floats(stage, len, stage + s.dp_bucket);
+          if (!to_owner || owned) ops.upload(part, stage);
         }
+      }
+      if (to_owner) {  // |g|^2 of each tensor from its owner, in the set's order on every rank
+        std::vector<double> own;
+        for (size_t i = 0; i < s.trained.size(); ++i)
+          if (s.owner[i] == dist::rank()) own.push_back(ops.sum_squares(s.trained[i].grad));
+        const std::vector<double> all = dist::all_doubles(own);
+        size_t k = 0;
+        for (int rk = 0; rk < dist::size(); ++rk)
+          for (size_t i = 0; i < s.trained.size(); ++i)
+            if (s.owner[i] == rk) sq[i] = all[k++], done[i] = 1;
+      }
     }
     r.loss = N > 0 ? loss_sum / static_cast<double>(N) : 0.0;
     double sum = 0;

@@ -111,7 +111,9 @@ for n in 2 3; do
     close "$work/one/checkpoint-4/$f.safetensors" "$work/z$n/checkpoint-4/$f.safetensors" 1e-5 \
       || { echo "zero 1, $n ranks: $f.safetensors differs from 1 rank's"; exit 1; }
   done
-  echo "zero 1, $n ranks: the 1-rank losses, weights and optimizer state"
+  cmp -s "$work/r$n/checkpoint-4/model.safetensors" "$work/z$n/checkpoint-4/model.safetensors" \
+    || { echo "zero 1, $n ranks: weights differ from --zero 0's on $n ranks (the same sums in the same order)"; exit 1; }
+  echo "zero 1, $n ranks: the 1-rank losses, weights and optimizer state; --zero 0's weights bit for bit"
 done
 mpi 2 train $args --steps 4 --save-every 2 --zero 1 --out "$work/z2b" > "$work/z2b.log" 2>&1 || { echo "zero 1 again failed"; cat "$work/z2b.log"; exit 1; }
 for f in model.safetensors optimizer.safetensors; do
