@@ -48,6 +48,7 @@ struct Parsed {
   bool help = false;
   bool json = false;
   bool explain = false;
+  int64_t ranks = 1;                // estimate --ranks N
   std::string plan;                 // train --plan FILE
   std::vector<std::string> given;   // the settings given by flag or --config file (not the defaults)
 };
@@ -63,7 +64,7 @@ Parsed parse_train_flags(const std::vector<std::string>& argv, const char* comma
     if (argv[i] == "--resume" && (i + 1 == argv.size() || argv[i + 1].rfind("--", 0) == 0)) args.push_back("");
   }
   std::vector<Flag> flags = {{"resume", true}, {"config", true}};
-  if (cmd == Command::estimate) flags.push_back({"json", false});
+  if (cmd == Command::estimate) flags.push_back({"json", false}), flags.push_back({"ranks", true});
   if (cmd == Command::plan) flags.push_back({"explain", false});
   if (cmd == Command::train) flags.push_back({"plan", true});
   for (const TrainOption& t : train_options()) flags.push_back({t.name, t.kind != TrainOption::Kind::boolean});
@@ -71,6 +72,7 @@ Parsed parse_train_flags(const std::vector<std::string>& argv, const char* comma
   Parsed r;
   if (a.help_requested()) return r.help = true, r;
   r.json = cmd == Command::estimate && a.has("json");
+  if (cmd == Command::estimate) r.ranks = a.integer("ranks", 1, 1, 1 << 20);
   r.explain = cmd == Command::plan && a.has("explain");
   if (cmd == Command::train && a.has("plan")) r.plan = a.str("plan");
   TrainConfig& c = r.config;
@@ -139,6 +141,8 @@ std::string estimate_help() {
          "holds. The kernels' scratch is sized for --threads (default: all CPUs).\n"
          "\n"
          "  --json               one JSON object: the estimate, the budget and the changes\n"
+         "  --ranks N            a run of N ranks (mpirun -np N oomless train ...): what one rank holds, the\n"
+         "                       rank holding the most (with --zero 1, its share of the optimizer state)\n"
          "  (every option of `oomless train --help`)\n";
 }
 
@@ -279,7 +283,7 @@ int estimate(const std::vector<std::string>& argv) {
   const std::string help = estimate_help();
   Parsed p = parse_train_flags(argv, "estimate", help, Command::estimate);
   if (p.help) return std::fputs(help.c_str(), stdout), 0;
-  return run_estimate(p.config, p.json);
+  return run_estimate(p.config, p.json, static_cast<int>(p.ranks));
 }
 
 int plan(const std::vector<std::string>& argv) {

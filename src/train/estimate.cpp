@@ -354,7 +354,9 @@ std::string MemoryEstimate::table() const {
   return out;
 }
 
-MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, const Ops& ops) {
+EstimateRanks this_process_ranks() { return {dist::size(), dist::rank()}; }
+
+MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, const Ops& ops, EstimateRanks ranks) {
   validate_config(c);
   const EngineOptions eo = engine_options(c);
   const ModelConfig& cfg = src.cfg;
@@ -456,12 +458,12 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
   // The optimizer.
   const int64_t rank = c.galore_rank > 0 ? c.galore_rank : std::max<int64_t>(E / 4, 1);
   std::vector<ParamSpec> stepped;  // the optimizer's tensors: all, or under --zero 1 this rank's share (as the trainer cuts it)
-  if (c.zero >= 1 && dist::distributed()) {
+  if (c.zero >= 1 && ranks.size > 1) {
     std::vector<int64_t> sizes;
     for (const ParamSpec& s : trained) sizes.push_back(numel(s.shape));
-    const std::vector<int> own = dist::owners(sizes, dist::size());
+    const std::vector<int> own = dist::owners(sizes, ranks.size);
     for (size_t i = 0; i < trained.size(); ++i)
-      if (own[i] == dist::rank()) stepped.push_back(trained[i]);
+      if (own[i] == ranks.rank) stepped.push_back(trained[i]);
   } else {
     stepped = trained;
   }
@@ -475,10 +477,10 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
     add(c.optim_state == "device" ? kDev : kHost, Category::optimizer, ob.arena);
   }
   // Several ranks (data parallel): the buffer the gradients are summed through (Trainer::State::dp_stage).
-  if (dist::distributed()) {
+  if (ranks.size > 1) {
     int64_t most = 0;
     for (const ParamSpec& s : trained) most = std::max(most, numel(s.shape));
-    add(kHost, Category::workspace, a64(nbytes(f, 2 * std::min(most, dist::kSumBucket) + dist::size())));
+    add(kHost, Category::workspace, a64(nbytes(f, 2 * std::min(most, dist::kSumBucket) + ranks.size)));
   }
 
   // Activations and the model's workspace.
@@ -610,11 +612,23 @@ struct Change {
 
 }  // namespace
 
-int run_estimate(const TrainConfig& c, bool as_json) {
+int run_estimate(const TrainConfig& c, bool as_json, int ranks) {
   const ModelSource src = open_model(c.model, static_cast<uint64_t>(c.seed));
   const std::unique_ptr<Ops> ops = make_ops("cpu");
   if (c.threads > 0) omp_set_num_threads(static_cast<int>(c.threads));  // the scratch of train's thread count
-  const MemoryEstimate est = estimate_training(c, src, *ops);
+  // Several ranks: the rank holding the most (the budget is each rank's; ranks differ only in their share of a
+  // sharded optimizer state).
+  auto largest = [&](const TrainConfig& x, int* rank) {
+    MemoryEstimate best = estimate_training(x, src, *ops, {ranks, 0});
+    if (rank) *rank = 0;
+    for (int r = 1; r < ranks && x.zero >= 1; ++r) {
+      MemoryEstimate e = estimate_training(x, src, *ops, {ranks, r});
+      if (e.ram_peak() > best.ram_peak()) best = e, rank && (*rank = r);
+    }
+    return best;
+  };
+  int who = 0;
+  const MemoryEstimate est = largest(c, &who);
   const size_t budget = c.budget.empty() ? 0 : parse_size(c.budget);
   const bool fits = budget == 0 || est.ram_peak() <= budget;
   const ModelConfig& cfg = src.cfg;
@@ -633,6 +647,8 @@ int run_estimate(const TrainConfig& c, bool as_json) {
     const double recompute = fl.block_forward / std::max(fl.step, 1.0);
     char words[160];
     std::vector<Option> options = {
+        {"--zero 1", [&](TrainConfig& x) { return ranks > 1 && x.zero == 0 ? (x.zero = 1, true) : false; },
+         [] { return std::make_pair(0.0, std::string("the optimizer state sharded over the ranks, the same bytes sent")); }},
         {"--act-dtype bf16", [](TrainConfig& x) { return x.act_dtype == "fp32" ? (x.act_dtype = "bf16", true) : false; },
          [] { return std::make_pair(0.01, std::string("a rounding copy per saved tensor (within 0.1% of the fp32 loss)")); }},
         {"--optim adamw8bit", [](TrainConfig& x) { return x.optim == "adamw" ? (x.optim = "adamw8bit", true) : false; },
@@ -693,7 +709,7 @@ int run_estimate(const TrainConfig& c, bool as_json) {
       std::string f;
       double cost;
       try {
-        *e = estimate_training(build(picks, &f, &cost), src, *ops);
+        *e = largest(build(picks, &f, &cost), nullptr);
         return e->ram_peak() <= budget;
       } catch (const Error&) {
         return false;
@@ -737,6 +753,7 @@ int run_estimate(const TrainConfig& c, bool as_json) {
     o.set("estimate", est.json());
     o.set("budget", json::Value::integer(static_cast<int64_t>(budget)));
     o.set("fits", json::Value::boolean(fits));
+    if (ranks > 1) o.set("ranks", json::Value::integer(ranks)), o.set("rank", json::Value::integer(who));
     json::Value ch = json::Value::array();
     for (const Change& x : changes) {
       json::Value e = json::Value::object();
@@ -753,6 +770,9 @@ int run_estimate(const TrainConfig& c, bool as_json) {
               static_cast<long long>(cfg.L), static_cast<long long>(cfg.E), format_count(cfg.param_count()).c_str(),
               static_cast<long long>(c.seq),
               c.chunk > 0 ? (" in chunks of " + std::to_string(std::min(c.chunk, c.seq))).c_str() : "");
+  if (ranks > 1)
+    std::printf("one rank of %d (data parallel%s): rank %d, %s\n", ranks, c.zero >= 1 ? ", --zero 1" : "", who,
+                c.zero >= 1 ? "the one holding the most" : "every rank holds the same");
   std::fputs(est.table().c_str(), stdout);
   std::printf("static %s, dynamic %s; device + host peak %s", format_bytes(est.static_bytes()).c_str(),
               format_bytes(est.dynamic_bytes()).c_str(), format_bytes(est.ram_peak()).c_str());

@@ -61,7 +61,13 @@ struct MemoryEstimate {
 
 // The estimate for `c` on the model `src` (opened, its weights not read) computed by `ops`'s kernels with
 // OpenMP's current thread count (their scratch scales with it). Errors name the flag, as setup would.
-MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, const Ops& ops);
+// The ranks a run has (data parallel, mpirun): what rank `rank` of `size` holds. Default: this process's.
+struct EstimateRanks {
+  int size = 1, rank = 0;
+};
+EstimateRanks this_process_ranks();
+MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, const Ops& ops,
+                                 EstimateRanks ranks = this_process_ranks());
 
 // The same from the configuration alone: opens c.model (headers only) and asks the CPU backend.
 MemoryEstimate estimate_training(const TrainConfig& c);
@@ -69,6 +75,6 @@ MemoryEstimate estimate_training(const TrainConfig& c);
 // `oomless estimate`: prints the estimate (a table, or one JSON object) and, when it does not fit --budget,
 // the memory options that make it fit, cheapest in time first. Returns 0 when it fits (or no budget is
 // given), 3 when it does not.
-int run_estimate(const TrainConfig& c, bool as_json);
+int run_estimate(const TrainConfig& c, bool as_json, int ranks = 1);
 
 }  // namespace oomless

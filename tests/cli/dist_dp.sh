@@ -130,6 +130,18 @@ assert max(zero['ranks']['peak']) < max(plain['ranks']['peak']), (zero['ranks'],
 print('zero 1, 3 ranks: rank 0 holds %d of %d optimizer bytes; peaks %s vs %s' % (opt(zero['memory']), opt(plain['memory']),
       zero['ranks']['peak'], plain['ranks']['peak']))" "$work/z3/metrics.jsonl" "$work/r3/metrics.jsonl" \
   || { echo "zero 1: no less optimizer state on the ranks"; exit 1; }
+# `oomless estimate --ranks 3` (and with --zero 1): the largest rank's peak, within 1% of the runs' ledgers.
+for z in 0 1; do
+  run=r3; [ $z = 1 ] && run=z3
+  "$bin" estimate $args --steps 4 --ranks 3 --zero $z --json > "$work/est$z.json" || { echo "estimate --ranks 3 --zero $z failed"; exit 1; }
+  python3 -c "
+import json, sys
+est = json.load(open(sys.argv[1]))['estimate']['ram_peak']
+led = max([json.loads(l) for l in open(sys.argv[2]) if '\"train\"' in l][-1]['ranks']['peak'])
+print('estimate --ranks 3 --zero %s: %d bytes, the largest rank\'s ledger %d' % (sys.argv[3], est, led))
+sys.exit(0 if abs(est - led) <= 0.01 * led else 1)" "$work/est$z.json" "$work/$run/metrics.jsonl" $z \
+    || { echo "estimate --ranks 3 --zero $z: not the ledger's peak"; exit 1; }
+done
 for to in "3 --zero 1" "1"; do
   n=${to%% *}; tag=zfrom3to$n
   cp -r "$work/z3" "$work/$tag" && back_to_step_2 "$work/$tag"
