@@ -445,11 +445,21 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
     }
   } else {
     trained = specs;
-    if (c.step_in_backward) {
+    const bool zero2 = c.zero >= 2 && ranks.size > 1;
+    if (c.step_in_backward || zero2) {
       std::vector<ParamSpec> kept;
       for (const ParamSpec& s : specs)
         if (s.name.rfind("model.layers.", 0) != 0 || s.name.rfind("model.layers.0.", 0) == 0) kept.push_back(s);
       add(kDev, Category::grads, set_bytes(kept, f));
+      if (zero2) {  // and this rank's layer tensors' gradients, in one buffer
+        std::vector<int64_t> sizes;
+        for (const ParamSpec& s : specs) sizes.push_back(numel(s.shape));
+        const std::vector<int> own = dist::owners(sizes, ranks.size);
+        int64_t n = 0;
+        for (size_t i = 0; i < specs.size(); ++i)
+          if (own[i] == ranks.rank && specs[i].name.rfind("model.layers.", 0) == 0) n += sizes[i];
+        if (n > 0) add(kDev, Category::grads, nbytes(f, n));
+      }
     } else {
       add(kDev, Category::grads, set_bytes(specs, f));
     }

@@ -227,7 +227,8 @@ const std::vector<TrainOption>& train_options() {
            &C::optim_state),
       whole("zero", false, "S",
             "under mpirun: 1 shards the optimizer state over the ranks (ZeRO stage 1: each\nrank steps and keeps the "
-            "state of its share of the tensors, then sends their new\nvalues to the others); 0 keeps it on every rank "
+            "state of its share of the tensors, then sends their new\nvalues to the others); 2 the gradients too (one "
+            "layer's kept at a time, each\nsummed into its owners as backward finishes it; no --chunk); 0 neither\n"
             "(default 0)",
             &C::zero),
       real("beta1", true, "b", "AdamW beta1 (default 0.9)", &C::beta1),
@@ -428,8 +429,11 @@ LoraSettings lora_settings(const TrainConfig& c) {
 }
 
 void validate_config(const TrainConfig& c) {
-  OOM_CHECK(c.zero == 0 || c.zero == 1, "[train] --zero ", c.zero, ": ZeRO stages 2 and 3 (gradients and weights "
-            "sharded) are not built yet; --zero 1 shards the optimizer state over the ranks, 0 keeps it on every rank");
+  OOM_CHECK(c.zero >= 0 && c.zero <= 2, "[train] --zero ", c.zero, ": ZeRO stage 3 (weights sharded) is not built "
+            "yet; --zero 2 shards the gradients and the optimizer state over the ranks, 1 the optimizer state, 0 "
+            "neither");
+  OOM_CHECK(c.zero < 2 || c.chunk == 0, "[train] --zero 2 keeps one layer's gradients at a time, which chunks' "
+            "backward passes would overwrite: drop --chunk, or use --zero 1");
   parse_truncation(c.truncation);
   OOM_CHECK(c.save_dtype == "fp32" || c.save_dtype == "bf16", "[train] --save-dtype ", c.save_dtype,
             " is not supported; use fp32 or bf16");
@@ -613,6 +617,9 @@ int run_training(const TrainConfig& c, const json::Value& plan) {
   }
 }
 
+// A transformer layer's group of gradients (not the embedding's, the final norm's or the head's).
+bool is_layer_group(int64_t g) { return g >= 0 && g != kHeadGroup; }
+
 struct Trainer::State {
   TrainConfig c;
   std::string out;
@@ -627,6 +634,10 @@ struct Trainer::State {
   std::vector<int> owner;
   TrainableSet owned;
   std::vector<int64_t> owned_at;
+  // --zero 2 (over several ranks): the gradients of the owned layer tensors (their owned[k].grad views it); the
+  // model keeps one layer's at a time (and the embedding's, the norm's and the head's whole).
+  bool zero2 = false;
+  Buffer owned_grads;
   std::unique_ptr<Optimizer> opt;
   std::unique_ptr<PagedKvStore> kv;
   int64_t C = 0;  // chunk length (0: whole sequences)
@@ -887,7 +898,12 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
     say("oomless train: warning: --seq %lld is past the model's max_position_embeddings (%lld): positions beyond "
         "it were never trained; --rope-scaling yarn:F (or linear:F) stretches its RoPE to F times its context\n",
         static_cast<long long>(c.seq), static_cast<long long>(cfg.max_position));
-  if (c.step_in_backward && !s.e.adapters) model.share_layer_grads();
+  // --zero 2 over several ranks: one layer's gradients at a time here; each is summed into its owner's buffer as
+  // backward finishes it.
+  s.zero2 = c.zero >= 2 && dist::distributed();
+  OOM_CHECK(!s.zero2 || !s.e.adapters, "[train] --zero 2 shards the base model's gradients, and an adapter run has "
+            "none (its own are small): use --zero 1 with --lora");
+  if ((c.step_in_backward || s.zero2) && !s.e.adapters) model.share_layer_grads();
   s.trained = model.trainable();
   for (size_t i = 0; i < s.trained.size(); ++i) s.groups[s.trained[i].group].push_back(i);
   // ZeRO stage 1: this rank's optimizer covers its share of the tensors only.
@@ -901,8 +917,25 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
         s.owned_at[i] = static_cast<int64_t>(s.owned.size());
         s.owned.push_back(s.trained[i]);
       }
-    OOM_CHECK(!s.owned.empty() || c.zero == 0, "[train] --zero 1 over ", dist::size(), " ranks leaves rank ",
+    OOM_CHECK(!s.owned.empty() || c.zero == 0, "[train] --zero ", c.zero, " over ", dist::size(), " ranks leaves rank ",
               dist::rank(), " no tensor of the ", s.trained.size(), " trained: use fewer ranks, or --zero 0");
+    if (s.zero2) {  // the owned layer tensors' gradients, whole, in a buffer of this rank's (others: the model's)
+      int64_t total = 0;
+      for (const Trainable& t : s.owned)
+        if (is_layer_group(t.group)) total += t.param.numel();
+      s.owned_grads = s.e.mem->device.alloc(sizeof(float) * static_cast<size_t>(total), Category::grads,
+                                            "--zero 2 gradients of this rank's tensors");
+      float* g = s.owned_grads.as<float>();
+      for (Trainable& t : s.owned) {
+        if (!is_layer_group(t.group)) continue;
+        Tensor v = t.param;
+        v.data = g;
+        v.tier = Tier::Device;
+        t.grad = v;
+        g += t.param.numel();
+      }
+      s.e.ops->zero(Tensor(s.owned_grads.data(), DType::u8, {static_cast<int64_t>(s.owned_grads.size())}));
+    }
   }
   {
     const AdamWSettings adam{c.lr, c.beta1, c.beta2, c.eps, c.weight_decay};
@@ -1264,8 +1297,35 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
   // the whole step (the same data stream), so N counts the step's targets on every rank alike.
   const bool dp = dist::distributed();
   const int64_t i0 = n * dist::rank() / dist::size(), i1 = n * (dist::rank() + 1) / dist::size();
+  // --zero 2: a group of gradients, final for this sequence, summed over the ranks into its tensors' owners'
+  // buffers (+=), then zeroed for the next layer's backward. Every rank runs as many sequences, so the groups
+  // come in the same order everywhere.
+  std::function<void(int64_t)> to_owners = [&](int64_t g) {
+    const auto it = s.groups.find(g);
+    if (it == s.groups.end() || !is_layer_group(g)) return;  // the embedding's, norm's, head's: summed at the end
+    float* stage = s.dp_stage.as<float>();
+    float* scratch = stage + s.dp_bucket;
+    const int64_t piece = std::max<int64_t>(1, s.dp_bucket / dist::size());
+    for (size_t i : it->second) {
+      const Tensor& gr = s.trained[i].grad;
+      const bool mine_t = s.owner[i] == dist::rank();
+      for (int64_t o = 0, total = gr.numel(); o < total; o += piece) {
+        const int64_t len = std::min(piece, total - o);
+        ops.download(stage, Tensor(static_cast<float*>(gr.data) + o, DType::f32, {len}, gr.tier));
+        dist::sum_floats_to(stage, len, scratch, s.owner[i]);
+        if (!mine_t) continue;
+        const Tensor& og = s.owned[static_cast<size_t>(s.owned_at[i])].grad;
+        const Tensor dst(static_cast<float*>(og.data) + o, DType::f32, {len}, og.tier);
+        ops.download(scratch, dst);
+        for (int64_t j = 0; j < len; ++j) scratch[j] += stage[j];
+        ops.upload(dst, scratch);
+      }
+      ops.fill(gr, 0.0);
+    }
+  };
   try {
     model.zero_grads();
+    if (s.zero2) ops.zero(Tensor(s.owned_grads.data(), DType::u8, {static_cast<int64_t>(s.owned_grads.size())}));
     double loss_sum = 0;
     for (int64_t i = i0; i < i1 && N > 0; ++i) {
       const Tensor id_t(const_cast<int32_t*>(b.ids[static_cast<size_t>(i)].data()), DType::i32, {c.seq});
@@ -1274,6 +1334,7 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
       model.set_dropout_seed((static_cast<uint64_t>(c.seed) * 0x9E3779B97F4A7C15ull) ^
                              (static_cast<uint64_t>(r.step) << 20) ^ static_cast<uint64_t>(i));
       if (i + 1 == n && !dp) model.on_grads_final(on_final);  // the last pass into the gradients (dp: after the sum)
+      if (s.zero2) model.on_grads_final(to_owners);  // every pass: each group summed into its owners as it is final
       if (s.kv) {
         loss_sum += model.chunked_step(id_t, tg_t, s.C, *s.kv, 1.0 / static_cast<double>(N)).loss_sum;
       } else {
@@ -1294,6 +1355,7 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
       const bool to_owner = c.zero >= 1;
       const int64_t piece = to_owner ? std::max<int64_t>(1, s.dp_bucket / dist::size()) : s.dp_bucket;
       for (size_t i = 0; i < s.trained.size(); ++i) {
+        if (s.zero2 && is_layer_group(s.trained[i].group)) continue;  // --zero 2: summed during backward
         const Tensor& g = s.trained[i].grad;
         const bool owned = s.owner[i] == dist::rank();
         for (int64_t o = 0, total = g.numel(); o < total; o += piece) {
@@ -1310,7 +1372,7 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
       if (to_owner) {  // |g|^2 of each tensor from its owner, in the set's order on every rank
         std::vector<double> own;
         for (size_t i = 0; i < s.trained.size(); ++i)
-          if (s.owner[i] == dist::rank()) own.push_back(ops.sum_squares(s.trained[i].grad));
+          if (s.owner[i] == dist::rank()) own.push_back(ops.sum_squares(s.owned[static_cast<size_t>(s.owned_at[i])].grad));
         const std::vector<double> all = dist::all_doubles(own);
         size_t k = 0;
         for (int rk = 0; rk < dist::size(); ++rk)
@@ -1332,10 +1394,12 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
       for (size_t i = 0; i < s.trained.size(); ++i)
         if (!c.step_in_backward || !done[i]) rest.push_back(i);
       if (!rest.empty()) {
+        const TrainableSet& grads = s.zero2 ? s.owned : s.trained;  // --zero 2: this rank's tensors' only
         if (c.clip > 0 && c.clip_norm == "current") {
-          clip_grads(ops, s.trained, c.clip, r.grad_norm);
+          clip_grads(ops, grads, c.clip, r.grad_norm);
         } else if (clip_prev != 1.0) {
-          for (size_t i : rest) ops.scale(s.trained[i].grad, clip_prev);
+          for (size_t i : rest)
+            if (!s.zero2 || s.owned_at[i] >= 0) ops.scale(s.zero2 ? s.owned[static_cast<size_t>(s.owned_at[i])].grad : s.trained[i].grad, clip_prev);
         }
         const std::vector<size_t> own = mine(rest);
         if (!own.empty()) s.opt->step_tensors(ops, s.owned, own, r.lr, opt_step);

@@ -5,7 +5,8 @@
 #  - a checkpoint of 3 ranks resumes on 2 ranks and on 1, each continuing as the 1-rank run does; one of 2 ranks
 #    resumes on 2 to the uninterrupted run's bytes;
 #  - ranks started with different settings stop with an error naming the rank, and leave no run folder;
-#  - ZeRO stage 1 (--zero 1): the same for the sharded optimizer state, which every rank holds less of;
+#  - ZeRO stages 1 and 2 (--zero 1, 2): the same with the optimizer state (and gradients) sharded, which every
+#    rank holds less of;
 #  - a rank killed in the middle of a run stops the others within a minute, and its last checkpoint resumes.
 # Skipped (77) when mpirun or an MPI build is missing.
 # usage: dist_dp.sh OOMLESS_BINARY SOURCE_DIR WORK_DIR
@@ -172,8 +173,50 @@ for extra in "--optim-state disk --spill-dir $work" "--lora 8"; do
   same_losses "$want" "$got" || { echo "$extra: zero 1 on 2 then 3 ranks: losses $got, 1 rank: $want"; exit 1; }
   echo "zero 1 with $extra, 2 ranks then 3: the 1-rank losses"
 done
-mpi 2 train $args --steps 1 --zero 2 --out "$work/zero2" > "$work/zero2.log" 2>&1 && { echo "--zero 2: ran"; exit 1; }
-grep -q "ZeRO stages 2 and 3" "$work/zero2.log" || { echo "--zero 2: no such error"; cat "$work/zero2.log"; exit 1; }
+# ZeRO stage 2 (--zero 2): the layers' gradients summed into their owners as backward finishes each layer (the
+# model keeps one layer's). 2 and 3 ranks: the 1-rank losses, weights and optimizer state; a rerun the same
+# bytes; resumed on 2 ranks and on 1; less gradient memory on every rank; the estimate the ledger's.
+for n in 2 3; do
+  mpi $n train $args --steps 4 --save-every 2 --zero 2 --out "$work/y$n" > "$work/y$n.log" 2>&1 || { echo "zero 2, $n ranks failed"; cat "$work/y$n.log"; exit 1; }
+  got=$(losses "$work/y$n/metrics.jsonl")
+  same_losses "$ref" "$got" || { echo "zero 2, $n ranks: losses $got, 1 rank: $ref"; exit 1; }
+  for f in model optimizer; do
+    close "$work/one/checkpoint-4/$f.safetensors" "$work/y$n/checkpoint-4/$f.safetensors" 1e-5 \
+      || { echo "zero 2, $n ranks: $f.safetensors differs from 1 rank's"; exit 1; }
+  done
+  "$bin" estimate $args --steps 4 --ranks $n --zero 2 --json > "$work/esty$n.json" || { echo "estimate --zero 2 failed"; exit 1; }
+  python3 -c "
+import json, sys
+est = json.load(open(sys.argv[1]))['estimate']['ram_peak']
+rows = [json.loads(l) for l in open(sys.argv[2]) if '\"train\"' in l]
+one = [json.loads(l) for l in open(sys.argv[3]) if '\"train\"' in l][-1]['memory']
+grads = lambda m: sum(m[t].get('grads', {}).get('peak', 0) for t in m if isinstance(m[t], dict))
+led = max(rows[-1]['ranks']['peak'])
+assert abs(est - led) <= 0.01 * led, (est, led)
+assert grads(rows[-1]['memory']) < grads(one), (grads(rows[-1]['memory']), grads(one))
+print('zero 2: rank 0 holds %d gradient bytes of %d; estimate %d, ledger %d' % (grads(rows[-1]['memory']), grads(one), est, led))" \
+    "$work/esty$n.json" "$work/y$n/metrics.jsonl" "$work/one/metrics.jsonl" || { echo "zero 2, $n ranks: memory"; exit 1; }
+  echo "zero 2, $n ranks: the 1-rank losses, weights and optimizer state"
+done
+mpi 2 train $args --steps 4 --save-every 2 --zero 2 --out "$work/y2b" > "$work/y2b.log" 2>&1 || { echo "zero 2 again failed"; exit 1; }
+for f in model.safetensors optimizer.safetensors; do
+  cmp -s "$work/y2/checkpoint-4/$f" "$work/y2b/checkpoint-4/$f" || { echo "zero 2, 2 ranks twice: $f differs"; exit 1; }
+done
+for to in "2 --zero 2" "1"; do
+  n=${to%% *}; tag=yfrom3to$n
+  cp -r "$work/y3" "$work/$tag" && back_to_step_2 "$work/$tag"
+  mpi $n train $args --steps 4 --save-every 2 ${to#$n} --out "$work/$tag" --resume > "$work/$tag.log" 2>&1 \
+    || { echo "zero 2, 3 ranks -> $to: resume failed"; cat "$work/$tag.log"; exit 1; }
+  got=$(losses "$work/$tag/metrics.jsonl")
+  same_losses "$ref" "$got" || { echo "zero 2, 3 ranks -> $to: losses $got, 1 rank: $ref"; exit 1; }
+done
+echo "zero 2: reruns bitwise; 3 ranks' checkpoint resumed on 2 and on 1"
+for bad in "--zero 3" "--zero 2 --chunk 16" "--zero 2 --lora 8"; do
+  mpi 2 train $args --steps 1 $bad --out "$work/bad" > "$work/bad.log" 2>&1 && { echo "$bad: ran"; exit 1; }
+  grep -q "zero" "$work/bad.log" || { echo "$bad: no error naming --zero"; cat "$work/bad.log"; exit 1; }
+  rm -rf "$work/bad"
+done
+echo "--zero 3, --zero 2 with --chunk or --lora: refused"
 
 # Other settings on one rank (an MPMD launch): an error naming it, from every rank; no folder left.
 mpirun -np 1 "$bin" train $args --steps 2 --out "$work/mixed" : -np 1 "$bin" train $args --steps 2 --lr 1e-3 --out "$work/mixed" \
