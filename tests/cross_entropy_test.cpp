@@ -60,8 +60,9 @@ Outputs run(Ops& ops, const Problem& p, double grad_scale) {
   return o;
 }
 
-// The one-call version (linear_cross_entropy_fused: no dw); dw is left as dw0.
-Outputs run_fused(Ops& ops, const Problem& p, double grad_scale) {
+// The one-call versions: linear_cross_entropy_fused (no dw: dw is left as dw0), or with a trained head
+// linear_cross_entropy_trained (dw += as well), the head read as bf16 when w_as_bf16.
+Outputs run_one_call(Ops& ops, const Problem& p, double grad_scale, bool trained, bool w_as_bf16 = false) {
   const DType act = ops.act_dtype();
   const int64_t T = p.h.t().dims[0], E = p.h.t().dims[1];
   HostTensor h = p.h.as(act);
@@ -69,22 +70,14 @@ Outputs run_fused(Ops& ops, const Problem& p, double grad_scale) {
   Outputs o{CeResult{}, HostTensor(act, {T}), HostTensor(act, {T, E}), p.dw0.as(act)};
   o.lse.fill(12345.0);
   o.dh.fill(7.0);
-  o.r = ops.linear_cross_entropy_fused(o.lse, o.dh, h, w, p.targets, kIgnore, grad_scale);
+  const Tensor wt = w_as_bf16 ? w.t().read_as_bf16() : w.t();
+  o.r = trained ? ops.linear_cross_entropy_trained(o.lse, o.dh, o.dw, h, wt, p.targets, kIgnore, grad_scale)
+                : ops.linear_cross_entropy_fused(o.lse, o.dh, h, wt, p.targets, kIgnore, grad_scale);
   return o;
 }
-
-// The one-call version with a trained head (linear_cross_entropy_trained: dw += as well).
+Outputs run_fused(Ops& ops, const Problem& p, double grad_scale) { return run_one_call(ops, p, grad_scale, false); }
 Outputs run_trained(Ops& ops, const Problem& p, double grad_scale, bool w_as_bf16 = false) {
-  const DType act = ops.act_dtype();
-  const int64_t T = p.h.t().dims[0], E = p.h.t().dims[1];
-  HostTensor h = p.h.as(act);
-  HostTensor w = act == DType::f64 ? p.w.as(DType::f64) : p.w.clone();
-  Outputs o{CeResult{}, HostTensor(act, {T}), HostTensor(act, {T, E}), p.dw0.as(act)};
-  o.lse.fill(12345.0);
-  o.dh.fill(7.0);
-  o.r = ops.linear_cross_entropy_trained(o.lse, o.dh, o.dw, h, w_as_bf16 ? w.t().read_as_bf16() : w.t(), p.targets,
-                                         kIgnore, grad_scale);
-  return o;
+  return run_one_call(ops, p, grad_scale, true, w_as_bf16);
 }
 
 // got - base, in f64.

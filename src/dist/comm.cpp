@@ -92,27 +92,27 @@ void barrier() {
 #endif
 }
 
-std::vector<uint64_t> all_u64(uint64_t v) {
-  std::vector<uint64_t> out(static_cast<size_t>(g_size), v);
+namespace {
+#if OOMLESS_HAS_MPI
+MPI_Datatype mpi_type(uint64_t) { return MPI_UINT64_T; }
+MPI_Datatype mpi_type(double) { return MPI_DOUBLE; }
+#endif
+// Every rank's v, in rank order.
+template <class T>
+std::vector<T> all_of(T v) {
+  std::vector<T> out(static_cast<size_t>(g_size), v);
 #if OOMLESS_HAS_MPI
   if (g_size > 1) {
-    MPI_Allgather(&v, 1, MPI_UINT64_T, out.data(), 1, MPI_UINT64_T, MPI_COMM_WORLD);
+    MPI_Allgather(&v, 1, mpi_type(v), out.data(), 1, mpi_type(v), MPI_COMM_WORLD);
     g_sent += sizeof v * static_cast<uint64_t>(g_size - 1);
   }
 #endif
   return out;
 }
+}  // namespace
 
-std::vector<double> all_f64(double v) {
-  std::vector<double> out(static_cast<size_t>(g_size), v);
-#if OOMLESS_HAS_MPI
-  if (g_size > 1) {
-    MPI_Allgather(&v, 1, MPI_DOUBLE, out.data(), 1, MPI_DOUBLE, MPI_COMM_WORLD);
-    g_sent += sizeof v * static_cast<uint64_t>(g_size - 1);
-  }
-#endif
-  return out;
-}
+std::vector<uint64_t> all_u64(uint64_t v) { return all_of(v); }
+std::vector<double> all_f64(double v) { return all_of(v); }
 
 bool any(bool v) {
   for (uint64_t x : all_u64(v ? 1 : 0))

@@ -101,17 +101,23 @@ cmp -s "$work/r2/checkpoint-4/model.safetensors" "$work/again2/checkpoint-4/mode
   || { echo "2 ranks -> 2: resumed weights differ from the uninterrupted run's"; exit 1; }
 echo "2 ranks' checkpoint resumed on 2: the uninterrupted run's bytes"
 
-# ZeRO stage 1 (--zero 1): the optimizer state sharded over the ranks. 2 and 3 ranks: the 1-rank losses, weights and
-# optimizer file (rank 0 writes every rank's part); a rerun the same bytes; its checkpoint resumed on 3 ranks with
-# --zero 1 and on 1 rank without, as the 1-rank run continues; and each rank's ledger holding less optimizer state.
-for n in 2 3; do
-  mpi $n train $args --steps 4 --save-every 2 --zero 1 --out "$work/z$n" > "$work/z$n.log" 2>&1 || { echo "zero 1, $n ranks failed"; cat "$work/z$n.log"; exit 1; }
-  got=$(losses "$work/z$n/metrics.jsonl")
-  same_losses "$ref" "$got" || { echo "zero 1, $n ranks: losses $got, 1 rank: $ref"; exit 1; }
+# ZeRO stages 1 and 2: `zero_run STAGE N TAG` runs N ranks under --zero STAGE and checks the 1-rank losses, weights
+# and optimizer file (rank 0 writes every rank's part).
+zero_run() {
+  mpi $2 train $args --steps 4 --save-every 2 --zero $1 --out "$work/$3" > "$work/$3.log" 2>&1 || { echo "zero $1, $2 ranks failed"; cat "$work/$3.log"; exit 1; }
+  got=$(losses "$work/$3/metrics.jsonl")
+  same_losses "$ref" "$got" || { echo "zero $1, $2 ranks: losses $got, 1 rank: $ref"; exit 1; }
   for f in model optimizer; do
-    close "$work/one/checkpoint-4/$f.safetensors" "$work/z$n/checkpoint-4/$f.safetensors" 1e-5 \
-      || { echo "zero 1, $n ranks: $f.safetensors differs from 1 rank's"; exit 1; }
+    close "$work/one/checkpoint-4/$f.safetensors" "$work/$3/checkpoint-4/$f.safetensors" 1e-5 \
+      || { echo "zero $1, $2 ranks: $f.safetensors differs from 1 rank's"; exit 1; }
   done
+}
+
+# Stage 1 (--zero 1): the optimizer state sharded over the ranks. 2 and 3 ranks: the above, and --zero 0's weights
+# bit for bit; a rerun the same bytes; its checkpoint resumed on 3 ranks with --zero 1 and on 1 rank without, as
+# the 1-rank run continues; and each rank's ledger holding less optimizer state.
+for n in 2 3; do
+  zero_run 1 $n z$n
   cmp -s "$work/r$n/checkpoint-4/model.safetensors" "$work/z$n/checkpoint-4/model.safetensors" \
     || { echo "zero 1, $n ranks: weights differ from --zero 0's on $n ranks (the same sums in the same order)"; exit 1; }
   echo "zero 1, $n ranks: the 1-rank losses, weights and optimizer state; --zero 0's weights bit for bit"
@@ -173,17 +179,11 @@ for extra in "--optim-state disk --spill-dir $work" "--lora 8"; do
   same_losses "$want" "$got" || { echo "$extra: zero 1 on 2 then 3 ranks: losses $got, 1 rank: $want"; exit 1; }
   echo "zero 1 with $extra, 2 ranks then 3: the 1-rank losses"
 done
-# ZeRO stage 2 (--zero 2): the layers' gradients summed into their owners as backward finishes each layer (the
+# Stage 2 (--zero 2): the layers' gradients summed into their owners as backward finishes each layer (the
 # model keeps one layer's). 2 and 3 ranks: the 1-rank losses, weights and optimizer state; a rerun the same
 # bytes; resumed on 2 ranks and on 1; less gradient memory on every rank; the estimate the ledger's.
 for n in 2 3; do
-  mpi $n train $args --steps 4 --save-every 2 --zero 2 --out "$work/y$n" > "$work/y$n.log" 2>&1 || { echo "zero 2, $n ranks failed"; cat "$work/y$n.log"; exit 1; }
-  got=$(losses "$work/y$n/metrics.jsonl")
-  same_losses "$ref" "$got" || { echo "zero 2, $n ranks: losses $got, 1 rank: $ref"; exit 1; }
-  for f in model optimizer; do
-    close "$work/one/checkpoint-4/$f.safetensors" "$work/y$n/checkpoint-4/$f.safetensors" 1e-5 \
-      || { echo "zero 2, $n ranks: $f.safetensors differs from 1 rank's"; exit 1; }
-  done
+  zero_run 2 $n y$n
   "$bin" estimate $args --steps 4 --ranks $n --zero 2 --json > "$work/esty$n.json" || { echo "estimate --zero 2 failed"; exit 1; }
   python3 -c "
 import json, sys
