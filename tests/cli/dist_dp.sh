@@ -55,6 +55,16 @@ import json, sys
 p = sys.argv[1]; lines = [l for l in open(p) if json.loads(l).get('step', 0) <= 2]
 open(p, 'w').writelines(lines)" "$1/metrics.jsonl"
 }
+# `resume_from RUN "N [FLAGS]"`: RUN cut back to its step-2 checkpoint, continued on N ranks with FLAGS: the 1-rank
+# losses.
+resume_from() {
+  n=${2%% *}; tag=$1-to-$n
+  cp -r "$work/$1" "$work/$tag" && back_to_step_2 "$work/$tag"
+  mpi $n train $args --steps 4 --save-every 2 ${2#$n} --out "$work/$tag" --resume > "$work/$tag.log" 2>&1 \
+    || { echo "$1 -> $2: resume failed"; cat "$work/$tag.log"; exit 1; }
+  got=$(losses "$work/$tag/metrics.jsonl")
+  same_losses "$ref" "$got" || { echo "$1 -> $2: losses $got, 1 rank: $ref"; exit 1; }
+}
 losses() { python3 -c "import json,sys; print(' '.join('%.9f' % json.loads(l)['loss'] for l in open(sys.argv[1]) if '\"train\"' in l))" "$1"; }
 same_losses() {  # relative 1e-6
   python3 -c "
@@ -83,12 +93,8 @@ echo "2 ranks twice: the same bytes"
 
 # A 3-rank run's step-2 checkpoint, continued on 2 ranks and on 1 rank.
 for n in 2 1; do
-  cp -r "$work/r3" "$work/from3to$n" && back_to_step_2 "$work/from3to$n"
-  mpi $n train $args --steps 4 --save-every 2 --out "$work/from3to$n" --resume > "$work/from3to$n.log" 2>&1 \
-    || { echo "3 ranks -> $n: resume failed"; cat "$work/from3to$n.log"; exit 1; }
-  got=$(losses "$work/from3to$n/metrics.jsonl")
-  same_losses "$ref" "$got" || { echo "3 ranks -> $n: losses $got, 1 rank: $ref"; exit 1; }
-  close "$work/one/checkpoint-4/model.safetensors" "$work/from3to$n/checkpoint-4/model.safetensors" 1e-5 \
+  resume_from r3 "$n"
+  close "$work/one/checkpoint-4/model.safetensors" "$work/r3-to-$n/checkpoint-4/model.safetensors" 1e-5 \
     || { echo "3 ranks -> $n: final weights differ from 1 rank's"; exit 1; }
   echo "3 ranks' checkpoint resumed on $n: the 1-rank losses"
 done
@@ -150,12 +156,7 @@ sys.exit(0 if abs(est - led) <= 0.01 * led else 1)" "$work/est$z.json" "$work/$r
     || { echo "estimate --ranks 3 --zero $z: not the ledger's peak"; exit 1; }
 done
 for to in "3 --zero 1" "1"; do
-  n=${to%% *}; tag=zfrom3to$n
-  cp -r "$work/z3" "$work/$tag" && back_to_step_2 "$work/$tag"
-  mpi $n train $args --steps 4 --save-every 2 ${to#$n} --out "$work/$tag" --resume > "$work/$tag.log" 2>&1 \
-    || { echo "zero 1, 3 ranks -> $to: resume failed"; cat "$work/$tag.log"; exit 1; }
-  got=$(losses "$work/$tag/metrics.jsonl")
-  same_losses "$ref" "$got" || { echo "zero 1, 3 ranks -> $to: losses $got, 1 rank: $ref"; exit 1; }
+  resume_from z3 "$to"
   echo "zero 1: 3 ranks' checkpoint resumed on $to: the 1-rank losses"
 done
 cp -r "$work/z2" "$work/zagain" && back_to_step_2 "$work/zagain"
@@ -202,14 +203,7 @@ mpi 2 train $args --steps 4 --save-every 2 --zero 2 --out "$work/y2b" > "$work/y
 for f in model.safetensors optimizer.safetensors; do
   cmp -s "$work/y2/checkpoint-4/$f" "$work/y2b/checkpoint-4/$f" || { echo "zero 2, 2 ranks twice: $f differs"; exit 1; }
 done
-for to in "2 --zero 2" "1"; do
-  n=${to%% *}; tag=yfrom3to$n
-  cp -r "$work/y3" "$work/$tag" && back_to_step_2 "$work/$tag"
-  mpi $n train $args --steps 4 --save-every 2 ${to#$n} --out "$work/$tag" --resume > "$work/$tag.log" 2>&1 \
-    || { echo "zero 2, 3 ranks -> $to: resume failed"; cat "$work/$tag.log"; exit 1; }
-  got=$(losses "$work/$tag/metrics.jsonl")
-  same_losses "$ref" "$got" || { echo "zero 2, 3 ranks -> $to: losses $got, 1 rank: $ref"; exit 1; }
-done
+for to in "2 --zero 2" "1"; do resume_from y3 "$to"; done
 echo "zero 2: reruns bitwise; 3 ranks' checkpoint resumed on 2 and on 1"
 for bad in "--zero 3" "--zero 2 --chunk 16" "--zero 2 --lora 8"; do
   mpi 2 train $args --steps 1 $bad --out "$work/bad" > "$work/bad.log" 2>&1 && { echo "$bad: ran"; exit 1; }
