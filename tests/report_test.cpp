@@ -64,6 +64,25 @@ TEST(Report, EmptyMetricsStillRender) {
 }
 
 
+// A run over several ranks: the rank count and stage, each rank's peak and optimizer state, and what each rank
+// sent in the last step (the difference of the last two lines' running totals).
+TEST(Report, SeveralRanksShowEachRanksMemoryAndTraffic) {
+  std::string m;
+  for (int step = 1; step <= 2; ++step)
+    m += "{\"type\":\"train\",\"step\":" + std::to_string(step) +
+         ",\"loss\":5,\"lr\":0.001,\"grad_norm\":1,\"tokens_per_s\":100,\"skipped\":false,"
+         "\"ranks\":{\"size\":2,\"peak\":[3145728,2097152],\"optimizer\":[1048576,524288],\"bytes_sent\":[" +
+         std::to_string(step * 4194304) + "," + std::to_string(step * 2097152) + "]}}\n";
+  json::Value cfg = json::Value::object();
+  cfg.set("zero", json::Value::integer(1));
+  const std::string page = render_report(m, cfg);
+  EXPECT_NE(page.find("2 (data parallel, ZeRO stage 1)"), std::string::npos) << page;
+  EXPECT_NE(page.find("3.00 MiB, 2.00 MiB"), std::string::npos);
+  EXPECT_NE(page.find("1.00 MiB, 512.00 KiB"), std::string::npos);
+  EXPECT_NE(page.find("bytes sent in the last step, by rank</td><td>4.00 MiB, 2.00 MiB"), std::string::npos);
+  EXPECT_EQ(render_report("", json::Value::object()).find("by rank"), std::string::npos);
+}
+
 // A planned run: the plan's settings, per-layer choices and reasons, and its predicted peak and step beside
 // what the metrics measured (the Device + Host peak; the median step after the first).
 TEST(Report, APlannedRunShowsThePlanBesideWhatItMeasured) {

@@ -164,19 +164,21 @@ void broadcast(void* x, int64_t n, int root) {
 
 std::vector<int> owners(const std::vector<int64_t>& sizes, int ranks) {
   const int64_t n = static_cast<int64_t>(sizes.size());
+  std::vector<int> out(static_cast<size_t>(n), 0);
+  // Rank r - 1's run ends where the next tensor's middle passes an equal share of what is left for ranks
+  // r - 1 .. ranks - 1; each run holds at least one tensor while there are enough for the ranks after it.
+  int64_t start = 0, before = 0;  // rank r - 1's first tensor, and the elements before it
   int64_t total = 0;
   for (int64_t x : sizes) total += x;
-  // Rank r's run starts at the first tensor whose middle lies past r / ranks of the total, but at least one
-  // tensor after rank r - 1's start and early enough to leave one for each rank after it (while there are enough).
-  std::vector<int> out(static_cast<size_t>(n), 0);
-  int64_t start = 0;
-  for (int r = 1; r < ranks; ++r) {
-    int64_t i = start + 1, before = 0;
-    for (int64_t j = 0; j < i && j < n; ++j) before += sizes[static_cast<size_t>(j)];
-    while (i < n && 2 * before + sizes[static_cast<size_t>(i)] < 2 * total * r / ranks) before += sizes[static_cast<size_t>(i++)];
+  for (int r = 1; r < ranks && start < n; ++r) {
+    const int64_t share2 = 2 * (total - before) / (ranks - r + 1);  // twice the share
+    int64_t i = start, mid_base = 0;  // mid_base: elements of rank r - 1's run before tensor i
+    while (i < n && (i == start || 2 * mid_base + sizes[static_cast<size_t>(i)] <= share2))
+      mid_base += sizes[static_cast<size_t>(i++)];
     i = std::min(i, n - (ranks - r));
     if (i <= start) break;  // fewer tensors than ranks: the last ranks own none
     for (int64_t j = i; j < n; ++j) out[static_cast<size_t>(j)] = r;
+    for (int64_t j = start; j < i; ++j) before += sizes[static_cast<size_t>(j)];
     start = i;
   }
   return out;

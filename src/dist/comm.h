@@ -51,9 +51,9 @@ void sum_floats(float* x, int64_t n, float* scratch);
 void broadcast(void* x, int64_t n, int root);
 
 // The rank that owns each of a list of tensors (sizes in elements, in order) under sharding: contiguous runs of
-// the list, rank r's starting at the first tensor whose middle lies past r / ranks of the total, each rank at
-// least one tensor while there are as many tensors as ranks. Whole tensors: a tensor larger than a rank's share
-// leaves its rank more (a tied embedding). The same for every rank and every caller.
+// the list, each rank's run ending where the next tensor's middle passes an equal share of what is left for it
+// and the ranks after it, each run at least one tensor while there are as many tensors as ranks. Whole tensors:
+// a tensor larger than a share leaves its rank more (a tied embedding). The same for every rank and caller.
 std::vector<int> owners(const std::vector<int64_t>& sizes, int ranks);
 
 // For a checkpoint written by rank 0 from every rank's part (ZeRO): rank 0 reads `n` bytes at `offset` of entry

@@ -204,6 +204,7 @@ std::string render_report(const std::string& metrics_jsonl, const json::Value& c
   json::Value params;  // the last train line's "params"
   std::vector<double> step_tps;  // tokens/s of each step (the plan's measured step time)
   double ram_peak = 0;           // the ledger's Device + Host peak over the steps
+  json::Value ranks, ranks_before;  // several ranks: the last two train lines' "ranks"
   std::istringstream in(metrics_jsonl);
   for (std::string line; std::getline(in, line);) {
     json::Value o;
@@ -225,6 +226,7 @@ std::string render_report(const std::string& metrics_jsonl, const json::Value& c
     ++steps;
     if (const json::Value* sk = o.find("skipped"); sk && sk->is_bool() && sk->as_bool()) ++skipped;
     if (const json::Value* p = o.find("params"); p && p->is_object()) params = *p;
+    if (const json::Value* r = o.find("ranks"); r && r->is_object()) ranks_before = ranks, ranks = *r;
     loss.pts.push_back({s, val("loss")});
     lr.pts.push_back({s, val("lr")});
     tps.pts.push_back({s, val("tokens_per_s")});
@@ -295,6 +297,26 @@ std::string render_report(const std::string& metrics_jsonl, const json::Value& c
   if (!eval.pts.empty()) {
     auto best = std::min_element(eval.pts.begin(), eval.pts.end(), [](auto& a, auto& b) { return a.second < b.second; });
     row("best eval loss", num(best->second) + " at step " + num(best->first));
+  }
+  // A run over several ranks: each rank's ledger peak and optimizer state, and what each sent in the last step.
+  auto per_rank = [&](const json::Value& r, const char* key, const json::Value* before) {
+    const json::Value* a = r.find(key);
+    const json::Value* b = before && before->is_object() ? before->find(key) : nullptr;
+    std::string out;
+    for (size_t i = 0; a && a->is_array() && i < a->size(); ++i) {
+      double v = (*a)[i].as_number();
+      if (b && b->is_array() && i < b->size()) v -= (*b)[i].as_number();
+      out += (out.empty() ? "" : ", ") + format_bytes(static_cast<size_t>(std::max(0.0, v)));
+    }
+    return out;
+  };
+  if (ranks.is_object() && ranks.find("size")) {
+    row("ranks", std::to_string(ranks.at("size").as_int()) + " (data parallel" +
+                     (config.is_object() && config.find("zero") && config.at("zero").as_int() > 0
+                          ? ", ZeRO stage " + std::to_string(config.at("zero").as_int()) : std::string()) + ")");
+    row("ledger peak by rank", per_rank(ranks, "peak", nullptr));
+    if (ranks.find("optimizer")) row("optimizer state by rank", per_rank(ranks, "optimizer", nullptr));
+    if (ranks_before.is_object()) row("bytes sent in the last step, by rank", per_rank(ranks, "bytes_sent", &ranks_before));
   }
   h << "</table>\n";
   // A planned run (train --plan, or --budget alone): what the planner chose and why, and its prediction
