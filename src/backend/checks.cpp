@@ -330,3 +330,21 @@ void check_svd_basis(const Tensor& out, const Tensor& g, bool right, DType act) 
 }
 
 }  // namespace oomless
+
+namespace oomless {
+
+RowsCols check_embedding_host(const char* op, const Tensor& rows_out, const Tensor& ids, const Tensor& table, DType act,
+                              bool table_may_be_bf16) {
+  const RowsCols d = check_embedding(op, rows_out, ids, table, act, table_may_be_bf16);
+  check_ids(op, static_cast<const int32_t*>(ids.data), d.rows, table.dims[0]);
+  return d;
+}
+
+CeDims check_cross_entropy_host(const char* op, const Tensor& lse, const Tensor& h, const Tensor& w, const Tensor& targets,
+                                int32_t ignore_index, DType act) {
+  const CeDims d = check_cross_entropy(op, lse, h, w, targets, ignore_index, act);
+  check_targets(op, static_cast<const int32_t*>(targets.data), d.T, d.V, ignore_index);
+  return d;
+}
+
+}  // namespace oomless

@@ -23,6 +23,13 @@ RowsCols check_embedding(const char* op, const Tensor& rows_out, const Tensor& i
 void check_ids(const char* op, const int32_t* ids, int64_t T, int64_t V);
 // Every target in [0, V) or ignore_index: else "OP target X of row T is outside the vocabulary ...".
 void check_targets(const char* op, const int32_t* targets, int64_t T, int64_t V, int32_t ignore_index);
+// For backends whose tensors are host memory (cpu, ref): check_embedding then check_ids over ids' values, and
+// check_cross_entropy then check_targets over targets' values.
+RowsCols check_embedding_host(const char* op, const Tensor& rows_out, const Tensor& ids, const Tensor& table, DType act,
+                              bool table_may_be_bf16);
+struct CeDims;
+CeDims check_cross_entropy_host(const char* op, const Tensor& lse, const Tensor& h, const Tensor& w, const Tensor& targets,
+                                int32_t ignore_index, DType act);
 RowsCols check_rmsnorm(const char* op, const Tensor& out, const Tensor& rstd, const Tensor& in, const Tensor& weight,
                        DType act);
 struct RopeDims {

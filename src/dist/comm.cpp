@@ -224,6 +224,25 @@ void end_reads() {
 #endif
 }
 
+#if OOMLESS_HAS_MPI
+namespace {
+// The counts and displacements of a gather of each rank's `n[r]` elements, and their total.
+struct Counts {
+  std::vector<int> cnt, off;
+  int total = 0;
+};
+Counts counts_of(const std::vector<uint64_t>& n) {
+  Counts c;
+  for (uint64_t x : n) {
+    c.cnt.push_back(static_cast<int>(x));
+    c.off.push_back(c.total);
+    c.total += static_cast<int>(x);
+  }
+  return c;
+}
+}  // namespace
+#endif
+
 std::vector<std::string> gather_strings(const std::string& s) {
   std::vector<std::string> out;
 #if OOMLESS_HAS_MPI
@@ -231,13 +250,10 @@ std::vector<std::string> gather_strings(const std::string& s) {
     const uint64_t n = s.size();
     std::vector<uint64_t> sizes(static_cast<size_t>(g_size));
     MPI_Gather(&n, 1, MPI_UINT64_T, sizes.data(), 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
-    std::vector<int> cnt(static_cast<size_t>(g_size)), off(static_cast<size_t>(g_size));
-    int total = 0;
-    for (int r = 0; r < g_size; ++r) {
-      cnt[static_cast<size_t>(r)] = static_cast<int>(sizes[static_cast<size_t>(r)]);
-      off[static_cast<size_t>(r)] = total;
-      total += cnt[static_cast<size_t>(r)];
-    }
+    const Counts c = counts_of(sizes);
+    const std::vector<int>& cnt = c.cnt;
+    const std::vector<int>& off = c.off;
+    const int total = c.total;
     std::string all(g_rank == 0 ? static_cast<size_t>(total) : 0, '\0');
     MPI_Gatherv(s.data(), static_cast<int>(n), MPI_CHAR, all.data(), cnt.data(), off.data(), MPI_CHAR, 0, MPI_COMM_WORLD);
     if (g_rank != 0) {
@@ -276,13 +292,10 @@ std::vector<double> all_doubles(const std::vector<double>& mine) {
 #if OOMLESS_HAS_MPI
   if (g_size > 1) {
     const std::vector<uint64_t> counts = all_u64(mine.size());
-    std::vector<int> cnt(static_cast<size_t>(g_size)), off(static_cast<size_t>(g_size));
-    int total = 0;
-    for (int r = 0; r < g_size; ++r) {
-      cnt[static_cast<size_t>(r)] = static_cast<int>(counts[static_cast<size_t>(r)]);
-      off[static_cast<size_t>(r)] = total;
-      total += cnt[static_cast<size_t>(r)];
-    }
+    const Counts c = counts_of(counts);
+    const std::vector<int>& cnt = c.cnt;
+    const std::vector<int>& off = c.off;
+    const int total = c.total;
     std::vector<double> out(static_cast<size_t>(total));
     MPI_Allgatherv(mine.data(), static_cast<int>(mine.size()), MPI_DOUBLE, out.data(), cnt.data(), off.data(), MPI_DOUBLE,
                    MPI_COMM_WORLD);

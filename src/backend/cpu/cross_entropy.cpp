@@ -289,8 +289,7 @@ std::vector<double> CpuOps::target_logits(Tensor h, Tensor w, Tensor targets, in
 }
 
 CeResult CpuOps::linear_cross_entropy_forward(Tensor lse, Tensor h, Tensor w, Tensor targets, int32_t ignore_index) {
-  auto [T_, E_, V_] = check_cross_entropy(kOp, lse, h, w, targets, ignore_index, kAct);
-  check_targets(kOp, static_cast<const int32_t*>(targets.data), targets.dims[0], w.dims[0], ignore_index);
+  auto [T_, E_, V_] = check_cross_entropy_host(kOp, lse, h, w, targets, ignore_index, kAct);
   // Copies: clang before 16 cannot capture structured bindings in lambdas / OpenMP regions.
   const int64_t T = T_, E = E_, V = V_;
   const float* hp = static_cast<const float*>(h.data);
@@ -343,8 +342,7 @@ CeResult CpuOps::linear_cross_entropy_forward(Tensor lse, Tensor h, Tensor w, Te
 
 void CpuOps::linear_cross_entropy_backward(Tensor dh, Tensor dw, Tensor h, Tensor w, Tensor targets, Tensor lse,
                                            int32_t ignore_index, double grad_scale) {
-  const CeDims dims = check_cross_entropy(kOp, lse, h, w, targets, ignore_index, kAct);
-  check_targets(kOp, static_cast<const int32_t*>(targets.data), targets.dims[0], w.dims[0], ignore_index);
+  const CeDims dims = check_cross_entropy_host(kOp, lse, h, w, targets, ignore_index, kAct);
   check_cross_entropy_backward(kOp, dims, dh, dw, kAct);
   auto [T_, E_, V_] = dims;
   // Copies: clang before 16 cannot capture structured bindings in lambdas / OpenMP regions.
@@ -409,8 +407,7 @@ void CpuOps::linear_cross_entropy_backward(Tensor dh, Tensor dw, Tensor h, Tenso
 
 CeResult CpuOps::linear_cross_entropy_fused(Tensor lse, Tensor dh, Tensor h, Tensor w, Tensor targets,
                                             int32_t ignore_index, double grad_scale) {
-  const CeDims dims = check_cross_entropy(kOp, lse, h, w, targets, ignore_index, kAct);
-  check_targets(kOp, static_cast<const int32_t*>(targets.data), targets.dims[0], w.dims[0], ignore_index);
+  const CeDims dims = check_cross_entropy_host(kOp, lse, h, w, targets, ignore_index, kAct);
   check_cross_entropy_backward(kOp, dims, dh, Tensor(), kAct);
   auto [T_, E_, V_] = dims;
   // Copies: clang before 16 cannot capture structured bindings in lambdas / OpenMP regions.
@@ -515,8 +512,7 @@ CeResult CpuOps::linear_cross_entropy_fused(Tensor lse, Tensor dh, Tensor h, Ten
 
 CeResult CpuOps::linear_cross_entropy_trained(Tensor lse, Tensor dh, Tensor dw, Tensor h, Tensor w, Tensor targets,
                                               int32_t ignore_index, double grad_scale) {
-  const CeDims dims = check_cross_entropy(kOp, lse, h, w, targets, ignore_index, kAct);
-  check_targets(kOp, static_cast<const int32_t*>(targets.data), targets.dims[0], w.dims[0], ignore_index);
+  const CeDims dims = check_cross_entropy_host(kOp, lse, h, w, targets, ignore_index, kAct);
   check_cross_entropy_backward(kOp, dims, dh, dw, kAct);
   auto [T_, E_, V_] = dims;
   // Copies: clang before 16 cannot capture structured bindings in lambdas / OpenMP regions.

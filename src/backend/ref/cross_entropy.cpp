@@ -31,8 +31,7 @@ void row_logits(std::vector<double>& logits, const double* h, const Tensor& w, i
 }  // namespace
 
 CeResult RefOps::linear_cross_entropy_forward(Tensor lse, Tensor h, Tensor w, Tensor targets, int32_t ignore_index) {
-  auto [T, E, V] = check_cross_entropy(kOp, lse, h, w, targets, ignore_index, kAct);
-  check_targets(kOp, static_cast<const int32_t*>(targets.data), targets.dims[0], w.dims[0], ignore_index);
+  auto [T, E, V] = check_cross_entropy_host(kOp, lse, h, w, targets, ignore_index, kAct);
   const double* hp = static_cast<const double*>(h.data);
   const int32_t* tg = static_cast<const int32_t*>(targets.data);
   double* lp = static_cast<double*>(lse.data);
@@ -72,8 +71,7 @@ std::vector<double> RefOps::target_logits(Tensor h, Tensor w, Tensor targets, in
 
 void RefOps::linear_cross_entropy_backward(Tensor dh, Tensor dw, Tensor h, Tensor w, Tensor targets, Tensor lse,
                                            int32_t ignore_index, double grad_scale) {
-  const CeDims dims = check_cross_entropy(kOp, lse, h, w, targets, ignore_index, kAct);
-  check_targets(kOp, static_cast<const int32_t*>(targets.data), targets.dims[0], w.dims[0], ignore_index);
+  const CeDims dims = check_cross_entropy_host(kOp, lse, h, w, targets, ignore_index, kAct);
   check_cross_entropy_backward(kOp, dims, dh, dw, kAct);
   auto [T, E, V] = dims;
   const double* hp = static_cast<const double*>(h.data);
