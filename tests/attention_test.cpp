@@ -366,6 +366,40 @@ TEST(Attention, Bf16ProductsOnEveryPath) {
   }
 }
 
+// Scores that rise from one key tile to the next by more than the online softmax lets a row's running max
+// lag (on amx, bf16 products keep a row's max until a tile passes it by 2^8, then take the row again): every
+// path within bf16 rounding of the reference, forward and backward; the rows also start at several
+// positions (a history of 100 keys) and some see no key of a tile.
+TEST(Attention, Bf16ProductsFollowARisingMax) {
+  const GemmIsa saved = gemm_isa();
+  RefOps ref;
+  for (const Shape& s : {Shape{300, 4, 2, 64, 400, 100, false}, Shape{200, 2, 1, 128, 64, 100, true}}) {
+    Problem p = make_problem(s, DType::f32, 5);
+    // q all along one direction, keys along it by their position: score_j = a j + noise, a tile's max
+    // 0.15 x 128 log2 units past the one before it.
+    for (int64_t t = 0; t < s.T; ++t)
+      for (int64_t h = 0; h < s.H; ++h)
+        for (int64_t d = 0; d < s.D; ++d) p.q.set((t * s.H + h) * s.D + d, d % 2 ? 4.0 : -4.0);
+    for (int64_t b = 0; b < p.n_blocks(); ++b)
+      for (int64_t g = 0; g < s.Hkv; ++g)
+        for (int64_t j = 0; j < p.lens[b]; ++j)
+          for (int64_t d = 0; d < s.D; ++d) {
+            const int64_t i = ((b * s.Hkv + g) * s.P + j) * s.D + d;
+            const double along = (d % 2 ? 1.0 : -1.0) * 0.15 * (p.starts[b] + j) * std::sqrt(double(s.D)) /
+                                 (4.0 * s.D * 1.4426950408889634);
+            p.k.set(i, along + 0.3 * p.k.get(i));
+          }
+    const std::string what = "T=" + std::to_string(s.T) + " D=" + std::to_string(s.D);
+    const Outputs want = run(ref, p, scale_for(s.D));
+    for (GemmIsa isa : supported_gemm_isas()) {
+      set_gemm_isa(isa);
+      auto ops = make_ops("cpu");
+      expect_matches(run(*ops, p, scale_for(s.D), true), want, p, 2e-2, what + " " + gemm_isa_name(isa));
+    }
+    set_gemm_isa(saved);
+  }
+}
+
 // One position under GQA (a decode step) runs one task a kv head with the group's query heads as its rows
 // (bf16 products), or its f32 products split over every thread with keys and values read in place (the
 // direct decode kernels where D is a multiple of 8): each head's o and lse are the bits of the same row in a

@@ -86,8 +86,8 @@ TEST(CastRowsScaled, IsTheRowAbsmaxScaleOnBothBackends) {
 }
 
 // Attention reads a row-scaled block as code * its row's scale: the result is the f32 blocks' holding those
-// values, bit for bit (paged table, GQA, a partial last block, queries after history), and i8 blocks
-// without their scales are refused.
+// values, bit for bit (paged table, GQA, a partial last block, queries after history; f32 and bf16
+// products, and fp8's backward), and i8 blocks without their scales are refused.
 TEST(CastRowsScaled, AttentionOverRowScaledBlocksIsItsDecodedValues) {
   const int64_t T = 37, H = 4, Hkv = 2, D = 64, P = 32, off = 50, keys = off + T, nb = (keys + P - 1) / P;
   std::mt19937_64 rng(7);
@@ -125,12 +125,33 @@ TEST(CastRowsScaled, AttentionOverRowScaledBlocksIsItsDecodedValues) {
     std::vector<float> o1(q.size()), o2(q.size()), l1(static_cast<size_t>(H * T)), l2(l1.size());
     const double scale = 1.0 / std::sqrt(static_cast<double>(D));
     Tensor qt = Tensor::of(q.data(), {T, H, D}), pt(pos.data(), DType::i32, {T});
-    ops->attention_forward(Tensor::of(o1.data(), {T, H, D}), Tensor::of(l1.data(), {H, T}), qt,
-                           KvBlocks{narrow.data(), nb, Hkv, P, D, t}, pt, scale);
-    ops->attention_forward(Tensor::of(o2.data(), {T, H, D}), Tensor::of(l2.data(), {H, T}), qt,
-                           KvBlocks{wide.data(), nb, Hkv, P, D, DType::f32}, pt, scale);
-    EXPECT_EQ(o1, o2);
-    EXPECT_EQ(l1, l2);
+    // With bf16 products too (bf16 compute; on an AMX CPU its tiles, the key tiles packed from the decoded
+    // values), and for fp8 the backward as well.
+    for (bool bf16 : {true, false}) {
+      SCOPED_TRACE(bf16 ? "bf16 products" : "f32 products");
+      const KvBlocks kn{narrow.data(), nb, Hkv, P, D, t, bf16}, kw{wide.data(), nb, Hkv, P, D, DType::f32, bf16};
+      ops->attention_forward(Tensor::of(o1.data(), {T, H, D}), Tensor::of(l1.data(), {H, T}), qt, kn, pt, scale);
+      ops->attention_forward(Tensor::of(o2.data(), {T, H, D}), Tensor::of(l2.data(), {H, T}), qt, kw, pt, scale);
+      EXPECT_EQ(o1, o2);
+      EXPECT_EQ(l1, l2);
+      if (t != DType::f8_e4m3) continue;
+      std::vector<float> dout(q.size()), dq1(q.size()), dq2(q.size()), dkv1(2 * k.size()), dkv2(2 * k.size());
+      for (float& e : dout) e = nd(rng);
+      std::vector<KvBlock> g1, g2;
+      for (int64_t b = 0; b < nb; ++b) {
+        g1.push_back(KvBlock{dkv1.data() + b * per, dkv1.data() + k.size() + b * per, narrow[b].start, narrow[b].len});
+        g2.push_back(KvBlock{dkv2.data() + b * per, dkv2.data() + k.size() + b * per, narrow[b].start, narrow[b].len});
+      }
+      Tensor dt = Tensor::of(dout.data(), {T, H, D}), ot = Tensor::of(o1.data(), {T, H, D});
+      Tensor lt = Tensor::of(l1.data(), {H, T});
+      ops->attention_backward(Tensor::of(dq1.data(), {T, H, D}), KvBlocks{g1.data(), nb, Hkv, P, D, DType::f32}, dt,
+                              qt, kn, ot, lt, pt, scale);
+      ops->attention_backward(Tensor::of(dq2.data(), {T, H, D}), KvBlocks{g2.data(), nb, Hkv, P, D, DType::f32}, dt,
+                              qt, kw, ot, lt, pt, scale);
+      EXPECT_EQ(dq1, dq2);
+      EXPECT_EQ(dkv1, dkv2);
+      EXPECT_GT(std::fabs(dq1[5]) + std::fabs(dkv1[5]), 0.0f);
+    }
     // ... and close to attention over the values before narrowing (the quantisation is what differs).
     std::vector<KvBlock> exact;
     for (int64_t b = 0; b < nb; ++b)

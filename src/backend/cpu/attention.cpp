@@ -32,9 +32,10 @@
 //
 // bf16 products (KvBlocks::bf16_products, bf16 compute): every tile product takes bf16 operands: q and dout
 // rounded once per call, key tiles per tile, P and dS per tile after the fp32 softmax and score gradients.
-// On the amx GEMM path they are bf16 (bf16 K/V pages read as they are) and the products run on AMX tiles
-// (gemm_detail::tile_bf16_amx); on the other paths the rounded values stay in f32 and the f32 tile kernels
-// multiply them (the same sums as bf16 operands widened). Deterministic either way.
+// On the amx GEMM path they are bf16 (bf16 K/V pages read as they are) and the products run on AMX tiles:
+// where D is a multiple of 32 through attention_amx (Ctx::tiles: operands laid out for the tiles once, a
+// softmax of its own), else gemm_detail::tile_bf16_amx; on the other paths the rounded values stay in f32
+// and the f32 tile kernels multiply them (the same sums as bf16 operands widened). Deterministic either way.
 //
 // The softmax rows (online_softmax, probabilities, score_grads) run eight lanes a vector on the avx2 and generic
 // GEMM paths and sixteen on avx512 and amx, with the same bits (each lane's operations are the same, and the
@@ -61,6 +62,7 @@
 
 #include "backend/attention_merge.h"
 #include "backend/checks.h"
+#include "backend/cpu/attention_amx.h"
 #include "backend/cpu/cpu_ops.h"
 #include "backend/cpu/gemm.h"
 #include "backend/cpu/gemm_kernel.h"
@@ -111,6 +113,11 @@ struct Ctx {
   const uint16_t* dh = nullptr;
   const uint16_t* kvh = nullptr;  // forward on amx, f32 K/V converted once (kv_once_floats): block b's K at
                                   // kvh + 2 b Hkv P D, its V Hkv P D after
+  bool tiles = false;  // on amx with D a multiple of 32: attention_amx's products over operands laid out once
+  const uint32_t* kvp = nullptr;  // tiles, forward: key tile i under kv head g packed once per call
+                                  // (kv_pack_floats): its keys' pairs at kvp + (i Hkv + g) kBk D, its values' after
+  const uint16_t* qth = nullptr;  // tiles, backward: q and dout transposed per (head, query tile): (D, kBq)
+  const uint16_t* dth = nullptr;  // bf16 at qth + (h n_qt + i) D kBq
   const KeyTile* kt;
   int64_t n_kt;
   const QueryTile* qt;
@@ -119,6 +126,9 @@ struct Ctx {
 
 // n rounded up to 16 floats, so that every scratch region starts 64-byte aligned.
 int64_t padded(int64_t n) { return (n + 15) / 16 * 16; }
+
+// Whether bf16 products take attention_amx's tiles (Ctx::tiles): on amx, D a multiple of 32 up to 256.
+bool tiles_ok(bool amx, int64_t D) { return amx && D % 32 == 0 && D <= 256; }
 
 // Eight floats, or eight int32, as a GCC vector: the row loops below are written on them explicitly so
 // that every ISA clone gets the same eight-wide code (two SSE halves by default, one AVX2 register
@@ -527,6 +537,15 @@ struct Tiles {
   uint16_t* sh;    // (kBq, kBk) P in bf16
   uint16_t* dsh;   // (kBq, kBk) dS in bf16
   uint32_t* work;  // tile_bf16_amx's packing buffer
+  // x.tiles only (carve_tiles_amx): sh holds P (forward) or dS (backward) as bf16 rows, and
+  uint32_t* pp;    // (kBq / 2, kBk) the pairs of P (backward)
+  uint32_t* dsp;   // (kBq / 2, kBk) the pairs of dS
+  uint32_t* kp;    // (D / 2, kBk) the keys' pairs transposed (the right side of Q K^T)
+  uint32_t* vp;    // (kBk / 2, D) the values' pairs (P V; the backward: their pairs transposed, for dO V^T)
+  uint32_t* kr;    // (kBk / 2, D) the keys' pairs (dS K)
+  float* dkt;      // (D, kBk) the task's dK^T and dV^T sums
+  float* dvt;
+  float* opad;     // (kBq, D) O's or dQ's rows where a query tile is not whole 16-row tiles
 };
 
 int64_t amx_work_floats(int64_t D) {
@@ -573,6 +592,43 @@ Tiles carve_tiles(float* base, int64_t D, bool widen, bool amx, int64_t rows) {
   return t;
 }
 
+// Per-thread scratch under x.tiles: f32 S and dP (kBq, kBk), m and l, the widened key tile (fp8 / int8 K/V),
+// bf16 rows of P or dS, the pairs of P and dS, three packed key tiles, dK^T and dV^T, a (kBq, D) O.
+int64_t tiles_floats_amx(int64_t D, DType kv_dtype) {
+  const bool widen = kv_dtype != DType::f32 && kv_dtype != DType::bf16;
+  return 2 * padded(kBq * kBk) + 2 * padded(kBq) + (widen ? 2 * padded(kBk * D) : 0) + 3 * padded(kBq * kBk / 2) +
+         3 * padded(kBk * D / 2) + 2 * padded(D * kBk) + padded(kBq * D);
+}
+
+Tiles carve_tiles_amx(float* base, int64_t D, DType kv_dtype) {
+  const bool widen = kv_dtype != DType::f32 && kv_dtype != DType::bf16;
+  Tiles t{};
+  float* p = base;
+  auto take = [&p](int64_t n) {
+    float* r = p;
+    p += padded(n);
+    return r;
+  };
+  t.s = take(kBq * kBk);
+  t.ds = take(kBq * kBk);
+  t.m = take(kBq);
+  t.l = take(kBq);
+  if (widen) {
+    t.k = take(kBk * D);
+    t.v = take(kBk * D);
+  }
+  t.sh = reinterpret_cast<uint16_t*>(take(kBq * kBk / 2));
+  t.pp = reinterpret_cast<uint32_t*>(take(kBq * kBk / 2));
+  t.dsp = reinterpret_cast<uint32_t*>(take(kBq * kBk / 2));
+  t.kp = reinterpret_cast<uint32_t*>(take(kBk * D / 2));
+  t.vp = reinterpret_cast<uint32_t*>(take(kBk * D / 2));
+  t.kr = reinterpret_cast<uint32_t*>(take(kBk * D / 2));
+  t.dkt = take(D * kBk);
+  t.dvt = take(D * kBk);
+  t.opad = take(kBq * D);
+  return t;
+}
+
 // The K and V operands (n, D) of key tile kt under kv head g: f32 as key_rows gives them; with bf16 products
 // rounded (off amx, in w.k / w.v) or in bf16 (on amx: bf16 pages as they are, else rounded into w.kh / w.vh).
 void key_operands(const Ctx& x, const KeyTile& kt, int64_t g, int64_t n, const Tiles& w, Opnd* K, Opnd* V) {
@@ -606,6 +662,25 @@ void key_operands(const Ctx& x, const KeyTile& kt, int64_t g, int64_t n, const T
   round_tile(w.v, n * x.D, nullptr);
   K->f = w.k, V->f = w.v;
 }
+
+// Under x.tiles, the first n keys (values: false) or values of key tile kt under kv head g, packed for the
+// tiles: their pairs transposed (out: (D / 2, npad), row stride ldo words) or their pairs ((npad / 2, D)),
+// keys n to npad zero. bf16 and f32 pages are read as they are; narrower ones widened into buf first.
+void pack_side(const Ctx& x, const KeyTile& kt, int64_t g, int64_t n, bool values, bool transposed, int64_t npad,
+               uint32_t* out, int64_t ldo, float* buf) {
+  const KvBlock& blk = x.kv->blocks[kt.block];
+  const int64_t off = (g * x.P + kt.j0) * x.D;
+  const void* src = values ? blk.v : blk.k;
+  auto pack = [&](const auto* rows) {
+    if (transposed) attn_amx::pack_t(rows, x.D, n, x.D, npad, out, ldo);
+    else attn_amx::pack_rows(rows, x.D, n, x.D, npad, out);
+  };
+  if (x.kv->dtype == DType::bf16) return pack(static_cast<const uint16_t*>(src) + off);
+  if (x.kv->dtype == DType::f32) return pack(static_cast<const float*>(src) + off);
+  pack(side_rows(x, kt, g, n, values, buf));
+}
+
+int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 // The rows of q or dout at row r0 under head h, as the products read them.
 Opnd q_rows(const Ctx& x, const float* f32, const float* rounded, const uint16_t* h16, int64_t r0, int64_t h) {
@@ -703,13 +778,15 @@ Ctx make_ctx(const AttentionDims& dims, const Tensor& q, const Tensor& o, const 
   x.bf16 = kv.bf16_products;
   x.amx = x.bf16 && gemm_isa() == GemmIsa::amx;
   x.lanes16 = gemm_isa() == GemmIsa::avx512 || gemm_isa() == GemmIsa::amx;
+  x.tiles = tiles_ok(x.amx, x.D);
   return x;
 }
 
 // Floats of scratch for one (T, ldq) operand copy under bf16 products (none without).
+// On amx the rows go on, zero, to a whole last query tile (the tiles read 16 or 32 rows at a time).
 int64_t operand_floats(int64_t T, int64_t ldq, bool bf16, bool amx) {
   if (!bf16) return 0;
-  return padded(amx ? (T * ldq + 1) / 2 : T * ldq);
+  return padded(amx ? (round_up(T, kBq) * ldq + 1) / 2 : T * ldq);
 }
 int64_t operand_floats(const Ctx& x) { return operand_floats(x.T, x.ldq, x.bf16, x.amx); }
 
@@ -728,8 +805,12 @@ void round_rows(Ctx* x, const float* src, float* dst, const float** rounded, con
       for (int64_t i = i0; i < i0 + len; ++i) dst[i] = round_to_bf16(src[i]);
     }
   }
-  if (x->amx) *h16 = h;
-  else *rounded = dst;
+  if (x->amx) {
+    std::fill(h + n, h + round_up(x->T, kBq) * x->ldq, uint16_t{0});
+    *h16 = h;
+  } else {
+    *rounded = dst;
+  }
 }
 
 // Under bf16 products on amx, f32 K/V whose keys number no more than the queries (Hkv x blocks x P <= H x T,
@@ -741,10 +822,21 @@ int64_t kv_once_floats(int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t n_b
   return padded(n_blocks * Hkv * P * D);  // 2 n_blocks Hkv P D halves
 }
 
-// The backward's shared floats: lse in base 2 and D (H, T), the rounded q and dout (`rows` each), and the dQ
-// turns as int32: the counters (H, n_qt) and each key tile's turn per query tile (n_kt, n_qt).
-int64_t backward_extra_floats(int64_t T, int64_t H, int64_t n_kt, int64_t n_qt, int64_t rows) {
-  return 2 * padded(H * T) + 2 * rows + padded(H * n_qt) + padded(n_kt * n_qt);
+// Under the tiles, a forward call whose keys number no more than its queries (the rule of kv_once_floats)
+// packs every (key tile, kv head) once, for all the query tiles and heads that read it: the floats of those
+// packs (0 where each task packs its own: a decode step, or a long history beside few queries).
+int64_t kv_pack_floats(int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t n_blocks, int64_t P, int64_t n_kt,
+                       bool tiles, bool decode) {
+  if (!tiles || decode || Hkv * n_blocks * P > H * T) return 0;
+  return padded(n_kt * Hkv * kBk * D);  // two (kBk D / 2)-word packs a (key tile, kv head)
+}
+
+// The backward's shared floats: lse in base 2 and D (H, T), the rounded q and dout (`rows` each), the dQ
+// turns as int32: the counters (H, n_qt) and each key tile's turn per query tile (n_kt, n_qt); under the
+// tiles, q and dout transposed per (head, query tile).
+int64_t backward_extra_floats(int64_t T, int64_t H, int64_t D, int64_t n_kt, int64_t n_qt, int64_t rows, bool tiles) {
+  return 2 * padded(H * T) + 2 * rows + padded(H * n_qt) + padded(n_kt * n_qt) +
+         (tiles ? 2 * padded(H * n_qt * D * kBq / 2) : 0);
 }
 
 // ---- tasks ------------------------------------------------------------------------------------------
@@ -754,10 +846,51 @@ int64_t visible_keys(const KeyTile& kt, const QueryTile& qt) {
   return kt.lo > qt.hi ? 0 : std::min(kt.n, qt.hi - kt.lo + 1);
 }
 
+// forward_rows under x.tiles: 16-row tiles of Q read in place (rows past nq are the next rows or the zero
+// padding of round_rows, and their outputs are dropped), key tiles packed once per call (x.kvp) or here;
+// O's rows through w.opad where nq is not a multiple of 16.
+void forward_rows_tiles(const Ctx& x, int64_t g, const QueryTile& qt, const uint16_t* Q, int64_t ldq, int64_t nq,
+                        const int32_t* qpos, float* O, int64_t ldo, float* lse, const Tiles& w) {
+  const int64_t rows = round_up(nq, 16), D = x.D;
+  float* Ow = O;
+  int64_t ldw = ldo;
+  if (rows != nq) Ow = w.opad, ldw = D;
+  for (int64_t r = 0; r < rows; ++r) {
+    std::fill(Ow + r * ldw, Ow + r * ldw + D, 0.0f);
+    w.m[r] = kNegInf;
+    w.l[r] = 0.0f;
+  }
+  attn_amx::begin();
+  for (int64_t i = 0; i < x.n_kt; ++i) {
+    const KeyTile& kt = x.kt[i];
+    const int64_t nk = visible_keys(kt, qt);
+    if (nk == 0) continue;
+    const int64_t np = round_up(nk, 32);
+    const uint32_t *kp = w.kp, *vp = w.vp;
+    int64_t ldk = np;
+    if (x.kvp) {
+      kp = x.kvp + (i * x.Hkv + g) * kBk * D;
+      vp = kp + kBk * D / 2;
+      ldk = round_up(kt.n, 32);
+    } else {
+      pack_side(x, kt, g, nk, false, true, np, w.kp, np, w.k);
+      pack_side(x, kt, g, nk, true, false, np, w.vp, 0, w.v);
+    }
+    attn_amx::product(Q, ldq, kp, ldk, w.s, np, rows, np, D, false);  // S = Q K^T
+    attn_amx::softmax_rows(w.s, w.sh, nq, rows, np, nk, x.c, qpos, kt.lo, w.m, w.l, Ow, ldw, D);
+    attn_amx::product(w.sh, np, vp, D, Ow, ldw, rows, D, np, true);  // O += P V
+  }
+  attn_amx::end();
+  finish_rows(Ow, ldw, D, nq, w.m, w.l, lse);
+  if (Ow != O)
+    for (int64_t r = 0; r < nq; ++r) std::memcpy(O + r * ldo, Ow + r * ldw, sizeof(float) * D);
+}
+
 // Forward over nq rows that share kv head g and query tile qt's visible keys: Q's rows (row stride Q.ld),
 // their positions, O's rows (stride ldo) and their lse (consecutive).
 void forward_rows(const Ctx& x, int64_t g, const QueryTile& qt, Opnd Q, int64_t nq, const int32_t* qpos, float* O,
                   int64_t ldo, float* lse, const Tiles& w) {
+  if (x.tiles) return forward_rows_tiles(x, g, qt, Q.h, Q.ld, nq, qpos, O, ldo, lse, w);
   for (int64_t r = 0; r < nq; ++r) {
     std::fill(O + r * ldo, O + r * ldo + x.D, 0.0f);
     w.m[r] = kNegInf;
@@ -1121,6 +1254,61 @@ void kv_grad_task(const Ctx& x, int64_t g, int64_t ki, const Tiles& w) {
   }
 }
 
+// kv_grad_task under x.tiles: the key tile packed three ways once (K^T and V^T pairs for S and dP, K's pairs
+// for dS K), dK^T and dV^T summed in w.dkt / w.dvt over the group's heads and the query tiles in order
+// (dV^T += dO^T P, dK^T += Q^T dS: q and dout transposed once per call, P and dS as pairs), then added to
+// dK and dV. Query tiles go in whole 32-row tiles (the rows past a tail tile's are zero in every operand);
+// a tail tile's dQ rows through w.opad.
+void kv_grad_task_tiles(const Ctx& x, int64_t g, int64_t ki, const Tiles& w) {
+  const KeyTile& kt = x.kt[ki];
+  const KvBlock& dblk = x.dkv->blocks[kt.block];
+  const int64_t D = x.D, off = (g * x.P + kt.j0) * D, npad = round_up(kt.n, 32);
+  pack_side(x, kt, g, kt.n, false, true, npad, w.kp, npad, w.k);
+  pack_side(x, kt, g, kt.n, true, true, npad, w.vp, npad, w.v);
+  pack_side(x, kt, g, kt.n, false, false, npad, w.kr, 0, w.k);
+  std::fill(w.dkt, w.dkt + D * npad, 0.0f);
+  std::fill(w.dvt, w.dvt + D * npad, 0.0f);
+  attn_amx::begin();
+  for (int64_t h = g * x.group; h < (g + 1) * x.group; ++h) {
+    for (int64_t i = 0; i < x.n_qt; ++i) {
+      const QueryTile& qt = x.qt[i];
+      const int64_t nk = visible_keys(kt, qt);
+      if (nk == 0) continue;
+      const int64_t np = round_up(nk, 32), rows = round_up(qt.n, 32), at = qt.r0 * x.ldq + h * D;
+      const float* lse2 = x.lse2 + h * x.T + qt.r0;
+      const float* dsum = x.dsum + h * x.T + qt.r0;
+      attn_amx::product(x.qh + at, x.ldq, w.kp, npad, w.s, np, rows, np, D, false);   // S = Q K^T
+      attn_amx::product(x.dh + at, x.ldq, w.vp, npad, w.ds, np, rows, np, D, false);  // dP = dO V^T
+      attn_amx::grad_rows(w.s, w.ds, w.pp, w.sh, w.dsp, qt.n, rows, np, nk, x.c, x.pos + qt.r0, kt.lo, lse2, dsum,
+                          x.scale);
+      const int64_t tq = (h * x.n_qt + i) * D * kBq;
+      attn_amx::product(x.dth + tq, kBq, w.pp, np, w.dvt, npad, D, np, rows, true);   // dV^T += dO^T P
+      attn_amx::product(x.qth + tq, kBq, w.dsp, np, w.dkt, npad, D, np, rows, true);  // dK^T += Q^T dS
+      int32_t* done = x.dq_done + h * x.n_qt + i;
+      wait_turn(done, x.dq_turn[ki * x.n_qt + i]);
+      float* dq = x.dq + at;
+      if (rows == qt.n) {
+        attn_amx::product(w.sh, np, w.kr, D, dq, x.ldq, rows, D, np, true);  // dQ += dS K
+      } else {
+        for (int64_t r = 0; r < rows; ++r)
+          if (r < qt.n) std::memcpy(w.opad + r * D, dq + r * x.ldq, sizeof(float) * D);
+          else std::fill(w.opad + r * D, w.opad + (r + 1) * D, 0.0f);
+        attn_amx::product(w.sh, np, w.kr, D, w.opad, D, rows, D, np, true);
+        for (int64_t r = 0; r < qt.n; ++r) std::memcpy(dq + r * x.ldq, w.opad + r * D, sizeof(float) * D);
+      }
+      std::atomic_ref<int32_t>(*done).fetch_add(1, std::memory_order_release);
+    }
+  }
+  attn_amx::end();
+  float* dK = static_cast<float*>(dblk.k) + off;
+  float* dV = static_cast<float*>(dblk.v) + off;
+  for (int64_t j = 0; j < kt.n; ++j)
+    for (int64_t d = 0; d < D; ++d) {
+      dK[j * D + d] += w.dkt[d * npad + j];
+      dV[j * D + d] += w.dvt[d * npad + j];
+    }
+}
+
 }  // namespace
 
 bool decode_direct_kernels() { return direct_switch(); }
@@ -1139,9 +1327,11 @@ void CpuOps::attention_forward(Tensor o, Tensor lse, Tensor q, const KvBlocks& k
   const bool decode = x.T == 1 && x.group > 1 && x.group <= kBq;
   const bool split = decode && !x.bf16;  // (f32 products: decode_split)
   const int64_t split_floats = split ? decode_split_floats(x.Hkv, x.n_kt, x.group, x.D) : 0;
-  const int64_t once_floats = decode ? 0 : kv_once_floats(x.T, x.H, x.Hkv, x.D, kv.n_blocks, kv.P, kv.dtype, x.amx);
-  Scratch s = make_scratch(*this, x.n_kt, x.n_qt, padded(rows) + split_floats + once_floats,
-                           tiles_floats(x.D, widen, x.amx, trows));
+  const int64_t once_floats =
+      decode ? 0 : kv_once_floats(x.T, x.H, x.Hkv, x.D, kv.n_blocks, kv.P, kv.dtype, x.amx && !x.tiles);
+  const int64_t pack_floats = kv_pack_floats(x.T, x.H, x.Hkv, x.D, kv.n_blocks, kv.P, x.n_kt, x.tiles, decode);
+  Scratch s = make_scratch(*this, x.n_kt, x.n_qt, padded(rows) + split_floats + once_floats + pack_floats,
+                           x.tiles ? tiles_floats_amx(x.D, kv.dtype) : tiles_floats(x.D, widen, x.amx, trows));
   fill_key_tiles(s.kt, kv);
   fill_query_tiles(s.qt, x.pos, x.T);
   x.kt = s.kt;
@@ -1159,11 +1349,28 @@ void CpuOps::attention_forward(Tensor o, Tensor lse, Tensor q, const KvBlocks& k
     }
     x.kvh = h;
   }
+  if (pack_floats > 0) {
+    uint32_t* packs = reinterpret_cast<uint32_t*>(s.extra + padded(rows) + split_floats + once_floats);
+    const int64_t words = kBk * x.D / 2;
+#pragma omp parallel
+    {
+      float* buf = s.tiles + omp_get_thread_num() * s.tile_floats;  // a thread's tiles, not in use yet
+#pragma omp for schedule(static)
+      for (int64_t u = 0; u < x.n_kt * x.Hkv; ++u) {  // u = i Hkv + g
+        const KeyTile& kt = x.kt[u / x.Hkv];
+        const int64_t npad = round_up(kt.n, 32);
+        pack_side(x, kt, u % x.Hkv, kt.n, false, true, npad, packs + 2 * u * words, npad, buf);
+        pack_side(x, kt, u % x.Hkv, kt.n, true, false, npad, packs + (2 * u + 1) * words, 0, buf);
+      }
+    }
+    x.kvp = packs;
+  }
   if (split) return decode_split(x, s.extra + padded(rows), s.tiles, s.tile_floats, widen, trows);
   const int64_t tasks = decode ? x.Hkv : x.n_qt * x.H;
 #pragma omp parallel
   {
-    const Tiles w = carve_tiles(s.tiles + omp_get_thread_num() * s.tile_floats, x.D, widen, x.amx, trows);
+    float* tb = s.tiles + omp_get_thread_num() * s.tile_floats;
+    const Tiles w = x.tiles ? carve_tiles_amx(tb, x.D, kv.dtype) : carve_tiles(tb, x.D, widen, x.amx, trows);
 #pragma omp for schedule(static, 1)
     for (int64_t t = 0; t < tasks; ++t) {
       if (decode) decode_group_task(x, t, w);
@@ -1186,8 +1393,8 @@ void CpuOps::attention_backward(Tensor dq, const KvBlocks& dkv, Tensor dout, Ten
   x.n_qt = (x.T + kBq - 1) / kBq;
   const int64_t HT = x.H * x.T, rows = operand_floats(x);
   const int64_t trows = tile_rows(x.T, x.H, x.Hkv, x.amx, true);
-  Scratch s = make_scratch(*this, x.n_kt, x.n_qt, backward_extra_floats(x.T, x.H, x.n_kt, x.n_qt, rows),
-                           tiles_floats(x.D, widen, x.amx, trows));
+  Scratch s = make_scratch(*this, x.n_kt, x.n_qt, backward_extra_floats(x.T, x.H, x.D, x.n_kt, x.n_qt, rows, x.tiles),
+                           x.tiles ? tiles_floats_amx(x.D, kv.dtype) : tiles_floats(x.D, widen, x.amx, trows));
   fill_key_tiles(s.kt, kv);
   fill_query_tiles(s.qt, x.pos, x.T);
   x.kt = s.kt;
@@ -1210,10 +1417,24 @@ void CpuOps::attention_backward(Tensor dq, const KvBlocks& dkv, Tensor dout, Ten
   }
   x.dq_done = dq_done;
   x.dq_turn = dq_turn;
+  if (x.tiles) {  // q and dout transposed per (head, query tile)
+    uint16_t* qth = reinterpret_cast<uint16_t*>(dq_turn + padded(x.n_kt * x.n_qt));
+    uint16_t* dth = qth + 2 * padded(x.H * x.n_qt * x.D * kBq / 2);
+#pragma omp parallel for schedule(static)
+    for (int64_t u = 0; u < x.H * x.n_qt; ++u) {  // u = h n_qt + i
+      const QueryTile& qt = x.qt[u % x.n_qt];
+      const int64_t at = qt.r0 * x.ldq + (u / x.n_qt) * x.D;
+      attn_amx::transpose(x.qh + at, x.ldq, qt.n, x.D, kBq, qth + u * x.D * kBq, kBq);
+      attn_amx::transpose(x.dh + at, x.ldq, qt.n, x.D, kBq, dth + u * x.D * kBq, kBq);
+    }
+    x.qth = qth;
+    x.dth = dth;
+  }
   const int64_t kv_tasks = x.n_kt * x.Hkv;
 #pragma omp parallel
   {
-    const Tiles w = carve_tiles(s.tiles + omp_get_thread_num() * s.tile_floats, x.D, widen, x.amx, trows);
+    float* tb = s.tiles + omp_get_thread_num() * s.tile_floats;
+    const Tiles w = x.tiles ? carve_tiles_amx(tb, x.D, kv.dtype) : carve_tiles(tb, x.D, widen, x.amx, trows);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < HT; ++i) {  // i = h * T + t
       const int64_t h = i / x.T, t = i % x.T;
@@ -1228,7 +1449,10 @@ void CpuOps::attention_backward(Tensor dq, const KvBlocks& dkv, Tensor dout, Ten
     // Round-robin by hand rather than schedule(static, 1): the turns need each thread to take its tasks in
     // ascending order.
     const int64_t nth = omp_get_num_threads();
-    for (int64_t t = omp_get_thread_num(); t < kv_tasks; t += nth) kv_grad_task(x, t % x.Hkv, t / x.Hkv, w);
+    for (int64_t t = omp_get_thread_num(); t < kv_tasks; t += nth) {
+      if (x.tiles) kv_grad_task_tiles(x, t % x.Hkv, t / x.Hkv, w);
+      else kv_grad_task(x, t % x.Hkv, t / x.Hkv, w);
+    }
   }
 }
 
@@ -1249,10 +1473,15 @@ size_t CpuOps::attention_workspace(bool backward, int64_t T, int64_t H, int64_t 
   const int64_t group = Hkv > 0 ? H / Hkv : 1;
   const bool split = !backward && T == 1 && group > 1 && group <= kBq && !bf16_products;
   const bool decode = T == 1 && group > 1 && group <= kBq;
-  const int64_t extra = backward ? backward_extra_floats(T, H, n_kt, n_qt, rows)
-                                 : padded(rows) + (split ? decode_split_floats(Hkv, n_kt, group, D) : 0) +
-                                       (decode ? 0 : kv_once_floats(T, H, Hkv, D, key_blocks, block_len, kv_dtype, amx));
-  return static_cast<size_t>(scratch_bytes(n_kt, n_qt, extra, tiles_floats(D, widen, amx, tile_rows(T, H, Hkv, amx, backward))));
+  const bool tiles = tiles_ok(amx, D);
+  const int64_t extra =
+      backward ? backward_extra_floats(T, H, D, n_kt, n_qt, rows, tiles)
+               : padded(rows) + (split ? decode_split_floats(Hkv, n_kt, group, D) : 0) +
+                     (decode ? 0 : kv_once_floats(T, H, Hkv, D, key_blocks, block_len, kv_dtype, amx && !tiles)) +
+                     kv_pack_floats(T, H, Hkv, D, key_blocks, block_len, n_kt, tiles, decode);
+  const int64_t tile_floats =
+      tiles ? tiles_floats_amx(D, kv_dtype) : tiles_floats(D, widen, amx, tile_rows(T, H, Hkv, amx, backward));
+  return static_cast<size_t>(scratch_bytes(n_kt, n_qt, extra, tile_floats));
 }
 
 }  // namespace oomless

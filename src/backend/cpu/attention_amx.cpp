@@ -1,0 +1,292 @@
+// The attention tiles of bf16 products on AMX: see attention_amx.h. Every function here is compiled for
+// AMX-BF16 / AVX512-BF16 by attribute and runs only where gemm_isa() is amx (a CPU with both).
+#include "backend/cpu/attention_amx.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "backend/cpu/gemm_kernel.h"
+#include "core/dtype.h"
+
+// GCC 12's AVX-512 intrinsics start some results from an undefined vector, which it then reports as maybe
+// uninitialized once inlined here.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+namespace oomless::attn_amx {
+
+namespace {
+
+#define OOMLESS_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+#define OOMLESS_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+#define OOMLESS_BF16_INLINE __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma"), always_inline)) inline
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// How far (in log2 units) a key tile's largest score may pass a row's running max before the row is taken
+// again with the new max: below it the running max stays, and the row's terms, up to 2^8, are summed
+// against it (exactly as well: l and O are kept relative to whatever max the row holds).
+constexpr float kSlack = 8.0f;
+
+// GCC 12's tile load and store intrinsics name no memory operand (gemm_amx.cpp): barriers around them.
+inline void memory_barrier() { __asm__ volatile("" ::: "memory"); }
+
+// Two rows' sixteen floats as sixteen pair words (a's in the low halves), rounded to nearest even by the
+// hardware (denormals to zero, as the tile products read them anyway).
+OOMLESS_BF16_INLINE __m512i pairs16(__m512 a, __m512 b) {
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                       21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+
+// Sixteen floats to bf16, stored.
+OOMLESS_BF16_INLINE void store_bf16(uint16_t* d, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// 2^x, relative error under 3e-6 (the products read it in bf16, whose rounding is 4e-3): x = n + f with
+// n = round(x), 2^f by its degree-4 minimax polynomial on [-1/2, 1/2], 2^n applied by vscalefps (0 far
+// below, NaN kept).
+OOMLESS_BF16_INLINE __m512 exp2_512(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(9.57008637e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.59178218e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40247443e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93121791e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.99999285e-1f));
+  return _mm512_scalef_ps(p, n);
+}
+
+OOMLESS_BF16_INLINE float exp2_1(float x) { return _mm512_cvtss_f32(exp2_512(_mm512_set1_ps(x))); }
+
+OOMLESS_BF16_INLINE __mmask16 first(int64_t n) {
+  return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << std::max<int64_t>(n, 0)) - 1u);
+}
+
+// One row's y = 2^(c s - shift) for j < n, 0 to npad (a multiple of 16): to f32 (out, may be s) and/or bf16
+// (h); returns their sum, and with smax the largest s among the n (-inf when n = 0).
+OOMLESS_BF16_INLINE float exp_row(const float* s, int64_t n, int64_t npad, float c, float shift, float* out,
+                                  uint16_t* h, float* smax = nullptr) {
+  const __m512 vc = _mm512_set1_ps(c), vs = _mm512_set1_ps(-shift);
+  __m512 sum = _mm512_setzero_ps(), mx = _mm512_set1_ps(kNegInf);
+#define put(j, y_)                            \
+  do {                                        \
+    const __m512 y = (y_);                    \
+    sum = _mm512_add_ps(sum, y);              \
+    if (out) _mm512_storeu_ps(out + (j), y);  \
+    if (h) store_bf16(h + (j), y);            \
+  } while (0)
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 v = _mm512_loadu_ps(s + j);
+    if (smax) mx = _mm512_max_ps(mx, v);
+    put(j, exp2_512(_mm512_fmadd_ps(v, vc, vs)));
+  }
+  if (j < n) {
+    const __mmask16 k = first(n - j);
+    const __m512 v = _mm512_maskz_loadu_ps(k, s + j);
+    if (smax) mx = _mm512_mask_max_ps(mx, k, mx, v);
+    put(j, _mm512_maskz_mov_ps(k, exp2_512(_mm512_fmadd_ps(v, vc, vs))));
+    j += 16;
+  }
+  for (; j < npad; j += 16) put(j, _mm512_setzero_ps());
+#undef put
+  if (smax) *smax = _mm512_reduce_max_ps(mx);
+  return _mm512_reduce_add_ps(sum);
+}
+
+// C tiles: MT 16-row tiles (1 or 2) by two 16-column ones.
+template <int MT>
+OOMLESS_AMX void micro(const uint16_t* a, int64_t lda, const uint32_t* b, int64_t ldb, float* c, int64_t ldc,
+                       int64_t K, bool acc) {
+  const int64_t cs = ldc * 4, as = lda * 2, bs = ldb * 4;
+  memory_barrier();
+  if (acc) {
+    _tile_loadd(0, c, cs);
+    _tile_loadd(1, c + 16, cs);
+    if constexpr (MT == 2) {
+      _tile_loadd(2, c + 16 * ldc, cs);
+      _tile_loadd(3, c + 16 * ldc + 16, cs);
+    }
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (MT == 2) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+  }
+  for (int64_t k = 0; k < K; k += 32) {
+    const uint32_t* bk = b + (k / 2) * ldb;
+    _tile_loadd(4, a + k, as);
+    _tile_loadd(6, bk, bs);
+    _tile_loadd(7, bk + 16, bs);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (MT == 2) {
+      _tile_loadd(5, a + 16 * lda + k, as);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, cs);
+  _tile_stored(1, c + 16, cs);
+  if constexpr (MT == 2) {
+    _tile_stored(2, c + 16 * ldc, cs);
+    _tile_stored(3, c + 16 * ldc + 16, cs);
+  }
+  memory_barrier();
+}
+
+}  // namespace
+
+void pack_t(const uint16_t* x, int64_t ld, int64_t n, int64_t D, int64_t npad, uint32_t* out, int64_t ldo) {
+  const int64_t W = D / 2;
+  for (int64_t p = 0; p < W; ++p) std::memset(out + p * ldo + n, 0, sizeof(uint32_t) * (npad - n));
+  for (int64_t j = 0; j < n; ++j) {
+    uint32_t row[256];
+    std::memcpy(row, x + j * ld, sizeof(uint32_t) * W);
+    for (int64_t p = 0; p < W; ++p) out[p * ldo + j] = row[p];
+  }
+}
+
+OOMLESS_BF16 void pack_t(const float* x, int64_t ld, int64_t n, int64_t D, int64_t npad, uint32_t* out, int64_t ldo) {
+  const int64_t W = D / 2;
+  for (int64_t p = 0; p < W; ++p) std::memset(out + p * ldo + n, 0, sizeof(uint32_t) * (npad - n));
+  for (int64_t j = 0; j < n; ++j) {
+    alignas(64) uint16_t row[512];
+    for (int64_t d = 0; d < D; d += 16) store_bf16(row + d, _mm512_loadu_ps(x + j * ld + d));
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(row);
+    for (int64_t p = 0; p < W; ++p) out[p * ldo + j] = w[p];
+  }
+}
+
+OOMLESS_BF16 void pack_rows(const uint16_t* x, int64_t ld, int64_t n, int64_t D, int64_t npad, uint32_t* out) {
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                      37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int64_t p = 0; p < npad / 2; ++p) {
+    uint32_t* o = out + p * D;
+    const int64_t r0 = 2 * p, r1 = 2 * p + 1;
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512i a = r0 < n ? _mm512_loadu_si512(x + r0 * ld + d) : _mm512_setzero_si512();
+      const __m512i b = r1 < n ? _mm512_loadu_si512(x + r1 * ld + d) : _mm512_setzero_si512();
+      _mm512_storeu_si512(o + d, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(o + d + 16, _mm512_permutex2var_epi16(a, hi, b));
+    }
+  }
+}
+
+OOMLESS_BF16 void pack_rows(const float* x, int64_t ld, int64_t n, int64_t D, int64_t npad, uint32_t* out) {
+  for (int64_t p = 0; p < npad / 2; ++p) {
+    uint32_t* o = out + p * D;
+    const int64_t r0 = 2 * p, r1 = 2 * p + 1;
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 a = r0 < n ? _mm512_loadu_ps(x + r0 * ld + d) : _mm512_setzero_ps();
+      const __m512 b = r1 < n ? _mm512_loadu_ps(x + r1 * ld + d) : _mm512_setzero_ps();
+      _mm512_storeu_si512(o + d, pairs16(a, b));
+    }
+  }
+}
+
+// Sixteen rows at a time: one gather takes columns d and d + 1 of each (a pair word a row), one permute
+// parts them into the two output rows.
+OOMLESS_BF16 void transpose(const uint16_t* x, int64_t ld, int64_t n, int64_t D, int64_t npad, uint16_t* out,
+                            int64_t ldo) {
+  const __m512i parts = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1, 30, 28, 26, 24, 22,
+                                         20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(static_cast<int>(ld / 2)));
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const uint32_t* base = reinterpret_cast<const uint32_t*>(x + i * ld);
+    for (int64_t d = 0; d < D; d += 2) {
+      const __m512i w = _mm512_permutexvar_epi16(parts, _mm512_i32gather_epi32(rows, base + d / 2, 4));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d * ldo + i), _mm512_castsi512_si256(w));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (d + 1) * ldo + i), _mm512_extracti64x4_epi64(w, 1));
+    }
+  }
+  for (; i < n; ++i)
+    for (int64_t d = 0; d < D; ++d) out[d * ldo + i] = x[i * ld + d];
+  for (int64_t d = 0; d < D; ++d) std::memset(out + d * ldo + n, 0, sizeof(uint16_t) * (npad - n));
+}
+
+void begin() { gemm_detail::amx_begin(); }
+void end() { gemm_detail::amx_end(); }
+
+OOMLESS_AMX void product(const uint16_t* a, int64_t lda, const uint32_t* b, int64_t ldb, float* c, int64_t ldc,
+                         int64_t M, int64_t N, int64_t K, bool acc) {
+  for (int64_t j = 0; j < N; j += 32) {
+    int64_t i = 0;
+    for (; i + 32 <= M; i += 32) micro<2>(a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc, K, acc);
+    if (i < M) micro<1>(a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc, K, acc);
+  }
+}
+
+OOMLESS_BF16 void softmax_rows(const float* S, uint16_t* P, int64_t nq, int64_t rows, int64_t npad, int64_t nk,
+                               float c, const int32_t* qpos, int64_t klo, float* m, float* l, float* O, int64_t ldo,
+                               int64_t D) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* s = S + r * npad;
+    uint16_t* p = P + r * npad;
+    const int64_t n = r < nq ? std::clamp<int64_t>(qpos[r] - klo + 1, 0, nk) : 0;
+    if (n == 0) {  // nothing new: P's row 0, the sums as they are
+      std::memset(p, 0, sizeof(uint16_t) * npad);
+      continue;
+    }
+    float mn = m[r], sum = 0.0f;
+    if (mn != kNegInf) {  // with the running max as it is, unless the tile's max passes it by more than kSlack
+      float smax;
+      sum = exp_row(s, n, npad, c, mn, nullptr, p, &smax);
+      if (smax * c <= mn + kSlack) {
+        l[r] += sum;
+        continue;
+      }
+      mn = smax * c;
+    } else {
+      __m512 mx = _mm512_set1_ps(kNegInf);
+      for (int64_t j = 0; j < n; j += 16) mx = _mm512_mask_max_ps(mx, first(n - j), mx, _mm512_loadu_ps(s + j));
+      mn = _mm512_reduce_max_ps(mx) * c;
+    }
+    const bool had = m[r] != kNegInf;
+    const float alpha = had ? exp2_1(m[r] - mn) : 0.0f;
+    sum = exp_row(s, n, npad, c, mn, nullptr, p);
+    l[r] = l[r] * alpha + sum;
+    m[r] = mn;
+    if (had && alpha != 1.0f) {
+      float* o = O + r * ldo;
+      const __m512 va = _mm512_set1_ps(alpha);
+      for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), va));
+    }
+  }
+}
+
+OOMLESS_BF16 void grad_rows(float* S, const float* dP, uint32_t* Ppairs, uint16_t* dS, uint32_t* dSpairs, int64_t nq,
+                            int64_t rows, int64_t npad, int64_t nk, float c, const int32_t* qpos, int64_t klo,
+                            const float* lse2, const float* dsum, float scale) {
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < rows; r += 2) {
+    for (int64_t i = r; i < r + 2; ++i) {  // P in place of S
+      const int64_t n = i < nq && lse2[i] != kNegInf ? std::clamp<int64_t>(qpos[i] - klo + 1, 0, nk) : 0;
+      exp_row(S + i * npad, n, npad, c, i < nq ? lse2[i] : 0.0f, S + i * npad, nullptr);
+    }
+    const __m512 d0 = _mm512_set1_ps(r < nq ? dsum[r] : 0.0f), d1 = _mm512_set1_ps(r + 1 < nq ? dsum[r + 1] : 0.0f);
+    const float* p0 = S + r * npad;
+    const float* g0 = dP + r * npad;
+    uint32_t* pp = Ppairs + (r / 2) * npad;
+    uint32_t* sp = dSpairs + (r / 2) * npad;
+    for (int64_t j = 0; j < npad; j += 16) {  // P is 0 on the rows past nq, and so is dS
+      const __m512 a = _mm512_loadu_ps(p0 + j), b = _mm512_loadu_ps(p0 + npad + j);
+      const __m512 ga = _mm512_mul_ps(_mm512_mul_ps(vs, a), _mm512_sub_ps(_mm512_loadu_ps(g0 + j), d0));
+      const __m512 gb = _mm512_mul_ps(_mm512_mul_ps(vs, b), _mm512_sub_ps(_mm512_loadu_ps(g0 + npad + j), d1));
+      _mm512_storeu_si512(pp + j, pairs16(a, b));
+      store_bf16(dS + r * npad + j, ga);
+      store_bf16(dS + (r + 1) * npad + j, gb);
+      _mm512_storeu_si512(sp + j, pairs16(ga, gb));
+    }
+  }
+}
+
+}  // namespace oomless::attn_amx
