@@ -367,7 +367,8 @@ TEST(Attention, Bf16ProductsOnEveryPath) {
 }
 
 // Scores that rise from one key tile to the next by more than the online softmax lets a row's running max
-// lag (on amx, bf16 products keep a row's max until a tile passes it by 2^8, then take the row again): every
+// lag (on amx, bf16 products keep a row's max until a lane of its sum over a tile passes 2^12, then take the
+// row again with the tile's max): every
 // path within bf16 rounding of the reference, forward and backward; the rows also start at several
 // positions (a history of 100 keys) and some see no key of a tile.
 TEST(Attention, Bf16ProductsFollowARisingMax) {

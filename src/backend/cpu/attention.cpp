@@ -546,6 +546,7 @@ struct Tiles {
   float* dkt;      // (D, kBk) the task's dK^T and dV^T sums
   float* dvt;
   float* opad;     // (kBq, D) O's or dQ's rows where a query tile is not whole 16-row tiles
+  float* l16;      // (kBq, 16) the forward's running sums, sixteen lanes a row
 };
 
 int64_t amx_work_floats(int64_t D) {
@@ -593,11 +594,12 @@ Tiles carve_tiles(float* base, int64_t D, bool widen, bool amx, int64_t rows) {
 }
 
 // Per-thread scratch under x.tiles: f32 S and dP (kBq, kBk), m and l, the widened key tile (fp8 / int8 K/V),
-// bf16 rows of P or dS, the pairs of P and dS, three packed key tiles, dK^T and dV^T, a (kBq, D) O.
+// bf16 rows of P or dS, the pairs of P and dS, three packed key tiles, dK^T and dV^T, a (kBq, D) O, and l
+// in sixteen lanes a row.
 int64_t tiles_floats_amx(int64_t D, DType kv_dtype) {
   const bool widen = kv_dtype != DType::f32 && kv_dtype != DType::bf16;
   return 2 * padded(kBq * kBk) + 2 * padded(kBq) + (widen ? 2 * padded(kBk * D) : 0) + 3 * padded(kBq * kBk / 2) +
-         3 * padded(kBk * D / 2) + 2 * padded(D * kBk) + padded(kBq * D);
+         3 * padded(kBk * D / 2) + 2 * padded(D * kBk) + padded(kBq * D) + padded(kBq * 16);
 }
 
 Tiles carve_tiles_amx(float* base, int64_t D, DType kv_dtype) {
@@ -626,6 +628,7 @@ Tiles carve_tiles_amx(float* base, int64_t D, DType kv_dtype) {
   t.dkt = take(D * kBk);
   t.dvt = take(D * kBk);
   t.opad = take(kBq * D);
+  t.l16 = take(kBq * 16);
   return t;
 }
 
@@ -858,8 +861,8 @@ void forward_rows_tiles(const Ctx& x, int64_t g, const QueryTile& qt, const uint
   for (int64_t r = 0; r < rows; ++r) {
     std::fill(Ow + r * ldw, Ow + r * ldw + D, 0.0f);
     w.m[r] = kNegInf;
-    w.l[r] = 0.0f;
   }
+  std::fill(w.l16, w.l16 + 16 * rows, 0.0f);
   attn_amx::begin();
   for (int64_t i = 0; i < x.n_kt; ++i) {
     const KeyTile& kt = x.kt[i];
@@ -877,10 +880,11 @@ void forward_rows_tiles(const Ctx& x, int64_t g, const QueryTile& qt, const uint
       pack_side(x, kt, g, nk, true, false, np, w.vp, 0, w.v);
     }
     attn_amx::product(Q, ldq, kp, ldk, w.s, np, rows, np, D, false);  // S = Q K^T
-    attn_amx::softmax_rows(w.s, w.sh, nq, rows, np, nk, x.c, qpos, kt.lo, w.m, w.l, Ow, ldw, D);
+    attn_amx::softmax_rows(w.s, w.sh, nq, rows, np, nk, x.c, qpos, kt.lo, w.m, w.l16, Ow, ldw, D);
     attn_amx::product(w.sh, np, vp, D, Ow, ldw, rows, D, np, true);  // O += P V
   }
   attn_amx::end();
+  attn_amx::fold_sums(w.l16, nq, w.l);
   finish_rows(Ow, ldw, D, nq, w.m, w.l, lse);
   if (Ow != O)
     for (int64_t r = 0; r < nq; ++r) std::memcpy(O + r * ldo, Ow + r * ldw, sizeof(float) * D);
@@ -1440,9 +1444,13 @@ void CpuOps::attention_backward(Tensor dq, const KvBlocks& dkv, Tensor dout, Ten
       const int64_t h = i / x.T, t = i % x.T;
       const float* orow = x.o + t * x.ldq + h * x.D;
       const float* grow = x.dout + t * x.ldq + h * x.D;
-      float acc = 0.0f;
-      for (int64_t d = 0; d < x.D; ++d) acc += orow[d] * grow[d];
-      dsum[i] = acc;
+      if (x.tiles) {  // the tiles' own bits: sixteen lanes
+        dsum[i] = attn_amx::dot(orow, grow, x.D);
+      } else {
+        float acc = 0.0f;
+        for (int64_t d = 0; d < x.D; ++d) acc += orow[d] * grow[d];
+        dsum[i] = acc;
+      }
       lse2[i] = static_cast<float>(static_cast<double>(x.lse[i]) * kLog2e);
       std::fill(x.dq + t * x.ldq + h * x.D, x.dq + t * x.ldq + (h + 1) * x.D, 0.0f);
     }

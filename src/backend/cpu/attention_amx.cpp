@@ -14,6 +14,7 @@
 // GCC 12's AVX-512 intrinsics start some results from an undefined vector, which it then reports as maybe
 // uninitialized once inlined here.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 
 namespace oomless::attn_amx {
 
@@ -24,10 +25,11 @@ namespace {
 #define OOMLESS_BF16_INLINE __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma"), always_inline)) inline
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-// How far (in log2 units) a key tile's largest score may pass a row's running max before the row is taken
-// again with the new max: below it the running max stays, and the row's terms, up to 2^8, are summed
-// against it (exactly as well: l and O are kept relative to whatever max the row holds).
-constexpr float kSlack = 8.0f;
+// A row keeps its running max over a key tile unless one of the sixteen lanes of its sum there (at most
+// eight terms) passes 2^12, and is then taken again with the tile's max: its terms stay below 2^12 and are
+// summed against the max it holds (as exactly: l and O are kept relative to whatever max the row holds),
+// and no separate pass finds each tile's max.
+constexpr float kLaneCap = 4096.0f;
 
 // GCC 12's tile load and store intrinsics name no memory operand (gemm_amx.cpp): barriers around them.
 inline void memory_barrier() { __asm__ volatile("" ::: "memory"); }
@@ -65,36 +67,28 @@ OOMLESS_BF16_INLINE __mmask16 first(int64_t n) {
   return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << std::max<int64_t>(n, 0)) - 1u);
 }
 
-// One row's y = 2^(c s - shift) for j < n, 0 to npad (a multiple of 16): to f32 (out, may be s) and/or bf16
-// (h); returns their sum, and with smax the largest s among the n (-inf when n = 0).
-OOMLESS_BF16_INLINE float exp_row(const float* s, int64_t n, int64_t npad, float c, float shift, float* out,
-                                  uint16_t* h, float* smax = nullptr) {
+// One row's y = 2^(c s - shift) for j < n, 0 to npad (a multiple of 16), in bf16 to h; returns their sum
+// over sixteen lanes.
+OOMLESS_BF16_INLINE __m512 exp_row(const float* s, int64_t n, int64_t npad, float c, float shift, uint16_t* h) {
   const __m512 vc = _mm512_set1_ps(c), vs = _mm512_set1_ps(-shift);
-  __m512 sum = _mm512_setzero_ps(), mx = _mm512_set1_ps(kNegInf);
-#define put(j, y_)                            \
-  do {                                        \
-    const __m512 y = (y_);                    \
-    sum = _mm512_add_ps(sum, y);              \
-    if (out) _mm512_storeu_ps(out + (j), y);  \
-    if (h) store_bf16(h + (j), y);            \
-  } while (0)
+  __m512 sum = _mm512_setzero_ps();
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
     const __m512 v = _mm512_loadu_ps(s + j);
-    if (smax) mx = _mm512_max_ps(mx, v);
-    put(j, exp2_512(_mm512_fmadd_ps(v, vc, vs)));
+    const __m512 y = exp2_512(_mm512_fmadd_ps(v, vc, vs));
+    sum = _mm512_add_ps(sum, y);
+    store_bf16(h + j, y);
   }
   if (j < n) {
     const __mmask16 k = first(n - j);
     const __m512 v = _mm512_maskz_loadu_ps(k, s + j);
-    if (smax) mx = _mm512_mask_max_ps(mx, k, mx, v);
-    put(j, _mm512_maskz_mov_ps(k, exp2_512(_mm512_fmadd_ps(v, vc, vs))));
+    const __m512 y = _mm512_maskz_mov_ps(k, exp2_512(_mm512_fmadd_ps(v, vc, vs)));
+    sum = _mm512_add_ps(sum, y);
+    store_bf16(h + j, y);
     j += 16;
   }
-  for (; j < npad; j += 16) put(j, _mm512_setzero_ps());
-#undef put
-  if (smax) *smax = _mm512_reduce_max_ps(mx);
-  return _mm512_reduce_add_ps(sum);
+  for (; j < npad; j += 16) store_bf16(h + j, _mm512_setzero_ps());
+  return sum;
 }
 
 // C tiles: MT 16-row tiles (1 or 2) by two 16-column ones.
@@ -225,68 +219,89 @@ OOMLESS_AMX void product(const uint16_t* a, int64_t lda, const uint32_t* b, int6
   }
 }
 
+// The largest of s[0, n), n > 0.
+OOMLESS_BF16_INLINE float row_max(const float* s, int64_t n) {
+  __m512 mx = _mm512_set1_ps(kNegInf);
+  for (int64_t j = 0; j < n; j += 16) mx = _mm512_mask_max_ps(mx, first(n - j), mx, _mm512_loadu_ps(s + j));
+  return _mm512_reduce_max_ps(mx);
+}
+
 OOMLESS_BF16 void softmax_rows(const float* S, uint16_t* P, int64_t nq, int64_t rows, int64_t npad, int64_t nk,
-                               float c, const int32_t* qpos, int64_t klo, float* m, float* l, float* O, int64_t ldo,
+                               float c, const int32_t* qpos, int64_t klo, float* m, float* l16, float* O, int64_t ldo,
                                int64_t D) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* s = S + r * npad;
     uint16_t* p = P + r * npad;
+    float* l = l16 + 16 * r;
     const int64_t n = r < nq ? std::clamp<int64_t>(qpos[r] - klo + 1, 0, nk) : 0;
     if (n == 0) {  // nothing new: P's row 0, the sums as they are
       std::memset(p, 0, sizeof(uint16_t) * npad);
       continue;
     }
-    float mn = m[r], sum = 0.0f;
-    if (mn != kNegInf) {  // with the running max as it is, unless the tile's max passes it by more than kSlack
-      float smax;
-      sum = exp_row(s, n, npad, c, mn, nullptr, p, &smax);
-      if (smax * c <= mn + kSlack) {
-        l[r] += sum;
+    float mn = m[r];
+    __m512 sum;
+    if (mn != kNegInf) {  // with the running max as it is, unless a lane of the sum passes kLaneCap
+      sum = exp_row(s, n, npad, c, mn, p);
+      if (!_mm512_cmp_ps_mask(sum, _mm512_set1_ps(kLaneCap), _CMP_GT_OQ)) {
+        _mm512_storeu_ps(l, _mm512_add_ps(_mm512_loadu_ps(l), sum));
         continue;
       }
-      mn = smax * c;
+      mn = std::max(mn, row_max(s, n) * c);
     } else {
-      __m512 mx = _mm512_set1_ps(kNegInf);
-      for (int64_t j = 0; j < n; j += 16) mx = _mm512_mask_max_ps(mx, first(n - j), mx, _mm512_loadu_ps(s + j));
-      mn = _mm512_reduce_max_ps(mx) * c;
+      mn = row_max(s, n) * c;
     }
     const bool had = m[r] != kNegInf;
-    const float alpha = had ? exp2_1(m[r] - mn) : 0.0f;
-    sum = exp_row(s, n, npad, c, mn, nullptr, p);
-    l[r] = l[r] * alpha + sum;
+    const __m512 alpha = _mm512_set1_ps(had ? exp2_1(m[r] - mn) : 0.0f);
+    sum = exp_row(s, n, npad, c, mn, p);
+    _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), alpha, sum));
     m[r] = mn;
-    if (had && alpha != 1.0f) {
+    if (had) {
       float* o = O + r * ldo;
-      const __m512 va = _mm512_set1_ps(alpha);
-      for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), va));
+      for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), alpha));
     }
   }
 }
 
-OOMLESS_BF16 void grad_rows(float* S, const float* dP, uint32_t* Ppairs, uint16_t* dS, uint32_t* dSpairs, int64_t nq,
-                            int64_t rows, int64_t npad, int64_t nk, float c, const int32_t* qpos, int64_t klo,
-                            const float* lse2, const float* dsum, float scale) {
-  const __m512 vs = _mm512_set1_ps(scale);
-  for (int64_t r = 0; r < rows; r += 2) {
-    for (int64_t i = r; i < r + 2; ++i) {  // P in place of S
-      const int64_t n = i < nq && lse2[i] != kNegInf ? std::clamp<int64_t>(qpos[i] - klo + 1, 0, nk) : 0;
-      exp_row(S + i * npad, n, npad, c, i < nq ? lse2[i] : 0.0f, S + i * npad, nullptr);
+OOMLESS_BF16 void fold_sums(const float* l16, int64_t rows, float* l) {
+  for (int64_t r = 0; r < rows; ++r) l[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(l16 + 16 * r));
+}
+
+OOMLESS_BF16 void grad_rows(const float* S, const float* dP, uint32_t* Ppairs, uint16_t* dS, uint32_t* dSpairs,
+                            int64_t nq, int64_t rows, int64_t npad, int64_t nk, float c, const int32_t* qpos,
+                            int64_t klo, const float* lse2, const float* dsum, float scale) {
+  const __m512 vs = _mm512_set1_ps(scale), vc = _mm512_set1_ps(c);
+  for (int64_t r = 0; r < rows; r += 2) {  // two rows at a time, P and dS in registers
+    int64_t n[2];
+    __m512 shift[2], d[2];
+    for (int64_t i = 0; i < 2; ++i) {
+      const int64_t q = r + i;
+      const bool seen = q < nq && lse2[q] != kNegInf;
+      n[i] = seen ? std::clamp<int64_t>(qpos[q] - klo + 1, 0, nk) : 0;
+      shift[i] = _mm512_set1_ps(seen ? -lse2[q] : 0.0f);
+      d[i] = _mm512_set1_ps(q < nq ? dsum[q] : 0.0f);
     }
-    const __m512 d0 = _mm512_set1_ps(r < nq ? dsum[r] : 0.0f), d1 = _mm512_set1_ps(r + 1 < nq ? dsum[r + 1] : 0.0f);
-    const float* p0 = S + r * npad;
+    const float* s0 = S + r * npad;
     const float* g0 = dP + r * npad;
     uint32_t* pp = Ppairs + (r / 2) * npad;
     uint32_t* sp = dSpairs + (r / 2) * npad;
-    for (int64_t j = 0; j < npad; j += 16) {  // P is 0 on the rows past nq, and so is dS
-      const __m512 a = _mm512_loadu_ps(p0 + j), b = _mm512_loadu_ps(p0 + npad + j);
-      const __m512 ga = _mm512_mul_ps(_mm512_mul_ps(vs, a), _mm512_sub_ps(_mm512_loadu_ps(g0 + j), d0));
-      const __m512 gb = _mm512_mul_ps(_mm512_mul_ps(vs, b), _mm512_sub_ps(_mm512_loadu_ps(g0 + npad + j), d1));
+    for (int64_t j = 0; j < npad; j += 16) {  // P (and so dS) 0 past each row's seen keys and on rows past nq
+      const __mmask16 k0 = first(n[0] - j), k1 = first(n[1] - j);
+      const __m512 a = _mm512_maskz_mov_ps(k0, exp2_512(_mm512_fmadd_ps(_mm512_loadu_ps(s0 + j), vc, shift[0])));
+      const __m512 b = _mm512_maskz_mov_ps(k1, exp2_512(_mm512_fmadd_ps(_mm512_loadu_ps(s0 + npad + j), vc, shift[1])));
+      const __m512 ga = _mm512_mul_ps(_mm512_mul_ps(vs, a), _mm512_sub_ps(_mm512_loadu_ps(g0 + j), d[0]));
+      const __m512 gb = _mm512_mul_ps(_mm512_mul_ps(vs, b), _mm512_sub_ps(_mm512_loadu_ps(g0 + npad + j), d[1]));
       _mm512_storeu_si512(pp + j, pairs16(a, b));
       store_bf16(dS + r * npad + j, ga);
       store_bf16(dS + (r + 1) * npad + j, gb);
       _mm512_storeu_si512(sp + j, pairs16(ga, gb));
     }
   }
+}
+
+OOMLESS_BF16 float dot(const float* a, const float* b, int64_t D) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+  return _mm512_reduce_add_ps(acc);
 }
 
 }  // namespace oomless::attn_amx

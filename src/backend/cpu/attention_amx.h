@@ -40,18 +40,24 @@ void product(const uint16_t* a, int64_t lda, const uint32_t* b, int64_t ldb, flo
 // The forward's online-softmax step on a score tile S (rows x npad, stride npad; npad a multiple of 32): for
 // each row r < nq, seeing the first n_r = clamp(qpos[r] - klo + 1, 0, nk) keys, with x = c s:
 //   m' = max(m, max x), P = 2^(x - m') for the seen keys and 0 to npad, l = l 2^(m - m') + sum P,
-//   O's row (D floats at O + r ldo) *= 2^(m - m') where that is not 1;
-// except that a row with a running max keeps it (m' = m, P up to 2^8) unless max x passes it by more than 8,
-// so most tiles take one pass over S and rescale nothing. P goes to bf16 rows (stride npad); rows past nq,
-// and rows that see no key of the tile, are zero.
+//   O's row (D floats at O + r ldo) *= 2^(m - m');
+// except that a row with a running max keeps it (m' = m) unless a lane of its sum over the tile (at most
+// eight terms) passes 2^12, so most tiles take one pass over S and rescale nothing. l is kept as sixteen lanes a row (l16: rows x 16,
+// fold_sums adds them up at the end). P goes to bf16 rows (stride npad); rows past nq, and rows that see no
+// key of the tile, are zero.
 void softmax_rows(const float* S, uint16_t* P, int64_t nq, int64_t rows, int64_t npad, int64_t nk, float c,
-                  const int32_t* qpos, int64_t klo, float* m, float* l, float* O, int64_t ldo, int64_t D);
+                  const int32_t* qpos, int64_t klo, float* m, float* l16, float* O, int64_t ldo, int64_t D);
+// l[r] = the sum of l16's sixteen lanes of row r, for r < rows.
+void fold_sums(const float* l16, int64_t rows, float* l);
 // The backward's rows of a score tile S and its dP (rows x npad, stride npad; rows even): for each row
 // r < nq, seeing the first n_r keys (as softmax_rows; none where lse2_r = -inf),
-//   P = 2^(c s - lse2_r) for the seen keys, 0 elsewhere (in place of S), dS = scale P (dP - dsum_r),
+//   P = 2^(c s - lse2_r) for the seen keys, 0 elsewhere, dS = scale P (dP - dsum_r),
 // P as pairs (rows / 2 x npad words), dS as bf16 rows and as pairs; rows past nq are zero.
-void grad_rows(float* S, const float* dP, uint32_t* Ppairs, uint16_t* dS, uint32_t* dSpairs, int64_t nq, int64_t rows,
+void grad_rows(const float* S, const float* dP, uint32_t* Ppairs, uint16_t* dS, uint32_t* dSpairs, int64_t nq, int64_t rows,
                int64_t npad, int64_t nk, float c, const int32_t* qpos, int64_t klo, const float* lse2,
                const float* dsum, float scale);
+
+// sum a[d] b[d] over d < D (a multiple of 16), sixteen lanes then folded: the backward's rowsum(dO * O).
+float dot(const float* a, const float* b, int64_t D);
 
 }  // namespace oomless::attn_amx
