@@ -38,7 +38,8 @@ double gemm_rate(CpuOps& ops, CpuMemory& mem, int n, DType t, int reps) {
   return 2.0 * n * n * n / sec * 1e-9;
 }
 
-double attention_rate(CpuOps& ops, CpuMemory& mem, int T, int H, int Hkv, int D, int reps) {
+// bf16: bf16 K/V and bf16 products (as bf16 compute runs attention; on AMX its tiles).
+double attention_rate(CpuOps& ops, CpuMemory& mem, int T, int H, int Hkv, int D, int reps, bool bf16) {
   Buffer q = mem.device.alloc(sizeof(float) * T * H * D, Category::activations, "probe q");
   Buffer o = mem.device.alloc(sizeof(float) * T * H * D, Category::activations, "probe o");
   Buffer dq = mem.device.alloc(sizeof(float) * T * H * D, Category::activations, "probe dq");
@@ -53,7 +54,12 @@ double attention_rate(CpuOps& ops, CpuMemory& mem, int T, int H, int Hkv, int D,
   for (int t = 0; t < T; ++t) pos.as<int32_t>()[t] = t;
   KvBlock blk{kv.as<float>(), kv.as<float>() + int64_t(T) * Hkv * D, 0, T};
   KvBlock dblk{dkv.as<float>(), dkv.as<float>() + int64_t(T) * Hkv * D, 0, T};
-  KvBlocks kvs{&blk, 1, Hkv, T, D, DType::f32};
+  if (bf16) {  // the same values rounded, K then V, at the front of the buffer
+    const std::vector<float> f(kv.as<float>(), kv.as<float>() + int64_t(2) * T * Hkv * D);
+    oomless::convert(kv.data(), DType::bf16, f.data(), DType::f32, static_cast<int64_t>(f.size()));
+    blk = KvBlock{kv.data(), kv.as<uint16_t>() + int64_t(T) * Hkv * D, 0, T};
+  }
+  KvBlocks kvs{&blk, 1, Hkv, T, D, bf16 ? DType::bf16 : DType::f32, bf16};
   KvBlocks dkvs{&dblk, 1, Hkv, T, D, DType::f32};
   Tensor tq = q.view(DType::f32, {T, H, D}), to = o.view(DType::f32, {T, H, D});
   Tensor tdq = dq.view(DType::f32, {T, H, D}), tdo = dout.view(DType::f32, {T, H, D});
@@ -100,7 +106,8 @@ ProbeResult run_probe(bool quick) {
   r.attn_T = quick ? 256 : 2048;
   r.attn_H = 8;
   r.attn_D = 64;
-  r.attention_gflops = attention_rate(ops, mem, r.attn_T, r.attn_H, 2, r.attn_D, quick ? 2 : 5);
+  r.attention_gflops = attention_rate(ops, mem, r.attn_T, r.attn_H, 2, r.attn_D, quick ? 2 : 5, false);
+  r.attention_bf16_gflops = attention_rate(ops, mem, r.attn_T, r.attn_H, 2, r.attn_D, quick ? 2 : 5, true);
   r.bandwidth_bytes = quick ? (size_t(8) << 20) : (size_t(256) << 20);
   r.bandwidth_gbs = bandwidth(mem, r.bandwidth_bytes, reps);
 #ifdef OOMLESS_WITH_CUDA
@@ -130,11 +137,12 @@ std::string ProbeResult::text() const {
                 "gemm f32       %.1f GFLOP/s (n=%d)\n"
                 "gemm bf16      %.1f GFLOP/s (n=%d)\n"
                 "attention      %.1f GFLOP/s fwd+bwd (T=%d H=%d D=%d causal)\n"
+                "attention bf16 %.1f GFLOP/s fwd+bwd (bf16 K/V and products)\n"
                 "bandwidth      %.1f GB/s (triad over 3 x %.0f MiB)\n"
                 "cuda           %s\n",
                 cpu.model.c_str(), cpu.logical_cpus, cpu.threads, cpu.isa_summary().c_str(), gemm_path.c_str(),
                 gemm_f32_gflops, gemm_n, gemm_bf16_gflops, gemm_n, attention_gflops,
-                attn_T, attn_H, attn_D, bandwidth_gbs, bandwidth_bytes / 1048576.0, cuda.c_str());
+                attn_T, attn_H, attn_D, attention_bf16_gflops, bandwidth_gbs, bandwidth_bytes / 1048576.0, cuda.c_str());
   return buf;
 }
 
@@ -145,7 +153,8 @@ std::string ProbeResult::json() const {
      << ", \"amx\": " << (cpu.amx_bf16 ? "true" : "false") << ", \"gemm_path\": \"" << gemm_path
      << "\", \"gemm_f32_gflops\": " << gemm_f32_gflops
      << ", \"gemm_bf16_gflops\": " << gemm_bf16_gflops 
-     << ", \"gemm_n\": " << gemm_n << ", \"attention_gflops\": " << attention_gflops << ", \"attention_shape\": {\"T\": "
+     << ", \"gemm_n\": " << gemm_n << ", \"attention_gflops\": " << attention_gflops
+     << ", \"attention_bf16_gflops\": " << attention_bf16_gflops << ", \"attention_shape\": {\"T\": "
      << attn_T << ", \"H\": " << attn_H << ", \"D\": " << attn_D << "}, \"bandwidth_gbs\": " << bandwidth_gbs << ", \"cuda\": \"" << cuda << "\"}";
   return os.str();
 }

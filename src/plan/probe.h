@@ -13,6 +13,7 @@ struct ProbeResult {
   double gemm_f32_gflops = 0;   // square GEMM, n = gemm_n
   double gemm_bf16_gflops = 0;
   double attention_gflops = 0;  // causal fwd+bwd, counted as 3.5 * 4*T*T*D*H/2
+  double attention_bf16_gflops = 0;  // the same with bf16 K/V and bf16 products (bf16 compute)
   double bandwidth_gbs = 0;     // a[i] = b[i] + s*c[i], bytes read + written
   int gemm_n = 0, attn_T = 0, attn_H = 0, attn_D = 0;
   size_t bandwidth_bytes = 0;
