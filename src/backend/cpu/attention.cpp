@@ -538,6 +538,7 @@ struct Tiles {
   uint16_t* dsh;   // (kBq, kBk) dS in bf16
   uint32_t* work;  // tile_bf16_amx's packing buffer
   // x.tiles only (carve_tiles_amx): sh holds P (forward) or dS (backward) as bf16 rows, and
+  uint16_t* sh2;   // (kBq, kBk) the backward's second dS (a tile's, until its dQ turn)
   uint32_t* pp;    // (kBq / 2, kBk) the pairs of P (backward)
   uint32_t* dsp;   // (kBq / 2, kBk) the pairs of dS
   uint32_t* kp;    // (D / 2, kBk) the keys' pairs transposed (the right side of Q K^T)
@@ -594,11 +595,11 @@ Tiles carve_tiles(float* base, int64_t D, bool widen, bool amx, int64_t rows) {
 }
 
 // Per-thread scratch under x.tiles: f32 S and dP (kBq, kBk), m and l, the widened key tile (fp8 / int8 K/V),
-// bf16 rows of P or dS, the pairs of P and dS, three packed key tiles, dK^T and dV^T, a (kBq, D) O, and l
+// bf16 rows of P or dS (two of dS), the pairs of P and dS, three packed key tiles, dK^T and dV^T, a (kBq, D) O, and l
 // in sixteen lanes a row.
 int64_t tiles_floats_amx(int64_t D, DType kv_dtype) {
   const bool widen = kv_dtype != DType::f32 && kv_dtype != DType::bf16;
-  return 2 * padded(kBq * kBk) + 2 * padded(kBq) + (widen ? 2 * padded(kBk * D) : 0) + 3 * padded(kBq * kBk / 2) +
+  return 2 * padded(kBq * kBk) + 2 * padded(kBq) + (widen ? 2 * padded(kBk * D) : 0) + 4 * padded(kBq * kBk / 2) +
          3 * padded(kBk * D / 2) + 2 * padded(D * kBk) + padded(kBq * D) + padded(kBq * 16);
 }
 
@@ -620,6 +621,7 @@ Tiles carve_tiles_amx(float* base, int64_t D, DType kv_dtype) {
     t.v = take(kBk * D);
   }
   t.sh = reinterpret_cast<uint16_t*>(take(kBq * kBk / 2));
+  t.sh2 = reinterpret_cast<uint16_t*>(take(kBq * kBk / 2));
   t.pp = reinterpret_cast<uint32_t*>(take(kBq * kBk / 2));
   t.dsp = reinterpret_cast<uint32_t*>(take(kBq * kBk / 2));
   t.kp = reinterpret_cast<uint32_t*>(take(kBk * D / 2));
@@ -1272,6 +1274,30 @@ void kv_grad_task_tiles(const Ctx& x, int64_t g, int64_t ki, const Tiles& w) {
   pack_side(x, kt, g, kt.n, false, false, npad, w.kr, 0, w.k);
   std::fill(w.dkt, w.dkt + D * npad, 0.0f);
   std::fill(w.dvt, w.dvt + D * npad, 0.0f);
+  // dQ += dS K for a (head, query tile) in its turn. A tile's is added after the next tile's other four
+  // products (its dS kept meanwhile in the second buffer), so that a task following the one before it on
+  // the same dQ tiles seldom finds its turn not yet come.
+  struct PendingDq {
+    int64_t h = 0, i = 0, rows = 0, np = 0, at = 0;
+    uint16_t* ds = nullptr;
+  } pending;
+  auto add_dq = [&](const PendingDq& p) {
+    const QueryTile& qt = x.qt[p.i];
+    int32_t* done = x.dq_done + p.h * x.n_qt + p.i;
+    wait_turn(done, x.dq_turn[ki * x.n_qt + p.i]);
+    float* dq = x.dq + p.at;
+    if (p.rows == qt.n) {
+      attn_amx::product(p.ds, p.np, w.kr, D, dq, x.ldq, p.rows, D, p.np, true);  // dQ += dS K
+    } else {
+      for (int64_t r = 0; r < p.rows; ++r)
+        if (r < qt.n) std::memcpy(w.opad + r * D, dq + r * x.ldq, sizeof(float) * D);
+        else std::fill(w.opad + r * D, w.opad + (r + 1) * D, 0.0f);
+      attn_amx::product(p.ds, p.np, w.kr, D, w.opad, D, p.rows, D, p.np, true);
+      for (int64_t r = 0; r < qt.n; ++r) std::memcpy(dq + r * x.ldq, w.opad + r * D, sizeof(float) * D);
+    }
+    std::atomic_ref<int32_t>(*done).fetch_add(1, std::memory_order_release);
+  };
+  uint16_t *dsh = w.sh, *dsh2 = w.sh2;  // dS of this tile, and of the one waiting for its turn
   attn_amx::begin();
   for (int64_t h = g * x.group; h < (g + 1) * x.group; ++h) {
     for (int64_t i = 0; i < x.n_qt; ++i) {
@@ -1283,26 +1309,17 @@ void kv_grad_task_tiles(const Ctx& x, int64_t g, int64_t ki, const Tiles& w) {
       const float* dsum = x.dsum + h * x.T + qt.r0;
       attn_amx::product(x.qh + at, x.ldq, w.kp, npad, w.s, np, rows, np, D, false);   // S = Q K^T
       attn_amx::product(x.dh + at, x.ldq, w.vp, npad, w.ds, np, rows, np, D, false);  // dP = dO V^T
-      attn_amx::grad_rows(w.s, w.ds, w.pp, w.sh, w.dsp, qt.n, rows, np, nk, x.c, x.pos + qt.r0, kt.lo, lse2, dsum,
+      attn_amx::grad_rows(w.s, w.ds, w.pp, dsh, w.dsp, qt.n, rows, np, nk, x.c, x.pos + qt.r0, kt.lo, lse2, dsum,
                           x.scale);
       const int64_t tq = (h * x.n_qt + i) * D * kBq;
       attn_amx::product(x.dth + tq, kBq, w.pp, np, w.dvt, npad, D, np, rows, true);   // dV^T += dO^T P
       attn_amx::product(x.qth + tq, kBq, w.dsp, np, w.dkt, npad, D, np, rows, true);  // dK^T += Q^T dS
-      int32_t* done = x.dq_done + h * x.n_qt + i;
-      wait_turn(done, x.dq_turn[ki * x.n_qt + i]);
-      float* dq = x.dq + at;
-      if (rows == qt.n) {
-        attn_amx::product(w.sh, np, w.kr, D, dq, x.ldq, rows, D, np, true);  // dQ += dS K
-      } else {
-        for (int64_t r = 0; r < rows; ++r)
-          if (r < qt.n) std::memcpy(w.opad + r * D, dq + r * x.ldq, sizeof(float) * D);
-          else std::fill(w.opad + r * D, w.opad + (r + 1) * D, 0.0f);
-        attn_amx::product(w.sh, np, w.kr, D, w.opad, D, rows, D, np, true);
-        for (int64_t r = 0; r < qt.n; ++r) std::memcpy(dq + r * x.ldq, w.opad + r * D, sizeof(float) * D);
-      }
-      std::atomic_ref<int32_t>(*done).fetch_add(1, std::memory_order_release);
+      if (pending.rows > 0) add_dq(pending);  // the tile before's dQ, once this one's other products are done
+      pending = PendingDq{h, i, rows, np, at, dsh};
+      std::swap(dsh, dsh2);  // the next tile's dS goes to the other buffer
     }
   }
+  if (pending.rows > 0) add_dq(pending);
   attn_amx::end();
   float* dK = static_cast<float*>(dblk.k) + off;
   float* dV = static_cast<float*>(dblk.v) + off;
