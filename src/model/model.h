@@ -174,11 +174,13 @@ class Model {
 
   // Chunk-recurrent forward and backward of one sequence (see the top of this file): parameter gradients
   // += d(grad_scale * loss_sum). Needs reserve(C, true, true). Returns the summed loss and its count.
-  CeResult chunked_step(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv, double grad_scale);
+  // t0: the position of ids[0] (a context-parallel rank's slice of a longer sequence; 0 otherwise).
+  CeResult chunked_step(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv, double grad_scale, int64_t t0 = 0);
   // Forward only, chunk by chunk (evaluation of sequences longer than what fits at once). Needs
   // reserve(C, false, true) or more.
   // token_losses, when given, receives the cross-entropy of every position (0 where unsupervised).
-  CeResult chunked_eval(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv, std::vector<double>* token_losses = nullptr);
+  CeResult chunked_eval(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv, std::vector<double>* token_losses = nullptr,
+                        int64_t t0 = 0);
 
   // Gradient-free forward of T new tokens at positions t0.. with a KV cache per layer, for generation:
   // logits_last (V) = logits of the last new token.

@@ -84,7 +84,7 @@ void check_chunked(const ModelConfig& cfg, const Tensor& ids, const Tensor& targ
 
 }  // namespace
 
-CeResult Model::chunked_step(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv, double grad_scale) {
+CeResult Model::chunked_step(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv, double grad_scale, int64_t t0) {
   check_chunked(cfg_, ids, targets, C);
   const int64_t T = ids.dims[0], n = (T + C - 1) / C;
   OOM_CHECK(s_ && cap_chunked_ && cap_backward_ && std::min(C, T) <= cap_T_, "[model] chunked_step with chunks of ",
@@ -98,13 +98,14 @@ CeResult Model::chunked_step(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv,
   // Pass 1: every chunk but the last, keys and values only.
   for (int64_t c = 0; c + 1 < n; ++c) {
     kv.set_chunk(c);
-    chunk_forward(chunk_of(ids, c, C), chunk_of(targets, c, C), c * C, kv, true, false, false);
+    chunk_forward(chunk_of(ids, c, C), chunk_of(targets, c, C), t0 + c * C, kv, true, false, false);
   }
   // Pass 2: in reverse, recompute + loss + backward.
   CeResult total;
   for (int64_t c = n - 1; c >= 0; --c) {
     kv.set_chunk(c);
-    const CeResult r = chunk_forward(chunk_of(ids, c, C), chunk_of(targets, c, C), c * C, kv, false, true, true, grad_scale);
+    const CeResult r =
+        chunk_forward(chunk_of(ids, c, C), chunk_of(targets, c, C), t0 + c * C, kv, false, true, true, grad_scale);
     hook_this_backward_ = c == 0;  // the last accumulation into every gradient
     backward(grad_scale);
     hook_this_backward_ = true;
@@ -115,7 +116,8 @@ CeResult Model::chunked_step(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv,
   return total;
 }
 
-CeResult Model::chunked_eval(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv, std::vector<double>* token_losses) {
+CeResult Model::chunked_eval(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv, std::vector<double>* token_losses,
+                             int64_t t0) {
   check_chunked(cfg_, ids, targets, C);
   const int64_t T = ids.dims[0], n = (T + C - 1) / C;
   OOM_CHECK(s_ && cap_chunked_ && std::min(C, T) <= cap_T_, "[model] chunked_eval with chunks of ", std::min(C, T),
@@ -129,7 +131,8 @@ CeResult Model::chunked_eval(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv,
   if (token_losses) token_losses->clear();
   for (int64_t c = 0; c < n; ++c) {
     kv.set_chunk(c);
-    const CeResult r = chunk_forward(chunk_of(ids, c, C), chunk_of(targets, c, C), c * C, kv, c + 1 < n, true, false);
+    const CeResult r =
+        chunk_forward(chunk_of(ids, c, C), chunk_of(targets, c, C), t0 + c * C, kv, c + 1 < n, true, false);
     if (token_losses) {
       const std::vector<double> per = this->token_losses();
       token_losses->insert(token_losses->end(), per.begin(), per.end());
