@@ -306,6 +306,29 @@ std::vector<double> all_doubles(const std::vector<double>& mine) {
   return mine;
 }
 
+void exchange(const void* send, const std::vector<int64_t>& send_bytes, void* recv,
+              const std::vector<int64_t>& recv_bytes) {
+  OOM_CHECK(static_cast<int>(send_bytes.size()) == g_size && static_cast<int>(recv_bytes.size()) == g_size,
+            "[dist] exchange needs a count for each of the ", g_size, " ranks");
+#if OOMLESS_HAS_MPI
+  if (g_size <= 1) return;
+  std::vector<int> sc, so, rc, ro;
+  int64_t s_at = 0, r_at = 0;
+  for (int r = 0; r < g_size; ++r) {
+    const int64_t a = send_bytes[static_cast<size_t>(r)], b = recv_bytes[static_cast<size_t>(r)];
+    OOM_CHECK(s_at + a <= INT32_MAX && r_at + b <= INT32_MAX, "[dist] an exchange of more than 2 GiB at once; the "
+              "caller splits it");
+    sc.push_back(static_cast<int>(a)), so.push_back(static_cast<int>(s_at));
+    rc.push_back(static_cast<int>(b)), ro.push_back(static_cast<int>(r_at));
+    s_at += a, r_at += b;
+    if (r != g_rank) g_sent += static_cast<uint64_t>(a);
+  }
+  MPI_Alltoallv(send, sc.data(), so.data(), MPI_BYTE, recv, rc.data(), ro.data(), MPI_BYTE, MPI_COMM_WORLD);
+#else
+  (void)send, (void)recv;
+#endif
+}
+
 uint64_t bytes_sent() { return g_sent; }
 
 }  // namespace oomless::dist

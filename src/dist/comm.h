@@ -71,6 +71,12 @@ void sum_floats_to(float* x, int64_t n, float* scratch, int root);
 // Every rank's doubles, concatenated in rank order (the ranks' counts may differ).
 std::vector<double> all_doubles(const std::vector<double>& mine);
 
+// Every rank sends send_bytes[s] bytes to rank s (in `send`, consecutive in rank order) and receives
+// recv_bytes[s] bytes from rank s (into `recv`, likewise); each pair's counts agree. Nothing is summed: a
+// caller adds what it received in rank order (context parallel's keys and their gradients).
+void exchange(const void* send, const std::vector<int64_t>& send_bytes, void* recv,
+              const std::vector<int64_t>& recv_bytes);
+
 // Bytes this rank has sent through the collectives above since the start (what the benchmarks compare with
 // the formulas: 2 (N-1)/N of the gradient per step for data parallel).
 uint64_t bytes_sent();

@@ -9,6 +9,7 @@
 #include "backend/lapack.h"
 #include "core/error.h"
 #include "dist/comm.h"
+#include "dist/ring_kv.h"
 #include "model/act_store.h"
 #include "model/lora.h"
 #include "model/model.h"
@@ -493,8 +494,11 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
     add(kHost, Category::workspace, a64(nbytes(f, 2 * std::min(most, dist::kSumBucket) + ranks.size)));
   }
 
-  // Activations and the model's workspace.
-  const int64_t C = c.chunk > 0 ? std::min(c.chunk, c.seq) : 0;
+  // Activations and the model's workspace. Context parallel: a rank holds its slice as one chunk.
+  const int64_t cp = c.context_parallel;
+  OOM_CHECK(cp == 1 || cp == ranks.size, "[estimate] --context-parallel ", cp, " spreads each sequence over ", cp,
+            " ranks: give --ranks ", cp, " too");
+  const int64_t C = cp > 1 ? c.seq / cp : c.chunk > 0 ? std::min(c.chunk, c.seq) : 0;
   const int64_t T = C > 0 ? C : c.seq;
   const ModelBytes mb = model_bytes(ms, T, true, C > 0);
   add(kDev, Category::activations, mb.act_device);
@@ -513,7 +517,14 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
   // Chunk-recurrent training's K/V store (model/paged_kv.cpp).
   int64_t key_blocks = 1, block_len = T;
   size_t transient = 0;
-  if (C > 0) {
+  size_t ring = 0;  // context parallel: the earlier slices' keys and their gradients beside attention's scratch
+  if (cp > 1) {
+    const KvDims kd{cfg.L, cfg.H, cfg.Hkv, cfg.D};
+    const DType saved_kv = ms.store == DType::f32 ? f : ms.store;
+    key_blocks = ranks.rank + 1;
+    ring = RingKv::device_bytes(kd, C, ranks.rank, saved_kv, f);
+    add(kHost, Category::workspace, RingKv::host_bytes(kd, C, ranks.size, saved_kv, f));
+  } else if (C > 0) {
     const int64_t P = c.page > 0 ? c.page : default_page(C);
     OOM_CHECK(c.page <= 0 || C % c.page == 0, "[estimate] --page ", c.page, " does not divide --chunk ", C,
               ": give a --page that divides it (or leave --page out)");
@@ -545,8 +556,8 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
   // held at once: attention, the LM head + cross-entropy, GaLore's SVD.
   const DType saved_k = ms.store == DType::f32 ? f : ms.store;
   for (bool backward : {false, true})
-    transient = std::max(transient, ops.attention_workspace(backward, T, cfg.H, cfg.Hkv, cfg.D, key_blocks, block_len,
-                                                            backward ? saved_k : f, ms.bf16));
+    transient = std::max(transient, ring + ops.attention_workspace(backward, T, cfg.H, cfg.Hkv, cfg.D, key_blocks,
+                                                                   block_len, backward ? saved_k : f, ms.bf16));
   const bool head_widened = (tables_elsewhere && !adapters) || (tables_elsewhere && !head_trained);
   std::vector<std::array<int64_t, 3>> products = model_products(ms, T, !adapters);
   for (Ops::CeCall call : head_trained ? std::vector<Ops::CeCall>{Ops::CeCall::forward, Ops::CeCall::trained}
@@ -631,7 +642,7 @@ int run_estimate(const TrainConfig& c, bool as_json, int ranks) {
   auto largest = [&](const TrainConfig& x, int* rank) {
     MemoryEstimate best = estimate_training(x, src, *ops, {ranks, 0});
     if (rank) *rank = 0;
-    for (int r = 1; r < ranks && x.zero >= 1; ++r) {
+    for (int r = 1; r < ranks && (x.zero >= 1 || x.context_parallel > 1); ++r) {
       MemoryEstimate e = estimate_training(x, src, *ops, {ranks, r});
       if (e.ram_peak() > best.ram_peak()) best = e, rank && (*rank = r);
     }

@@ -21,6 +21,7 @@
 #include "data/dataset.h"
 #include "data/text.h"
 #include "dist/comm.h"
+#include "dist/ring_kv.h"
 #include "io/safetensors.h"
 #include "memory/arena.h"
 #include "model/eval.h"
@@ -231,6 +232,11 @@ const std::vector<TrainOption>& train_options() {
             "layer's kept at a time, each\nsummed into its owners as backward finishes it; no --chunk); 0 neither\n"
             "(default 0)",
             &C::zero),
+      whole("context-parallel", false, "N",
+            "under mpirun -np N: every sequence spread over the N ranks in consecutive\nslices of --seq / N tokens, "
+            "each rank's queries attending to the earlier slices'\nkeys sent to it (memory for --seq / N tokens a "
+            "rank; no --chunk) (default 1)",
+            &C::context_parallel),
       real("beta1", true, "b", "AdamW beta1 (default 0.9)", &C::beta1),
       real("beta2", true, "b", "AdamW beta2 (default 0.95)", &C::beta2),
       real("eps", true, "e", "AdamW epsilon (default 1e-8)", &C::eps),
@@ -434,6 +440,20 @@ void validate_config(const TrainConfig& c) {
             "neither");
   OOM_CHECK(c.zero < 2 || c.chunk == 0, "[train] --zero 2 keeps one layer's gradients at a time, which chunks' "
             "backward passes would overwrite: drop --chunk, or use --zero 1");
+  const int64_t cp = c.context_parallel;
+  OOM_CHECK(cp >= 1, "[train] --context-parallel ", cp, ": give the number of ranks a sequence is spread over (1: "
+            "none)");
+  if (cp > 1) {
+    OOM_CHECK(c.seq % cp == 0, "[train] --context-parallel ", cp, " cuts each sequence into ", cp, " slices of equal "
+              "length: --seq ", c.seq, " is not a multiple of ", cp, " (e.g. --seq ", (c.seq / cp + 1) * cp, ")");
+    OOM_CHECK(c.chunk == 0, "[train] --context-parallel with --chunk: a rank holds its slice as one chunk; drop --chunk "
+              "(or use more ranks for a shorter slice)");
+    OOM_CHECK(c.zero < 2, "[train] --context-parallel with --zero 2 is not built: use --zero 1 (the optimizer state "
+              "sharded) or 0");
+    OOM_CHECK(c.act_offload == "none", "[train] --context-parallel with --act-offload ", c.act_offload, ": a rank runs "
+              "its slice as one chunk of chunk-recurrent training, which offloads no saved activations; drop "
+              "--act-offload (more ranks make each slice shorter)");
+  }
   parse_truncation(c.truncation);
   OOM_CHECK(c.save_dtype == "fp32" || c.save_dtype == "bf16", "[train] --save-dtype ", c.save_dtype,
             " is not supported; use fp32 or bf16");
@@ -521,8 +541,9 @@ void check_ranks_agree(const TrainConfig& c) {
   const int64_t n = c.batch * c.grad_accum, R = dist::size();
   int64_t g = c.grad_accum;
   while (c.batch * g % R) ++g;
-  OOM_CHECK(n % R == 0, "[train] ", R, " ranks share each step's --batch x --grad-accum = ", n, " sequences, which needs "
-            "a multiple of ", R, ": e.g. --batch ", c.batch, " --grad-accum ", g);
+  OOM_CHECK(n % R == 0 || c.context_parallel > 1, "[train] ", R, " ranks share each step's --batch x --grad-accum = ",
+            n, " sequences, which needs a multiple of ", R, ": e.g. --batch ", c.batch, " --grad-accum ", g,
+            " (or --context-parallel ", R, ": every sequence spread over the ranks)");
   OOM_CHECK(!c.step_in_backward, "[train] --step-in-backward steps each layer during backward, before the ranks' "
             "gradients are summed: run it without mpirun, or drop --step-in-backward");
 }
@@ -530,6 +551,12 @@ void check_ranks_agree(const TrainConfig& c) {
 
 int run_training(const TrainConfig& c, const json::Value& plan) {
   validate_config(c);
+  OOM_CHECK(c.context_parallel == 1 || c.context_parallel == dist::size(), "[train] --context-parallel ",
+            c.context_parallel, " spreads each sequence over ", c.context_parallel, " ranks, but ",
+            dist::size() == 1 ? "this run is one process: launch it with mpirun -np " + std::to_string(c.context_parallel) +
+                                    ", or give --context-parallel 1 (a resumed run keeps its setting unless given)"
+                              : "the run has " + std::to_string(dist::size()) + ": use --context-parallel " +
+                                    std::to_string(dist::size()) + " (every rank holds a slice)");
   if (c.threads > 0) {
     set_threads(static_cast<int>(c.threads));
   } else if (dist::local_size() > 1) {  // ranks sharing this machine share its CPUs
@@ -640,6 +667,7 @@ struct Trainer::State {
   Buffer owned_grads;
   std::unique_ptr<Optimizer> opt;
   std::unique_ptr<PagedKvStore> kv;
+  std::unique_ptr<RingKv> ring;  // --context-parallel: the earlier slices' keys (kv stays empty)
   int64_t C = 0;  // chunk length (0: whole sequences)
   std::unique_ptr<Dataset> data;
   ScheduleSettings sched;
@@ -966,7 +994,10 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
   OOM_CHECK(c.sparse_pages == 0 || C > 0, "[train] --sparse-pages ", c.sparse_pages, " needs --chunk C: page-sparse "
             "attention selects among the pages of chunk-recurrent training's K/V store");
   {
-    if (C > 0) {
+    if (c.context_parallel > 1) {
+      model.reserve(c.seq / c.context_parallel, true, true);
+      s.ring = std::make_unique<RingKv>(kv_dims(cfg), *s.e.ops, s.e.mem->device, s.e.mem->host);
+    } else if (C > 0) {
       PagedKvOptions ko;
       ko.C = C;
       ko.P = c.page > 0 ? c.page : default_page(C);
@@ -993,7 +1024,11 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
         static_cast<long long>(dry_T));
     std::vector<int32_t> zeros(static_cast<size_t>(dry_T), 0);
     const Tensor z(zeros.data(), DType::i32, {dry_T});
-    if (s.kv) {
+    if (s.ring) {
+      const int64_t Tl = c.seq / c.context_parallel;
+      model.chunked_step(Tensor(zeros.data(), DType::i32, {Tl}), Tensor(zeros.data(), DType::i32, {Tl}), Tl, *s.ring,
+                         0.0, dist::rank() * Tl);
+    } else if (s.kv) {
       model.chunked_step(z, z, C, *s.kv, 0.0);
     } else {
       model.forward(z, z, true, 0.0);  // the training step's path, so its workspaces are the ones reserved
@@ -1296,7 +1331,10 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
   // Several ranks (data parallel): this rank takes its share of the step's sequences, [i0, i1); every rank drew
   // the whole step (the same data stream), so N counts the step's targets on every rank alike.
   const bool dp = dist::distributed();
-  const int64_t i0 = n * dist::rank() / dist::size(), i1 = n * (dist::rank() + 1) / dist::size();
+  // --context-parallel: every rank takes every sequence, its slice of it (Tl tokens at r Tl).
+  const bool cp = s.ring != nullptr;
+  const int64_t Tl = c.seq / c.context_parallel, at = cp ? dist::rank() * Tl : 0;
+  const int64_t i0 = cp ? 0 : n * dist::rank() / dist::size(), i1 = cp ? n : n * (dist::rank() + 1) / dist::size();
   // --zero 2: a group of gradients, final for this sequence, summed over the ranks into its tensors' owners'
   // buffers (+=), then zeroed for the next layer's backward. Every rank runs as many sequences, so the groups
   // come in the same order everywhere.
@@ -1335,7 +1373,11 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
                              (static_cast<uint64_t>(r.step) << 20) ^ static_cast<uint64_t>(i));
       if (i + 1 == n && !dp) model.on_grads_final(on_final);  // the last pass into the gradients (dp: after the sum)
       if (s.zero2) model.on_grads_final(to_owners);  // every pass: each group summed into its owners as it is final
-      if (s.kv) {
+      if (cp) {
+        const Tensor ids_r(const_cast<int32_t*>(b.ids[static_cast<size_t>(i)].data()) + at, DType::i32, {Tl});
+        const Tensor tg_r(const_cast<int32_t*>(b.targets[static_cast<size_t>(i)].data()) + at, DType::i32, {Tl});
+        loss_sum += model.chunked_step(ids_r, tg_r, Tl, *s.ring, 1.0 / static_cast<double>(N), at).loss_sum;
+      } else if (s.kv) {
         loss_sum += model.chunked_step(id_t, tg_t, s.C, *s.kv, 1.0 / static_cast<double>(N)).loss_sum;
       } else {
         const double scale = 1.0 / static_cast<double>(N);
@@ -1482,6 +1524,37 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
 
 std::optional<EvalResult> Trainer::evaluate() {
   State& s = *s_;
+  if (s.ring) {  // context parallel: every rank scores its slice of each window; the sums over the ranks
+    std::vector<std::pair<const int32_t*, std::vector<int32_t>>> windows;  // ids, targets
+    const int64_t T = s.c.seq;
+    for (size_t w = 0; w < s.eval_seqs.ids.size(); ++w)
+      windows.emplace_back(s.eval_seqs.ids[w].data(), s.eval_seqs.targets[w]);
+    if (windows.empty() && static_cast<int64_t>(s.eval_stream.size()) >= T)
+      for (int64_t w = 0; w < static_cast<int64_t>(s.eval_stream.size()) / T; ++w) {
+        const int32_t* ids = s.eval_stream.data() + w * T;
+        std::vector<int32_t> tg(static_cast<size_t>(T));
+        for (int64_t t = 0; t < T; ++t) tg[static_cast<size_t>(t)] = t + 1 < T ? ids[t + 1] : -100;
+        windows.emplace_back(ids, std::move(tg));
+      }
+    if (windows.empty()) return std::nullopt;
+    const int64_t Tl = T / s.c.context_parallel, at = dist::rank() * Tl;
+    EvalResult r;
+    for (const auto& [ids, tg] : windows) {
+      const CeResult ce = s.e.model->chunked_eval(Tensor(const_cast<int32_t*>(ids) + at, DType::i32, {Tl}),
+                                                  Tensor(const_cast<int32_t*>(tg.data()) + at, DType::i32, {Tl}), Tl,
+                                                  *s.ring, nullptr, at);
+      r.loss_sum += ce.loss_sum;
+      r.predictions += ce.count;
+    }
+    const std::vector<double> sums = dist::all_f64(r.loss_sum);
+    const std::vector<uint64_t> counts = dist::all_u64(static_cast<uint64_t>(r.predictions));
+    r.loss_sum = 0;
+    r.predictions = 0;
+    for (size_t k = 0; k < sums.size(); ++k) r.loss_sum += sums[k], r.predictions += static_cast<int64_t>(counts[k]);
+    r.windows = static_cast<int64_t>(windows.size());
+    r.tokens = r.windows * T;
+    return r;
+  }
   if (!s.eval_seqs.ids.empty()) return evaluate_sequences(*s.e.model, s.eval_seqs.ids, s.eval_seqs.targets, s.kv.get(), s.C);
   if (s.eval_stream.empty()) return std::nullopt;
   return oomless::evaluate(*s.e.model, s.eval_stream, s.c.seq, false, s.kv.get(), s.C);
@@ -1614,9 +1687,9 @@ int train_run(const TrainConfig& c, const std::string& out, const json::Value& p
   if (writer) metrics.emplace(out);
   if (writer) metrics->set_params(tr.trainable_params(), tr.trainable_bytes(), tr.frozen_params(), tr.frozen_bytes());
   auto run_eval = [&](int64_t s) {
-    if (!writer) return;
+    if (!writer && c.context_parallel == 1) return;  // context parallel: every rank scores its slice
     const std::optional<EvalResult> r = tr.evaluate();
-    if (!r) return;
+    if (!r || !writer) return;
     metrics->write_eval(s, r->loss(), std::exp(r->loss()));
     std::fprintf(stderr, "%seval at step %lld: loss %.4f  ppl %.2f\n", isatty(2) ? "\n" : "", static_cast<long long>(s),
                  r->loss(), std::exp(r->loss()));
@@ -1667,7 +1740,10 @@ int train_run(const TrainConfig& c, const std::string& out, const json::Value& p
     if (c.save_every > 0 && step % c.save_every == 0 && step < total) save();
   }
   const int64_t step = tr.steps_done();
+  // Context parallel: the final evaluation takes every rank (each scores its slices), unless the ranks stopped.
+  const bool final_eval = c.context_parallel > 1 ? !stopped : !g_stop;
   if (!writer) {
+    if (c.context_parallel > 1 && final_eval) run_eval(step);
     save();
     return stopped ? 130 : 0;
   }
@@ -1694,7 +1770,7 @@ int train_run(const TrainConfig& c, const std::string& out, const json::Value& p
                 run_s > 0 ? 100.0 * st.wait_seconds / run_s : 0.0, run_s);
   }
   if (dump) std::fclose(dump);
-  if (!g_stop) run_eval(step);
+  if (final_eval) run_eval(step);
   save();
   // The report shows the values the run used: the thread count, and the epochs the steps amounted to.
   json::Value shown = tr.config().to_json();

@@ -47,6 +47,7 @@ struct TrainConfig {
   std::string galore_refresh = "all";  // all | staggered
   std::string optim_state = "host";    // device | host | disk: where the optimizer state lives
   int64_t zero = 0;                    // ZeRO stage over the ranks: 0 (replicated) or 1 (optimizer state sharded)
+  int64_t context_parallel = 1;        // ranks each sequence is spread over (its slices; RingKv); 1: none
   std::string kv_dtype = "fp32";       // fp32 | bf16 | fp8: the chunk-recurrent K/V history's storage
   std::string act_dtype = "fp32";      // fp32 | bf16 | fp8: storage of the activations kept for backward
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;

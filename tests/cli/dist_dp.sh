@@ -12,41 +12,9 @@
 # usage: dist_dp.sh OOMLESS_BINARY SOURCE_DIR WORK_DIR
 set -u
 bin=$1; src=$2; work=$3/dist_dp
-command -v mpirun > /dev/null 2>&1 || { echo "no mpirun: skipped"; exit 77; }
-"$bin" --version | grep -q "MPI compiled in" || { echo "oomless built without MPI: skipped"; exit 77; }
-command -v python3 > /dev/null 2>&1 || { echo "no python3: skipped"; exit 77; }
-rm -rf "$work"; mkdir -p "$work"
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
-# Under the sanitizer build: the MPI library's own allocations at exit are not this program's leaks.
-export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0"
+. "$src/tests/cli/dist_lib.sh"
 args="--model preset:micro --data $src/data/kjv/eval.txt --seq 48 --batch 6 --eval-every 0 --threads 1 --lr 3e-3"
-mpi() { n=$1; shift; mpirun -np "$n" "$bin" "$@"; }
 
-# The tensors of two safetensors files within `tol` (max |a - b| / max |a|, per tensor), or byte-equal (tol 0).
-close() {
-  python3 - "$1" "$2" "$3" <<'EOF'
-import json, struct, sys, array
-def read(p):
-    b = open(p, "rb").read()
-    n = struct.unpack("<Q", b[:8])[0]
-    h = json.loads(b[8:8 + n]); h.pop("__metadata__", None)
-    out = {}
-    for k, v in h.items():
-        if v["dtype"] != "F32":
-            continue
-        s, e = v["data_offsets"]
-        a = array.array("f"); a.frombytes(b[8 + n + s:8 + n + e]); out[k] = a
-    return out
-a, b, tol = read(sys.argv[1]), read(sys.argv[2]), float(sys.argv[3])
-assert a.keys() == b.keys() and a, "different tensors"
-worst = 0.0
-for k in a:
-    scale = max(max(abs(x) for x in a[k]), 1e-30)
-    worst = max(worst, max(abs(x - y) for x, y in zip(a[k], b[k])) / scale)
-print(f"max relative difference {worst:.3g}")
-sys.exit(0 if worst <= tol else 1)
-EOF
-}
 # A 4-step run folder as if it had stopped after its step-2 checkpoint.
 back_to_step_2() {
   rm -rf "$1/checkpoint-4"
@@ -65,14 +33,6 @@ resume_from() {
   got=$(losses "$work/$tag/metrics.jsonl")
   same_losses "$ref" "$got" || { echo "$1 -> $2: losses $got, 1 rank: $ref"; exit 1; }
 }
-losses() { python3 -c "import json,sys; print(' '.join('%.9f' % json.loads(l)['loss'] for l in open(sys.argv[1]) if '\"train\"' in l))" "$1"; }
-same_losses() {  # relative 1e-6
-  python3 -c "
-import sys
-a, b = [list(map(float, s.split())) for s in sys.argv[1:3]]
-sys.exit(0 if len(a) == len(b) and all(abs(x - y) <= 1e-6 * abs(x) for x, y in zip(a, b)) else 1)" "$1" "$2"
-}
-
 "$bin" train $args --steps 4 --save-every 2 --out "$work/one" > "$work/one.log" 2>&1 || { echo "1 rank failed"; cat "$work/one.log"; exit 1; }
 ref=$(losses "$work/one/metrics.jsonl")
 for n in 2 3; do

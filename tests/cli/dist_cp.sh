@@ -1,0 +1,96 @@
+#!/bin/sh
+# Context parallel over MPI ranks on this machine (`mpirun -np N oomless train --context-parallel N`): every
+# sequence spread over the ranks in consecutive slices, each rank's queries attending to the earlier slices' keys.
+#  - 2 and 4 ranks give the 1-rank run's losses, evaluations and gradient norms within fp32 rounding, and its
+#    final weights within 2e-4 of their largest entry;
+#  - a rerun with 2 ranks gives the same bytes;
+#  - with --zero 1 (the optimizer state sharded as well): the 1-rank losses;
+#  - each rank holds a quarter of the activations on 4 ranks, and `oomless estimate --ranks 4 --context-parallel
+#    4` gives the largest rank's ledger peak (within 1%);
+#  - the 4-rank run's step-2 checkpoint resumes on 2 ranks and on 1, as the 1-rank run continues;
+#  - bad settings stop with a message that names the fix: N not the number of ranks, --seq not a multiple of N,
+#    --chunk or --act-offload beside it.
+# Skipped (77) when mpirun or an MPI build is missing.
+# usage: dist_cp.sh OOMLESS_BINARY SOURCE_DIR WORK_DIR
+set -u
+bin=$1; src=$2; work=$3/dist_cp
+. "$src/tests/cli/dist_lib.sh"
+args="--model preset:micro --data $src/data/kjv/eval.txt --eval-data $src/data/kjv/eval.txt --seq 48 --batch 2 \
+--eval-every 2 --threads 1 --lr 3e-3 --steps 4 --save-every 2"
+norms() { python3 -c "import json,sys; print(' '.join('%.12g' % json.loads(l)['grad_norm'] for l in open(sys.argv[1]) if '\"train\"' in l))" "$1"; }
+evals() { python3 -c "import json,sys; print(' '.join('%.9f' % json.loads(l)['loss'] for l in open(sys.argv[1]) if '\"eval\"' in l))" "$1"; }
+activations() {  # rank 0's peak activation bytes in the last step line
+  python3 -c "import json,sys; print([json.loads(l) for l in open(sys.argv[1]) if '\"train\"' in l][-1]['memory']['device']['activations']['peak'])" "$1"
+}
+
+"$bin" train $args --out "$work/one" > "$work/one.log" 2>&1 || { echo "1 rank failed"; cat "$work/one.log"; exit 1; }
+ref=$(losses "$work/one/metrics.jsonl"); ref_eval=$(evals "$work/one/metrics.jsonl")
+[ -n "$ref_eval" ] || { echo "1 rank: no evaluation in metrics.jsonl"; exit 1; }
+for n in 2 4; do
+  mpi $n train $args --context-parallel $n --out "$work/c$n" > "$work/c$n.log" 2>&1 \
+    || { echo "$n ranks failed"; cat "$work/c$n.log"; exit 1; }
+  got=$(losses "$work/c$n/metrics.jsonl"); got_eval=$(evals "$work/c$n/metrics.jsonl")
+  same_losses "$ref" "$got" || { echo "$n ranks: losses $got, 1 rank: $ref"; exit 1; }
+  same_losses "$ref_eval" "$got_eval" || { echo "$n ranks: evaluations $got_eval, 1 rank: $ref_eval"; exit 1; }
+  same_losses "$(norms "$work/one/metrics.jsonl")" "$(norms "$work/c$n/metrics.jsonl")" \
+    || { echo "$n ranks: gradient norms differ from 1 rank's"; exit 1; }
+  # 2e-4: the gradients agree to about 1e-8 (the grad norms), but Adam's first steps divide each entry by its own
+  # size, so an entry near zero carries its fp32 rounding into the update (data parallel's sums differ less).
+  close "$work/one/checkpoint-4/model.safetensors" "$work/c$n/checkpoint-4/model.safetensors" 2e-4 \
+    || { echo "$n ranks: final weights differ from 1 rank's"; exit 1; }
+  echo "$n ranks: the 1-rank losses ($got), evaluations and weights"
+done
+
+mpi 2 train $args --context-parallel 2 --out "$work/c2b" > "$work/c2b.log" 2>&1 || { echo "2 ranks again failed"; cat "$work/c2b.log"; exit 1; }
+for f in model.safetensors optimizer.safetensors; do
+  cmp -s "$work/c2/checkpoint-4/$f" "$work/c2b/checkpoint-4/$f" || { echo "2 ranks twice: $f differs"; exit 1; }
+done
+echo "2 ranks twice: the same bytes"
+
+mpi 2 train $args --context-parallel 2 --zero 1 --out "$work/z2" > "$work/z2.log" 2>&1 || { echo "--zero 1 failed"; cat "$work/z2.log"; exit 1; }
+got=$(losses "$work/z2/metrics.jsonl")
+same_losses "$ref" "$got" || { echo "--zero 1, 2 ranks: losses $got, 1 rank: $ref"; exit 1; }
+echo "--zero 1 beside it, 2 ranks: the 1-rank losses"
+
+one=$(activations "$work/one/metrics.jsonl"); four=$(activations "$work/c4/metrics.jsonl")
+[ "$((4 * four))" -eq "$one" ] || { echo "4 ranks: rank 0 holds $four activation bytes, 1 rank $one (not a quarter)"; exit 1; }
+"$bin" estimate $args --ranks 4 --context-parallel 4 --json > "$work/est.json" || { echo "estimate --context-parallel 4 failed"; exit 1; }
+python3 -c "
+import json, sys
+est = json.load(open(sys.argv[1]))['estimate']['ram_peak']
+led = max([json.loads(l) for l in open(sys.argv[2]) if '\"train\"' in l][-1]['ranks']['peak'])
+print('estimate --ranks 4 --context-parallel 4: %d bytes, the largest rank\'s ledger %d' % (est, led))
+sys.exit(0 if abs(est - led) <= 0.01 * led else 1)" "$work/est.json" "$work/c4/metrics.jsonl" \
+  || { echo "estimate --context-parallel 4: not the ledger's peak"; exit 1; }
+echo "4 ranks: a quarter of the activations each ($four of $one bytes); the estimate the ledger's"
+
+# The 4-rank run cut back to its step-2 checkpoint, continued on 2 ranks and on 1.
+for to in "2 --context-parallel 2" "1 --context-parallel 1"; do
+  n=${to%% *}; tag=c4-to-$n
+  cp -r "$work/c4" "$work/$tag"
+  rm -rf "$work/$tag/checkpoint-4"
+  python3 -c "
+import json, sys
+p = sys.argv[1]; lines = [l for l in open(p) if json.loads(l).get('step', 0) <= 2]
+open(p, 'w').writelines(lines)" "$work/$tag/metrics.jsonl"
+  mpi $n train $args ${to#$n} --out "$work/$tag" --resume > "$work/$tag.log" 2>&1 \
+    || { echo "4 ranks -> $to: resume failed"; cat "$work/$tag.log"; exit 1; }
+  got=$(losses "$work/$tag/metrics.jsonl")
+  same_losses "$ref" "$got" || { echo "4 ranks -> $to: losses $got, 1 rank: $ref"; exit 1; }
+  echo "4 ranks' checkpoint resumed on $to: the 1-rank losses"
+done
+
+# Bad settings: each stops before training with a message naming the flag and the fix.
+expect_error() {  # WANT N ARGS...: N ranks (0: no mpirun) fail and print WANT
+  want=$1; n=$2; shift 2
+  if [ "$n" = 0 ]; then "$bin" train "$@" > "$work/bad.log" 2>&1; else mpi "$n" train "$@" > "$work/bad.log" 2>&1; fi
+  [ $? -ne 0 ] || { echo "$*: no error"; exit 1; }
+  grep -q -- "$want" "$work/bad.log" || { echo "$*: no '$want' in:"; cat "$work/bad.log"; exit 1; }
+}
+expect_error "launch it with mpirun -np 2" 0 $args --context-parallel 2 --out "$work/bad1"
+expect_error "use --context-parallel 2" 2 $args --context-parallel 3 --out "$work/bad2"
+expect_error "is not a multiple of 5" 0 $args --context-parallel 5 --out "$work/bad3"
+expect_error "drop --chunk" 2 $args --context-parallel 2 --chunk 16 --out "$work/bad4"
+expect_error "drop --act-offload" 2 $args --context-parallel 2 --act-offload host --out "$work/bad5"
+[ ! -e "$work/bad1" ] && [ ! -e "$work/bad2" ] || { echo "a refused run left a folder"; exit 1; }
+echo "bad settings: refused with the fix named"
