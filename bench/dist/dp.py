@@ -1,4 +1,4 @@
-"""Data parallel on one machine: `mpirun -np N oomless train` for N in --ranks, the same global batch.
+"""Data parallel (and context parallel) on one machine: `mpirun -np N oomless train` for N in --ranks.
 
 For each N: the median tokens/s of the steps after the first (the whole step's tokens over its time, so the
 ranks' work together), each rank's ledger peak (metrics.jsonl "ranks") and peak RSS (/usr/bin/time -v around
@@ -8,8 +8,16 @@ data parallel), plus the few small collectives of a step. Threads: the machine's
 (--threads-per-rank, default CPUs / N), so on a 2-core machine N = 2 runs one thread a rank and N > 2
 oversubscribes: step time vs N measures the sum's cost there, not scaling.
 
+--context-parallel: the N > 1 runs spread each sequence over the ranks (--context-parallel N) instead of sharing
+out the batch; a rank's bytes a step are then the gradients' sum plus, per layer, its keys and values sent to
+the later ranks twice (forward, backward) and the earlier slices' key gradients sent back: rank r sends
+2 (N - 1 - r) + r blocks of 2 x Hkv x (seq / N) x D floats a layer. --fit SIZE: for each N, the longest --seq
+(a multiple of 256 N) whose `oomless estimate --ranks N [--context-parallel N]` fits SIZE a rank, then a run at
+that --seq (its ledger peak and RSS against SIZE).
+
 usage: python3 bench/dist/dp.py [--oomless build/release/oomless] [--model preset:tiny] [--ranks 1,2,4]
                                 [--seq 256] [--batch 4] [--steps 4] [--rounds 2] [--zero 0|1] [--work build/bench-dp] [--smoke]
+                                [--context-parallel] [--fit SIZE] [--dtype fp32|bf16]
 """
 import argparse
 import json
@@ -24,6 +32,32 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
+def cp_flags(a, n):
+    return ["--context-parallel", str(n)] if a.context_parallel and n > 1 else []
+
+
+def fits(a, n, seq):
+    """Whether `oomless estimate` puts a rank of N under a.fit at --seq seq."""
+    cmd = [a.oomless, "estimate", "--model", a.model, "--seq", str(seq), "--batch", str(a.batch), "--ranks", str(n),
+           "--zero", str(a.zero), "--dtype", a.dtype, "--budget", a.fit, "--json"] + cp_flags(a, n)
+    p = subprocess.run(cmd, capture_output=True, text=True)  # exits 3 where it does not fit
+    try:
+        return json.loads(p.stdout)["fits"]
+    except (ValueError, KeyError):
+        sys.exit(f"dp.py: {' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-2000:]}")
+
+
+def longest(a, n):
+    step = 256 * n
+    lo, hi = 0, step
+    while fits(a, n, hi):
+        lo, hi = hi, 2 * hi
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        lo, hi = (mid, hi) if fits(a, n, mid) else (lo, mid)
+    return lo
+
+
 def run(a, n, tag):
     out = os.path.join(a.work, tag)
     shutil.rmtree(out, ignore_errors=True)
@@ -33,7 +67,7 @@ def run(a, n, tag):
     # --bind-to none: OpenMPI binds each of 1-2 ranks to one core, which would leave a rank's second thread none.
     cmd = ["mpirun", "-np", str(n), "--bind-to", "none", "/usr/bin/time", "-v", a.oomless, "train", "--model", a.model, "--seq", str(a.seq),
            "--batch", str(a.batch), "--steps", str(a.steps), "--threads", str(threads), "--eval-every", "0",
-           "--save-every", "0", "--zero", str(a.zero), "--out", out]
+           "--save-every", "0", "--zero", str(a.zero), "--dtype", a.dtype, "--out", out] + cp_flags(a, n)
     if a.data:
         cmd[cmd.index("--seq"):cmd.index("--seq")] = ["--data", a.data]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -47,11 +81,21 @@ def run(a, n, tag):
     peaks = ranks["peak"] if ranks else [sum(rows[-1]["memory"][t]["total"]["peak"] for t in rows[-1]["memory"])]
     optim = ranks["optimizer"] if ranks else [sum(rows[-1]["memory"][t].get("optimizer", {}).get("peak", 0)
                                                   for t in rows[-1]["memory"])]
-    sent = (ranks["bytes_sent"][0] - rows[-2]["ranks"]["bytes_sent"][0]) if ranks and len(rows) > 1 else 0
+    sent_all = [x - y for x, y in zip(ranks["bytes_sent"], rows[-2]["ranks"]["bytes_sent"])] \
+        if ranks and len(rows) > 1 else [0]
+    sent = sent_all[0]
+    formula = [2 * (n - 1) / n * 4 * params] * n
+    if cp_flags(a, n):  # the keys, values and key gradients of each layer (the model's config in the checkpoint)
+        cfg = json.load(open(os.path.join(out, sorted(d for d in os.listdir(out) if d.startswith("checkpoint-"))[-1],
+                                          "config.json")))
+        L, Hkv = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
+        D = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        block = 2 * Hkv * (a.seq // n) * D * 4
+        formula = [f + a.batch * L * block * (2 * (n - 1 - r) + r) for r, f in enumerate(formula)]
     shutil.rmtree(out, ignore_errors=True)
     return {"ranks": n, "threads_per_rank": threads, "tokens_per_s": tps, "ledger_peak": peaks, "optimizer": optim,
-            "rss": sorted(rss),
-            "bytes_sent_per_step": sent, "formula_bytes": 2 * (n - 1) / n * 4 * params, "params": params,
+            "rss": sorted(rss), "bytes_sent_per_step": sent, "bytes_sent_per_step_ranks": sent_all,
+            "formula_bytes": formula[0], "formula_bytes_ranks": formula, "params": params,
             "losses": [r["loss"] for r in rows]}
 
 
@@ -70,6 +114,9 @@ def main():
     ap.add_argument("--work", default=os.path.join(ROOT, "build/bench-dp"))
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="preset:micro, --seq 32, 2 steps, ranks 1,2, one round")
+    ap.add_argument("--context-parallel", action="store_true", help="N > 1: each sequence spread over the ranks")
+    ap.add_argument("--fit", default=None, help="a rank's budget: the longest --seq that fits, for each N")
+    ap.add_argument("--dtype", default="fp32")
     a = ap.parse_args()
     if a.smoke:
         a.model, a.seq, a.steps, a.ranks, a.rounds, a.batch = "preset:micro", 32, 2, "1,2", 1, 2
@@ -77,13 +124,15 @@ def main():
         sys.exit("dp.py: no mpirun (scripts/setup.sh installs openmpi-bin)")
     os.makedirs(a.work, exist_ok=True)
     ns = [int(x) for x in a.ranks.split(",")]
+    if a.fit:
+        return fit(a, ns)
     res = {n: [] for n in ns}
     for r in range(a.rounds):
         for n in ns:
             res[n].append(run(a, n, f"n{n}"))
     print(f"{a.model}, --seq {a.seq} --batch {a.batch} (global), {a.steps} steps, {a.rounds} round(s); "
           f"{os.cpu_count()} CPUs")
-    print(f"--zero {a.zero}")
+    print(f"--zero {a.zero}" + (", --context-parallel N" if a.context_parallel else ""))
     print("| ranks | threads a rank | tok/s (median of rounds) | vs 1 rank | ledger peak a rank (largest) | optimizer "
           "state a rank (largest) | peak RSS a rank | sent a step a rank | formula 2(N-1)/N x 4 B x params |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -99,6 +148,10 @@ def main():
         print(f"| {n} | {xs[0]['threads_per_rank']} | {tps:.0f} | {tps / base:.2f}x | {peak / 2**20:.1f} MiB | "
               f"{opt / 2**20:.1f} MiB | {rss / 2**20:.1f} MiB | {sent / 2**20:.2f} MiB | "
               f"{xs[0]['formula_bytes'] / 2**20:.2f} MiB |")
+        if a.context_parallel and n > 1:
+            print("|  | each rank: sent / formula | " + ", ".join(
+                f"{s / 2**20:.2f} / {f / 2**20:.2f} MiB" for s, f in
+                zip(xs[-1]["bytes_sent_per_step_ranks"], xs[-1]["formula_bytes_ranks"])) + " |||||||")
         summary.append({"ranks": n, "tokens_per_s": tps, "ledger_peak": peak, "optimizer": opt, "rss": rss,
                         "bytes_sent_per_step": sent,
                         "formula_bytes": xs[0]["formula_bytes"], "runs": xs})
@@ -112,6 +165,24 @@ def main():
         with open(a.json, "w") as f:
             json.dump({"model": a.model, "seq": a.seq, "batch": a.batch, "steps": a.steps, "zero": a.zero,
                        "summary": summary}, f, indent=1)
+
+
+def fit(a, ns):
+    """For each N, the longest --seq under a.fit a rank by the estimate, then a run of it."""
+    print(f"{a.model} --dtype {a.dtype}, --batch {a.batch}, a rank's budget {a.fit}" +
+          (", --context-parallel N" if a.context_parallel else "") + f"; {os.cpu_count()} CPUs")
+    print("| ranks | longest --seq that fits | vs 1 rank | ledger peak a rank (largest) | peak RSS a rank | tok/s |")
+    print("|---|---|---|---|---|---|")
+    out = []
+    for n in ns:
+        a.seq = longest(a, n)
+        x = run(a, n, f"fit{n}")
+        out.append(x | {"seq": a.seq})
+        print(f"| {n} | {a.seq} | {a.seq / out[0]['seq']:.2f}x | {max(x['ledger_peak']) / 2**20:.1f} MiB | "
+              f"{max(x['rss']) / 2**20:.1f} MiB | {x['tokens_per_s']:.0f} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"model": a.model, "budget": a.fit, "runs": out}, f, indent=1)
 
 
 if __name__ == "__main__":
