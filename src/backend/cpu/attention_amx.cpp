@@ -157,32 +157,35 @@ OOMLESS_BF16 void pack_t(const float* x, int64_t ld, int64_t n, int64_t D, int64
   }
 }
 
-OOMLESS_BF16 void pack_rows(const uint16_t* x, int64_t ld, int64_t n, int64_t D, int64_t npad, uint32_t* out) {
+// The pair words of 32 columns of two rows a and b (null: a row of zeros), into o[0, 32).
+OOMLESS_BF16_INLINE void pair32(uint32_t* o, const uint16_t* a, const uint16_t* b) {
   const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
                                       37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  const __m512i x = a ? _mm512_loadu_si512(a) : _mm512_setzero_si512(), y = b ? _mm512_loadu_si512(b) : _mm512_setzero_si512();
+  _mm512_storeu_si512(o, _mm512_permutex2var_epi16(x, lo, y));
+  _mm512_storeu_si512(o + 16, _mm512_permutex2var_epi16(x, hi, y));
+}
+OOMLESS_BF16_INLINE void pair32(uint32_t* o, const float* a, const float* b) {
+  for (int h = 0; h < 32; h += 16)
+    _mm512_storeu_si512(o + h, pairs16(a ? _mm512_loadu_ps(a + h) : _mm512_setzero_ps(),
+                                       b ? _mm512_loadu_ps(b + h) : _mm512_setzero_ps()));
+}
+
+template <class T>
+OOMLESS_BF16_INLINE void pack_rows_of(const T* x, int64_t ld, int64_t n, int64_t D, int64_t npad, uint32_t* out) {
   for (int64_t p = 0; p < npad / 2; ++p) {
-    uint32_t* o = out + p * D;
-    const int64_t r0 = 2 * p, r1 = 2 * p + 1;
-    for (int64_t d = 0; d < D; d += 32) {
-      const __m512i a = r0 < n ? _mm512_loadu_si512(x + r0 * ld + d) : _mm512_setzero_si512();
-      const __m512i b = r1 < n ? _mm512_loadu_si512(x + r1 * ld + d) : _mm512_setzero_si512();
-      _mm512_storeu_si512(o + d, _mm512_permutex2var_epi16(a, lo, b));
-      _mm512_storeu_si512(o + d + 16, _mm512_permutex2var_epi16(a, hi, b));
-    }
+    const T* a = 2 * p < n ? x + 2 * p * ld : nullptr;
+    const T* b = 2 * p + 1 < n ? x + (2 * p + 1) * ld : nullptr;
+    for (int64_t d = 0; d < D; d += 32) pair32(out + p * D + d, a ? a + d : nullptr, b ? b + d : nullptr);
   }
 }
 
+OOMLESS_BF16 void pack_rows(const uint16_t* x, int64_t ld, int64_t n, int64_t D, int64_t npad, uint32_t* out) {
+  pack_rows_of(x, ld, n, D, npad, out);
+}
 OOMLESS_BF16 void pack_rows(const float* x, int64_t ld, int64_t n, int64_t D, int64_t npad, uint32_t* out) {
-  for (int64_t p = 0; p < npad / 2; ++p) {
-    uint32_t* o = out + p * D;
-    const int64_t r0 = 2 * p, r1 = 2 * p + 1;
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m512 a = r0 < n ? _mm512_loadu_ps(x + r0 * ld + d) : _mm512_setzero_ps();
-      const __m512 b = r1 < n ? _mm512_loadu_ps(x + r1 * ld + d) : _mm512_setzero_ps();
-      _mm512_storeu_si512(o + d, pairs16(a, b));
-    }
-  }
+  pack_rows_of(x, ld, n, D, npad, out);
 }
 
 // Sixteen rows at a time: one gather takes columns d and d + 1 of each (a pair word a row), one permute
