@@ -4,7 +4,8 @@
 #  - 2 and 4 ranks give the 1-rank run's losses, evaluations and gradient norms within fp32 rounding, and its
 #    final weights within 2e-4 of their largest entry;
 #  - a rerun with 2 ranks gives the same bytes;
-#  - with --zero 1 (the optimizer state sharded as well): the 1-rank losses;
+#  - with --zero 1 (the optimizer state sharded as well): the 1-rank losses; under bf16 compute on tiny, the 1-rank
+#    losses within bf16 rounding;
 #  - each rank holds a quarter of the activations on 4 ranks, and `oomless estimate --ranks 4 --context-parallel
 #    4` gives the largest rank's ledger peak (within 1%);
 #  - the 4-rank run's step-2 checkpoint resumes on 2 ranks and on 1, as the 1-rank run continues;
@@ -51,6 +52,23 @@ mpi 2 train $args --context-parallel 2 --zero 1 --out "$work/z2" > "$work/z2.log
 got=$(losses "$work/z2/metrics.jsonl")
 same_losses "$ref" "$got" || { echo "--zero 1, 2 ranks: losses $got, 1 rank: $ref"; exit 1; }
 echo "--zero 1 beside it, 2 ranks: the 1-rank losses"
+
+# bf16 compute on tiny (D = 64: on an AMX CPU the attention's bf16 tiles, over two blocks): the 1-rank run's first
+# loss, its gradient norm within bf16 rounding (1e-3) and the next losses within 1e-4.
+within() {  # two lines of numbers, each within a relative TOL
+  python3 -c "
+import sys
+a, b = [list(map(float, s.split())) for s in sys.argv[1:3]]
+sys.exit(0 if len(a) == len(b) and all(abs(x - y) <= float(sys.argv[3]) * abs(x) for x, y in zip(a, b)) else 1)" "$1" "$2" "$3"
+}
+bargs="--model preset:tiny --data $src/data/kjv/eval.txt --seq 256 --batch 1 --steps 3 --dtype bf16 --eval-every 0 --threads 1 --lr 1e-3"
+"$bin" train $bargs --out "$work/b1" > "$work/b1.log" 2>&1 || { echo "bf16, 1 rank failed"; cat "$work/b1.log"; exit 1; }
+mpi 2 train $bargs --context-parallel 2 --out "$work/b2" > "$work/b2.log" 2>&1 || { echo "bf16, 2 ranks failed"; cat "$work/b2.log"; exit 1; }
+l1=$(losses "$work/b1/metrics.jsonl"); l2=$(losses "$work/b2/metrics.jsonl")
+within "${l1%% *}" "${l2%% *}" 1e-6 && within "$l1" "$l2" 1e-4 \
+  && within "$(norms "$work/b1/metrics.jsonl" | cut -d' ' -f1)" "$(norms "$work/b2/metrics.jsonl" | cut -d' ' -f1)" 1e-3 \
+  || { echo "bf16, 2 ranks: losses $l2, 1 rank: $l1"; exit 1; }
+echo "bf16 compute, 2 ranks: the 1-rank losses ($l2) within bf16 rounding"
 
 one=$(activations "$work/one/metrics.jsonl"); four=$(activations "$work/c4/metrics.jsonl")
 [ "$((4 * four))" -eq "$one" ] || { echo "4 ranks: rank 0 holds $four activation bytes, 1 rank $one (not a quarter)"; exit 1; }
