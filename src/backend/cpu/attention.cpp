@@ -805,7 +805,10 @@ void round_rows(Ctx* x, const float* src, float* dst, const float** rounded, con
   for (int64_t c = 0; c < (n + kChunk - 1) / kChunk; ++c) {
     const int64_t i0 = c * kChunk, len = std::min(kChunk, n - i0);
     if (x->amx) {
-      convert(h + i0, DType::bf16, src + i0, DType::f32, len);
+      // Under the tiles by the hardware's conversion: it reads f32 denormals as zero, which the tiles read
+      // as zero from f32_to_bf16's bf16 denormals as well, so every product is the same.
+      if (x->tiles) attn_amx::to_bf16(h + i0, src + i0, len);
+      else convert(h + i0, DType::bf16, src + i0, DType::f32, len);
     } else {
       for (int64_t i = i0; i < i0 + len; ++i) dst[i] = round_to_bf16(src[i]);
     }

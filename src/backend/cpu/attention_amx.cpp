@@ -301,6 +301,16 @@ OOMLESS_BF16 void grad_rows(const float* S, const float* dP, uint32_t* Ppairs, u
   }
 }
 
+OOMLESS_BF16 void to_bf16(uint16_t* d, const float* s, int64_t n) {
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32)
+    _mm512_storeu_si512(d + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + i + 16), _mm512_loadu_ps(s + i)));
+  for (; i < n; i += 16) {
+    const __mmask16 k = first(n - i);
+    _mm256_mask_storeu_epi16(d + i, k, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(k, s + i)));
+  }
+}
+
 OOMLESS_BF16 float dot(const float* a, const float* b, int64_t D) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);

@@ -57,6 +57,8 @@ void grad_rows(const float* S, const float* dP, uint32_t* Ppairs, uint16_t* dS, 
                int64_t npad, int64_t nk, float c, const int32_t* qpos, int64_t klo, const float* lse2,
                const float* dsum, float scale);
 
+// d[i] = s[i] in bf16 by the hardware (round to nearest even; denormals to zero, as the tiles read them).
+void to_bf16(uint16_t* d, const float* s, int64_t n);
 // sum a[d] b[d] over d < D (a multiple of 16), sixteen lanes then folded: the backward's rowsum(dO * O).
 float dot(const float* a, const float* b, int64_t D);
 
