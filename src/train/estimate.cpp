@@ -670,6 +670,18 @@ int run_estimate(const TrainConfig& c, bool as_json, int ranks) {
     std::vector<Option> options = {
         {"--zero 1", [&](TrainConfig& x) { return ranks > 1 && x.zero == 0 ? (x.zero = 1, true) : false; },
          [] { return std::make_pair(0.0, std::string("the optimizer state sharded over the ranks, the same bytes sent")); }},
+        {"--context-parallel " + std::to_string(ranks),
+         [&](TrainConfig& x) {
+           if (ranks <= 1 || x.context_parallel != 1 || x.seq % ranks || x.chunk > 0 || x.zero >= 2 ||
+               x.act_offload != "none")
+             return false;
+           x.context_parallel = ranks;
+           return true;
+         },
+         [] {
+           return std::make_pair(0.05, std::string("each rank holds a slice of every sequence; keys and values sent "
+                                                   "between the ranks at each layer"));
+         }},
         {"--act-dtype bf16", [](TrainConfig& x) { return x.act_dtype == "fp32" ? (x.act_dtype = "bf16", true) : false; },
          [] { return std::make_pair(0.01, std::string("a rounding copy per saved tensor (within 0.1% of the fp32 loss)")); }},
         {"--optim adamw8bit", [](TrainConfig& x) { return x.optim == "adamw" ? (x.optim = "adamw8bit", true) : false; },

@@ -7,7 +7,7 @@
 #  - with --zero 1 (the optimizer state sharded as well): the 1-rank losses; under bf16 compute on tiny, the 1-rank
 #    losses within bf16 rounding;
 #  - each rank holds a quarter of the activations on 4 ranks, and `oomless estimate --ranks 4 --context-parallel
-#    4` gives the largest rank's ledger peak (within 1%);
+#    4` gives the largest rank's ledger peak (within 1%); over budget without it, the estimate offers it;
 #  - the 4-rank run's step-2 checkpoint resumes on 2 ranks and on 1, as the 1-rank run continues;
 #  - bad settings stop with a message that names the fix: N not the number of ranks, --seq not a multiple of N,
 #    --chunk or --act-offload beside it.
@@ -81,6 +81,15 @@ print('estimate --ranks 4 --context-parallel 4: %d bytes, the largest rank\'s le
 sys.exit(0 if abs(est - led) <= 0.01 * led else 1)" "$work/est.json" "$work/c4/metrics.jsonl" \
   || { echo "estimate --context-parallel 4: not the ledger's peak"; exit 1; }
 echo "4 ranks: a quarter of the activations each ($four of $one bytes); the estimate the ledger's"
+# Over budget on 4 ranks without it, the estimate offers --context-parallel 4 among the changes that fit.
+"$bin" estimate $args --ranks 4 --budget "$(python3 -c "import json; print(json.load(open('$work/est.json'))['estimate']['ram_peak'])")" \
+  --json > "$work/est-over.json"
+python3 -c "
+import json, sys
+e = json.load(open(sys.argv[1]))
+sys.exit(0 if not e['fits'] and any(c['flags'] == '--context-parallel 4' for c in e['changes']) else 1)" "$work/est-over.json" \
+  || { echo "estimate --ranks 4 over budget: --context-parallel 4 not offered"; cat "$work/est-over.json"; exit 1; }
+echo "estimate --ranks 4 over budget: offers --context-parallel 4"
 
 # The 4-rank run cut back to its step-2 checkpoint, continued on 2 ranks and on 1.
 for to in "2 --context-parallel 2" "1 --context-parallel 1"; do
