@@ -13,11 +13,14 @@ out the batch; a rank's bytes a step are then the gradients' sum plus, per layer
 the later ranks twice (forward, backward) and the earlier slices' key gradients sent back: rank r sends
 2 (N - 1 - r) + r blocks of 2 x Hkv x (seq / N) x D floats a layer. --fit SIZE: for each N, the longest --seq
 (a multiple of 256 N) whose `oomless estimate --ranks N [--context-parallel N]` fits SIZE a rank, then a run at
-that --seq (its ledger peak and RSS against SIZE).
+that --seq (its ledger peak and RSS against SIZE). --links: context parallel over simulated links
+(OOMLESS_DIST_LINK=LATENCY_US,GB_PER_S delays each message of the ring to its post time + latency + bytes /
+bandwidth), the tokens/s each gives against the plain transport: where the link's time stops hiding behind
+the attention that overlaps it.
 
 usage: python3 bench/dist/dp.py [--oomless build/release/oomless] [--model preset:tiny] [--ranks 1,2,4]
                                 [--seq 256] [--batch 4] [--steps 4] [--rounds 2] [--zero 0|1] [--work build/bench-dp] [--smoke]
-                                [--context-parallel] [--fit SIZE] [--dtype fp32|bf16]
+                                [--context-parallel] [--fit SIZE] [--dtype fp32|bf16] [--links 'none;50,1.25']
 """
 import argparse
 import json
@@ -58,12 +61,15 @@ def longest(a, n):
     return lo
 
 
-def run(a, n, tag):
+def run(a, n, tag, link=None):
     out = os.path.join(a.work, tag)
     shutil.rmtree(out, ignore_errors=True)
     threads = a.threads_per_rank or max(1, (os.cpu_count() or 1) // n)
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1")
+    env.pop("OOMLESS_DIST_LINK", None)
+    if link:
+        env["OOMLESS_DIST_LINK"] = link
     # --bind-to none: OpenMPI binds each of 1-2 ranks to one core, which would leave a rank's second thread none.
     cmd = ["mpirun", "-np", str(n), "--bind-to", "none", "/usr/bin/time", "-v", a.oomless, "train", "--model", a.model, "--seq", str(a.seq),
            "--batch", str(a.batch), "--steps", str(a.steps), "--threads", str(threads), "--eval-every", "0",
@@ -117,6 +123,9 @@ def main():
     ap.add_argument("--context-parallel", action="store_true", help="N > 1: each sequence spread over the ranks")
     ap.add_argument("--fit", default=None, help="a rank's budget: the longest --seq that fits, for each N")
     ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--links", default=None,
+                    help="with --context-parallel: simulated links to compare, ';'-separated LATENCY_US,GB_PER_S "
+                         "(OOMLESS_DIST_LINK), 'none' for the plain transport")
     a = ap.parse_args()
     if a.smoke:
         a.model, a.seq, a.steps, a.ranks, a.rounds, a.batch = "preset:micro", 32, 2, "1,2", 1, 2
@@ -126,6 +135,8 @@ def main():
     ns = [int(x) for x in a.ranks.split(",")]
     if a.fit:
         return fit(a, ns)
+    if a.links:
+        return links(a, ns)
     res = {n: [] for n in ns}
     for r in range(a.rounds):
         for n in ns:
@@ -165,6 +176,38 @@ def main():
         with open(a.json, "w") as f:
             json.dump({"model": a.model, "seq": a.seq, "batch": a.batch, "steps": a.steps, "zero": a.zero,
                        "summary": summary}, f, indent=1)
+
+
+def links(a, ns):
+    """Context parallel over simulated links: tokens/s against the plain transport, the links alternating."""
+    ls = [x.strip() for x in a.links.split(";")]
+    print(f"{a.model} --dtype {a.dtype}, --seq {a.seq} --batch {a.batch}, --context-parallel N, {a.steps} steps, "
+          f"{a.rounds} round(s); {os.cpu_count()} CPUs")
+    print("| ranks | link (latency, bandwidth) | tok/s (median of rounds) | vs no link | ring bytes a step, rank 0 | "
+          "their time on the link alone |")
+    print("|---|---|---|---|---|---|")
+    out = []
+    for n in ns:
+        res = {x: [] for x in ls}
+        for _ in range(a.rounds):
+            for x in ls:
+                res[x].append(run(a, n, f"link{n}", None if x == "none" else x))
+        base = statistics.median(r["tokens_per_s"] for r in res[ls[0]])
+        for x in ls:
+            tps = statistics.median(r["tokens_per_s"] for r in res[x])
+            r0 = res[x][-1]  # rank 0's ring traffic: what it sent less the gradients' sum (not on the link)
+            sent = r0["bytes_sent_per_step"] - 2 * (n - 1) / n * 4 * r0["params"]
+            if x == "none":
+                wire = "-"
+            else:
+                us, gbs = (float(v) for v in x.split(","))
+                wire = f"{sent / (gbs * 1e9) * 1e3:.1f} ms + latency"
+            name = "none (shared memory)" if x == "none" else f"{x.split(',')[0]} us, {x.split(',')[1]} GB/s"
+            print(f"| {n} | {name} | {tps:.0f} | {tps / base:.2f}x | {sent / 2**20:.2f} MiB | {wire} |")
+            out.append({"ranks": n, "link": x, "tokens_per_s": tps, "runs": res[x]})
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"model": a.model, "seq": a.seq, "runs": out}, f, indent=1)
 
 
 def fit(a, ns):

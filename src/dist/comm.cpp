@@ -1,8 +1,11 @@
 #include "dist/comm.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 
 #include "core/error.h"
 
@@ -306,26 +309,78 @@ std::vector<double> all_doubles(const std::vector<double>& mine) {
   return mine;
 }
 
-void exchange(const void* send, const std::vector<int64_t>& send_bytes, void* recv,
-              const std::vector<int64_t>& recv_bytes) {
-  OOM_CHECK(static_cast<int>(send_bytes.size()) == g_size && static_cast<int>(recv_bytes.size()) == g_size,
-            "[dist] exchange needs a count for each of the ", g_size, " ranks");
+std::pair<double, double> simulated_link() {
+  static const std::pair<double, double> link = [] {
+    const char* v = std::getenv("OOMLESS_DIST_LINK");
+    if (!v || !*v) return std::pair<double, double>{0, 0};
+    double us = 0, gbs = 0;
+    OOM_CHECK(std::sscanf(v, "%lf,%lf", &us, &gbs) == 2 && us >= 0 && gbs > 0, "[dist] OOMLESS_DIST_LINK=", v,
+              ": give LATENCY_US,GB_PER_S (e.g. 50,1.25 for 10 GbE)");
+    return std::pair<double, double>{us * 1e-6, gbs * 1e9};
+  }();
+  return link;
+}
+
+namespace {
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
+Request& Request::operator=(Request&& o) noexcept {
+  std::swap(mpi, o.mpi);
+  std::swap(due, o.due);
+  return *this;
+}
+
+Request::~Request() {
 #if OOMLESS_HAS_MPI
-  if (g_size <= 1) return;
-  std::vector<int> sc, so, rc, ro;
-  int64_t s_at = 0, r_at = 0;
-  for (int r = 0; r < g_size; ++r) {
-    const int64_t a = send_bytes[static_cast<size_t>(r)], b = recv_bytes[static_cast<size_t>(r)];
-    OOM_CHECK(s_at + a <= INT32_MAX && r_at + b <= INT32_MAX, "[dist] an exchange of more than 2 GiB at once; the "
-              "caller splits it");
-    sc.push_back(static_cast<int>(a)), so.push_back(static_cast<int>(s_at));
-    rc.push_back(static_cast<int>(b)), ro.push_back(static_cast<int>(r_at));
-    s_at += a, r_at += b;
-    if (r != g_rank) g_sent += static_cast<uint64_t>(a);
+  if (mpi) {  // an unfinished request (an error unwinding): completed, so its buffer may go
+    MPI_Wait(static_cast<MPI_Request*>(mpi), MPI_STATUS_IGNORE);
+    delete static_cast<MPI_Request*>(mpi);
   }
-  MPI_Alltoallv(send, sc.data(), so.data(), MPI_BYTE, recv, rc.data(), ro.data(), MPI_BYTE, MPI_COMM_WORLD);
+#endif
+}
+
+Request isend(const void* buf, int64_t bytes, int to, int tag) {
+  Request r;
+#if OOMLESS_HAS_MPI
+  OOM_CHECK(bytes <= INT32_MAX, "[dist] a message of ", bytes, " bytes; the caller splits it");
+  auto* q = new MPI_Request;
+  MPI_Isend(buf, static_cast<int>(bytes), MPI_BYTE, to, tag, MPI_COMM_WORLD, q);
+  r.mpi = q;
+  g_sent += static_cast<uint64_t>(bytes);
 #else
-  (void)send, (void)recv;
+  (void)buf, (void)bytes, (void)to, (void)tag;
+#endif
+  return r;
+}
+
+Request irecv(void* buf, int64_t bytes, int from, int tag) {
+  Request r;
+#if OOMLESS_HAS_MPI
+  OOM_CHECK(bytes <= INT32_MAX, "[dist] a message of ", bytes, " bytes; the caller splits it");
+  auto* q = new MPI_Request;
+  MPI_Irecv(buf, static_cast<int>(bytes), MPI_BYTE, from, tag, MPI_COMM_WORLD, q);
+  r.mpi = q;
+  const auto [latency, rate] = simulated_link();
+  if (rate > 0) r.due = now_s() + latency + static_cast<double>(bytes) / rate;
+#else
+  (void)buf, (void)bytes, (void)from, (void)tag;
+#endif
+  return r;
+}
+
+void wait(Request& r) {
+#if OOMLESS_HAS_MPI
+  if (!r.mpi) return;
+  MPI_Wait(static_cast<MPI_Request*>(r.mpi), MPI_STATUS_IGNORE);
+  delete static_cast<MPI_Request*>(r.mpi);
+  r.mpi = nullptr;
+  const double left = r.due - now_s();
+  if (left > 0) std::this_thread::sleep_for(std::chrono::duration<double>(left));
+#else
+  (void)r;
 #endif
 }
 

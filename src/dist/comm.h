@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace oomless::dist {
@@ -71,11 +72,25 @@ void sum_floats_to(float* x, int64_t n, float* scratch, int root);
 // Every rank's doubles, concatenated in rank order (the ranks' counts may differ).
 std::vector<double> all_doubles(const std::vector<double>& mine);
 
-// Every rank sends send_bytes[s] bytes to rank s (in `send`, consecutive in rank order) and receives
-// recv_bytes[s] bytes from rank s (into `recv`, likewise); each pair's counts agree. Nothing is summed: a
-// caller adds what it received in rank order (context parallel's keys and their gradients).
-void exchange(const void* send, const std::vector<int64_t>& send_bytes, void* recv,
-              const std::vector<int64_t>& recv_bytes);
+// Point to point without blocking (context parallel's ring): post, compute, then wait. A receive's wait
+// returns once the message is here and, under a simulated link (OOMLESS_DIST_LINK="LATENCY_US,GB_PER_S", e.g.
+// "50,1.25" for 10 GbE), not before its post time + latency + bytes / bandwidth: what a slower interconnect
+// would add where compute does not hide it. Tags tell apart the messages of one pair of ranks.
+struct Request {
+  void* mpi = nullptr;  // the MPI request (owned)
+  double due = 0;       // a receive under a simulated link: when it may complete (steady-clock seconds)
+  Request() = default;
+  Request(Request&& o) noexcept : mpi(o.mpi), due(o.due) { o.mpi = nullptr; }
+  Request& operator=(Request&& o) noexcept;
+  Request(const Request&) = delete;
+  Request& operator=(const Request&) = delete;
+  ~Request();
+};
+Request isend(const void* buf, int64_t bytes, int to, int tag);
+Request irecv(void* buf, int64_t bytes, int from, int tag);
+void wait(Request& r);
+// The simulated link, if any: {latency in seconds, bytes a second}; {0, 0} for none.
+std::pair<double, double> simulated_link();
 
 // Bytes this rank has sent through the collectives above since the start (what the benchmarks compare with
 // the formulas: 2 (N-1)/N of the gradient per step for data parallel).

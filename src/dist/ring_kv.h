@@ -3,23 +3,23 @@
 // layer by layer. Attention is the only place a slice needs the others: its queries see the keys of every
 // earlier slice. RingKv is the ChunkKv the model's chunked pass talks to (one chunk: the slice), so the
 // model itself is unchanged:
-//   forward  every rank sends its layer's keys and values to the ranks after it; each rank attends over the
-//            earlier slices' blocks and its own (causal) in one call, so its rows are those of a single
-//            rank's call over the whole sequence (the key tiles fall on the same boundaries when T is a
-//            multiple of the kernel's 128-key tile);
-//   backward the keys and values are sent again (nothing is kept between the passes: a rank's memory holds
-//            one layer's earlier blocks at a time), the attention backward gives dq, the own keys' share of
-//            dk, dv and the earlier blocks' gradients, which go back to their ranks; each rank adds what the
-//            later ranks sent for its keys in rank order (deterministic: bitwise the same run to run).
-// Per layer and step the ranks move N (N - 1) / 2 blocks of keys and values twice (forward, backward) and as
-// many gradient blocks: rank r receives r blocks each time and sends N - 1 - r, the causal half of a ring's
-// traffic. The sends are not yet overlapped with attention. The parameters' gradients are summed over the
-// ranks as data parallel sums them.
+//   forward  a rank posts its layer's keys and values to every later rank and the receives of the earlier
+//            ones (dist::isend / irecv), attends over its own slice (causal) while they travel, then over each
+//            earlier slice as it needs it, nearest first, merging each into O and lse (attention_merge);
+//   backward the keys and values travel again (nothing is kept between the passes: a rank holds one earlier
+//            slice on the Device at a time); the own slice's backward first (dq, and its keys' share of dk,
+//            dv), then each earlier slice's (its dq added, its key gradients sent back to its rank); last,
+//            each rank adds the later ranks' gradients for its keys in rank order.
+// The order of every sum is fixed, so a rerun gives the same bits; the 1-rank run's results within fp32
+// rounding. Per layer and step the ranks move N (N - 1) / 2 blocks of keys and values twice and as many
+// gradient blocks: rank r receives r blocks each time and sends N - 1 - r (and r gradient blocks), the causal
+// half of a ring's traffic. The parameters' gradients are summed over the ranks as data parallel sums them.
 #pragma once
 
 #include <vector>
 
 #include "backend/ops.h"
+#include "dist/comm.h"
 #include "kv/chunk_kv.h"
 #include "memory/arena.h"
 
@@ -27,8 +27,8 @@ namespace oomless {
 
 class RingKv final : public ChunkKv {
  public:
-  // Transient blocks come from `device` (the gathered keys and values, the earlier blocks' gradients) and
-  // `host` (what goes through MPI), as workspace.
+  // Transient blocks come from `device` (an earlier slice's keys and values, its gradients, a partial O or
+  // dq) and `host` (the messages), as workspace.
   RingKv(const KvDims& dims, Ops& ops, Arena& device, Arena& host);
 
   void set_bf16_products(bool on) override { bf16_ = on; }
@@ -41,15 +41,22 @@ class RingKv final : public ChunkKv {
   void chunk_done(int64_t) override {}
   void end() override {}
 
-  // The most bytes of transient buffers a call holds at once on rank `rank` of `ranks` (the estimate's):
-  // Device, beside the attention call's own scratch; Host, around the sends.
-  static size_t device_bytes(const KvDims& d, int64_t T, int rank, DType kv, DType grad);
-  static size_t host_bytes(const KvDims& d, int64_t T, int ranks, DType kv, DType grad);
+  // The most bytes of transient buffers a call holds at once (the estimate's): Device, beside the attention
+  // call's own scratch; Host (rank `rank` of `ranks`), the messages in flight.
+  static size_t device_bytes(const KvDims& d, int64_t T, DType kv, DType grad);
+  static size_t host_bytes(const KvDims& d, int64_t T, int rank, int ranks, DType kv, DType grad);
 
  private:
-  // The earlier ranks' keys and values of this layer (k, v: this rank's, (Hkv, T, D)) into `held` (r blocks of
-  // keys then values), and the block table over them and k, v.
-  KvBlocks gather(Tensor k, Tensor v, Buffer* held, std::vector<KvBlock>* blocks);
+  // One call's traffic: this rank's keys and values sent to the later ranks, the earlier ranks' received into
+  // `host` (slot s: rank s's; this rank's at slot rank), and a Device block the arrived ones go to in turn.
+  struct Ring {
+    Buffer host, dev;
+    int64_t blk = 0;
+    std::vector<dist::Request> recvs, sends;
+  };
+  void post(int64_t layer, int kind, Tensor k, Tensor v, Ring* ring);
+  // Rank s's keys and values once here, on the Device: a one-block table.
+  KvBlocks arrived(int s, Ring* ring, DType dtype, KvBlock* block);
 
   KvDims d_;
   Ops& ops_;

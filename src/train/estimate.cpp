@@ -521,9 +521,8 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
   if (cp > 1) {
     const KvDims kd{cfg.L, cfg.H, cfg.Hkv, cfg.D};
     const DType saved_kv = ms.store == DType::f32 ? f : ms.store;
-    key_blocks = ranks.rank + 1;
-    ring = RingKv::device_bytes(kd, C, ranks.rank, saved_kv, f);
-    add(kHost, Category::workspace, RingKv::host_bytes(kd, C, ranks.size, saved_kv, f));
+    ring = ranks.rank > 0 ? RingKv::device_bytes(kd, C, saved_kv, f) : 0;
+    add(kHost, Category::workspace, RingKv::host_bytes(kd, C, ranks.rank, ranks.size, saved_kv, f));
   } else if (C > 0) {
     const int64_t P = c.page > 0 ? c.page : default_page(C);
     OOM_CHECK(c.page <= 0 || C % c.page == 0, "[estimate] --page ", c.page, " does not divide --chunk ", C,

@@ -3,14 +3,14 @@
 # sequence spread over the ranks in consecutive slices, each rank's queries attending to the earlier slices' keys.
 #  - 2 and 4 ranks give the 1-rank run's losses, evaluations and gradient norms within fp32 rounding, and its
 #    final weights within 2e-4 of their largest entry;
-#  - a rerun with 2 ranks gives the same bytes;
+#  - a rerun with 2 ranks gives the same bytes, and so does one over a simulated slow link (OOMLESS_DIST_LINK);
 #  - with --zero 1 (the optimizer state sharded as well): the 1-rank losses; under bf16 compute on tiny, the 1-rank
 #    losses within bf16 rounding;
 #  - each rank holds a quarter of the activations on 4 ranks, and `oomless estimate --ranks 4 --context-parallel
 #    4` gives the largest rank's ledger peak (within 1%); over budget without it, the estimate offers it;
 #  - the 4-rank run's step-2 checkpoint resumes on 2 ranks and on 1, as the 1-rank run continues;
 #  - bad settings stop with a message that names the fix: N not the number of ranks, --seq not a multiple of N,
-#    --chunk or --act-offload beside it.
+#    --chunk or --act-offload beside it, an OOMLESS_DIST_LINK that is not LATENCY_US,GB_PER_S.
 # Skipped (77) when mpirun or an MPI build is missing.
 # usage: dist_cp.sh OOMLESS_BINARY SOURCE_DIR WORK_DIR
 set -u
@@ -48,13 +48,20 @@ for f in model.safetensors optimizer.safetensors; do
 done
 echo "2 ranks twice: the same bytes"
 
+# A simulated slow link (OOMLESS_DIST_LINK: 2 ms latency, 50 MB/s) only delays the messages: the same bytes.
+OOMLESS_DIST_LINK=2000,0.05 mpi 2 train $args --context-parallel 2 --out "$work/c2slow" > "$work/c2slow.log" 2>&1 \
+  || { echo "2 ranks on a simulated link failed"; cat "$work/c2slow.log"; exit 1; }
+cmp -s "$work/c2/checkpoint-4/model.safetensors" "$work/c2slow/checkpoint-4/model.safetensors" \
+  || { echo "2 ranks on a simulated link: weights differ"; exit 1; }
+echo "2 ranks on a simulated slow link: the same bytes"
+
 mpi 2 train $args --context-parallel 2 --zero 1 --out "$work/z2" > "$work/z2.log" 2>&1 || { echo "--zero 1 failed"; cat "$work/z2.log"; exit 1; }
 got=$(losses "$work/z2/metrics.jsonl")
 same_losses "$ref" "$got" || { echo "--zero 1, 2 ranks: losses $got, 1 rank: $ref"; exit 1; }
 echo "--zero 1 beside it, 2 ranks: the 1-rank losses"
 
-# bf16 compute on tiny (D = 64: on an AMX CPU the attention's bf16 tiles, over two blocks): the 1-rank run's first
-# loss, its gradient norm within bf16 rounding (1e-3) and the next losses within 1e-4.
+# bf16 compute on tiny (D = 64: on an AMX CPU the attention's bf16 tiles): the 1-rank run's losses within 1e-4 and
+# its first gradient norm within 1e-3 (bf16 rounding: each slice's probabilities are rounded against its own max).
 within() {  # two lines of numbers, each within a relative TOL
   python3 -c "
 import sys
@@ -65,7 +72,7 @@ bargs="--model preset:tiny --data $src/data/kjv/eval.txt --seq 256 --batch 1 --s
 "$bin" train $bargs --out "$work/b1" > "$work/b1.log" 2>&1 || { echo "bf16, 1 rank failed"; cat "$work/b1.log"; exit 1; }
 mpi 2 train $bargs --context-parallel 2 --out "$work/b2" > "$work/b2.log" 2>&1 || { echo "bf16, 2 ranks failed"; cat "$work/b2.log"; exit 1; }
 l1=$(losses "$work/b1/metrics.jsonl"); l2=$(losses "$work/b2/metrics.jsonl")
-within "${l1%% *}" "${l2%% *}" 1e-6 && within "$l1" "$l2" 1e-4 \
+within "$l1" "$l2" 1e-4 \
   && within "$(norms "$work/b1/metrics.jsonl" | cut -d' ' -f1)" "$(norms "$work/b2/metrics.jsonl" | cut -d' ' -f1)" 1e-3 \
   || { echo "bf16, 2 ranks: losses $l2, 1 rank: $l1"; exit 1; }
 echo "bf16 compute, 2 ranks: the 1-rank losses ($l2) within bf16 rounding"
@@ -119,5 +126,6 @@ expect_error "use --context-parallel 2" 2 $args --context-parallel 3 --out "$wor
 expect_error "is not a multiple of 5" 0 $args --context-parallel 5 --out "$work/bad3"
 expect_error "drop --chunk" 2 $args --context-parallel 2 --chunk 16 --out "$work/bad4"
 expect_error "drop --act-offload" 2 $args --context-parallel 2 --act-offload host --out "$work/bad5"
+(export OOMLESS_DIST_LINK=fast; expect_error "give LATENCY_US,GB_PER_S" 2 $args --context-parallel 2 --out "$work/bad6") || exit 1
 [ ! -e "$work/bad1" ] && [ ! -e "$work/bad2" ] || { echo "a refused run left a folder"; exit 1; }
 echo "bad settings: refused with the fix named"
