@@ -342,34 +342,33 @@ Request::~Request() {
 #endif
 }
 
-Request isend(const void* buf, int64_t bytes, int to, int tag) {
+namespace {
+// A send (buf read) or a receive (buf written) of `bytes` with rank `peer`.
+Request post(void* buf, int64_t bytes, int peer, int tag, bool send) {
   Request r;
 #if OOMLESS_HAS_MPI
   OOM_CHECK(bytes <= INT32_MAX, "[dist] a message of ", bytes, " bytes; the caller splits it");
   auto* q = new MPI_Request;
-  MPI_Isend(buf, static_cast<int>(bytes), MPI_BYTE, to, tag, MPI_COMM_WORLD, q);
+  if (send) {
+    MPI_Isend(buf, static_cast<int>(bytes), MPI_BYTE, peer, tag, MPI_COMM_WORLD, q);
+    g_sent += static_cast<uint64_t>(bytes);
+  } else {
+    MPI_Irecv(buf, static_cast<int>(bytes), MPI_BYTE, peer, tag, MPI_COMM_WORLD, q);
+    const auto [latency, rate] = simulated_link();
+    if (rate > 0) r.due = now_s() + latency + static_cast<double>(bytes) / rate;
+  }
   r.mpi = q;
-  g_sent += static_cast<uint64_t>(bytes);
 #else
-  (void)buf, (void)bytes, (void)to, (void)tag;
+  (void)buf, (void)bytes, (void)peer, (void)tag, (void)send;
 #endif
   return r;
 }
+}  // namespace
 
-Request irecv(void* buf, int64_t bytes, int from, int tag) {
-  Request r;
-#if OOMLESS_HAS_MPI
-  OOM_CHECK(bytes <= INT32_MAX, "[dist] a message of ", bytes, " bytes; the caller splits it");
-  auto* q = new MPI_Request;
-  MPI_Irecv(buf, static_cast<int>(bytes), MPI_BYTE, from, tag, MPI_COMM_WORLD, q);
-  r.mpi = q;
-  const auto [latency, rate] = simulated_link();
-  if (rate > 0) r.due = now_s() + latency + static_cast<double>(bytes) / rate;
-#else
-  (void)buf, (void)bytes, (void)from, (void)tag;
-#endif
-  return r;
+Request isend(const void* buf, int64_t bytes, int to, int tag) {
+  return post(const_cast<void*>(buf), bytes, to, tag, true);
 }
+Request irecv(void* buf, int64_t bytes, int from, int tag) { return post(buf, bytes, from, tag, false); }
 
 void wait(Request& r) {
 #if OOMLESS_HAS_MPI
