@@ -64,8 +64,9 @@ TEST(Report, EmptyMetricsStillRender) {
 }
 
 
-// A run over several ranks: the rank count and stage, each rank's peak and optimizer state, and what each rank
-// sent in the last step (the difference of the last two lines' running totals).
+// A run over several ranks: the rank count, the kind (data or context parallel) and stage, each rank's peak and
+// optimizer state, and what each rank sent in the last step (the difference of the last two lines' running
+// totals).
 TEST(Report, SeveralRanksShowEachRanksMemoryAndTraffic) {
   std::string m;
   for (int step = 1; step <= 2; ++step)
@@ -81,6 +82,9 @@ TEST(Report, SeveralRanksShowEachRanksMemoryAndTraffic) {
   EXPECT_NE(page.find("1.00 MiB, 512.00 KiB"), std::string::npos);
   EXPECT_NE(page.find("bytes sent in the last step, by rank</td><td>4.00 MiB, 2.00 MiB"), std::string::npos);
   EXPECT_EQ(render_report("", json::Value::object()).find("by rank"), std::string::npos);
+  cfg.set("context-parallel", json::Value::integer(2));
+  EXPECT_NE(render_report(m, cfg).find("2 (context parallel: each sequence in slices over the ranks, ZeRO stage 1)"),
+            std::string::npos);
 }
 
 // A planned run: the plan's settings, per-layer choices and reasons, and its predicted peak and step beside

@@ -311,7 +311,9 @@ std::string render_report(const std::string& metrics_jsonl, const json::Value& c
     return out;
   };
   if (ranks.is_object() && ranks.find("size")) {
-    row("ranks", std::to_string(ranks.at("size").as_int()) + " (data parallel" +
+    const bool cp = config.is_object() && config.find("context-parallel") && config.at("context-parallel").as_int() > 1;
+    row("ranks", std::to_string(ranks.at("size").as_int()) +
+                     (cp ? " (context parallel: each sequence in slices over the ranks" : " (data parallel") +
                      (config.is_object() && config.find("zero") && config.at("zero").as_int() > 0
                           ? ", ZeRO stage " + std::to_string(config.at("zero").as_int()) : std::string()) + ")");
     row("ledger peak by rank", per_rank(ranks, "peak", nullptr));
