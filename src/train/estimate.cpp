@@ -802,9 +802,14 @@ int run_estimate(const TrainConfig& c, bool as_json, int ranks) {
               static_cast<long long>(cfg.L), static_cast<long long>(cfg.E), format_count(cfg.param_count()).c_str(),
               static_cast<long long>(c.seq),
               c.chunk > 0 ? (" in chunks of " + std::to_string(std::min(c.chunk, c.seq))).c_str() : "");
-  if (ranks > 1)
-    std::printf("one rank of %d (data parallel%s): rank %d, %s\n", ranks, c.zero >= 1 ? ", --zero 1" : "", who,
-                c.zero >= 1 ? "the one holding the most" : "every rank holds the same");
+  if (ranks > 1) {
+    const std::string kind = c.context_parallel > 1
+                                 ? "context parallel: slices of " + std::to_string(c.seq / c.context_parallel) + " tokens"
+                                 : std::string("data parallel");
+    const std::string zero = c.zero >= 1 ? ", --zero " + std::to_string(c.zero) : std::string();
+    std::printf("one rank of %d (%s%s): rank %d, %s\n", ranks, kind.c_str(), zero.c_str(), who,
+                c.zero >= 1 || c.context_parallel > 1 ? "the one holding the most" : "every rank holds the same");
+  }
   std::fputs(est.table().c_str(), stdout);
   std::printf("static %s, dynamic %s; device + host peak %s", format_bytes(est.static_bytes()).c_str(),
               format_bytes(est.dynamic_bytes()).c_str(), format_bytes(est.ram_peak()).c_str());

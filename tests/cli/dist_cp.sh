@@ -87,6 +87,8 @@ led = max([json.loads(l) for l in open(sys.argv[2]) if '\"train\"' in l][-1]['ra
 print('estimate --ranks 4 --context-parallel 4: %d bytes, the largest rank\'s ledger %d' % (est, led))
 sys.exit(0 if abs(est - led) <= 0.01 * led else 1)" "$work/est.json" "$work/c4/metrics.jsonl" \
   || { echo "estimate --context-parallel 4: not the ledger's peak"; exit 1; }
+"$bin" estimate $args --ranks 4 --context-parallel 4 | grep -q "one rank of 4 (context parallel: slices of 12 tokens)" \
+  || { echo "estimate --context-parallel 4: its text does not say which rank and slice"; exit 1; }
 echo "4 ranks: a quarter of the activations each ($four of $one bytes); the estimate the ledger's"
 # Over budget on 4 ranks without it, the estimate offers --context-parallel 4 among the changes that fit.
 "$bin" estimate $args --ranks 4 --budget "$(python3 -c "import json; print(json.load(open('$work/est.json'))['estimate']['ram_peak'])")" \
