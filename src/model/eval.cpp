@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "core/error.h"
+
 namespace oomless {
 
 std::vector<PositionBucket> position_buckets(int64_t T) {
@@ -16,13 +18,17 @@ std::vector<PositionBucket> position_buckets(int64_t T) {
 namespace {
 
 // One window: forward (with backward of grad_scale 1 / its count when grads), its loss added to r and its
-// supervised targets' losses to the buckets their positions fall in.
+// supervised targets' losses to the buckets their positions fall in. With a slice, its positions only.
 void score_window(Model& model, const int32_t* ids, const int32_t* tg, int64_t T, ChunkKv* kv, int64_t C, bool grads,
-                  EvalResult& r) {
-  const Tensor id_t(const_cast<int32_t*>(ids), DType::i32, {T}), tg_t(const_cast<int32_t*>(tg), DType::i32, {T});
+                  EvalResult& r, EvalSlice slice) {
+  const int64_t at = slice.len > 0 ? slice.at : 0, n = slice.len > 0 ? slice.len : T;
+  const Tensor id_t(const_cast<int32_t*>(ids) + at, DType::i32, {n}), tg_t(const_cast<int32_t*>(tg) + at, DType::i32, {n});
   CeResult ce;
   std::vector<double> per;
-  if (kv && C > 0) {
+  if (slice.len > 0) {
+    OOM_CHECK(kv && !grads && at + n <= T, "[eval] a slice of a window is scored through a store, without gradients");
+    ce = model.chunked_eval(id_t, tg_t, n, *kv, &per, at);
+  } else if (kv && C > 0) {
     // The gradient's count is known before backward: the supervised targets.
     if (grads) {
       int64_t n = 0;
@@ -38,14 +44,14 @@ void score_window(Model& model, const int32_t* ids, const int32_t* tg, int64_t T
   r.loss_sum += ce.loss_sum;
   r.predictions += ce.count;
   for (PositionBucket& b : r.buckets)
-    for (int64_t t = b.start; t < b.end; ++t)
-      if (tg[t] >= 0) b.loss_sum += per[static_cast<size_t>(t)], ++b.count;
+    for (int64_t t = std::max(b.start, at); t < std::min(b.end, at + n); ++t)
+      if (tg[t] >= 0) b.loss_sum += per[static_cast<size_t>(t - at)], ++b.count;
 }
 
 }  // namespace
 
 EvalResult evaluate(Model& model, const std::vector<int32_t>& stream, int64_t T, bool with_grads, ChunkKv* kv,
-                    int64_t C, const EvalProgress& progress) {
+                    int64_t C, const EvalProgress& progress, EvalSlice slice) {
   OOM_CHECK(T >= 2, "[eval] --seq must be at least 2 (a window of T tokens makes T - 1 predictions), got ", T);
   const int64_t n = static_cast<int64_t>(stream.size());
   OOM_CHECK(n >= T, "[eval] the data holds ", n, " tokens, fewer than one window of --seq ", T,
@@ -54,14 +60,14 @@ EvalResult evaluate(Model& model, const std::vector<int32_t>& stream, int64_t T,
   r.windows = n / T;
   r.tokens = r.windows * T;
   r.buckets = position_buckets(T);
-  const bool chunked = kv && C > 0;
-  model.reserve(chunked ? std::min(C, T) : T, with_grads, chunked);
+  const bool chunked = kv && (C > 0 || slice.len > 0);
+  model.reserve(slice.len > 0 ? slice.len : chunked ? std::min(C, T) : T, with_grads, chunked);
   if (with_grads) model.zero_grads();
   std::vector<int32_t> targets(static_cast<size_t>(T));
   for (int64_t w = 0; w < r.windows; ++w) {
     const int32_t* ids = stream.data() + w * T;
     for (int64_t t = 0; t < T; ++t) targets[static_cast<size_t>(t)] = t + 1 < T ? ids[t + 1] : -100;
-    score_window(model, ids, targets.data(), T, kv, C, with_grads && w == 0, r);
+    score_window(model, ids, targets.data(), T, kv, C, with_grads && w == 0, r, slice);
     if (progress) progress(w + 1, r.windows);
   }
   return r;
@@ -69,7 +75,7 @@ EvalResult evaluate(Model& model, const std::vector<int32_t>& stream, int64_t T,
 
 EvalResult evaluate_sequences(Model& model, const std::vector<std::vector<int32_t>>& ids,
                               const std::vector<std::vector<int32_t>>& targets, ChunkKv* kv, int64_t C,
-                              const EvalProgress& progress) {
+                              const EvalProgress& progress, EvalSlice slice) {
   OOM_CHECK(!ids.empty() && ids.size() == targets.size(), "[eval] no sequences to evaluate");
   const int64_t T = static_cast<int64_t>(ids[0].size());
   OOM_CHECK(T >= 2, "[eval] --seq must be at least 2, got ", T);
@@ -77,12 +83,12 @@ EvalResult evaluate_sequences(Model& model, const std::vector<std::vector<int32_
   r.windows = static_cast<int64_t>(ids.size());
   r.tokens = r.windows * T;
   r.buckets = position_buckets(T + 1);  // targets at positions 0 .. T-1
-  const bool chunked = kv && C > 0;
-  model.reserve(chunked ? std::min(C, T) : T, false, chunked);
+  const bool chunked = kv && (C > 0 || slice.len > 0);
+  model.reserve(slice.len > 0 ? slice.len : chunked ? std::min(C, T) : T, false, chunked);
   for (size_t w = 0; w < ids.size(); ++w) {
     OOM_CHECK(static_cast<int64_t>(ids[w].size()) == T && targets[w].size() == ids[w].size(),
               "[eval] every sequence holds ", T, " ids and as many targets");
-    score_window(model, ids[w].data(), targets[w].data(), T, kv, C, false, r);
+    score_window(model, ids[w].data(), targets[w].data(), T, kv, C, false, r, slice);
     if (progress) progress(static_cast<int64_t>(w) + 1, r.windows);
   }
   return r;

@@ -34,15 +34,20 @@ std::vector<PositionBucket> position_buckets(int64_t T);
 // kv (with C > 0): each window runs chunk by chunk through that store (Model::chunked_eval, or
 // chunked_step for the gradient), for windows longer than the activations one pass can hold.
 // progress (optional): called after each window with (windows done, windows in all).
+// slice (len > 0, with kv): only positions [at, at + len) of each window are scored, as one chunk at its
+// positions (a context-parallel rank's share; the ranks' sums make the whole); no gradient.
 using EvalProgress = std::function<void(int64_t, int64_t)>;
+struct EvalSlice {
+  int64_t at = 0, len = 0;
+};
 EvalResult evaluate(Model& model, const std::vector<int32_t>& stream, int64_t T, bool with_grads,
-                    ChunkKv* kv = nullptr, int64_t C = 0, const EvalProgress& progress = {});
+                    ChunkKv* kv = nullptr, int64_t C = 0, const EvalProgress& progress = {}, EvalSlice slice = {});
 
 // Evaluation of given sequences (ids and targets of T tokens each, -100 = not supervised), as training
 // scores them: loss = sum of cross-entropy over the supervised targets / their count; buckets by the
 // target's position in its sequence. Chat data (only assistant turns supervised) is scored this way.
 EvalResult evaluate_sequences(Model& model, const std::vector<std::vector<int32_t>>& ids,
                               const std::vector<std::vector<int32_t>>& targets, ChunkKv* kv = nullptr, int64_t C = 0,
-                              const EvalProgress& progress = {});
+                              const EvalProgress& progress = {}, EvalSlice slice = {});
 
 }  // namespace oomless

@@ -1525,34 +1525,17 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
 std::optional<EvalResult> Trainer::evaluate() {
   State& s = *s_;
   if (s.ring) {  // context parallel: every rank scores its slice of each window; the sums over the ranks
-    std::vector<std::pair<const int32_t*, std::vector<int32_t>>> windows;  // ids, targets
-    const int64_t T = s.c.seq;
-    for (size_t w = 0; w < s.eval_seqs.ids.size(); ++w)
-      windows.emplace_back(s.eval_seqs.ids[w].data(), s.eval_seqs.targets[w]);
-    if (windows.empty() && static_cast<int64_t>(s.eval_stream.size()) >= T)
-      for (int64_t w = 0; w < static_cast<int64_t>(s.eval_stream.size()) / T; ++w) {
-        const int32_t* ids = s.eval_stream.data() + w * T;
-        std::vector<int32_t> tg(static_cast<size_t>(T));
-        for (int64_t t = 0; t < T; ++t) tg[static_cast<size_t>(t)] = t + 1 < T ? ids[t + 1] : -100;
-        windows.emplace_back(ids, std::move(tg));
-      }
-    if (windows.empty()) return std::nullopt;
-    const int64_t Tl = T / s.c.context_parallel, at = dist::rank() * Tl;
-    EvalResult r;
-    for (const auto& [ids, tg] : windows) {
-      const CeResult ce = s.e.model->chunked_eval(Tensor(const_cast<int32_t*>(ids) + at, DType::i32, {Tl}),
-                                                  Tensor(const_cast<int32_t*>(tg.data()) + at, DType::i32, {Tl}), Tl,
-                                                  *s.ring, nullptr, at);
-      r.loss_sum += ce.loss_sum;
-      r.predictions += ce.count;
-    }
+    const int64_t Tl = s.c.seq / s.c.context_parallel;
+    const EvalSlice slice{dist::rank() * Tl, Tl};
+    if (s.eval_seqs.ids.empty() && s.eval_stream.empty()) return std::nullopt;
+    EvalResult r = !s.eval_seqs.ids.empty()
+                       ? evaluate_sequences(*s.e.model, s.eval_seqs.ids, s.eval_seqs.targets, s.ring.get(), 0, {}, slice)
+                       : oomless::evaluate(*s.e.model, s.eval_stream, s.c.seq, false, s.ring.get(), 0, {}, slice);
     const std::vector<double> sums = dist::all_f64(r.loss_sum);
     const std::vector<uint64_t> counts = dist::all_u64(static_cast<uint64_t>(r.predictions));
     r.loss_sum = 0;
     r.predictions = 0;
     for (size_t k = 0; k < sums.size(); ++k) r.loss_sum += sums[k], r.predictions += static_cast<int64_t>(counts[k]);
-    r.windows = static_cast<int64_t>(windows.size());
-    r.tokens = r.windows * T;
     return r;
   }
   if (!s.eval_seqs.ids.empty()) return evaluate_sequences(*s.e.model, s.eval_seqs.ids, s.eval_seqs.targets, s.kv.get(), s.C);
