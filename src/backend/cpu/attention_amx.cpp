@@ -31,9 +31,6 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // and no separate pass finds each tile's max.
 constexpr float kLaneCap = 4096.0f;
 
-// GCC 12's tile load and store intrinsics name no memory operand (gemm_amx.cpp): barriers around them.
-inline void memory_barrier() { __asm__ volatile("" ::: "memory"); }
-
 // Two rows' sixteen floats as sixteen pair words (a's in the low halves), rounded to nearest even by the
 // hardware (denormals to zero, as the tile products read them anyway).
 OOMLESS_BF16_INLINE __m512i pairs16(__m512 a, __m512 b) {
@@ -96,7 +93,7 @@ template <int MT>
 OOMLESS_AMX void micro(const uint16_t* a, int64_t lda, const uint32_t* b, int64_t ldb, float* c, int64_t ldc,
                        int64_t K, bool acc) {
   const int64_t cs = ldc * 4, as = lda * 2, bs = ldb * 4;
-  memory_barrier();
+  gemm_detail::tile_barrier();
   if (acc) {
     _tile_loadd(0, c, cs);
     _tile_loadd(1, c + 16, cs);
@@ -131,30 +128,37 @@ OOMLESS_AMX void micro(const uint16_t* a, int64_t lda, const uint32_t* b, int64_
     _tile_stored(2, c + 16 * ldc, cs);
     _tile_stored(3, c + 16 * ldc + 16, cs);
   }
-  memory_barrier();
+  gemm_detail::tile_barrier();
 }
 
 }  // namespace
 
-void pack_t(const uint16_t* x, int64_t ld, int64_t n, int64_t D, int64_t npad, uint32_t* out, int64_t ldo) {
+// Row x's D values as D / 2 pair words in w (bf16 as they are, f32 rounded).
+OOMLESS_BF16_INLINE const uint32_t* row_words(const uint16_t* x, int64_t, uint16_t*) {
+  return reinterpret_cast<const uint32_t*>(x);
+}
+OOMLESS_BF16_INLINE const uint32_t* row_words(const float* x, int64_t D, uint16_t* w) {
+  for (int64_t d = 0; d < D; d += 16) store_bf16(w + d, _mm512_loadu_ps(x + d));
+  return reinterpret_cast<const uint32_t*>(w);
+}
+
+template <class T>
+OOMLESS_BF16_INLINE void pack_t_of(const T* x, int64_t ld, int64_t n, int64_t D, int64_t npad, uint32_t* out,
+                                   int64_t ldo) {
   const int64_t W = D / 2;
   for (int64_t p = 0; p < W; ++p) std::memset(out + p * ldo + n, 0, sizeof(uint32_t) * (npad - n));
+  alignas(64) uint16_t buf[512];
   for (int64_t j = 0; j < n; ++j) {
-    uint32_t row[256];
-    std::memcpy(row, x + j * ld, sizeof(uint32_t) * W);
-    for (int64_t p = 0; p < W; ++p) out[p * ldo + j] = row[p];
+    const uint32_t* w = row_words(x + j * ld, D, buf);
+    for (int64_t p = 0; p < W; ++p) out[p * ldo + j] = w[p];
   }
 }
 
+OOMLESS_BF16 void pack_t(const uint16_t* x, int64_t ld, int64_t n, int64_t D, int64_t npad, uint32_t* out, int64_t ldo) {
+  pack_t_of(x, ld, n, D, npad, out, ldo);
+}
 OOMLESS_BF16 void pack_t(const float* x, int64_t ld, int64_t n, int64_t D, int64_t npad, uint32_t* out, int64_t ldo) {
-  const int64_t W = D / 2;
-  for (int64_t p = 0; p < W; ++p) std::memset(out + p * ldo + n, 0, sizeof(uint32_t) * (npad - n));
-  for (int64_t j = 0; j < n; ++j) {
-    alignas(64) uint16_t row[512];
-    for (int64_t d = 0; d < D; d += 16) store_bf16(row + d, _mm512_loadu_ps(x + j * ld + d));
-    const uint32_t* w = reinterpret_cast<const uint32_t*>(row);
-    for (int64_t p = 0; p < W; ++p) out[p * ldo + j] = w[p];
-  }
+  pack_t_of(x, ld, n, D, npad, out, ldo);
 }
 
 // The pair words of 32 columns of two rows a and b (null: a row of zeros), into o[0, 32).

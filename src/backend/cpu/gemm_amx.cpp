@@ -47,11 +47,6 @@ struct alignas(64) TileConfig {
 };
 static_assert(sizeof(TileConfig) == 64);
 
-// GCC 12's tile load and store intrinsics are asm statements that name no memory operand: the barriers
-// keep the compiler from moving or dropping the stores a tile load reads and the reads of what a tile store
-// wrote.
-inline void memory_barrier() { __asm__ volatile("" ::: "memory"); }
-
 // MT, NT: 16-row and 16-column tiles of C used (1 or 2 each).
 template <int MT, int NT>
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) void micro(const AmxMicro& u) {
@@ -68,7 +63,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void micro(const AmxMicro& 
     }
   }
   const int64_t cs = ld * 4;
-  memory_barrier();
+  tile_barrier();
   if (u.acc) {
     _tile_loadd(0, cp, cs);
     if constexpr (NT == 2) _tile_loadd(1, cp + 16, cs);
@@ -103,7 +98,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void micro(const AmxMicro& 
   if constexpr (NT == 2) _tile_stored(1, cp + 16, cs);
   if constexpr (MT == 2) _tile_stored(2, cp + 16 * ld, cs);
   if constexpr (MT == 2 && NT == 2) _tile_stored(3, cp + 16 * ld + 16, cs);
-  memory_barrier();
+  tile_barrier();
   if (!full)
     for (int i = 0; i < u.m; ++i) std::memcpy(u.c + i * u.ldc, scratch + i * 32, sizeof(float) * u.n);
 }

@@ -316,6 +316,10 @@ struct AmxMicro {
   int m, n;
   bool acc;
 };
+// GCC 12's tile load and store intrinsics are asm statements that name no memory operand: this barrier, around
+// them, keeps the compiler from moving or dropping the stores a tile load reads and the reads of what a tile
+// store wrote.
+inline void tile_barrier() { __asm__ volatile("" ::: "memory"); }
 // Between amx_begin and amx_end on the calling thread (which configure and release the tiles).
 void micro_amx(const AmxMicro& u);
 void amx_begin();
