@@ -329,10 +329,6 @@ void check_svd_basis(const Tensor& out, const Tensor& g, bool right, DType act) 
   OOM_CHECK(r >= 1 && r <= std::min(m, n), op, " rank ", r, " must be in 1..", std::min(m, n), " for g ", g.str());
 }
 
-}  // namespace oomless
-
-namespace oomless {
-
 RowsCols check_embedding_host(const char* op, const Tensor& rows_out, const Tensor& ids, const Tensor& table, DType act,
                               bool table_may_be_bf16) {
   const RowsCols d = check_embedding(op, rows_out, ids, table, act, table_may_be_bf16);

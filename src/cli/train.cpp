@@ -142,7 +142,8 @@ std::string estimate_help() {
          "\n"
          "  --json               one JSON object: the estimate, the budget and the changes\n"
          "  --ranks N            a run of N ranks (mpirun -np N oomless train ...): what one rank holds, the\n"
-         "                       rank holding the most (with --zero 1, its share of the optimizer state)\n"
+         "                       rank holding the most (with --zero, its share of the optimizer state and\n"
+         "                       gradients; with --context-parallel N, its slice and the earlier slices' keys)\n"
          "  (every option of `oomless train --help`)\n";
 }
 
