@@ -170,6 +170,22 @@ TEST(Config, UnsupportedValuesSayWhatIsSupported) {
   EXPECT_NE(error_of(R"({"hidden_size": 64})").find("which model"), std::string::npos);
   EXPECT_NE(error_of(R"({"architectures": ["LlamaForCausalLM"], "vocab_size": "big"})").find("vocab_size"),
             std::string::npos);
+  // Context lengths are whole int32 counts: a fraction or one past 2^31-1 is refused by name (1e300 once reached a
+  // double-to-int conversion when the config was written back).
+  for (const char* orig : {"1e300", "4096.5", "0", "2147483648"}) {
+    EXPECT_NE(error_of(R"({"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "linear", "factor": 2,
+                 "original_max_position_embeddings": )" + std::string(orig) + "}, " + base + "}")
+                  .find("original_max_position_embeddings"),
+              std::string::npos)
+        << orig;
+  }
+  for (const char* maxpos : {"0", "-5", "2147483648"}) {
+    EXPECT_NE(error_of(R"({"architectures": ["LlamaForCausalLM"], "max_position_embeddings": )" + std::string(maxpos) +
+                       ", " + base + "}")
+                  .find("max_position_embeddings must be between 1 and 2^31-1"),
+              std::string::npos)
+        << maxpos;
+  }
   // Mistral's window defaults to 4096: longer sequences are refused with the limit named.
   ModelConfig m = parse(R"({"architectures": ["MistralForCausalLM"], "num_key_value_heads": 2, )" + base + "}");
   EXPECT_EQ(m.sliding_window, 4096);

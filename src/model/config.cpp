@@ -113,9 +113,11 @@ void read_rope_scaling(const json::Value& rs, ModelConfig& c, std::string_view s
   r = RopeConfig{};
   r.theta = theta;
   if (type == "default") return;
-  r.original_max_position = get_num(rs, "original_max_position_embeddings", static_cast<double>(c.max_position));
-  OOM_CHECK(r.original_max_position > 0, "[config] ", source,
-            ": rope scaling needs original_max_position_embeddings > 0");
+  // A whole number of positions, an int32 as max_position_embeddings is (and as GGUF stores it).
+  const int64_t original = get_int(rs, "original_max_position_embeddings", c.max_position);
+  OOM_CHECK(original > 0 && original < (int64_t{1} << 31), "[config] ", source,
+            ": rope scaling needs original_max_position_embeddings between 1 and 2^31-1 (found ", original, ")");
+  r.original_max_position = static_cast<double>(original);
   if (type == "linear") {
     r.scaling = RopeScaling::linear;
     r.factor = get_num(rs, "factor", 1.0);
@@ -185,6 +187,8 @@ void ModelConfig::validate(std::string_view source) const {
             ") must be a multiple of num_key_value_heads (", Hkv, ")");
   OOM_CHECK(D % 2 == 0, "[config] ", source, ": head_dim must be even for rotary embeddings (found ", D, ")");
   OOM_CHECK(V < (int64_t{1} << 31), "[config] ", source, ": vocab_size ", V, " does not fit 32-bit token ids");
+  OOM_CHECK(max_position > 0 && max_position < (int64_t{1} << 31), "[config] ", source,
+            ": max_position_embeddings must be between 1 and 2^31-1 (found ", max_position, ")");
   OOM_CHECK(rms_eps > 0 && std::isfinite(rms_eps), "[config] ", source, ": rms_norm_eps must be positive");
   OOM_CHECK(rope.theta > 0 && std::isfinite(rope.theta), "[config] ", source, ": rope_theta must be positive");
 }
