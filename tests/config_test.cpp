@@ -186,6 +186,11 @@ TEST(Config, UnsupportedValuesSayWhatIsSupported) {
               std::string::npos)
         << maxpos;
   }
+  // A layer count no model has (a per-layer list of it would take gigabytes) is refused by name.
+  EXPECT_NE(error_of(R"({"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 22666661, "hidden_size": 64,
+      "num_attention_heads": 4, "intermediate_size": 96, "vocab_size": 100})")
+                .find("num_hidden_layers 22666661 is more than 4096"),
+            std::string::npos);
   // Mistral's window defaults to 4096: longer sequences are refused with the limit named.
   ModelConfig m = parse(R"({"architectures": ["MistralForCausalLM"], "num_key_value_heads": 2, )" + base + "}");
   EXPECT_EQ(m.sliding_window, 4096);

@@ -183,6 +183,10 @@ void ModelConfig::validate(std::string_view source) const {
             ": num_hidden_layers, hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, "
             "head_dim and vocab_size must all be positive (found L=", L, " E=", E, " F=", F, " H=", H, " Hkv=", Hkv,
             " D=", D, " V=", V, ")");
+  // The deepest published decoders have a few hundred layers; a per-layer list of a larger count is a typo's
+  // gigabytes (every layer's tensors are listed when the model is built).
+  OOM_CHECK(L <= kMaxLayers, "[config] ", source, ": num_hidden_layers ", L, " is more than ", kMaxLayers,
+            " layers; is the config's value a typo?");
   OOM_CHECK(H % Hkv == 0, "[config] ", source, ": num_attention_heads (", H,
             ") must be a multiple of num_key_value_heads (", Hkv, ")");
   OOM_CHECK(D % 2 == 0, "[config] ", source, ": head_dim must be even for rotary embeddings (found ", D, ")");

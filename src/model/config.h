@@ -19,6 +19,7 @@ const char* arch_name(Arch a);            // "llama", ...
 const char* arch_hf_class(Arch a);        // "LlamaForCausalLM", ...
 
 struct ModelConfig {
+  static constexpr int64_t kMaxLayers = 4096;  // validate() refuses deeper configs
   Arch arch = Arch::llama;
   int64_t L = 0;       // layers
   int64_t E = 0;       // hidden size
