@@ -73,8 +73,8 @@ constexpr int64_t kSkinnyStrips = 22;
 constexpr int64_t kSkinnyUnits = 12;  // column ranges of a skinny product
 constexpr int64_t kSpare = 8;         // floats past each packed A block that strip packing may spill into
 constexpr int64_t kRowSeg = 512;      // run_row: k (tb) or columns per segment; a multiple of 8
-constexpr int kRowGroup = 8;
-constexpr int64_t kRowAhead = 128;    // dot_group: floats of each row prefetched ahead of the loads          // run_row with tb: outputs computed together (a read once for them)
+constexpr int kRowGroup = 8;          // run_row with tb: outputs computed together (a read once for them)
+constexpr int64_t kRowAhead = 128;    // dot_group: floats of each row prefetched ahead of the loads
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
