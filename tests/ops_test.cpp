@@ -565,3 +565,79 @@ TEST(DoraOps, MatchReferenceAndThreadCounts) {
 
 }  // namespace
 }  // namespace oomless
+
+namespace oomless::test {
+namespace {
+
+float gs_at(const HostTensor& t, int64_t i) { return t.ptr<float>()[i]; }
+
+// AdamW and the sum of squares run in AVX-512 / AVX2 clones on CPUs that have them: the bits must be those of
+// the plain float arithmetic (no fused multiply-add taken where the formula has none), as written here, and
+// for the sum of squares those of its eight lanes a 16384-element chunk added in the stated order.
+TEST(CpuOps, AdamWAndSumOfSquaresGiveThePlainArithmeticsBits) {
+  auto ops = make_ops("cpu");
+  std::mt19937_64 rng(11);
+  const int64_t n = 100003;  // past one task's block, with a tail
+  HostTensor p(DType::f32, {n}), g(DType::f32, {n}), m(DType::f32, {n}), v(DType::f32, {n});
+  p.randn(rng);
+  g.randn(rng);
+  m.randn(rng);
+  v.uniform(rng, 0.0, 0.05);
+  std::vector<float> pe(p.ptr<float>(), p.ptr<float>() + n), me(m.ptr<float>(), m.ptr<float>() + n),
+      ve(v.ptr<float>(), v.ptr<float>() + n);
+  for (bool after : {false, true}) {
+    AdamWConfig cfg;
+    cfg.lr = 1e-2, cfg.weight_decay = 0.1, cfg.step = 3, cfg.decay_after_update = after;
+    ops->adamw_step(p, g, m, v, cfg);
+    const float b1 = static_cast<float>(cfg.beta1), b2 = static_cast<float>(cfg.beta2);
+    const float omb1 = static_cast<float>(1.0 - cfg.beta1), omb2 = static_cast<float>(1.0 - cfg.beta2);
+    const float inv_bc1 = static_cast<float>(1.0 / (1.0 - std::pow(cfg.beta1, 3.0)));
+    const float inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(cfg.beta2, 3.0)));
+    const float lr = static_cast<float>(cfg.lr), wd = static_cast<float>(cfg.weight_decay);
+    const float eps = static_cast<float>(cfg.eps), keep = static_cast<float>(1.0 - cfg.lr * cfg.weight_decay);
+    const float* gs = g.ptr<float>();
+    for (int64_t i = 0; i < n; ++i) {
+      volatile float prod_m = b1 * me[i], prod_g = omb1 * gs[i];  // each product rounded on its own
+      const float mi = prod_m + prod_g;
+      volatile float prod_v = b2 * ve[i], og = omb2 * gs[i];
+      volatile float prod_gg = og * gs[i];
+      const float vi = prod_v + prod_gg;
+      me[i] = mi, ve[i] = vi;
+      volatile float num = mi * inv_bc1, den_s = std::sqrt(vi) * inv_sqrt_bc2;
+      const float update = num / (den_s + eps);
+      if (after) {
+        volatile float step = lr * update;
+        pe[i] = (pe[i] - step) * keep;
+      } else {
+        volatile float decay = wd * pe[i];
+        pe[i] -= lr * (update + decay);
+      }
+      ASSERT_EQ(f32_bits(p.ptr<float>()[i]), f32_bits(pe[i])) << "param " << i << (after ? " (decay after)" : "");
+      ASSERT_EQ(f32_bits(m.ptr<float>()[i]), f32_bits(me[i])) << "m " << i;
+      ASSERT_EQ(f32_bits(v.ptr<float>()[i]), f32_bits(ve[i])) << "v " << i;
+    }
+  }
+  // Magnitudes spread over 2^-20 .. 2^20, so that another order of the additions rounds differently.
+  for (int64_t i = 0; i < n; ++i) g.ptr<float>()[i] = std::ldexp(g.ptr<float>()[i], static_cast<int>(rng() % 41) - 20);
+  double total = 0;
+  for (int64_t c0 = 0; c0 < n; c0 += 16384) {
+    const int64_t c1 = std::min(n, c0 + 16384);
+    double lane[8] = {};
+    int64_t i = c0;
+    for (; i + 8 <= c1; i += 8)
+      for (int l = 0; l < 8; ++l) lane[l] += static_cast<double>(gs_at(g, i + l)) * gs_at(g, i + l);
+    double s = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    for (; i < c1; ++i) s += static_cast<double>(gs_at(g, i)) * gs_at(g, i);
+    total += s;
+  }
+  EXPECT_EQ(ops->sum_squares(g), total);
+  // The lanes added pairwise: 2.25 + (2^-52 + 2^-52) is 2.25 + 2^-51, where adding the two halves of an ulp one
+  // at a time would round back to 2.25 twice.
+  HostTensor x(DType::f32, {8});
+  x.fill(0.0);
+  x.ptr<float>()[0] = 1.5f, x.ptr<float>()[2] = x.ptr<float>()[3] = std::ldexp(1.0f, -26);
+  EXPECT_EQ(ops->sum_squares(x), 2.25 + std::ldexp(1.0, -51));
+}
+
+}  // namespace
+}  // namespace oomless::test

@@ -16,6 +16,7 @@
 #include "backend/checks.h"
 #include "backend/lapack.h"
 #include "backend/cpu/adam8.h"
+#include "backend/cpu/adamw.h"
 #include "backend/cpu/gemm.h"
 #include "backend/rope.h"
 
@@ -24,6 +25,7 @@ namespace oomless {
 namespace {
 constexpr DType kAct = DType::f32;
 constexpr int64_t kColBlock = 64;        // columns per task in column-parallel reductions
+constexpr int64_t kAdamBlock = 1 << 14;  // elements per AdamW task (elementwise: any split gives the same bits)
 constexpr int64_t kSumChunk = 1 << 14;   // elements per partial sum in sum_squares
 
 float* f32p(const Tensor& t) { return static_cast<float*>(t.data); }
@@ -373,6 +375,32 @@ void CpuOps::fill(Tensor x, double value) {
   for (int64_t i = 0; i < n; ++i) xs[i] = v;
 }
 
+namespace {
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+typedef double v8d __attribute__((vector_size(64)));
+
+// The sum of squares of x[0, n) in double: eight lanes (lane l sums the elements i = l mod 8 in order), then
+// the lanes pairwise and the tail in order. A square of a float is exact in double, so a fused multiply-add
+// rounds as the product and the sum do: every clone gives the same bits.
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+double sum_squares_chunk(const float* x, int64_t n) {
+  v8d acc = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    v8d v;
+    for (int l = 0; l < 8; ++l) v[l] = static_cast<double>(x[i + l]);
+    acc += v * v;
+  }
+  double s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < n; ++i) s += static_cast<double>(x[i]) * x[i];
+  return s;
+}
+#pragma GCC diagnostic pop
+
+}  // namespace
+
 double CpuOps::sum_squares(Tensor x) {
   check_elementwise("[sum_squares]", {&x}, kAct);
   const float* xs = f32p(x);
@@ -382,9 +410,7 @@ double CpuOps::sum_squares(Tensor x) {
 #pragma omp parallel for schedule(static)
   for (int64_t c = 0; c < chunks; ++c) {
     int64_t i0 = c * kSumChunk, i1 = std::min(n, i0 + kSumChunk);
-    double s = 0;
-    for (int64_t i = i0; i < i1; ++i) s += static_cast<double>(xs[i]) * xs[i];
-    part[c] = s;
+    part[c] = sum_squares_chunk(xs + i0, i1 - i0);
   }
   double total = 0;
   for (double p : part) total += p;
@@ -592,19 +618,12 @@ void CpuOps::adamw_step(Tensor param, Tensor grad, Tensor m, Tensor v, const Ada
   const float* g = f32p(grad);
   float* ms = f32p(m);
   float* vs = f32p(v);
-  int64_t n = param.numel();
-#pragma omp parallel for simd schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    float gi = g[i];
-    float mi = b1 * ms[i] + omb1 * gi;
-    float vi = b2 * vs[i] + omb2 * gi * gi;
-    ms[i] = mi;
-    vs[i] = vi;
-    float update = (mi * inv_bc1) / (std::sqrt(vi) * inv_sqrt_bc2 + eps);
-    if (after)
-      p[i] = (p[i] - lr * update) * keep;
-    else
-      p[i] -= lr * (update + wd * p[i]);
+  const int64_t n = param.numel(), blocks = (n + kAdamBlock - 1) / kAdamBlock;
+  const cpu::AdamWScalars s{b1, b2, omb1, omb2, inv_bc1, inv_sqrt_bc2, lr, wd, eps, keep, after};
+#pragma omp parallel for schedule(static) if (blocks > 1)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t i0 = b * kAdamBlock;
+    cpu::adamw_range(s, p + i0, g + i0, ms + i0, vs + i0, std::min(kAdamBlock, n - i0));
   }
 }
 
