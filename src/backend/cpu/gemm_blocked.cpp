@@ -508,6 +508,21 @@ void run_skinny(const GemmShape& s, const Plan& p, const TA* a, BP b, float* c, 
   }
 }
 
+// np adjacent kc x 16 panels of f32 B rows (b(k, j) = src[k * ld + j], j < n, zero past n), panel q at
+// dst + q * 16 * kd: k outer, so that each row's np * 16 floats are read as one run (panel by panel, every row
+// was a new line of a strided walk, and the packing waited on memory). The same panels as pack_b_panel's.
+void pack_b_rows(float* dst, const float* src, int64_t ld, int64_t kc, int64_t np, int64_t n, int64_t kd) {
+  const int64_t full = n / kNr;
+  for (int64_t k = 0; k < kc; ++k) {
+    const float* r = src + k * ld;
+    for (int64_t q = 0; q < full; ++q) std::memcpy(dst + q * kNr * kd + k * kNr, r + q * kNr, kNr * sizeof(float));
+    for (int64_t q = full; q < np; ++q) {
+      float* d = dst + q * kNr * kd + k * kNr;
+      for (int64_t j = 0; j < kNr; ++j) d[j] = q * kNr + j < n ? r[q * kNr + j] : 0.0f;
+    }
+  }
+}
+
 // ---- one row ----------------------------------------------------------------------------------------
 
 // run_row takes a one-row product whose B holds f32 values (f32 or block-quantised, not read as bf16: the
@@ -807,6 +822,7 @@ void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, 
   const MicroFn* micro = pairs ? kern.packed_pairs : kern.packed;
   const MicroFn* wide = pairs ? kern.packed_pairs_wide : kern.packed_wide;
   const size_t a_stride = static_cast<size_t>(p.max_strips * kMr * p.kc + kSpare);
+  const bool rows_of_b = std::is_same_v<BP, const float*> && !s.tb && !pairs;
 #pragma omp parallel
   {
     float* ap = apack + static_cast<size_t>(omp_get_thread_num()) * a_stride;
@@ -818,11 +834,21 @@ void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, 
         const int64_t k0 = kp * p.kc;
         const int64_t kc = std::min(p.kc, s.K - k0), kd = depth(kc, pairs);
         const bool acc = s.accumulate || kp > 0;
+        if (rows_of_b) {  // f32 rows of B: this thread's panels a row of k at a time (see pack_b_rows)
+          const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+          const int64_t qa = panels * t / nt, qb = panels * (t + 1) / nt;
+          if constexpr (std::is_same_v<BP, const float*>)
+            if (qb > qa)
+              pack_b_rows(bpack + qa * kNr * kd, b + k0 * s.ldb + j0 + qa * kNr, s.ldb, kc, qb - qa,
+                          std::min(s.N - (j0 + qa * kNr), (qb - qa) * kNr), kd);
+#pragma omp barrier
+        } else {
 #pragma omp for schedule(static)
-        for (int64_t q = 0; q < panels; ++q) {
-          const int64_t jq = j0 + q * kNr;
-          const BP src = s.tb ? b + jq * s.ldb + k0 : b + k0 * s.ldb + jq;
-          pack_b_any(bpack + q * kNr * kd, src, s.ldb, s.tb, kc, std::min<int64_t>(kNr, s.N - jq), avx2, pairs);
+          for (int64_t q = 0; q < panels; ++q) {
+            const int64_t jq = j0 + q * kNr;
+            const BP src = s.tb ? b + jq * s.ldb + k0 : b + k0 * s.ldb + jq;
+            pack_b_any(bpack + q * kNr * kd, src, s.ldb, s.tb, kc, std::min<int64_t>(kNr, s.N - jq), avx2, pairs);
+          }
         }
         int64_t packed_bm = -1;  // the row block now in ap (units of one block are consecutive)
 #pragma omp for schedule(static)
