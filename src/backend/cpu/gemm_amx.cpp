@@ -49,7 +49,7 @@ static_assert(sizeof(TileConfig) == 64);
 
 // MT, NT: 16-row and 16-column tiles of C used (1 or 2 each).
 template <int MT, int NT>
-__attribute__((target("amx-tile,amx-bf16,avx512f"))) void micro(const AmxMicro& u) {
+__attribute__((target("amx-tile,amx-bf16,avx512f,prfchw"))) void micro(const AmxMicro& u) {
   const bool full = u.m == 16 * MT && u.n == 16 * NT;
   alignas(64) float scratch[kMrAmx * 32];
   float* cp = u.c;
@@ -63,6 +63,14 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void micro(const AmxMicro& 
     }
   }
   const int64_t cs = ld * 4;
+  // C's lines asked for in the owned state before the tiles are computed: the stores at the end otherwise
+  // wait on reads for ownership (C is written once a k slice, from lines no earlier tile touched) and stall
+  // the store buffer; at K = 576 that wait was most of a tile's time (measured, docs/BENCHMARKS.md).
+  if (full)
+    for (int i = 0; i < 16 * MT; ++i) {
+      _m_prefetchw(cp + i * ld);
+      if constexpr (NT == 2) _m_prefetchw(cp + i * ld + 16);
+    }
   tile_barrier();
   if (u.acc) {
     _tile_loadd(0, cp, cs);

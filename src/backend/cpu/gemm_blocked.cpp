@@ -62,6 +62,12 @@ constexpr int64_t kKcMax = 384;       // k slice
 // (a 16-row tile with a few live rows still beats the vector kernels).
 constexpr int64_t kKcAmx = 1024;
 constexpr int64_t kNcAmx = 2048;
+// A 32-row strip of packed A (32 x kpp pair words) that fits the L1 data cache beside the tiles' other
+// traffic (48 KiB on the AMX CPUs measured): the AMX nest then keeps the strip and walks the column panels
+// (B streams from L2, so its panel is kept narrower, kNcAmxStrip); otherwise it keeps a panel pair and walks
+// the strips (run_blocked_amx). Measured at the model shapes (docs/BENCHMARKS.md).
+constexpr int64_t kAmxStripBytes = 48 * 1024;
+constexpr int64_t kNcAmxStrip = 1024;
 constexpr int64_t kAmxMinRows = 2;
 constexpr int64_t kMcMax = 192;       // rows of an A block (a multiple of 6)
 constexpr int64_t kNcMax = 4096;      // columns of a B panel (a multiple of 16)
@@ -680,11 +686,24 @@ void run_row(const GemmShape& s, const float* af, BP b, float* c, float* work, c
 // pairs to whole tiles (16 pairs), and 32 x 32 AMX micro tiles (two panels at a time).
 inline int64_t amx_depth(int64_t kc) { return cdiv(depth(kc, true), 16) * 16; }
 bool use_amx(const GemmShape& s) { return kernels().amx && use_pairs(s) && s.M >= kAmxMinRows; }
+// The AMX nest's partition, from the shape alone (so the order of the tiles, which does not change a bit of
+// any output, is fixed too): strip_outer when a strip of A fits L1.
+struct AmxPlan {
+  Plan p;
+  int64_t kpp;
+  bool strip_outer;
+};
+AmxPlan amx_plan(const GemmShape& s) {
+  const int64_t kpp = amx_depth(make_plan(s, kMrAmx, kKcAmx, kNcAmx).kc);
+  const bool strip_outer = kMrAmx * kpp * 4 <= kAmxStripBytes;
+  return {make_plan(s, kMrAmx, kKcAmx, strip_outer ? kNcAmxStrip : kNcAmx), kpp, strip_outer};
+}
 
 template <class BP>
-void run_blocked_amx(const GemmShape& s, const uint16_t* a, BP b, float* c, float* bpack, float* apack) {
-  const Plan p = make_plan(s, kMrAmx, kKcAmx, kNcAmx);
-  const int64_t kpp = amx_depth(p.kc);
+void run_blocked_amx(const GemmShape& s, const AmxPlan& amx, const uint16_t* a, BP b, float* c, float* bpack,
+                     float* apack) {
+  const Plan& p = amx.p;
+  const int64_t kpp = amx.kpp;
   const size_t a_stride = static_cast<size_t>(p.max_strips * kMrAmx * kpp);
   uint32_t* const bw = reinterpret_cast<uint32_t*>(bpack);
 #pragma omp parallel
@@ -722,18 +741,22 @@ void run_blocked_amx(const GemmShape& s, const uint16_t* a, BP b, float* c, floa
           m.ldc = s.ldc;
           m.kpp = kpp;
           m.acc = s.accumulate || kp > 0;
-          for (int64_t q = q0; q < q1;) {
+          // Each tile's sum is the same in either order.
+          auto tile = [&](int64_t r, int64_t q, int64_t w) {
             const int64_t jq = j0 + q * kNr;
-            const int64_t w = q + 1 < q1 ? 2 : 1;
             m.n = static_cast<int>(std::min<int64_t>(w * kNr, s.N - jq));
             m.b = bw + q * kNr * kpp;
-            for (int64_t r = r0; r < r1; r += kMrAmx) {
-              m.a = ap + (r - r0) * kpp;
-              m.c = c + r * s.ldc + jq;
-              m.m = static_cast<int>(std::min<int64_t>(kMrAmx, r1 - r));
-              micro_amx(m);
-            }
-            q += w;
+            m.a = ap + (r - r0) * kpp;
+            m.c = c + r * s.ldc + jq;
+            m.m = static_cast<int>(std::min<int64_t>(kMrAmx, r1 - r));
+            micro_amx(m);
+          };
+          if (amx.strip_outer) {
+            for (int64_t r = r0; r < r1; r += kMrAmx)
+              for (int64_t q = q0; q < q1; q += 2) tile(r, q, q + 1 < q1 ? 2 : 1);
+          } else {
+            for (int64_t q = q0; q < q1; q += 2)
+              for (int64_t r = r0; r < r1; r += kMrAmx) tile(r, q, q + 1 < q1 ? 2 : 1);
           }
         }
       }
@@ -810,9 +833,9 @@ void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, 
   }
   if constexpr (std::is_same_v<TA, uint16_t>) {
     if (use_amx(s)) {
-      const Plan p = make_plan(s, kMrAmx, kKcAmx, kNcAmx);
-      if (p.skinny) return run_skinny_amx(s, p, a, b, c, apack);
-      return run_blocked_amx(s, a, b, c, bpack, apack);
+      const AmxPlan ap = amx_plan(s);
+      if (ap.p.skinny) return run_skinny_amx(s, ap.p, a, b, c, apack);
+      return run_blocked_amx(s, ap, a, b, c, bpack, apack);
     }
   }
   const Plan p = make_plan(s);
@@ -937,8 +960,9 @@ BlockedSizes blocked_sizes(const GemmShape& s) {
     return z;
   }
   if (use_amx(s)) {
-    const Plan p = make_plan(s, kMrAmx, kKcAmx, kNcAmx);
-    const int64_t kpp = amx_depth(p.kc);
+    const AmxPlan ap = amx_plan(s);
+    const Plan& p = ap.p;
+    const int64_t kpp = ap.kpp;
     if (p.skinny) {
       z.a_floats_per_thread = skinny_amx_words(p, kpp);
       return z;
