@@ -1,6 +1,7 @@
 // libFuzzer target for `oomless train --plan FILE` (apply_plan): the input is the plan file, applied to a
-// preset:micro run at --seq 64. Rejection must be an oomless::Error naming the file; an accepted plan must
-// leave a configuration that validates, with a save policy for each of the model's layers.
+// preset:micro run at --seq 64 (with --budget 64MiB beside it for odd-sized inputs). Rejection must be an
+// oomless::Error naming the file; an accepted plan must leave a configuration that validates, with a save policy
+// for each of the model's layers.
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -27,6 +28,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   TrainConfig c;
   c.model = "preset:micro";
   c.seq = 64;
+  if (size % 2) c.budget = "64MiB";  // the predicted peak held against a --budget given beside --plan
   try {
     apply_plan(c, plan, "fuzz.json", micro.cfg);
   } catch (const Error& e) {

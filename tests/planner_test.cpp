@@ -168,5 +168,66 @@ TEST(Planner, APlanFileForAnotherRunIsRefusedByName) {
   (void)p;
 }
 
+TEST(Planner, APlanFileFromAnotherMachineWarnsAndOneOverTheBudgetIsRefused) {
+  const TrainConfig c = micro(128);
+  const ModelSource src = open_model("preset:micro");
+  Plan made;
+  made.config = c;
+  const json::Value here = made.json(c, src.cfg, 1 << 30);
+  {
+    TrainConfig x = c;
+    EXPECT_EQ(apply_plan(x, here, "p.json", src.cfg), "") << "made on this machine";
+  }
+  json::Value there = here;
+  json::Value m = json::Value::object();
+  m.set("cpu", json::Value::string("Another CPU (avx2 fma)"));
+  m.set("threads", json::Value::integer(Plan::this_machine_threads()));
+  there.set("machine", m);
+  {
+    TrainConfig x = c;
+    x.save_policy = "none";
+    const std::string w = apply_plan(x, there, "p.json", src.cfg);
+    EXPECT_NE(w.find("p.json was made on Another CPU (avx2 fma)"), std::string::npos) << w;
+    EXPECT_NE(w.find("make a plan here"), std::string::npos) << w;
+    EXPECT_EQ(x.save_policy, "all") << "the settings still apply";
+  }
+  m = here.at("machine");
+  m.set("threads", json::Value::integer(Plan::this_machine_threads() + 1));
+  there.set("machine", m);
+  {
+    TrainConfig x = c;
+    EXPECT_NE(apply_plan(x, there, "p.json", src.cfg).find("threads"), std::string::npos) << "another thread count";
+  }
+  auto refused = [&](const json::Value& plan, const std::string& budget, const char* what) {
+    TrainConfig x = c;
+    x.budget = budget;
+    try {
+      apply_plan(x, plan, "p.json", src.cfg);
+      ADD_FAILURE() << "accepted under --budget '" << budget << "': " << json::dump(plan);
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("p.json"), std::string::npos) << e.what();
+    }
+  };
+  there.set("machine", json::Value::string("mine"));
+  refused(there, "", "\"machine\" must be an object");
+  json::Value big = here;
+  json::Value pr = json::Value::object();
+  pr.set("ram_peak", json::Value::integer(int64_t{3} << 20));
+  big.set("predicted", pr);
+  refused(big, "2MiB", "its run holds 3.00 MiB, more than this run's --budget 2MiB");
+  for (const char* fits : {"3MiB", ""}) {
+    TrainConfig x = c;
+    x.budget = fits;
+    EXPECT_EQ(apply_plan(x, big, "p.json", src.cfg), "") << "--budget '" << fits << "'";
+  }
+  pr.set("ram_peak", json::Value::number(-1.0));
+  big.set("predicted", pr);
+  refused(big, "2MiB", "predicted.ram_peak must be a byte count");
+  pr.set("ram_peak", json::Value::number(1e300));
+  big.set("predicted", pr);
+  refused(big, "2MiB", "more than this run's --budget");
+}
+
 }  // namespace
 }  // namespace oomless

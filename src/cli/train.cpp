@@ -32,7 +32,8 @@ std::string train_help() {
          "With no --data: preset:tiny (or --model) on the bundled KJV corpus, 250 steps unless --steps/--epochs.\n"
          "\n" +
          train_options_help() +
-         "  --plan FILE          the settings of a plan made by `oomless plan` for this model and --seq\n"
+         "  --plan FILE          the settings of a plan made by `oomless plan` for this model and --seq (its\n"
+         "                       predicted peak must fit a --budget given beside it)\n"
          "  --resume [DIR]       continue the run in DIR (default --out) from its newest good checkpoint, with its\n"
          "                       saved settings (flags given override steps, eval, save and keep settings)\n"
          "  --config FILE.json   settings file\n";
@@ -182,7 +183,8 @@ int train(const std::vector<std::string>& argv) {
       OOM_CHECK(!given(k), "[train] --", k, " is set by --plan ", p.plan, "; drop one of them");
     const ModelSource src = open_model(c.model, static_cast<uint64_t>(c.seed));
     const json::Value file = json::parse_file(p.plan);
-    apply_plan(c, file, p.plan, src.cfg);
+    if (const std::string w = apply_plan(c, file, p.plan, src.cfg); !w.empty())
+      std::fprintf(stderr, "oomless train: %s\n", w.c_str());
     planned = true;
     plan_source = "--plan " + p.plan;
     layers = src.cfg.L;

@@ -8,6 +8,7 @@
 
 #include <omp.h>
 
+#include "core/cpu_info.h"
 #include "core/error.h"
 #include "memory/arena.h"
 #include "model/lora.h"
@@ -29,8 +30,11 @@ std::string policy_spec(const std::vector<SavePolicy>& p) {
     size_t j = i;
     while (j + 1 < p.size() && p[j + 1] == p[i]) ++j;
     if (i == 0 && j + 1 == p.size()) return save_policy_name(p[i]);
-    out += (out.empty() ? "" : ",") + std::string(save_policy_name(p[i])) + ":" + std::to_string(i) +
-           (j > i ? "-" + std::to_string(j) : "");
+    if (!out.empty()) out += ',';
+    out += save_policy_name(p[i]);
+    out += ':';
+    out += std::to_string(i);
+    if (j > i) out += '-', out += std::to_string(j);
     i = j + 1;
   }
   return out;
@@ -315,6 +319,11 @@ json::Value Plan::json(const TrainConfig& asked, const ModelConfig& cfg, size_t 
   p.set("step_seconds", json::Value::number(pick.seconds));
   p.set("estimate", estimate.json());
   o.set("predicted", std::move(p));
+  json::Value m = json::Value::object();
+  m.set("cpu", json::Value::string(machine_cpu));
+  m.set("threads", json::Value::integer(machine_threads));
+  o.set("machine", std::move(m));
+  if (!cost.is_null()) o.set("cost_model", cost);
   o.set("solver", json::Value::string(pick.solver));
   o.set("explain", json::Value::string(explain));
   return o;
@@ -377,6 +386,7 @@ Plan make_plan(const TrainConfig& c_in, size_t budget, const std::string& scratc
   fs::create_directories(scratch);
   const CostModel cost = measure_costs(c, src, chunks, scratch, log);
   PlanInstance in = build_instance(c, src, budget, cost, chunks);
+  plan.cost = cost.json();
   // The program's memory is the estimate's but for the ring of saved sets (two of the largest); the chosen
   // run is estimated exactly, and solved again under a budget lowered by any excess.
   double target = static_cast<double>(budget);
@@ -438,7 +448,14 @@ Plan make_plan(const TrainConfig& c_in, size_t budget, const std::string& scratc
   return plan;
 }
 
-void apply_plan(TrainConfig& c, const json::Value& plan, const std::string& source, const ModelConfig& cfg) {
+std::string Plan::this_machine_cpu() {
+  const CpuInfo cpu = detect_cpu();
+  return cpu.model + " (" + cpu.isa_summary() + ")";
+}
+
+int Plan::this_machine_threads() { return omp_get_max_threads(); }
+
+std::string apply_plan(TrainConfig& c, const json::Value& plan, const std::string& source, const ModelConfig& cfg) {
   auto bad = [&](const std::string& what) {
     fail("[plan] ", source, ": ", what, "; make a plan for this run with `oomless plan ... --out FILE`");
   };
@@ -482,7 +499,38 @@ void apply_plan(TrainConfig& c, const json::Value& plan, const std::string& sour
   } catch (const Error& e) {
     bad(std::string("its settings are not a valid run: ") + e.what());
   }
+  // --budget beside --plan: the plan's predicted peak must fit it (a plan for a larger budget would run out of
+  // memory partway through the first step).
+  if (!c.budget.empty()) {
+    const json::Value* pr = plan.find("predicted");
+    const json::Value* pk = pr && pr->is_object() ? pr->find("ram_peak") : nullptr;
+    if (pk) {
+      if (!pk->is_number() || !std::isfinite(pk->as_number()) || pk->as_number() < 0)
+        bad("predicted.ram_peak must be a byte count");
+      const size_t budget = parse_size(c.budget);
+      const double peak = pk->as_number();
+      if (peak > static_cast<double>(budget))
+        bad("its run holds " + (peak < 1e18 ? format_bytes(static_cast<size_t>(peak)) : json::dump(*pk)) +
+            ", more than this run's --budget " + c.budget + "; make a plan under --budget " + c.budget +
+            ", or drop --budget to run this one");
+    }
+  }
+  std::string warning;
+  if (const json::Value* m = plan.find("machine")) {
+    const json::Value* cpu = m->is_object() ? m->find("cpu") : nullptr;
+    const json::Value* th = m->is_object() ? m->find("threads") : nullptr;
+    if (!cpu || !cpu->is_string() || !th || !th->is_number())
+      bad("\"machine\" must be an object with \"cpu\" (a string) and \"threads\" (a number)");
+    const std::string here = Plan::this_machine_cpu();
+    const int threads = Plan::this_machine_threads();
+    if (cpu->as_string() != here || th->as_number() != static_cast<double>(threads))
+      warning = "[plan] " + source + " was made on " + cpu->as_string() + " with " + json::dump(*th) +
+                " threads, and this run is on " + here + " with " + std::to_string(threads) +
+                " threads: its memory plan holds, but its step times, and so its choices, were measured there; "
+                "make a plan here (`oomless plan ... --out FILE`) for this machine's";
+  }
   c = x;
+  return warning;
 }
 
 int run_plan(const TrainConfig& c, const std::string& out, bool explain) {

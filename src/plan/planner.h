@@ -91,7 +91,13 @@ struct Plan {
   PlanGlobal global;
   MemoryEstimate estimate;  // of `config`
   std::string explain;      // why each choice, in words
+  json::Value cost;         // the measured cost model (CostModel::json), null when nothing was measured
+  // Where its times were measured ("machine" in the file): the CPU as `oomless probe` names it and the threads.
+  std::string machine_cpu = this_machine_cpu();
+  int machine_threads = this_machine_threads();
   json::Value json(const TrainConfig& asked, const ModelConfig& cfg, size_t budget) const;
+  static std::string this_machine_cpu();
+  static int this_machine_threads();
 };
 
 // Plans c under budget: measures the costs (spill files in c.spill_dir or `scratch`), solves, and checks the
@@ -99,8 +105,10 @@ struct Plan {
 Plan make_plan(const TrainConfig& c, size_t budget, const std::string& scratch, std::FILE* log = nullptr);
 
 // A plan file's settings onto c (train --plan): the model's shape and --seq must match the plan's, and the
-// settings it chooses must not also be given as flags (named). Errors name the file and what is wrong.
-void apply_plan(TrainConfig& c, const json::Value& plan, const std::string& source, const ModelConfig& cfg);
+// settings it chooses must not also be given as flags (named); with --budget given beside it, the plan's predicted
+// peak must fit it. Errors name the file and what is wrong. Returns a warning ("" if none) when the plan was made
+// on another CPU or thread count: its memory holds, its times and so its choices may not.
+std::string apply_plan(TrainConfig& c, const json::Value& plan, const std::string& source, const ModelConfig& cfg);
 
 // The flags a plan sets (save-policy, act-offload, chunk, page, kv-offload, optim-state): train --budget plans
 // only when none of them is given, and train --plan refuses them beside the plan.
