@@ -155,7 +155,7 @@ std::string plan_help() {
          "for backward (--save-policy), whether saved activations wait on disk (--act-offload), chunk-recurrent\n"
          "training and where its K/V history lives (--chunk, --kv-offload), where the optimizer state lives\n"
          "(--optim-state). Memory from the estimate (`oomless estimate`), time from a cost model measured on this\n"
-         "machine (short steps of the model cut to one and two layers, disk bandwidth in --spill-dir or the\n"
+         "machine (short steps of the model cut to one and four layers, disk bandwidth in --spill-dir or the\n"
          "plan's folder), the choice made by a mixed-integer program (GLPK). Nothing that changes the computed\n"
          "numbers (dtypes, adapters, the batch) is changed. Run the plan with `oomless train ... --plan FILE`;\n"
          "`oomless train --budget SIZE` with none of those flags plans by itself.\n"

@@ -18,6 +18,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
+constexpr int64_t kCutLayers = 4;  // the larger cut (measure_costs)
+
 // The model cut to L layers, as a config.json of its own (random init; an EOS id when it names none, which
 // packing needs and timing does not).
 std::string cut_model(const ModelConfig& cfg, int64_t L, const std::string& scratch) {
@@ -118,8 +120,12 @@ CostModel measure_costs(const TrainConfig& c, const ModelSource& src, const std:
   const CpuInfo cpu = detect_cpu();
   cm.cpu = cpu.model + " (" + cpu.isa_summary() + ")";
   cm.threads = omp_get_max_threads();
-  const std::string one = cut_model(cfg, 1, scratch), two = cut_model(cfg, std::min<int64_t>(2, cfg.L), scratch);
-  const double blocks = static_cast<double>(std::min<int64_t>(2, cfg.L)) - 1.0;
+  // A layer's costs are differences between the model cut to one layer and to K: K - 1 layers' worth, so that the
+  // noise of two whole steps (the embedding and head dominate a small model's) is shared by several layers. With
+  // K = 2, SmolLM2's per-layer figure moved 2x between two plans on the same machine.
+  const int64_t K = std::min<int64_t>(kCutLayers, cfg.L);
+  const std::string one = cut_model(cfg, 1, scratch), many = cut_model(cfg, K, scratch);
+  const double blocks = static_cast<double>(K - 1);
   TrainConfig base = c;
   base.steps = 1 << 20, base.batch = 1, base.grad_accum = 1, base.eval_every = 0, base.out = "", base.data = "";
   base.budget = "", base.optim_state = "host", base.act_offload = "none", base.kv_offload = "none", base.spill_dir = "";
@@ -158,12 +164,13 @@ CostModel measure_costs(const TrainConfig& c, const ModelSource& src, const std:
                                 static_cast<double>(std::max<int64_t>(trained, 1));
     }
     CostModel::AtT a;
-    if (C > 0) a.kv_disk = std::max(0.0, run(one, seq, C, 1, "all", "kv") - t1) / static_cast<double>(n_chunks);
+    const double tK = blocks > 0 ? run(many, seq, C, 1, "all") : t1;
+    const double per_layer_chunk = static_cast<double>(K) * static_cast<double>(n_chunks);
+    if (C > 0) a.kv_disk = std::max(0.0, run(many, seq, C, 1, "all", "kv") - tK) / per_layer_chunk;
     if (blocks > 0) {
-      const double t2 = run(two, seq, C, 1, "all");
-      a.block = std::max(0.0, t2 - t1 - cm.optim_per_param * layer_p) / static_cast<double>(n_chunks);
-      a.rec_none = std::max(0.0, run(two, seq, C, 1, "none") - t2) / (2.0 * static_cast<double>(n_chunks));
-      a.rec_sel = std::max(0.0, run(two, seq, C, 1, "selective") - t2) / (2.0 * static_cast<double>(n_chunks));
+      a.block = std::max(0.0, tK - t1 - cm.optim_per_param * layer_p * blocks) / (blocks * static_cast<double>(n_chunks));
+      a.rec_none = std::max(0.0, run(many, seq, C, 1, "none") - tK) / per_layer_chunk;
+      a.rec_sel = std::max(0.0, run(many, seq, C, 1, "selective") - tK) / per_layer_chunk;
     } else {
       a.block = per_seq1 / static_cast<double>(n_chunks);
     }
