@@ -68,8 +68,8 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,prfchw"))) void micro(const Amx
   // the store buffer; at K = 576 that wait was most of a tile's time (measured, docs/BENCHMARKS.md).
   if (full)
     for (int i = 0; i < 16 * MT; ++i) {
-      _m_prefetchw(cp + i * ld);
-      if constexpr (NT == 2) _m_prefetchw(cp + i * ld + 16);
+      __builtin_prefetch(cp + i * ld, 1, 3);
+      if constexpr (NT == 2) __builtin_prefetch(cp + i * ld + 16, 1, 3);
     }
   tile_barrier();
   if (u.acc) {
