@@ -4,8 +4,10 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
 #include <random>
 
+#include "plan/cost.h"
 #include "plan/milp.h"
 #include "plan/planner.h"
 #include "train/trainer.h"
@@ -166,6 +168,32 @@ TEST(Planner, APlanFileForAnotherRunIsRefusedByName) {
   bad.set("settings", s);
   refused(bad, micro_src.cfg, "not a valid run");
   (void)p;
+}
+
+// The cut models the cost model runs need no more memory than the budget allows: four layers, or fewer.
+TEST(Planner, TheLargerCutModelFitsTheBudget) {
+  TrainConfig c = micro(64);
+  c.model = "preset:tiny";  // six layers
+  const ModelSource src = open_model(c.model);
+  auto cut_peak = [&](int64_t L) {
+    json::Value j = src.cfg.to_json();
+    j.set("num_hidden_layers", json::Value::integer(L));
+    const std::string dir = scratch() + "/cut-" + std::to_string(L);
+    std::filesystem::create_directories(dir);
+    std::ofstream(dir + "/config.json") << json::dump(j);
+    TrainConfig t = c;
+    t.model = dir + "/config.json";
+    t.steps = 1 << 20;
+    t.eval_every = 0;
+    return estimate_training(t).ram_peak();
+  };
+  const size_t p3 = cut_peak(3), p4 = cut_peak(4);
+  ASSERT_LT(p3, p4);
+  EXPECT_EQ(cut_layers(c, src.cfg, scratch(), 0), 4);
+  EXPECT_EQ(cut_layers(c, src.cfg, scratch(), p4), 4);
+  EXPECT_EQ(cut_layers(c, src.cfg, scratch(), p4 - 1), 3);
+  EXPECT_EQ(cut_layers(c, src.cfg, scratch(), p3 - 1), 2) << "never fewer than two";
+  EXPECT_EQ(measure_costs(c, src, {}, scratch(), nullptr, p4 - 1).cut_layers, 3) << "the cut measured";
 }
 
 TEST(Planner, APlanFileFromAnotherMachineWarnsAndOneOverTheBudgetIsRefused) {

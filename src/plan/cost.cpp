@@ -11,6 +11,7 @@
 #include "core/cpu_info.h"
 #include "core/error.h"
 #include "memory/spill_file.h"
+#include "train/estimate.h"
 
 namespace oomless {
 
@@ -80,6 +81,19 @@ void disk_rates(const std::string& dir, double* write_bps, double* read_bps) {
 
 }  // namespace
 
+int64_t cut_layers(const TrainConfig& c, const ModelConfig& cfg, const std::string& scratch, size_t budget) {
+  // Fewer layers where the larger cut's run (everything kept, at --seq) would not fit the budget: the
+  // measurement must not need more memory than the run it plans.
+  int64_t K = std::min<int64_t>(kCutLayers, cfg.L);
+  for (; budget > 0 && K > 2; --K) {
+    TrainConfig t = c;
+    t.model = cut_model(cfg, K, scratch);
+    t.save_policy = "all";
+    if (estimate_training(t).ram_peak() <= budget) break;
+  }
+  return K;
+}
+
 int64_t trained_params(const TrainConfig& c, const ModelConfig& cfg) {
   if (c.lora == 0) return cfg.param_count();
   int64_t n = 0;
@@ -110,11 +124,12 @@ json::Value CostModel::json() const {
   o.set("disk_read_bytes_per_s", json::Value::number(disk_read_bps));
   o.set("cpu", json::Value::string(cpu));
   o.set("threads", json::Value::integer(threads));
+  o.set("cut_layers", json::Value::integer(cut_layers));
   return o;
 }
 
 CostModel measure_costs(const TrainConfig& c, const ModelSource& src, const std::vector<int64_t>& chunks,
-                        const std::string& scratch, std::FILE* log) {
+                        const std::string& scratch, std::FILE* log, size_t budget) {
   const ModelConfig& cfg = src.cfg;
   CostModel cm;
   const CpuInfo cpu = detect_cpu();
@@ -123,13 +138,14 @@ CostModel measure_costs(const TrainConfig& c, const ModelSource& src, const std:
   // A layer's costs are differences between the model cut to one layer and to K: K - 1 layers' worth, so that the
   // noise of two whole steps (the embedding and head dominate a small model's) is shared by several layers. With
   // K = 2, SmolLM2's per-layer figure moved 2x between two plans on the same machine.
-  const int64_t K = std::min<int64_t>(kCutLayers, cfg.L);
-  const std::string one = cut_model(cfg, 1, scratch), many = cut_model(cfg, K, scratch);
-  const double blocks = static_cast<double>(K - 1);
   TrainConfig base = c;
   base.steps = 1 << 20, base.batch = 1, base.grad_accum = 1, base.eval_every = 0, base.out = "", base.data = "";
   base.budget = "", base.optim_state = "host", base.act_offload = "none", base.kv_offload = "none", base.spill_dir = "";
   base.save_policy = "all", base.step_in_backward = false, base.resume = false, base.sparse_pages = 0;
+  const int64_t K = cut_layers(base, cfg, scratch, budget);
+  cm.cut_layers = K;
+  const std::string one = cut_model(cfg, 1, scratch), many = cut_model(cfg, K, scratch);
+  const double blocks = static_cast<double>(K - 1);
   const int reps = 3;
   const std::string spill = c.spill_dir.empty() ? scratch : c.spill_dir;
   // disk: "" or "optim" / "kv": that state on disk (in the run's spill folder) instead of memory.

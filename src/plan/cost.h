@@ -29,6 +29,7 @@ struct CostModel {
   double disk_write_bps = 0, disk_read_bps = 0;  // bytes/s through a spill file
   std::string cpu;                   // what it was measured on
   int threads = 0;
+  int64_t cut_layers = 0;            // the larger cut's layers (measure_costs)
 
   json::Value json() const;
 };
@@ -36,9 +37,13 @@ struct CostModel {
 // The parameters a run of c on cfg trains: every one, or the adapters' (modules_to_save aside).
 int64_t trained_params(const TrainConfig& c, const ModelConfig& cfg);
 
+// The layers of the larger cut model for a run like c (4, or fewer down to 2 while its run keeping everything at
+// --seq would not fit `budget`; 0: no limit), its config.json written in scratch.
+int64_t cut_layers(const TrainConfig& c, const ModelConfig& cfg, const std::string& scratch, size_t budget);
+
 // Measures the costs of c's model at T = c.seq (when whole sequences are a choice) and at each chunk length.
-// scratch: a folder for the spill file and the cut models' config.json.
+// scratch: a folder for the spill file and the cut models' config.json; the larger cut has cut_layers(...).
 CostModel measure_costs(const TrainConfig& c, const ModelSource& src, const std::vector<int64_t>& chunks,
-                        const std::string& scratch, std::FILE* log);
+                        const std::string& scratch, std::FILE* log, size_t budget = 0);
 
 }  // namespace oomless

@@ -384,7 +384,7 @@ Plan make_plan(const TrainConfig& c_in, size_t budget, const std::string& scratc
     }
   }
   fs::create_directories(scratch);
-  const CostModel cost = measure_costs(c, src, chunks, scratch, log);
+  const CostModel cost = measure_costs(c, src, chunks, scratch, log, budget);
   PlanInstance in = build_instance(c, src, budget, cost, chunks);
   plan.cost = cost.json();
   // The program's memory is the estimate's but for the ring of saved sets (two of the largest); the chosen
