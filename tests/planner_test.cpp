@@ -209,7 +209,7 @@ TEST(Planner, APlanFileFromAnotherMachineWarnsAndOneOverTheBudgetIsRefused) {
   json::Value there = here;
   json::Value m = json::Value::object();
   m.set("cpu", json::Value::string("Another CPU (avx2 fma)"));
-  m.set("threads", json::Value::integer(Plan::this_machine_threads()));
+  m.set("threads", json::Value::integer(machine_threads()));
   there.set("machine", m);
   {
     TrainConfig x = c;
@@ -220,7 +220,7 @@ TEST(Planner, APlanFileFromAnotherMachineWarnsAndOneOverTheBudgetIsRefused) {
     EXPECT_EQ(x.save_policy, "all") << "the settings still apply";
   }
   m = here.at("machine");
-  m.set("threads", json::Value::integer(Plan::this_machine_threads() + 1));
+  m.set("threads", json::Value::integer(machine_threads() + 1));
   there.set("machine", m);
   {
     TrainConfig x = c;

@@ -81,6 +81,16 @@ void disk_rates(const std::string& dir, double* write_bps, double* read_bps) {
 
 }  // namespace
 
+const std::string& machine_cpu_name() {
+  static const std::string name = [] {
+    const CpuInfo cpu = detect_cpu();
+    return cpu.model + " (" + cpu.isa_summary() + ")";
+  }();
+  return name;
+}
+
+int machine_threads() { return omp_get_max_threads(); }
+
 int64_t cut_layers(const TrainConfig& c, const ModelConfig& cfg, const std::string& scratch, size_t budget) {
   // Fewer layers where the larger cut's run (everything kept, at --seq) would not fit the budget: the
   // measurement must not need more memory than the run it plans.
@@ -132,9 +142,8 @@ CostModel measure_costs(const TrainConfig& c, const ModelSource& src, const std:
                         const std::string& scratch, std::FILE* log, size_t budget) {
   const ModelConfig& cfg = src.cfg;
   CostModel cm;
-  const CpuInfo cpu = detect_cpu();
-  cm.cpu = cpu.model + " (" + cpu.isa_summary() + ")";
-  cm.threads = omp_get_max_threads();
+  cm.cpu = machine_cpu_name();
+  cm.threads = machine_threads();
   // A layer's costs are differences between the model cut to one layer and to K: K - 1 layers' worth, so that the
   // noise of two whole steps (the embedding and head dominate a small model's) is shared by several layers. With
   // K = 2, SmolLM2's per-layer figure moved 2x between two plans on the same machine.

@@ -34,6 +34,11 @@ struct CostModel {
   json::Value json() const;
 };
 
+// This machine as the cost model and plan files name it: the CPU as `oomless probe` names it, "model (isa)", and
+// OpenMP's thread count.
+const std::string& machine_cpu_name();
+int machine_threads();
+
 // The parameters a run of c on cfg trains: every one, or the adapters' (modules_to_save aside).
 int64_t trained_params(const TrainConfig& c, const ModelConfig& cfg);
 

@@ -8,7 +8,6 @@
 
 #include <omp.h>
 
-#include "core/cpu_info.h"
 #include "core/error.h"
 #include "memory/arena.h"
 #include "model/lora.h"
@@ -448,13 +447,6 @@ Plan make_plan(const TrainConfig& c_in, size_t budget, const std::string& scratc
   return plan;
 }
 
-std::string Plan::this_machine_cpu() {
-  const CpuInfo cpu = detect_cpu();
-  return cpu.model + " (" + cpu.isa_summary() + ")";
-}
-
-int Plan::this_machine_threads() { return omp_get_max_threads(); }
-
 std::string apply_plan(TrainConfig& c, const json::Value& plan, const std::string& source, const ModelConfig& cfg) {
   auto bad = [&](const std::string& what) {
     fail("[plan] ", source, ": ", what, "; make a plan for this run with `oomless plan ... --out FILE`");
@@ -521,8 +513,8 @@ std::string apply_plan(TrainConfig& c, const json::Value& plan, const std::strin
     const json::Value* th = m->is_object() ? m->find("threads") : nullptr;
     if (!cpu || !cpu->is_string() || !th || !th->is_number())
       bad("\"machine\" must be an object with \"cpu\" (a string) and \"threads\" (a number)");
-    const std::string here = Plan::this_machine_cpu();
-    const int threads = Plan::this_machine_threads();
+    const std::string& here = machine_cpu_name();
+    const int threads = machine_threads();
     if (cpu->as_string() != here || th->as_number() != static_cast<double>(threads))
       warning = "[plan] " + source + " was made on " + cpu->as_string() + " with " + json::dump(*th) +
                 " threads, and this run is on " + here + " with " + std::to_string(threads) +

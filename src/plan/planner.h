@@ -93,11 +93,9 @@ struct Plan {
   std::string explain;      // why each choice, in words
   json::Value cost;         // the measured cost model (CostModel::json), null when nothing was measured
   // Where its times were measured ("machine" in the file): the CPU as `oomless probe` names it and the threads.
-  std::string machine_cpu = this_machine_cpu();
-  int machine_threads = this_machine_threads();
+  std::string machine_cpu = machine_cpu_name();
+  int machine_threads = oomless::machine_threads();
   json::Value json(const TrainConfig& asked, const ModelConfig& cfg, size_t budget) const;
-  static std::string this_machine_cpu();
-  static int this_machine_threads();
 };
 
 // Plans c under budget: measures the costs (spill files in c.spill_dir or `scratch`), solves, and checks the
