@@ -33,20 +33,56 @@ std::string cut_model(const ModelConfig& cfg, int64_t L, const std::string& scra
   return (dir / "config.json").string();
 }
 
-// Median seconds of the steps of `c` after setup (whose dry run warms the kernels) and one more step: at least
-// `reps`, and more (up to 25) until they add up to a second, so that small models' differences rise above noise.
-double time_steps(const TrainConfig& c, int64_t V, int reps) {
-  Trainer t(c, "");
-  const StepBatch b = synthetic_batch(c.batch * c.grad_accum, c.seq, V);
-  t.step(b);
-  std::vector<double> s;
+// Steps of a and b after setup (whose dry run warms the kernels) and one more step each: the median seconds of
+// a's, and the median of b's minus a's taken round by round. Where both fit `budget` together (0: no limit) the
+// two trainers live side by side and step in turns (a b, then b a), so that the machine's drift between two
+// runs, 10-25% within minutes on a shared host, falls on both sides of each difference; otherwise one after the
+// other. At least `reps` rounds, more (up to 25) until a's steps add up to a second, so that small models'
+// differences rise above noise.
+struct PairTime {
+  double a = 0, diff = 0;
+};
+PairTime time_pair(const TrainConfig& ca, const TrainConfig& cb, int64_t V, int reps, size_t budget) {
+  const StepBatch ba = synthetic_batch(ca.batch * ca.grad_accum, ca.seq, V);
+  const StepBatch bb = synthetic_batch(cb.batch * cb.grad_accum, cb.seq, V);
+  auto more = [&](size_t n, double total) { return static_cast<int>(n) < reps || (total < 1.0 && n < 25); };
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  std::vector<double> ta, tb;
   double total = 0;
-  while (static_cast<int>(s.size()) < reps || (total < 1.0 && s.size() < 25)) {
-    s.push_back(t.step(b).seconds);
-    total += s.back();
+  if (budget == 0 || estimate_training(ca).ram_peak() + estimate_training(cb).ram_peak() <= budget) {
+    Trainer a(ca, ""), b(cb, "");
+    a.step(ba);
+    b.step(bb);
+    while (more(ta.size(), total)) {
+      if (ta.size() % 2 == 0) {
+        ta.push_back(a.step(ba).seconds);
+        tb.push_back(b.step(bb).seconds);
+      } else {
+        tb.push_back(b.step(bb).seconds);
+        ta.push_back(a.step(ba).seconds);
+      }
+      total += ta.back();
+    }
+  } else {
+    for (int side = 0; side < 2; ++side) {
+      Trainer t(side == 0 ? ca : cb, "");
+      const StepBatch& x = side == 0 ? ba : bb;
+      std::vector<double>& out = side == 0 ? ta : tb;
+      t.step(x);
+      double sum = 0;
+      while (more(out.size(), sum) || (side == 1 && out.size() < ta.size())) {
+        out.push_back(t.step(x).seconds);
+        sum += out.back();
+      }
+    }
+    tb.resize(ta.size());
   }
-  std::sort(s.begin(), s.end());
-  return s[s.size() / 2];
+  std::vector<double> d(ta.size());
+  for (size_t i = 0; i < ta.size(); ++i) d[i] = tb[i] - ta[i];
+  return {median(ta), median(d)};
 }
 
 int64_t layer_params(const ModelConfig& cfg) {
@@ -158,14 +194,18 @@ CostModel measure_costs(const TrainConfig& c, const ModelSource& src, const std:
   const int reps = 3;
   const std::string spill = c.spill_dir.empty() ? scratch : c.spill_dir;
   // disk: "" or "optim" / "kv": that state on disk (in the run's spill folder) instead of memory.
-  auto run = [&](const std::string& model, int64_t seq, int64_t chunk, int64_t batch, const char* policy,
-                 const std::string& disk = "") {
+  auto config = [&](const std::string& model, int64_t seq, int64_t chunk, int64_t batch, const char* policy,
+                    const std::string& disk = "") {
     TrainConfig t = base;
     t.model = model, t.seq = seq, t.chunk = chunk, t.batch = batch, t.save_policy = policy;
     if (chunk > 0) t.page = c.page > 0 && chunk % c.page == 0 ? c.page : 0;
     if (disk == "optim") t.optim_state = "disk", t.spill_dir = spill;
     if (disk == "kv") t.kv_offload = "disk", t.spill_dir = spill;
-    return time_steps(t, cfg.V, reps);
+    return t;
+  };
+  // What b's steps add to a's (seconds; never below zero).
+  auto added = [&](const TrainConfig& a, const TrainConfig& b) {
+    return std::max(0.0, time_pair(a, b, cfg.V, reps, budget).diff);
   };
   const double layer_p = c.lora > 0 ? 0 : static_cast<double>(layer_params(cfg));
   // The optimizer and one sequence at L = 1 (whole sequences at --seq, or the first chunk length).
@@ -178,24 +218,25 @@ CostModel measure_costs(const TrainConfig& c, const ModelSource& src, const std:
     const int64_t n_chunks = C > 0 ? c.seq / C : 1;
     if (log) std::fprintf(log, "oomless plan: measuring %s at T = %lld on this machine...\n",
                           C > 0 ? "chunks" : "whole sequences", static_cast<long long>(C > 0 ? C : c.seq));
-    const double t1 = run(one, seq, C, 1, "all"), t1b = run(one, seq, C, 2, "all");
-    const double per_seq1 = std::max(0.0, t1b - t1), opt1 = std::max(0.0, t1 - per_seq1);
+    const TrainConfig one1 = config(one, seq, C, 1, "all"), manyK = config(many, seq, C, 1, "all");
+    const PairTime p1 = time_pair(one1, config(one, seq, C, 2, "all"), cfg.V, reps, budget);
+    const double per_seq1 = std::max(0.0, p1.diff), opt1 = std::max(0.0, p1.a - per_seq1);
     if (cm.optim_per_param == 0) {
       const int64_t trained = trained_params(c, open_model(one, static_cast<uint64_t>(c.seed)).cfg);
       cm.optim_per_param = opt1 / static_cast<double>(std::max<int64_t>(trained, 1));
       // What keeping the state on disk adds to a step, as the engine streams it (measured, not modelled: the
       // page cache and the window's overlap decide it).
-      cm.optim_disk_per_param = std::max(0.0, run(one, seq, C, 1, "all", "optim") - t1) /
+      cm.optim_disk_per_param = added(one1, config(one, seq, C, 1, "all", "optim")) /
                                 static_cast<double>(std::max<int64_t>(trained, 1));
     }
     CostModel::AtT a;
-    const double tK = blocks > 0 ? run(many, seq, C, 1, "all") : t1;
     const double per_layer_chunk = static_cast<double>(K) * static_cast<double>(n_chunks);
-    if (C > 0) a.kv_disk = std::max(0.0, run(many, seq, C, 1, "all", "kv") - tK) / per_layer_chunk;
+    if (C > 0) a.kv_disk = added(manyK, config(many, seq, C, 1, "all", "kv")) / per_layer_chunk;
     if (blocks > 0) {
-      a.block = std::max(0.0, tK - t1 - cm.optim_per_param * layer_p * blocks) / (blocks * static_cast<double>(n_chunks));
-      a.rec_none = std::max(0.0, run(many, seq, C, 1, "none") - tK) / per_layer_chunk;
-      a.rec_sel = std::max(0.0, run(many, seq, C, 1, "selective") - tK) / per_layer_chunk;
+      const double layers = added(one1, manyK);  // K - 1 layers and their optimizer step
+      a.block = std::max(0.0, layers - cm.optim_per_param * layer_p * blocks) / (blocks * static_cast<double>(n_chunks));
+      a.rec_none = added(manyK, config(many, seq, C, 1, "none")) / per_layer_chunk;
+      a.rec_sel = added(manyK, config(many, seq, C, 1, "selective")) / per_layer_chunk;
     } else {
       a.block = per_seq1 / static_cast<double>(n_chunks);
     }

@@ -2,7 +2,9 @@
 // steps of a copy of the model cut to one and four layers (random weights: the time does not depend on them), so
 // the figures include everything a step does at this width (chunks over the whole sequence, so that their
 // attention reads the history it will), and disk bandwidth through a spill file in the folder the run would
-// use. Medians of several steps after the setup's dry run.
+// use. Each cost is the median, over several rounds after the setup's dry run, of the difference between two
+// configurations' steps taken in turns (side by side where the budget allows both), so that the machine's drift
+// cancels.
 #pragma once
 #include <cstdint>
 #include <map>
