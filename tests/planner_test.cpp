@@ -52,6 +52,8 @@ PlanInstance random_instance(std::mt19937_64& rng, int64_t L) {
     o.rec_seconds = {0, r * (0.02 + 0.3 * u(rng)), r};
     o.io_seconds = rng() % 2 ? 0 : 3 * u(rng);
     o.disk_seconds_per_byte = o.disk_allowed ? (0.5 + 3 * u(rng)) / 1e9 : 0;
+    const double d = o.disk_allowed ? 0.1 * u(rng) : 0;  // what a set on disk adds to compute
+    o.disk_seconds = {d, d * o.set_bytes[1] / o.set_bytes[0], 0};
     in.options.push_back(o);
   }
   in.budget = (150 + 600 * u(rng)) * 1048576.0;

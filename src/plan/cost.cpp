@@ -161,6 +161,7 @@ json::Value CostModel::json() const {
     e.set("recompute_none_s", json::Value::number(x.rec_none));
     e.set("recompute_selective_s", json::Value::number(x.rec_sel));
     e.set("kv_on_disk_s", json::Value::number(x.kv_disk));
+    e.set("act_on_disk_s", json::Value::number(x.act_disk));
     a.set(std::to_string(T), std::move(e));
   }
   o.set("per_sequence_at_T", std::move(a));
@@ -193,7 +194,7 @@ CostModel measure_costs(const TrainConfig& c, const ModelSource& src, const std:
   const double blocks = static_cast<double>(K - 1);
   const int reps = 3;
   const std::string spill = c.spill_dir.empty() ? scratch : c.spill_dir;
-  // disk: "" or "optim" / "kv": that state on disk (in the run's spill folder) instead of memory.
+  // disk: "" or "optim" / "kv" / "act": that state (or the saved activations) on disk, in the run's spill folder.
   auto config = [&](const std::string& model, int64_t seq, int64_t chunk, int64_t batch, const char* policy,
                     const std::string& disk = "") {
     TrainConfig t = base;
@@ -201,6 +202,7 @@ CostModel measure_costs(const TrainConfig& c, const ModelSource& src, const std:
     if (chunk > 0) t.page = c.page > 0 && chunk % c.page == 0 ? c.page : 0;
     if (disk == "optim") t.optim_state = "disk", t.spill_dir = spill;
     if (disk == "kv") t.kv_offload = "disk", t.spill_dir = spill;
+    if (disk == "act") t.act_offload = "disk", t.spill_dir = spill;
     return t;
   };
   // What b's steps add to a's (seconds; never below zero).
@@ -237,6 +239,9 @@ CostModel measure_costs(const TrainConfig& c, const ModelSource& src, const std:
       a.block = std::max(0.0, layers - cm.optim_per_param * layer_p * blocks) / (blocks * static_cast<double>(n_chunks));
       a.rec_none = added(manyK, config(many, seq, C, 1, "none")) / per_layer_chunk;
       a.rec_sel = added(manyK, config(many, seq, C, 1, "selective")) / per_layer_chunk;
+      // Saved sets on disk (whole sequences only): their transfers overlap compute, but on a machine whose
+      // cores do the copying and the I/O they are not free; measured, as the other disk costs are.
+      if (C == 0) a.act_disk = added(manyK, config(many, seq, C, 1, "all", "act")) / static_cast<double>(K);
     } else {
       a.block = per_seq1 / static_cast<double>(n_chunks);
     }

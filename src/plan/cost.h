@@ -24,6 +24,7 @@ struct CostModel {
     double rec_none = 0;    // a layer at none: what recomputing it adds
     double rec_sel = 0;     // a layer at selective
     double kv_disk = 0;     // chunks: what a layer's K/V history on disk adds
+    double act_disk = 0;    // whole sequences: what a layer's saved set (at all) sent to disk and back adds
   };
   std::map<int64_t, AtT> at;         // by T
   double optim_per_param = 0;        // the optimizer step, seconds per trained parameter

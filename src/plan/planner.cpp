@@ -114,7 +114,7 @@ double PlanInstance::seconds(size_t o, const std::vector<SavePolicy>& p, const s
   for (size_t l = 0; l < p.size(); ++l) {
     const size_t k = static_cast<size_t>(p[l]);
     rec += x.rec_seconds[k];
-    if (x.disk_allowed && on_disk[l]) io += x.set_bytes[k] * x.disk_seconds_per_byte;
+    if (x.disk_allowed && on_disk[l]) io += x.set_bytes[k] * x.disk_seconds_per_byte, rec += x.disk_seconds[k];
   }
   return std::max(x.base_seconds + rec, x.io_seconds + io);
 }
@@ -129,7 +129,8 @@ PlanPick solve_plan(const PlanInstance& in) {
   for (const auto& o : in.options) {
     const double a = std::max(*std::max_element(o.act_bytes.begin(), o.act_bytes.end()),
                               *std::max_element(o.set_bytes.begin(), o.set_bytes.end())) / kMiB;
-    const double r = *std::max_element(o.rec_seconds.begin(), o.rec_seconds.end()) * 1e3;
+    const double r = (*std::max_element(o.rec_seconds.begin(), o.rec_seconds.end()) +
+                      *std::max_element(o.disk_seconds.begin(), o.disk_seconds.end())) * 1e3;
     m_mem = std::max(m_mem, o.base_bytes / kMiB + static_cast<double>(L + 2) * a - B + 1);
     m_t = std::max(m_t, o.base_seconds * 1e3 + static_cast<double>(L) * r +
                             o.io_seconds * 1e3 + static_cast<double>(L) * a * kMiB * o.disk_seconds_per_byte * 1e3 + 1);
@@ -169,13 +170,15 @@ PlanPick solve_plan(const PlanInstance& in) {
           const int v = x[static_cast<size_t>(l)][static_cast<size_t>(p)][static_cast<size_t>(tt)];
           if (v < 0) continue;
           const double a = o.act_bytes[static_cast<size_t>(p)] / kMiB, sb = o.set_bytes[static_cast<size_t>(p)] / kMiB;
+          double sec = o.rec_seconds[static_cast<size_t>(p)];
           if (tt == 1 && o.disk_allowed) {
             ring.push_back({v, -sb});
             io.push_back({v, -sb * kMiB * o.disk_seconds_per_byte * 1e3});
+            sec += o.disk_seconds[static_cast<size_t>(p)];
           } else {
             mem.push_back({v, a});
           }
-          time.push_back({v, -o.rec_seconds[static_cast<size_t>(p)] * 1e3});
+          time.push_back({v, -sec * 1e3});
         }
       if (o.disk_allowed) m.row(ring, 0, Milp::kInf);  // r >= this layer's set when it goes to disk
     }
@@ -289,6 +292,10 @@ PlanInstance build_instance(const TrainConfig& c, const ModelSource& src, size_t
     o.rec_seconds = {0, n_seq * pieces * at.rec_sel, n_seq * pieces * at.rec_none};
     o.io_seconds = 0;  // the K/V pages' and the optimizer state's traffic is measured into base_seconds
     o.disk_seconds_per_byte = n_seq * dsb;
+    // The measured cost of a set on disk (at all) scaled by each policy's set.
+    for (int p = 0; p < 2; ++p)
+      o.disk_seconds[static_cast<size_t>(p)] =
+          o.disk_allowed ? n_seq * at.act_disk * o.set_bytes[static_cast<size_t>(p)] / std::max(1.0, o.set_bytes[0]) : 0;
     in.options.push_back(o);
   }
   return in;
@@ -432,7 +439,8 @@ Plan make_plan(const TrainConfig& c_in, size_t budget, const std::string& scratc
   if (n_disk > 0)
     why += std::to_string(n_disk) + " of those layers send their saved sets to disk between forward and backward "
            "(--act-offload " + plan.config.act_offload + "): memory holds two of them at a time; the transfers "
-           "overlap compute\n";
+           "overlap compute, and what they still add was measured (" +
+           std::to_string(static_cast<int>(std::lround(1e3 * o.disk_seconds[0]))) + " ms a layer at all)\n";
   if (plan.global.chunk > 0)
     why += "chunk-recurrent training: activations of " + std::to_string(plan.global.chunk) +
            " tokens at a time (whole sequences do not fit, or are slower under this budget)\n";

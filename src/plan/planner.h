@@ -54,12 +54,14 @@ struct PlanInstance {
     std::array<double, 3> set_bytes{};     // the same as one set of the ring (64-byte aligned tensors)
     std::array<double, 3> rec_seconds{};   // a layer's recompute per policy and step
     double disk_seconds_per_byte = 0;      // a byte of a set on disk goes out and comes back
+    std::array<double, 3> disk_seconds{};  // what a layer's set on disk adds to a step's compute, per policy
   };
   std::vector<Option> options;
 
   // The model's memory and step time of option o with these policies and places (L of each; on_disk is
   // ignored where the option does not allow it). Memory holds the sets kept in memory, and for those on disk
-  // a ring of two sets of the largest; a step takes the larger of its compute and its transfers.
+  // a ring of two sets of the largest; a step takes the larger of its compute (with what each set on disk
+  // measurably adds to it) and its transfers.
   double bytes(size_t o, const std::vector<SavePolicy>& p, const std::vector<bool>& on_disk) const;
   double seconds(size_t o, const std::vector<SavePolicy>& p, const std::vector<bool>& on_disk) const;
 };
