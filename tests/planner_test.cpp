@@ -34,6 +34,20 @@ TEST(Milp, SolvesASmallKnapsack) {
   EXPECT_FALSE(none.solve().feasible);
 }
 
+TEST(Milp, IntegerColumnsTakeWholeValues) {
+  // max 3a + 2b s.t. 2a + b <= 7.5, a in 0..4, b in 0..5: the relaxation's a = 1.25 (13.75) is not whole; a = 1,
+  // b = 5 (13) is the optimum.
+  Milp m;
+  const int a = m.integer("a", 0, 4), b = m.integer("b", 0, 5);
+  m.row({{a, 2}, {b, 1}}, -Milp::kInf, 7.5);
+  m.minimize({{a, -3}, {b, -2}});
+  const Milp::Solution s = m.solve();
+  ASSERT_TRUE(s.feasible) << s.status;
+  EXPECT_DOUBLE_EQ(s.objective, -13);
+  EXPECT_EQ(s.x[static_cast<size_t>(a)], 1);
+  EXPECT_EQ(s.x[static_cast<size_t>(b)], 5);
+}
+
 PlanInstance random_instance(std::mt19937_64& rng, int64_t L) {
   std::uniform_real_distribution<double> u(0.0, 1.0);
   PlanInstance in;
@@ -74,6 +88,48 @@ TEST(Planner, GlpkFindsTheTrueOptimumOfTheCostModelOnSmallInstances) {
     EXPECT_NEAR(milp.seconds, all.seconds, 1e-6 * all.seconds) << "GLPK " << milp.seconds << ", every choice " << all.seconds;
   }
   EXPECT_GE(feasible, 60) << "too few feasible instances to show anything";
+}
+
+// Layers are alike, so at a real model's depth every choice is a count of layers per state (all, selective,
+// none in memory; all, selective on disk): GLPK's optimum is the best of them all at 30 layers too, quickly
+// (a program with a binary per layer and state once ran for half an hour on such an instance).
+TEST(Planner, GlpkFindsTheTrueOptimumAtThirtyLayers) {
+  std::mt19937_64 rng(11);
+  int feasible = 0;
+  for (int k = 0; k < 12; ++k) {
+    const int64_t L = 30;
+    PlanInstance in = random_instance(rng, L);
+    in.budget *= 4;  // thirty layers' activations beside the base
+    SCOPED_TRACE(k);
+    const PlanPick milp = solve_plan(in);
+    PlanPick best;
+    std::vector<SavePolicy> p(static_cast<size_t>(L));
+    std::vector<bool> d(static_cast<size_t>(L));
+    for (size_t o = 0; o < in.options.size(); ++o)
+      for (int64_t a = 0; a <= L; ++a)                  // all on disk
+        for (int64_t b = 0; a + b <= L; ++b)            // selective on disk
+          for (int64_t c = 0; a + b + c <= L; ++c)      // all in memory
+            for (int64_t e = 0; a + b + c + e <= L; ++e) {  // selective in memory; the rest none
+              if ((a + b > 0) && !in.options[o].disk_allowed) continue;
+              for (int64_t l = 0; l < L; ++l) {
+                const int64_t n0 = a, n1 = a + b, n2 = n1 + c, n3 = n2 + e;
+                p[static_cast<size_t>(l)] = l < n0 || (l >= n1 && l < n2) ? SavePolicy::all
+                                            : l < n1 || (l >= n2 && l < n3) ? SavePolicy::selective
+                                                                            : SavePolicy::none;
+                d[static_cast<size_t>(l)] = l < n1;
+              }
+              const double bytes = in.bytes(o, p, d);
+              if (bytes > in.budget) continue;
+              const double sec = in.seconds(o, p, d);
+              if (!best.feasible || sec < best.seconds) best = {true, o, p, d, sec, bytes, "counts"};
+            }
+    ASSERT_EQ(milp.feasible, best.feasible);
+    if (!best.feasible) continue;
+    ++feasible;
+    EXPECT_LE(milp.bytes, in.budget);
+    EXPECT_NEAR(milp.seconds, best.seconds, 1e-6 * best.seconds) << "GLPK " << milp.seconds << ", every count " << best.seconds;
+  }
+  EXPECT_GE(feasible, 4) << "too few feasible instances to show anything";
 }
 
 TrainConfig micro(int64_t seq) {

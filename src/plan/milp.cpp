@@ -10,13 +10,19 @@
 namespace oomless {
 
 int Milp::binary(std::string name) {
-  cols_.push_back({std::move(name), true, 0, 1});
+  cols_.push_back({std::move(name), Kind::binary, 0, 1});
+  return columns() - 1;
+}
+
+int Milp::integer(std::string name, int lo, int hi) {
+  OOM_CHECK(lo <= hi, "[plan] an integer column with no value: ", name);
+  cols_.push_back({std::move(name), Kind::integer, static_cast<double>(lo), static_cast<double>(hi)});
   return columns() - 1;
 }
 
 int Milp::continuous(std::string name, double lo, double hi) {
   OOM_CHECK(std::isfinite(lo), "[plan] a column needs a finite lower bound: ", name);
-  cols_.push_back({std::move(name), false, lo, hi});
+  cols_.push_back({std::move(name), Kind::continuous, lo, hi});
   return columns() - 1;
 }
 
@@ -34,8 +40,10 @@ Milp::Solution Milp::solve() const {
   for (int j = 0; j < columns(); ++j) {
     const Col& c = cols_[static_cast<size_t>(j)];
     glp_set_col_name(p.get(), j + 1, c.name.c_str());
-    glp_set_col_kind(p.get(), j + 1, c.integer ? GLP_BV : GLP_CV);
-    if (!c.integer) glp_set_col_bnds(p.get(), j + 1, std::isfinite(c.hi) ? GLP_DB : GLP_LO, c.lo, std::isfinite(c.hi) ? c.hi : 0);
+    glp_set_col_kind(p.get(), j + 1, c.kind == Kind::binary ? GLP_BV : c.kind == Kind::integer ? GLP_IV : GLP_CV);
+    if (c.kind == Kind::integer) glp_set_col_bnds(p.get(), j + 1, c.lo == c.hi ? GLP_FX : GLP_DB, c.lo, c.hi);
+    if (c.kind == Kind::continuous)
+      glp_set_col_bnds(p.get(), j + 1, std::isfinite(c.hi) ? GLP_DB : GLP_LO, c.lo, std::isfinite(c.hi) ? c.hi : 0);
   }
   for (const auto& [j, a] : objective_) glp_set_obj_coef(p.get(), j + 1, glp_get_obj_coef(p.get(), j + 1) + a);
   if (rows() > 0) glp_add_rows(p.get(), rows());

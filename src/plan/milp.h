@@ -1,5 +1,5 @@
-// A mixed-integer linear program, solved by GLPK's branch and cut (glp_intopt, with its presolver): binary and
-// continuous columns, rows lo <= sum a_j x_j <= hi, minimise a linear objective.
+// A mixed-integer linear program, solved by GLPK's branch and cut (glp_intopt, with its presolver): binary,
+// bounded integer and continuous columns, rows lo <= sum a_j x_j <= hi, minimise a linear objective.
 #pragma once
 #include <limits>
 #include <string>
@@ -14,6 +14,7 @@ class Milp {
   using Terms = std::vector<std::pair<int, double>>;  // (column, coefficient)
 
   int binary(std::string name);
+  int integer(std::string name, int lo, int hi);  // lo <= x <= hi, whole
   int continuous(std::string name, double lo, double hi = kInf);
   // lo <= terms <= hi (either may be infinite, not both).
   void row(Terms terms, double lo, double hi);
@@ -30,9 +31,10 @@ class Milp {
   Solution solve() const;
 
  private:
+  enum class Kind { binary, integer, continuous };
   struct Col {
     std::string name;
-    bool integer;
+    Kind kind;
     double lo, hi;
   };
   struct Row {

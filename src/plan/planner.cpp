@@ -56,7 +56,11 @@ std::string tier_spec(const std::vector<bool>& d) {
     size_t j = i;
     while (j + 1 < d.size() && d[j + 1] == d[i]) ++j;
     if (i == 0 && j + 1 == d.size()) return d[i] ? "disk" : "none";
-    if (d[i]) out += (out.empty() ? "" : ",") + std::string("disk:") + std::to_string(i) + (j > i ? "-" + std::to_string(j) : "");
+    if (d[i]) {
+      if (!out.empty()) out += ',';
+      out += "disk:" + std::to_string(i);
+      if (j > i) out += '-' + std::to_string(j);
+    }
     i = j + 1;
   }
   return out + (out.empty() ? "" : ",") + "none";
@@ -135,20 +139,32 @@ PlanPick solve_plan(const PlanInstance& in) {
     m_t = std::max(m_t, o.base_seconds * 1e3 + static_cast<double>(L) * r +
                             o.io_seconds * 1e3 + static_cast<double>(L) * a * kMiB * o.disk_seconds_per_byte * 1e3 + 1);
   }
-  // x[l][policy][place]: place 0 memory, 1 disk (a layer at none keeps nothing to send).
+  // Layers are alike (the same shape, so the same bytes and seconds per choice): the program counts them,
+  // n[policy][place] layers in each state (place 0 memory, 1 disk; a layer at none keeps nothing to send), and
+  // lay_out places them. Binaries per layer instead made every permutation of the layers an optimum of its own,
+  // which branch and bound had to tell apart (one SmolLM2 instance ran for more than half an hour).
   Milp m;
-  std::vector<std::array<std::array<int, 2>, 3>> x(static_cast<size_t>(L));
-  for (int64_t l = 0; l < L; ++l) {
-    Milp::Terms one;
-    for (int p = 0; p < 3; ++p)
-      for (int t = 0; t < 2; ++t) {
-        int& v = x[static_cast<size_t>(l)][static_cast<size_t>(p)][static_cast<size_t>(t)];
-        v = -1;
-        if (t == 1 && kPolicies[p] == SavePolicy::none) continue;
-        v = m.binary("x_" + std::to_string(l) + "_" + save_policy_name(kPolicies[p]) + (t ? "_disk" : ""));
-        one.push_back({v, 1.0});
-      }
-    m.row(one, 1, 1);
+  std::array<std::array<int, 2>, 3> n{};
+  Milp::Terms layers;
+  for (int p = 0; p < 3; ++p)
+    for (int t = 0; t < 2; ++t) {
+      int& v = n[static_cast<size_t>(p)][static_cast<size_t>(t)];
+      v = -1;
+      if (t == 1 && kPolicies[p] == SavePolicy::none) continue;
+      std::string name = "n_";
+      name += save_policy_name(kPolicies[p]);
+      if (t == 1) name += "_disk";
+      v = m.integer(std::move(name), 0, static_cast<int>(L));
+      layers.push_back({v, 1.0});
+    }
+  m.row(layers, static_cast<double>(L), static_cast<double>(L));
+  // z[policy]: some layer at that policy sends its set to disk (then the ring holds two of its sets).
+  std::array<int, 2> z{};
+  for (int p = 0; p < 2; ++p) {
+    std::string name = "z_";
+    name += save_policy_name(kPolicies[p]);
+    z[static_cast<size_t>(p)] = m.binary(std::move(name));
+    m.row({{n[static_cast<size_t>(p)][1], 1.0}, {z[static_cast<size_t>(p)], -static_cast<double>(L)}}, -Milp::kInf, 0);
   }
   std::vector<int> y(G);
   Milp::Terms pick;
@@ -162,26 +178,23 @@ PlanPick solve_plan(const PlanInstance& in) {
     if (o.disk_allowed) {
       r = m.continuous("ring_" + std::to_string(g), 0);
       mem.push_back({r, 2.0});
+      for (int p = 0; p < 2; ++p)  // r >= a set of policy p when some layer at p goes to disk
+        m.row({{r, 1.0}, {z[static_cast<size_t>(p)], -o.set_bytes[static_cast<size_t>(p)] / kMiB}}, 0, Milp::kInf);
     }
-    for (int64_t l = 0; l < L; ++l) {
-      Milp::Terms ring{{r, 1.0}};
-      for (int p = 0; p < 3; ++p)
-        for (int tt = 0; tt < 2; ++tt) {
-          const int v = x[static_cast<size_t>(l)][static_cast<size_t>(p)][static_cast<size_t>(tt)];
-          if (v < 0) continue;
-          const double a = o.act_bytes[static_cast<size_t>(p)] / kMiB, sb = o.set_bytes[static_cast<size_t>(p)] / kMiB;
-          double sec = o.rec_seconds[static_cast<size_t>(p)];
-          if (tt == 1 && o.disk_allowed) {
-            ring.push_back({v, -sb});
-            io.push_back({v, -sb * kMiB * o.disk_seconds_per_byte * 1e3});
-            sec += o.disk_seconds[static_cast<size_t>(p)];
-          } else {
-            mem.push_back({v, a});
-          }
-          time.push_back({v, -sec * 1e3});
+    for (int p = 0; p < 3; ++p)
+      for (int tt = 0; tt < 2; ++tt) {
+        const int v = n[static_cast<size_t>(p)][static_cast<size_t>(tt)];
+        if (v < 0) continue;
+        const double a = o.act_bytes[static_cast<size_t>(p)] / kMiB, sb = o.set_bytes[static_cast<size_t>(p)] / kMiB;
+        double sec = o.rec_seconds[static_cast<size_t>(p)];
+        if (tt == 1 && o.disk_allowed) {
+          io.push_back({v, -sb * kMiB * o.disk_seconds_per_byte * 1e3});
+          sec += o.disk_seconds[static_cast<size_t>(p)];
+        } else {
+          mem.push_back({v, a});
         }
-      if (o.disk_allowed) m.row(ring, 0, Milp::kInf);  // r >= this layer's set when it goes to disk
-    }
+        time.push_back({v, -sec * 1e3});
+      }
     m.row(mem, -Milp::kInf, B - o.base_bytes / kMiB + m_mem);   // memory <= budget when y[g]
     m.row(time, o.base_seconds * 1e3 - m_t, Milp::kInf);        // t >= compute when y[g]
     m.row(io, o.io_seconds * 1e3 - m_t, Milp::kInf);             // t >= transfers when y[g]
@@ -196,14 +209,14 @@ PlanPick solve_plan(const PlanInstance& in) {
     if (s.x[static_cast<size_t>(y[g])] > 0.5) out.option = g;
   const bool disk = in.options[out.option].disk_allowed;
   int64_t on_disk[3] = {0, 0, 0}, in_mem[3] = {0, 0, 0};  // on_disk[none] stays 0
-  for (int64_t l = 0; l < L; ++l)
-    for (int p = 0; p < 3; ++p)
-      for (int tt = 0; tt < 2; ++tt) {
-        const int v = x[static_cast<size_t>(l)][static_cast<size_t>(p)][static_cast<size_t>(tt)];
-        if (v < 0 || s.x[static_cast<size_t>(v)] < 0.5) continue;
-        if (tt == 1 && disk) ++on_disk[p];
-        else ++in_mem[p];
-      }
+  for (int p = 0; p < 3; ++p)
+    for (int tt = 0; tt < 2; ++tt) {
+      const int v = n[static_cast<size_t>(p)][static_cast<size_t>(tt)];
+      if (v < 0) continue;
+      const int64_t k = std::llround(s.x[static_cast<size_t>(v)]);
+      if (tt == 1 && disk) on_disk[p] += k;
+      else in_mem[p] += k;
+    }
   lay_out(L, on_disk, in_mem, &out.policies, &out.on_disk);
   out.seconds = in.seconds(out.option, out.policies, out.on_disk);
   out.bytes = in.bytes(out.option, out.policies, out.on_disk);
