@@ -67,18 +67,17 @@ PairTime time_pair(const TrainConfig& ca, const TrainConfig& cb, int64_t V, int 
       total += ta.back();
     }
   } else {
-    for (int side = 0; side < 2; ++side) {
-      Trainer t(side == 0 ? ca : cb, "");
-      const StepBatch& x = side == 0 ? ba : bb;
-      std::vector<double>& out = side == 0 ? ta : tb;
-      t.step(x);
-      double sum = 0;
-      while (more(out.size(), sum) || (side == 1 && out.size() < ta.size())) {
-        out.push_back(t.step(x).seconds);
-        sum += out.back();
+    {
+      Trainer a(ca, "");
+      a.step(ba);
+      while (more(ta.size(), total)) {
+        ta.push_back(a.step(ba).seconds);
+        total += ta.back();
       }
     }
-    tb.resize(ta.size());
+    Trainer b(cb, "");  // as many steps as a took
+    b.step(bb);
+    while (tb.size() < ta.size()) tb.push_back(b.step(bb).seconds);
   }
   std::vector<double> d(ta.size());
   for (size_t i = 0; i < ta.size(); ++i) d[i] = tb[i] - ta[i];

@@ -6,8 +6,6 @@
 #include <filesystem>
 #include <fstream>
 
-#include <omp.h>
-
 #include "core/error.h"
 #include "memory/arena.h"
 #include "model/lora.h"
