@@ -2,6 +2,8 @@
 
 #include "backend/cpu/cpu_ops.h"
 #include "backend/ref/ref_ops.h"
+#include "backend/strict_ops.h"
+#include "memory/allocator.h"
 
 #include <cstring>
 
@@ -30,9 +32,18 @@ void Ops::iota(Tensor x, int32_t first) {
   for (int64_t i = 0; i < x.numel(); ++i) p[i] = first + static_cast<int32_t>(i);
 }
 
+void Ops::write_host(Tensor dst, const std::function<void(void*)>& write) {
+  if (dst.nbytes() > 0) write(dst.data);
+}
+
+void Ops::read_host(Tensor src, const std::function<void(const void*)>& read) {
+  if (src.nbytes() > 0) read(src.data);
+}
+
 std::unique_ptr<Ops> make_ops(std::string_view name, Arena* workspace) {
-  if (name == "ref") return std::make_unique<RefOps>();
-  if (name == "cpu") return std::make_unique<CpuOps>(workspace);
+  if (name == "ref") return strict_device() ? make_strict_ops(std::make_unique<RefOps>()) : std::make_unique<RefOps>();
+  if (name == "cpu")
+    return strict_device() ? make_strict_ops(std::make_unique<CpuOps>(workspace)) : std::make_unique<CpuOps>(workspace);
   if (name == "cuda")
     fail("[backend] the CUDA backend has no kernels yet in this build; use --backend cpu");
   fail("[backend] unknown backend '", name, "': choose cpu (or ref, the float64 oracle used by tests)");

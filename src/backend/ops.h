@@ -11,6 +11,7 @@
 #pragma once
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string_view>
 #include <vector>
@@ -168,6 +169,12 @@ class Ops {
   virtual void zero(Tensor x);
   // x (i32) = first, first + 1, ... (positions).
   virtual void iota(Tensor x, int32_t first);
+  // Host code produces or consumes a whole tensor in place, without a second copy where the backend can:
+  // write_host calls `write` once with host memory of dst.nbytes() bytes that becomes dst (a host-memory
+  // backend hands out dst's own memory; a device backend a staging buffer it then uploads); read_host calls
+  // `read` once with host memory holding src's bytes. The callbacks touch only the memory they are given.
+  virtual void write_host(Tensor dst, const std::function<void(void* host)>& write);
+  virtual void read_host(Tensor src, const std::function<void(const void* host)>& read);
 
   // Page-level top-k sparse attention: the summaries of the paged K/V store's pages and the pages each query
   // page selects (backend/pages.cpp; the default forms are for backends whose tensors live in host memory).

@@ -1,19 +1,15 @@
 #include "memory/arena.h"
 
-#include <sys/mman.h>
-
 #include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <sstream>
 
 namespace oomless {
 
 namespace {
-// Requests at least this large are whole mapped pages, unmapped on free, so RSS tracks the ledger
-// (malloc would keep freed chunks in its heap).
-constexpr size_t kMapThreshold = 256 * 1024;
 constexpr size_t kAlign = 64;
 }  // namespace
 
@@ -233,8 +229,8 @@ Tensor Buffer::view(DType t, std::initializer_list<int64_t> shape) const {
 
 // ---- Arena ----
 
-Arena::Arena(Tier tier, size_t budget, Ledger& ledger, Budget* shared)
-    : tier_(tier), budget_(budget), ledger_(ledger), shared_(shared) {}
+Arena::Arena(Tier tier, size_t budget, Ledger& ledger, Budget* shared, Allocator* from)
+    : tier_(tier), budget_(budget), ledger_(ledger), shared_(shared), from_(from ? from : &tier_allocator(tier)) {}
 
 Arena::~Arena() = default;
 
@@ -249,7 +245,10 @@ Arena::Arena(void* base, size_t bytes, Tier tier, Ledger& ledger)
             "-byte aligned region");
 }
 
-Buffer Arena::alloc(size_t bytes, Category cat, std::string_view what) {
+Buffer Arena::alloc(size_t bytes, Category cat, std::string_view what) { return take(bytes, cat, what, false); }
+Buffer Arena::alloc_zeroed(size_t bytes, Category cat, std::string_view what) { return take(bytes, cat, what, true); }
+
+Buffer Arena::take(size_t bytes, Category cat, std::string_view what, bool zeroed) {
   Buffer b;
   if (bytes == 0) return b;
   if (region_) {
@@ -260,6 +259,7 @@ Buffer Arena::alloc(size_t bytes, Category cat, std::string_view what) {
                         " of " + category_name(cat) + (what.empty() ? std::string() : " (" + std::string(what) + ")") +
                         " after " + format_bytes(region_next_));
     b.ptr_ = region_ + region_next_;
+    if (zeroed) std::memset(b.ptr_, 0, bytes);  // a sub-arena carves host memory (DiskState's)
     region_next_ += need;
     ++region_live_;
     used_ += bytes;
@@ -292,13 +292,7 @@ Buffer Arena::alloc(size_t bytes, Category cat, std::string_view what) {
     used_ += bytes;
     if (shared_) shared_->used += bytes;
   }
-  void* p = nullptr;
-  if (bytes >= kMapThreshold) {
-    p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) p = nullptr;
-  } else {
-    p = std::aligned_alloc(kAlign, (bytes + kAlign - 1) / kAlign * kAlign);
-  }
+  void* p = zeroed ? from_->allocate_zeroed(bytes) : from_->allocate(bytes);
   if (!p) {
     std::lock_guard<std::mutex> lock(mu_);
     used_ -= bytes;
@@ -322,10 +316,7 @@ void Arena::release(void* p, size_t bytes, Category c) {
     if (--region_live_ == 0) region_next_ = 0;
     return;
   }
-  if (bytes >= kMapThreshold)
-    munmap(p, bytes);
-  else
-    std::free(p);
+  from_->deallocate(p, bytes);
   ledger_.on_free(tier_, c, bytes);
   std::lock_guard<std::mutex> lock(mu_);
   used_ -= bytes;

@@ -18,6 +18,7 @@
 #include "core/error.h"
 #include "core/tensor.h"
 #include "core/tier.h"
+#include "memory/allocator.h"
 
 namespace oomless {
 
@@ -103,8 +104,9 @@ class Buffer {
 class Arena {
  public:
   // A tier arena with its own budget, recorded in `ledger`. `shared`, if given, is a second limit that
-  // this arena's allocations also count against (and must outlive the arena).
-  Arena(Tier tier, size_t budget, Ledger& ledger, Budget* shared = nullptr);
+  // this arena's allocations also count against (and must outlive the arena). Its memory comes from
+  // `from`, by default the tier's allocator (memory/allocator.h).
+  Arena(Tier tier, size_t budget, Ledger& ledger, Budget* shared = nullptr, Allocator* from = nullptr);
   // A sub-arena over `bytes` at `base`, memory another arena holds and already counts: allocations are
   // carved from it in order (64-byte aligned) and the region is reused from its start once none is live.
   // Recorded in `ledger`, which should be a private one so that no byte is counted twice.
@@ -116,18 +118,24 @@ class Arena {
   // Zero-size requests return an empty Buffer. Memory is 64-byte aligned; large requests are mapped
   // pages returned to the OS on free, so the process RSS follows the ledger.
   Buffer alloc(size_t bytes, Category cat, std::string_view what = {});
+  // The same, every byte zero (cleared by the allocator, where the memory is).
+  Buffer alloc_zeroed(size_t bytes, Category cat, std::string_view what = {});
   Tier tier() const { return tier_; }
   size_t budget() const { return budget_; }
   size_t used() const;
   Ledger& ledger() const { return ledger_; }
+  // Where its memory comes from (null for a sub-arena).
+  Allocator* allocator() const { return from_; }
 
  private:
   friend class Buffer;
   void release(void* p, size_t bytes, Category c);
+  Buffer take(size_t bytes, Category cat, std::string_view what, bool zeroed);
   Tier tier_;
   size_t budget_;
   Ledger& ledger_;
   Budget* shared_;
+  Allocator* from_ = nullptr;
   mutable std::mutex mu_;
   size_t used_ = 0;
   char* region_ = nullptr;  // sub-arena: its memory, the next free offset and the live allocations

@@ -1,5 +1,7 @@
 #include "memory/offloader.h"
 
+#include "memory/allocator.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -181,6 +183,7 @@ void Offloader::run(const std::vector<Job>& batch, std::vector<std::string>& err
     return what && *what ? std::string(what) : std::string("[offload] a transfer failed without a message");
   };
   try {
+    DeviceAccess open;  // this worker is the transfer engine: it may touch Device memory (strict device mode)
     if (batch.size() == 1) {
       const Job& j = batch[0];
       switch (j.kind) {
