@@ -93,7 +93,7 @@ int main(int argc, char** argv) {
         CpuMemory mem(size_t{20} << 30);
         auto ops = make_ops("cpu", &mem.device);
         ParamSet params(cfg, DType::f32, mem.device, Category::weights);
-        init_random(params, 1);
+        init_random(*ops, params, 1);
         Model m(cfg, *ops, params, mem.device, {cd, SavePolicy::all});
         m.reserve(T, true);
         std::vector<int32_t> ids(static_cast<size_t>(T)), tg(static_cast<size_t>(T));

@@ -45,7 +45,7 @@ Outcome run(const Case& st, Tier offload, std::vector<Tier> tiers = {}) {
   CpuMemory mem(size_t{1} << 30);
   auto ops = make_ops("cpu");
   ParamSet params(cfg, DType::f32, mem.device, Category::weights);
-  init_random(params, 5, 0.2);
+  init_random(*ops, params, 5, 0.2);
   ModelOptions mo{st.dtype, SavePolicy::all, nullptr, st.act_store};
   mo.save_layers = st.layers;
   mo.act_offload = offload;

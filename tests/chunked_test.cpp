@@ -183,7 +183,7 @@ TEST(ChunkedEval, EqualsTheFullForward) {
   CpuMemory mem(size_t{1} << 32);
   auto ops = make_ops("cpu", &mem.device);
   ParamSet params(cfg, DType::f32, mem.device, Category::weights);
-  init_random(params, 5, 0.3);
+  init_random(*ops, params, 5, 0.3);
   Model m(cfg, *ops, params, mem.device);
   const int64_t T = 150;
   std::vector<int32_t> ids = tokens(T, cfg.V, 13), tg = targets_of(ids);

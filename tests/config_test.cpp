@@ -228,7 +228,7 @@ TEST(Config, WeightsThatDisagreeWithTheConfigAreRefused) {
   Arena arena(Tier::Host, size_t{1} << 30, ledger);
   ParamSet p(m.cfg, DType::f32, arena, Category::weights);
   try {
-    m.load_weights(p);
+    m.load_weights(*make_ops("cpu"), p);
     ADD_FAILURE() << "no error";
   } catch (const Error& e) {
     const std::string w = e.what();
@@ -241,7 +241,7 @@ TEST(Config, WeightsThatDisagreeWithTheConfigAreRefused) {
   ModelSource m3 = open_model(dir.string());
   ParamSet p3(m3.cfg, DType::f32, arena, Category::weights);
   try {
-    m3.load_weights(p3);
+    m3.load_weights(*make_ops("cpu"), p3);
     ADD_FAILURE() << "no error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("model.layers.2."), std::string::npos) << e.what();

@@ -43,7 +43,7 @@ struct DecodeRig {
   std::vector<int32_t> ids;
   using Cache = DecodeCache;
   explicit DecodeRig(double init_std) {
-    init_random(params, 5, init_std);
+    init_random(*ops, params, 5, init_std);
     model = std::make_unique<Model>(cfg, *ops, params, mem.device);
     ids.resize(static_cast<size_t>(cap));
     for (int64_t t = 0; t < cap; ++t) ids[static_cast<size_t>(t)] = static_cast<int32_t>((t * 977 + 5) % cfg.V);

@@ -82,7 +82,7 @@ struct Loaded {
   std::unique_ptr<ParamSet> params;
   explicit Loaded(const std::string& spec) : src(open_model(spec)) {
     params = std::make_unique<ParamSet>(src.cfg, DType::f32, mem->device, Category::weights);
-    src.load_weights(*params);
+    src.load_weights(*make_ops("cpu"), *params);
   }
 };
 

@@ -3,6 +3,8 @@
 // each kind of malformed file is refused with an error that names the problem.
 #include <gtest/gtest.h>
 
+#include "backend/ops.h"
+
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -298,7 +300,7 @@ TEST(Gguf, QuantisedRowSpansEqualTheWholeDequantisation) {
     h.hf_name = name, h.shape = {rows, cols}, h.src = &t;
     CpuMemory mem(size_t{1} << 28);
     ParamSet slot(cfg, DType::f32, mem.device, Category::weights, [&](const ParamSpec& s) { return s.name != name; });
-    QuantBase qb({h}, slot, mem.device);
+    QuantBase qb(*make_ops("cpu", &mem.device), {h}, slot, mem.device);
     const Tensor& w = *slot.find(name);
     ASSERT_TRUE(w.quant);
     std::vector<float> whole(static_cast<size_t>(rows * cols));

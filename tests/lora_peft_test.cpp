@@ -67,11 +67,11 @@ void check_variant(const std::string& name, const std::string& base, Mode mode) 
   std::optional<ParamSet> full;
   if (src.bnb4) {
     ASSERT_NE(mode, Mode::f64) << "a 4-bit base runs on the cpu backend";
-    quantised = load_base(src, arena, true);
+    quantised = load_base(src, *ops, arena, true);
     ASSERT_TRUE(quantised.quant && quantised.quant->matrices() > 0);
   } else {
     full.emplace(src.cfg, ops->act_dtype(), arena, Category::weights);
-    src.load_weights(*full);
+    src.load_weights(*ops, *full);
   }
   ParamSet& params = src.bnb4 ? *quantised.params : *full;
   AdapterSet ad(src.cfg, read_adapter_settings(dir, src.cfg), ops->act_dtype(), arena, Category::adapter);
@@ -155,7 +155,7 @@ TEST(LoraPeft, MergeMatchesPeftMergeAndUnload) {
     Arena arena(Tier::Host, size_t{1} << 30, ledger);
     auto ops = make_ops("ref");
     ParamSet params(src.cfg, DType::f64, arena, Category::weights);
-    src.load_weights(params);
+    src.load_weights(*ops, params);
     AdapterSet ad(src.cfg, read_adapter_settings(dir, src.cfg), DType::f64, arena, Category::adapter);
     load_adapter(*ops, dir, src.cfg, ad, params);
     const std::string key = "model.layers.0.self_attn.q_proj.weight";

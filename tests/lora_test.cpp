@@ -71,7 +71,7 @@ TEST(Lora, AdapterGradientsMatchFiniteDifferences) {
       Arena arena(Tier::Host, size_t{1} << 30, ledger);
       auto ops = make_ops("ref");
       ParamSet params(var.cfg, DType::f64, arena, Category::weights);
-      init_random(params, 7, 0.3);
+      init_random(*ops, params, 7, 0.3);
       perturb(params, 8);
       auto ad = test::random_adapters(var.cfg, ls, DType::f64, arena, 21);
       Model m(var.cfg, *ops, params, arena, {ComputeDType::f32, SavePolicy::all, ad.get()});
@@ -101,7 +101,7 @@ TEST(Lora, EqualsTheBaseWithMergedWeights) {
     auto ops = make_ops("ref");
     const LoraSettings ls = lora(3, "all-linear", 5.0, false, 0, dora);
     ParamSet params(var.cfg, DType::f64, arena, Category::weights);
-    init_random(params, 7, 0.3);
+    init_random(*ops, params, 7, 0.3);
     perturb(params, 8);
     auto ad = test::random_adapters(var.cfg, ls, DType::f64, arena, 21);
     ParamSet merged(var.cfg, DType::f64, arena, Category::weights);
@@ -145,7 +145,7 @@ TEST(Lora, AnUntrainedAdapterChangesNothing) {
     CpuMemory mem(size_t{1} << 32);
     auto ops = make_ops("cpu", &mem.device);
     ParamSet params(var.cfg, DType::f32, mem.device, Category::weights);
-    init_random(params, 5, 0.3);
+    init_random(*ops, params, 5, 0.3);
     AdapterSet ad(var.cfg, lora(4, "all-linear", 8.0, false, 0, dora), DType::f32, mem.device, Category::adapter);
     init_lora(*ops, ad, 1);
     init_dora(*ops, ad, params);
@@ -167,7 +167,7 @@ TEST(Lora, FrozenBaseHasNoGradientsAndTrainingLeavesItsBytes) {
   CpuMemory mem(size_t{1} << 32);
   auto ops = make_ops("cpu", &mem.device);
   ParamSet params(var.cfg, DType::f32, mem.device, Category::weights);
-  init_random(params, 5, 0.3);
+  init_random(*ops, params, 5, 0.3);
   perturb(params, 6);
   const std::vector<char> before(static_cast<const char*>(params.data()),
                                  static_cast<const char*>(params.data()) + params.bytes());
@@ -209,7 +209,7 @@ TEST(Lora, OnePassHeadGivesTheTwoPassGradients) {
     CpuMemory mem(size_t{1} << 32);
     auto ops = make_ops("cpu", &mem.device);
     ParamSet params(var.cfg, DType::f32, mem.device, Category::weights);
-    init_random(params, 5, 0.3);
+    init_random(*ops, params, 5, 0.3);
     auto ad = adapters ? test::random_adapters(var.cfg, lora(4, "all-linear", 8.0), DType::f32, mem.device, 3) : nullptr;
     Model m(var.cfg, *ops, params, mem.device, {ComputeDType::f32, SavePolicy::all, ad.get()});
     const TrainableSet tr = m.trainable();
@@ -287,7 +287,7 @@ TEST(Lora, DropoutIsSeededAndOnlyInTraining) {
   Arena arena(Tier::Host, size_t{1} << 30, ledger);
   auto ops = make_ops("cpu");
   ParamSet params(var.cfg, DType::f32, arena, Category::weights);
-  init_random(params, 7, 0.3);
+  init_random(*ops, params, 7, 0.3);
   auto with = test::random_adapters(var.cfg, lora(3, "all-linear", 6.0, false, 0.4), DType::f32, arena, 21);
   auto without = test::random_adapters(var.cfg, lora(3, "all-linear", 6.0), DType::f32, arena, 21);
   Model a(var.cfg, *ops, params, arena, {ComputeDType::f32, SavePolicy::all, with.get()});
@@ -338,7 +338,7 @@ TEST(Lora, DoraWithDropoutIsPeftsForm) {
     Arena arena(Tier::Host, size_t{1} << 30, ledger);
     auto ops = make_ops("ref");
     ParamSet params(var.cfg, DType::f64, arena, Category::weights);
-    init_random(params, 7, 0.3);
+    init_random(*ops, params, 7, 0.3);
     const LoraSettings dora_s = lora(3, "all-linear", 6.0, false, 0.3, true), lora_s = lora(3, "all-linear", 6.0, false, 0.3);
     auto dora = test::random_adapters(var.cfg, dora_s, DType::f64, arena, 21);
     auto plain = test::random_adapters(var.cfg, lora_s, DType::f64, arena, 21);

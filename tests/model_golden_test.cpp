@@ -72,7 +72,7 @@ void check_model(const std::string& name, Mode mode) {
   Arena arena(Tier::Host, size_t{1} << 30, ledger);
   auto ops = make_ops(mode == Mode::f64 ? "ref" : "cpu");
   ParamSet params(src.cfg, ops->act_dtype(), arena, Category::weights);
-  src.load_weights(params);
+  src.load_weights(*ops, params);
   Model m(src.cfg, *ops, params, arena, {mode == Mode::bf16 ? ComputeDType::bf16 : ComputeDType::f32, SavePolicy::all});
   m.reserve(T, true);
   CeResult r = m.forward(Tensor(ids.data(), DType::i32, {T}), Tensor(targets.data(), DType::i32, {T}), true);
@@ -152,7 +152,7 @@ TEST(ModelGolden, EvalGradientOfWindowZeroIsTransformersGradient) {
   Arena arena(Tier::Host, size_t{1} << 30, ledger);
   auto ops = make_ops("cpu");
   ParamSet params(src.cfg, DType::f32, arena, Category::weights);
-  src.load_weights(params);
+  src.load_weights(*ops, params);
   Model m(src.cfg, *ops, params, arena);
   EvalResult r = evaluate(m, stream, T, true);
   EXPECT_EQ(r.windows, 1);

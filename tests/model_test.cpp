@@ -68,7 +68,7 @@ TEST_P(ModelFd, EveryParameterGradientMatchesFiniteDifferences) {
   Arena arena(Tier::Host, size_t{1} << 30, ledger);
   auto ops = make_ops("ref");
   ParamSet params(var.cfg, DType::f64, arena, Category::weights);
-  init_random(params, 7, 0.3);
+  init_random(*ops, params, 7, 0.3);
   perturb(params, 8);
   Model m(var.cfg, *ops, params, arena);
   const int64_t T = 9;
@@ -99,7 +99,7 @@ RunResult run_once(const ModelConfig& cfg, SavePolicy pol, ComputeDType dt, std:
   Arena arena(Tier::Host, size_t{1} << 30, ledger);
   auto ops = make_ops("cpu");
   ParamSet params(cfg, DType::f32, arena, Category::weights);
-  init_random(params, 5, 0.2);
+  init_random(*ops, params, 5, 0.2);
   perturb(params, 6);
   ModelOptions mo{dt, pol};
   mo.save_layers = std::move(layers);
@@ -195,7 +195,7 @@ TEST(Model, CachedDecodeMatchesTheFullForward) {
     Arena arena(Tier::Host, size_t{1} << 30, ledger);
     auto ops = make_ops("ref");
     ParamSet params(var.cfg, DType::f64, arena, Category::weights);
-    init_random(params, 9, 0.3);
+    init_random(*ops, params, 9, 0.3);
     perturb(params, 10);
     Model m(var.cfg, *ops, params, arena);
     const int64_t T = 12, V = var.cfg.V;

@@ -150,7 +150,7 @@ TEST(Clip, GlobalNormIsTheNormOfAllGradients) {
     auto ops = make_ops(b);
     // The golden layout is f32; ref computes in f64, so give it an f64 copy.
     ParamSet g64(gr.cfg, DType::f64, gr.arena, Category::grads);
-    convert_params(g64, gr.g);
+    convert_params(*ops, g64, gr.g);
     const double n = global_grad_norm(*ops, grads_only(b == "ref" ? g64 : gr.g));
     EXPECT_NEAR(n, gr.expected_norm(), 1e-12 * gr.expected_norm()) << b;
     EXPECT_GT(n, 1.0) << b;

@@ -43,7 +43,7 @@ TEST(Qlora, Nf4BaseIsBitwiseTheDequantisedBase) {
         CpuMemory mem(size_t{1} << 32);
         auto ops = make_ops("cpu", &mem.device);
         ParamSet full(var.cfg, DType::f32, mem.device, Category::weights);
-        init_random(full, 5, 0.3);
+        init_random(*ops, full, 5, 0.3);
         const bool tq = *tables != 0;
         ParamSet qp(var.cfg, DType::f32, mem.device, Category::weights, [tq](const ParamSpec& s) {
           return !is_projection_weight(s.name) && !(tq && is_embedding_or_head(s.name));
@@ -51,12 +51,12 @@ TEST(Qlora, Nf4BaseIsBitwiseTheDequantisedBase) {
         for (size_t i = 0; i < full.specs().size(); ++i)
           if (qp.tensors()[i].data) std::memcpy(qp.tensors()[i].data, full.tensors()[i].data, full.tensors()[i].nbytes());
         QuantBase qb;
-        qb.add_nf4_from(full, qp, mem.device, dq);
+        qb.add_nf4_from(*ops, full, qp, mem.device, dq);
         for (size_t i = 0; tq && i < full.specs().size(); ++i) {
           const Tensor& t = full.tensors()[i];
           if (!is_embedding_or_head(full.specs()[i].name)) continue;
-          if (mode == 3) qb.add_bf16_matrix(full.specs()[i].name, static_cast<const float*>(t.data), t.dims[0], t.dims[1], qp, mem.device);
-          else qb.add_nf4_matrix(full.specs()[i].name, static_cast<const float*>(t.data), t.dims[0], t.dims[1], qp, mem.device, true);
+          if (mode == 3) qb.add_bf16_matrix(*ops, full.specs()[i].name, static_cast<const float*>(t.data), t.dims[0], t.dims[1], qp, mem.device);
+          else qb.add_nf4_matrix(*ops, full.specs()[i].name, static_cast<const float*>(t.data), t.dims[0], t.dims[1], qp, mem.device, true);
         }
         EXPECT_EQ(qb.matrices(), 7 * var.cfg.L + (tq ? (var.cfg.tied ? 1 : 2) : 0));
         ASSERT_EQ(qp.embed.quant != nullptr, tq);
@@ -116,7 +116,7 @@ TEST(Qlora, Nf4RowReadsEqualTheReferenceDequantisation) {
     const nf4::Matrix m = nf4::quantize_matrix(w.data(), rows, cols, 64, dq, store.data(), store.size());
     std::vector<float> ref(static_cast<size_t>(rows * cols));
     nf4::dequantize_rows(m, 0, rows, ref.data());
-    qb.add_nf4_matrix(name, w.data(), rows, cols, slot, mem.device, dq);
+    qb.add_nf4_matrix(*make_ops("cpu"), name, w.data(), rows, cols, slot, mem.device, dq);
     const Tensor& t = *slot.find(name);
     ASSERT_TRUE(t.quant);
     for (int64_t r = 0; r < rows; ++r)
@@ -139,7 +139,7 @@ TEST(Qlora, Bnb4FolderMatchesTransformers) {
   ASSERT_TRUE(src.bnb4);
   CpuMemory mem(size_t{1} << 32);
   auto ops = make_ops("cpu", &mem.device);
-  BaseWeights b = load_base(src, mem.device, true);
+  BaseWeights b = load_base(src, *ops, mem.device, true);
   ASSERT_TRUE(b.quant);
   EXPECT_STREQ(b.quant->format(), "nf4-dq");
   SafetensorsFile g = SafetensorsFile::open(dir + "/golden.safetensors");
@@ -161,15 +161,16 @@ TEST(Qlora, Bnb4FolderMatchesTransformers) {
   for (size_t i = 0; i < lg.size(); ++i) num += std::pow(lg[i] - gold[i], 2), den += std::pow(gold[i], 2);
   EXPECT_LT(std::sqrt(num / den), 1e-5);
   // Full training of a 4-bit base is refused.
-  EXPECT_THROW(load_base(src, mem.device, false), Error);
+  EXPECT_THROW(load_base(src, *ops, mem.device, false), Error);
 }
 
 TEST(Qlora, MisusesAreClearErrors) {
   CpuMemory mem(size_t{1} << 30);
+  auto ops = make_ops("cpu", &mem.device);
   auto message = [&](const std::string& model, bool keep, const std::string& dtype) {
     ModelSource src = open_model(model);
     try {
-      load_base(src, mem.device, keep, dtype);
+      load_base(src, *ops, mem.device, keep, dtype);
     } catch (const Error& e) {
       return std::string(e.what());
     }

@@ -163,7 +163,7 @@ struct GgufProjections {
       src.nbytes = data.back().size();
       ts[static_cast<size_t>(i)] = {names[i], {rows, cols}, &src, i == 0 ? static_cast<int>(cfg.H) : 0};
     }
-    qb = std::make_unique<QuantBase>(ts, qp, mem.device, false);
+    qb = std::make_unique<QuantBase>(*make_ops("cpu"), ts, qp, mem.device, false);
   }
   // The matrix `name` dequantised, (rows, cols) f32.
   std::vector<float> dense(const Tensor& w) const {

@@ -44,7 +44,7 @@ std::unique_ptr<Fixture> open_smollm2() {
   f->mem = std::make_unique<CpuMemory>(size_t{8} << 30);
   f->ops = make_ops("cpu", &f->mem->device);
   f->params = std::make_unique<ParamSet>(f->src.cfg, DType::f32, f->mem->device, Category::weights);
-  f->src.load_weights(*f->params);
+  f->src.load_weights(*f->ops, *f->params);
   f->model = std::make_unique<Model>(f->src.cfg, *f->ops, *f->params, f->mem->device);
   return f;
 }

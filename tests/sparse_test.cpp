@@ -119,7 +119,7 @@ TEST(SparseAttention, GradientsMatchFiniteDifferencesWithTheSelectionFixed) {
     CpuMemory mem(size_t{1} << 32);
     auto ops = make_ops("ref");
     ParamSet params(cfg, DType::f64, mem.device, Category::weights);
-    init_random(params, 7, 0.3);
+    init_random(*ops, params, 7, 0.3);
     Model m(cfg, *ops, params, mem.device);
     const int64_t T = 46, C = 8, P = 2;  // 6 chunks (the last of 6 tokens), 4 pages each
     m.reserve(C, true, true);

@@ -47,8 +47,8 @@ std::string shape_str(const std::vector<int64_t>& s) {
 }
 
 // Copies float32 values into a parameter of any float dtype.
-void store(const Tensor& dst, const std::vector<float>& src) {
-  convert(dst.data, dst.dtype, src.data(), DType::f32, dst.numel());
+void store(Ops& ops, const Tensor& dst, const std::vector<float>& src) {
+  ops.write_host(dst, [&](void* host) { convert(host, dst.dtype, src.data(), DType::f32, dst.numel()); });
 }
 
 ModelSource open_preset(const std::string& spec, std::string_view name, uint64_t seed) {
@@ -67,7 +67,7 @@ ModelSource open_preset(const std::string& spec, std::string_view name, uint64_t
     m.tokenizer = smollm2;
     m.tokenizer_json = std::string(embedded(oomless_smollm2_tokenizer_json, oomless_smollm2_tokenizer_json_end));
   }
-  m.load_weights = [seed](ParamSet& p) { init_random(p, seed); };
+  m.load_weights = [seed](Ops& ops, ParamSet& p) { init_random(ops, p, seed); };
   return m;
 }
 
@@ -128,18 +128,18 @@ ModelSource open_config_only(const std::string& spec, const fs::path& cfg_path, 
   const fs::path dir = cfg_path.parent_path().empty() ? fs::path(".") : cfg_path.parent_path();
   read_tokenizer_files(m, dir);
   m.read_f32 = [seed](const ParamSpec& s, float* out) { init_tensor(s, seed, out); };
-  m.load_weights = [seed](ParamSet& p) {
+  m.load_weights = [seed](Ops& ops, ParamSet& p) {
     std::vector<float> buf;
     for (size_t i = 0; i < p.specs().size(); ++i) {
       const Tensor& t = p.tensors()[i];
       if (!t.data) continue;  // held elsewhere (a quantised base)
       if (t.dtype == DType::f32) {  // in place: no second copy of a large embedding
-        init_tensor(p.specs()[i], seed, static_cast<float*>(t.data));
+        ops.write_host(t, [&](void* host) { init_tensor(p.specs()[i], seed, static_cast<float*>(host)); });
         continue;
       }
       buf.resize(static_cast<size_t>(t.numel()));
       init_tensor(p.specs()[i], seed, buf.data());
-      store(t, buf);
+      store(ops, t, buf);
     }
   };
   return m;
@@ -171,7 +171,7 @@ ModelSource open_hf(const std::string& spec, const fs::path& dir) {
     OOM_CHECK(t, "[model] ", dir.string(), ": the weights have no tensor '", s.name, "'");
     read_as_f32(*t, s.shape, out);
   };
-  m.load_weights = [set, dir](ParamSet& p) {
+  m.load_weights = [set, dir](Ops& ops, ParamSet& p) {
     std::vector<float> buf;
     for (size_t i = 0; i < p.specs().size(); ++i) {
       const ParamSpec& s = p.specs()[i];
@@ -181,7 +181,7 @@ ModelSource open_hf(const std::string& spec, const fs::path& dir) {
                 ") that config.json implies; the folder's config and weights do not belong together");
       buf.resize(static_cast<size_t>(p.tensors()[i].numel()));
       read_as_f32(*t, s.shape, buf.data());
-      store(p.tensors()[i], buf);
+      store(ops, p.tensors()[i], buf);
     }
   };
   return m;
@@ -208,7 +208,7 @@ ModelSource open_gguf(const std::string& spec) {
   if (!m.cfg.bos_id && tc.bos) m.cfg.bos_id = tc.bos;
   auto tensors = std::make_shared<std::vector<GgufHfTensor>>(gguf_hf_tensors(*file));
   m.gguf_tensors = tensors;
-  m.load_weights = [file, tensors, spec](ParamSet& p) {
+  m.load_weights = [file, tensors, spec](Ops& ops, ParamSet& p) {
     std::map<std::string, const GgufHfTensor*, std::less<>> by_name;
     for (const GgufHfTensor& t : *tensors) by_name[t.hf_name] = &t;
     std::vector<float> buf;
@@ -222,7 +222,7 @@ ModelSource open_gguf(const std::string& spec) {
                 shape_str(it->second->shape), " but the metadata implies ", shape_str(s.shape));
       buf.resize(static_cast<size_t>(p.tensors()[i].numel()));
       gguf_read_f32(*it->second, buf.data());
-      store(p.tensors()[i], buf);
+      store(ops, p.tensors()[i], buf);
     }
   };
   return m;

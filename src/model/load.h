@@ -27,7 +27,7 @@ struct ModelSource {
   json::Value tokenizer_config;      // tokenizer_config.json (or its GGUF equivalent); null if none
   json::Value generation_config;     // generation_config.json of a Hugging Face folder; null if none
   // Fills every parameter (any float dtype), checking names and shapes against the config.
-  std::function<void(ParamSet&)> load_weights;
+  std::function<void(Ops&, ParamSet&)> load_weights;
   // One parameter as f32 (out: its numel floats), for loaders that convert tensor by tensor (an NF4 base
   // quantised at load); empty for presets, whose random init is drawn over the whole set in order.
   std::function<void(const ParamSpec&, float*)> read_f32;

@@ -83,8 +83,7 @@ ParamSet::ParamSet(std::vector<ParamSpec> specs, DType dtype, Arena& arena, Cate
     offsets.push_back(total);
     total += (static_cast<size_t>(dtype_bytes(dtype, numel_of(s.shape))) + 63) / 64 * 64;
   }
-  storage_ = arena.alloc(std::max<size_t>(total, 1), cat, what);
-  std::memset(storage_.data(), 0, storage_.size());
+  storage_ = arena.alloc_zeroed(std::max<size_t>(total, 1), cat, what);
   for (size_t i = 0; i < specs_.size(); ++i)
     tensors_.push_back(make_view(storage_.as<char>() + offsets[i], dtype, specs_[i].shape));
 }
@@ -156,7 +155,7 @@ TrainableSet trainable_set(const ParamSet& params, const ParamSet& grads) {
   return t;
 }
 
-void init_random(ParamSet& p, uint64_t seed, double std) {
+void init_random(Ops& ops, ParamSet& p, uint64_t seed, double std) {
   std::mt19937_64 rng(seed);
   auto normal = [&rng]() {
     // Box-Muller from two 53-bit uniforms: the same numbers on every platform (std::normal_distribution
@@ -173,17 +172,17 @@ void init_random(ParamSet& p, uint64_t seed, double std) {
     const bool is_bias = s.name.size() > 5 && s.name.compare(s.name.size() - 5, 5, ".bias") == 0;
     std::vector<double> v(static_cast<size_t>(t.numel()));
     for (double& x : v) x = is_norm ? 1.0 : is_bias ? 0.0 : std * normal();
-    convert(t.data, t.dtype, v.data(), DType::f64, t.numel());
+    ops.write_host(t, [&](void* host) { convert(host, t.dtype, v.data(), DType::f64, t.numel()); });
   }
 }
 
-void convert_params(ParamSet& dst, const ParamSet& src) {
+void convert_params(Ops& ops, ParamSet& dst, const ParamSet& src) {
   OOM_CHECK(dst.tensors().size() == src.tensors().size(), "[model] convert_params: different models");
   for (size_t i = 0; i < src.tensors().size(); ++i) {
     const Tensor& s = src.tensors()[i];
     const Tensor& d = dst.tensors()[i];
     OOM_CHECK(s.numel() == d.numel(), "[model] convert_params: ", src.specs()[i].name, " sizes differ");
-    convert(d.data, d.dtype, s.data, s.dtype, s.numel());
+    ops.convert(d, s);
   }
 }
 

@@ -6,6 +6,7 @@
 #include <string_view>
 #include <vector>
 
+#include "backend/ops.h"
 #include "memory/arena.h"
 #include "model/config.h"
 #include "model/trainable.h"
@@ -67,8 +68,8 @@ class ParamSet {
 TrainableSet trainable_set(const ParamSet& params, const ParamSet& grads);
 
 // N(0, std) for matrices and embeddings, 1 for norms, 0 for biases; deterministic for a seed.
-void init_random(ParamSet& p, uint64_t seed, double std = 0.02);
+void init_random(Ops& ops, ParamSet& p, uint64_t seed, double std = 0.02);
 // dst = src element-wise (float dtypes), e.g. f64 copies of f32 parameters.
-void convert_params(ParamSet& dst, const ParamSet& src);
+void convert_params(Ops& ops, ParamSet& dst, const ParamSet& src);
 
 }  // namespace oomless

@@ -154,11 +154,12 @@ bool is_table(const std::string& n) { return n == "model.embed_tokens.weight" ||
 
 bool is_embedding_or_head(const std::string& hf_name) { return is_table(hf_name); }
 
-void QuantBase::add_bf16_matrix(const std::string& name, const float* w, int64_t rows, int64_t cols, ParamSet& params,
-                                Arena& arena) {
+void QuantBase::add_bf16_matrix(Ops& ops, const std::string& name, const float* w, int64_t rows, int64_t cols,
+                                ParamSet& params, Arena& arena) {
   const size_t n = static_cast<size_t>(rows * cols) * 2;
   bufs_.push_back(arena.alloc(n, Category::weights, "bf16 base"));
-  convert(bufs_.back().data(), DType::bf16, w, DType::f32, rows * cols);
+  ops.write_host(bufs_.back().view(DType::bf16, {rows * cols}),
+                 [&](void* host) { convert(host, DType::bf16, w, DType::f32, rows * cols); });
   bytes_ += n;
   QuantMatrix& q = mats_.emplace_back();
   q.format = "bf16";
@@ -170,10 +171,17 @@ void QuantBase::add_bf16_matrix(const std::string& name, const float* w, int64_t
   params.set_view(name, v);
 }
 
-void QuantBase::add_nf4(const std::string& name, const nf4::Matrix& m, ParamSet& params, Arena& arena) {
+void QuantBase::add_nf4(Ops& ops, const std::string& name, const nf4::Matrix& m, ParamSet& params, Arena& arena) {
   const size_t n = nf4::storage_bytes(m);
   bufs_.push_back(arena.alloc(n, Category::weights, "quantised base"));
-  nf4::Matrix& kept = nf4_.emplace_back(nf4::copy_to(m, bufs_.back().data(), n));
+  void* dev = bufs_.back().data();
+  nf4::Matrix staged;
+  const void* at = nullptr;
+  ops.write_host(bufs_.back().view(DType::u8, {static_cast<int64_t>(n)}), [&](void* host) {
+    staged = nf4::copy_to(m, host, n);
+    at = host;
+  });
+  nf4::Matrix& kept = nf4_.emplace_back(nf4::rebase(staged, at, dev));
   bytes_ += n;
   QuantMatrix& q = mats_.emplace_back();
   q.format = kept.double_quant() ? "nf4-dq" : "nf4";
@@ -185,11 +193,11 @@ void QuantBase::add_nf4(const std::string& name, const nf4::Matrix& m, ParamSet&
   params.set_view(name, v);
 }
 
-void QuantBase::add_nf4_matrix(const std::string& name, const float* w, int64_t rows, int64_t cols, ParamSet& params,
-                               Arena& arena, bool double_quant) {
+void QuantBase::add_nf4_matrix(Ops& ops, const std::string& name, const float* w, int64_t rows, int64_t cols,
+                               ParamSet& params, Arena& arena, bool double_quant) {
   const size_t n = nf4::storage_bytes(rows, cols, 64, double_quant);
   std::vector<uint8_t> tmp(n);
-  add_nf4(name, nf4::quantize_matrix(w, rows, cols, 64, double_quant, tmp.data(), n), params, arena);
+  add_nf4(ops, name, nf4::quantize_matrix(w, rows, cols, 64, double_quant, tmp.data(), n), params, arena);
 }
 
 int64_t QuantBase::set_int8_activations(bool on) {
@@ -203,23 +211,25 @@ int64_t QuantBase::set_int8_activations(bool on) {
   return n;
 }
 
-void QuantBase::add_nf4_from(const ParamSet& f32, ParamSet& params, Arena& arena, bool double_quant) {
+void QuantBase::add_nf4_from(Ops& ops, const ParamSet& f32, ParamSet& params, Arena& arena, bool double_quant) {
   for (size_t i = 0; i < f32.specs().size(); ++i) {
     const ParamSpec& s = f32.specs()[i];
     if (!is_projection_weight(s.name)) continue;
     const Tensor& w = f32.tensors()[i];
-    add_nf4_matrix(s.name, static_cast<const float*>(w.data), w.dims[0], w.dims[1], params, arena, double_quant);
+    ops.read_host(w, [&](const void* host) {
+      add_nf4_matrix(ops, s.name, static_cast<const float*>(host), w.dims[0], w.dims[1], params, arena, double_quant);
+    });
   }
 }
 
-void QuantBase::add_bnb4_from(const SafetensorsSet& files, ParamSet& params, Arena& arena) {
+void QuantBase::add_bnb4_from(Ops& ops, const SafetensorsSet& files, ParamSet& params, Arena& arena) {
   for (const ParamSpec& s : params.specs()) {
     if (!is_projection_weight(s.name)) continue;
     const std::string prefix = s.name.substr(0, s.name.size() - std::string(".weight").size());
     const nf4::Matrix m = load_bnb4_weight(files, prefix);
     OOM_CHECK(m.rows == s.shape[0] && m.cols == s.shape[1], "[model] ", s.name, ": the 4-bit weight is ", m.rows,
               " x ", m.cols, " but config.json implies ", s.shape[0], " x ", s.shape[1]);
-    add_nf4(s.name, m, params, arena);
+    add_nf4(ops, s.name, m, params, arena);
   }
 }
 
@@ -231,7 +241,7 @@ bool is_projection_weight(const std::string& n) {
   return false;
 }
 
-QuantBase::QuantBase(const std::vector<GgufHfTensor>& tensors, ParamSet& params, Arena& arena, bool tables) {
+QuantBase::QuantBase(Ops& ops, const std::vector<GgufHfTensor>& tensors, ParamSet& params, Arena& arena, bool tables) {
   for (const GgufHfTensor& t : tensors) {
     if (!is_projection_weight(t.hf_name) && !(tables && is_table(t.hf_name))) continue;
     const Tensor* view = params.find(t.hf_name);
@@ -254,7 +264,7 @@ QuantBase::QuantBase(const std::vector<GgufHfTensor>& tensors, ParamSet& params,
     b.D = b.heads ? rows / b.heads : 0;
     const size_t n = static_cast<size_t>(rows * b.row_bytes);
     bufs_.push_back(arena.alloc(n, Category::weights, "quantised base"));
-    std::memcpy(bufs_.back().data(), t.src->data, n);
+    ops.upload(bufs_.back().view(DType::u8, {static_cast<int64_t>(n)}), t.src->data);
     bytes_ += n;
     QuantMatrix& q = mats_.emplace_back();
     q.format = ti->name;
@@ -271,7 +281,7 @@ QuantBase::QuantBase(const std::vector<GgufHfTensor>& tensors, ParamSet& params,
   }
 }
 
-BaseWeights load_base(ModelSource& src, Arena& arena, bool keep_quantised, const std::string& base_dtype,
+BaseWeights load_base(ModelSource& src, Ops& ops, Arena& arena, bool keep_quantised, const std::string& base_dtype,
                       const std::string& embed_dtype) {
   OOM_CHECK(base_dtype == "fp32" || base_dtype == "nf4" || base_dtype == "nf4-dq", "[model] base dtype '", base_dtype,
             "' is not supported; supported: fp32, nf4 (nf4-dq: double-quantised scales)");
@@ -296,16 +306,16 @@ BaseWeights load_base(ModelSource& src, Arena& arena, bool keep_quantised, const
   };
   // bf16 / nf4 tables from f32 values, one matrix at a time (tied: the one matrix).
   auto add_table = [&](const std::string& name, const float* w, int64_t rows, int64_t cols) {
-    if (embed_dtype == "bf16") b.quant->add_bf16_matrix(name, w, rows, cols, *b.params, arena);
-    else b.quant->add_nf4_matrix(name, w, rows, cols, *b.params, arena, base_dtype == "nf4-dq");
+    if (embed_dtype == "bf16") b.quant->add_bf16_matrix(ops, name, w, rows, cols, *b.params, arena);
+    else b.quant->add_nf4_matrix(ops, name, w, rows, cols, *b.params, arena, base_dtype == "nf4-dq");
   };
   if (src.bnb4) {
     OOM_CHECK(keep_quantised, "[model] ", src.spec, " holds bitsandbytes 4-bit weights: it can only be a frozen base "
               "(train an adapter on it with --lora r, or eval / generate it)");
     b.params = quantised_slots();
     b.quant = std::make_unique<QuantBase>();
-    b.quant->add_bnb4_from(*src.bnb4, *b.params, arena);
-    src.load_weights(*b.params);
+    b.quant->add_bnb4_from(ops, *src.bnb4, *b.params, arena);
+    src.load_weights(ops, *b.params);
     std::vector<float> w;
     for (const ParamSpec& s : b.params->specs()) {
       if (!convert_tables || !is_table(s.name)) continue;
@@ -315,8 +325,8 @@ BaseWeights load_base(ModelSource& src, Arena& arena, bool keep_quantised, const
     }
   } else if (keep_quantised && src.gguf_tensors) {
     b.params = quantised_slots();
-    b.quant = std::make_unique<QuantBase>(*src.gguf_tensors, *b.params, arena, gguf_tables);
-    src.load_weights(*b.params);
+    b.quant = std::make_unique<QuantBase>(ops, *src.gguf_tensors, *b.params, arena, gguf_tables);
+    src.load_weights(ops, *b.params);
   } else if ((nf4 || convert_tables) && src.read_f32) {
     OOM_CHECK(keep_quantised, "[model] --base-dtype ", base_dtype, " makes a frozen base: it needs --lora r");
     // Matrix by matrix: one projection in f32 at a time beside the NF4 ones.
@@ -324,14 +334,15 @@ BaseWeights load_base(ModelSource& src, Arena& arena, bool keep_quantised, const
                    : std::make_unique<ParamSet>(src.cfg, DType::f32, arena, Category::weights,
                                                 [](const ParamSpec& s) { return !is_table(s.name); });
     b.quant = std::make_unique<QuantBase>();
-    src.load_weights(*b.params);
+    src.load_weights(ops, *b.params);
     std::vector<float> w;
     for (const ParamSpec& s : b.params->specs()) {
       const bool proj = nf4 && is_projection_weight(s.name), table = convert_tables && is_table(s.name);
       if (!proj && !table) continue;
       w.resize(static_cast<size_t>(s.shape[0] * s.shape[1]));
       src.read_f32(s, w.data());
-      if (proj) b.quant->add_nf4_matrix(s.name, w.data(), s.shape[0], s.shape[1], *b.params, arena, base_dtype == "nf4-dq");
+      if (proj)
+        b.quant->add_nf4_matrix(ops, s.name, w.data(), s.shape[0], s.shape[1], *b.params, arena, base_dtype == "nf4-dq");
       else add_table(s.name, w.data(), s.shape[0], s.shape[1]);
     }
   } else if (nf4 || convert_tables) {
@@ -343,19 +354,21 @@ BaseWeights load_base(ModelSource& src, Arena& arena, bool keep_quantised, const
     b.quant = std::make_unique<QuantBase>();
     {
       ParamSet full(src.cfg, DType::f32, arena, Category::workspace);
-      src.load_weights(full);
-      if (nf4) b.quant->add_nf4_from(full, *b.params, arena, base_dtype == "nf4-dq");
+      src.load_weights(ops, full);
+      if (nf4) b.quant->add_nf4_from(ops, full, *b.params, arena, base_dtype == "nf4-dq");
       for (size_t i = 0; i < full.specs().size(); ++i) {
         const Tensor& t = full.tensors()[i];
         if (convert_tables && is_table(full.specs()[i].name))
-          add_table(full.specs()[i].name, static_cast<const float*>(t.data), t.dims[0], t.dims[1]);
+          ops.read_host(t, [&](const void* host) {
+            add_table(full.specs()[i].name, static_cast<const float*>(host), t.dims[0], t.dims[1]);
+          });
         else if (b.params->tensors()[i].data)
-          std::memcpy(b.params->tensors()[i].data, t.data, static_cast<size_t>(t.nbytes()));
+          ops.copy(b.params->tensors()[i], t);
       }
     }
   } else {
     b.params = std::make_unique<ParamSet>(src.cfg, DType::f32, arena, Category::weights);
-    src.load_weights(*b.params);
+    src.load_weights(ops, *b.params);
   }
   for (size_t i = 0; i < b.params->specs().size(); ++i)
     OOM_CHECK(b.params->tensors()[i].data || b.params->tensors()[i].quant, "[model] ", src.spec, ": no weights for ",

@@ -28,20 +28,21 @@ class QuantBase {
   // Keeps the projection matrices of `tensors` (a GGUF's, HF names) quantised in `arena` and points the
   // matching views of `params` (built with those tensors not stored) at them; with `tables` the embedding
   // and LM head too.
-  QuantBase(const std::vector<GgufHfTensor>& tensors, ParamSet& params, Arena& arena, bool tables = false);
+  // Every matrix is written to `arena`'s memory through ops (write_host).
+  QuantBase(Ops& ops, const std::vector<GgufHfTensor>& tensors, ParamSet& params, Arena& arena, bool tables = false);
   QuantBase() = default;
   // NF4 (bitsandbytes' layout, blocksize 64; double-quantised scales as bnb_4bit_use_double_quant) from
   // the f32 projection matrices of `f32`, bit-exact with bitsandbytes' quantize_4bit.
-  void add_nf4_from(const ParamSet& f32, ParamSet& params, Arena& arena, bool double_quant);
+  void add_nf4_from(Ops& ops, const ParamSet& f32, ParamSet& params, Arena& arena, bool double_quant);
   // One matrix w (rows, cols) f32 as NF4, the view `name` of params pointed at it.
-  void add_nf4_matrix(const std::string& name, const float* w, int64_t rows, int64_t cols, ParamSet& params,
-                      Arena& arena, bool double_quant);
+  void add_nf4_matrix(Ops& ops, const std::string& name, const float* w, int64_t rows, int64_t cols,
+                      ParamSet& params, Arena& arena, bool double_quant);
   // One matrix w (rows, cols) f32 stored as bf16 (read through the same QuantMatrix path, format "bf16").
-  void add_bf16_matrix(const std::string& name, const float* w, int64_t rows, int64_t cols, ParamSet& params,
-                       Arena& arena);
+  void add_bf16_matrix(Ops& ops, const std::string& name, const float* w, int64_t rows, int64_t cols,
+                       ParamSet& params, Arena& arena);
   // A bitsandbytes 4-bit checkpoint's projection matrices (weight, absmax, quant_map, nested_*,
   // quant_state), as they are stored.
-  void add_bnb4_from(const SafetensorsSet& files, ParamSet& params, Arena& arena);
+  void add_bnb4_from(Ops& ops, const SafetensorsSet& files, ParamSet& params, Arena& arena);
   const char* format() const { return mats_.empty() ? "" : mats_.front().format; }
   size_t bytes() const { return bytes_; }
   int64_t matrices() const { return static_cast<int64_t>(mats_.size()); }
@@ -65,7 +66,7 @@ class QuantBase {
   std::deque<QuantMatrix> mats_;  // stable addresses: tensors point at them
   std::deque<Blocks> info_;
   std::deque<nf4::Matrix> nf4_;
-  void add_nf4(const std::string& name, const nf4::Matrix& m, ParamSet& params, Arena& arena);
+  void add_nf4(Ops& ops, const std::string& name, const nf4::Matrix& m, ParamSet& params, Arena& arena);
   std::vector<Buffer> bufs_;
   size_t bytes_ = 0;
 };
@@ -85,7 +86,7 @@ struct BaseWeights {
   std::unique_ptr<QuantBase> quant;  // null: nothing kept quantised
 };
 struct ModelSource;
-BaseWeights load_base(ModelSource& src, Arena& arena, bool keep_quantised, const std::string& base_dtype = "fp32",
+BaseWeights load_base(ModelSource& src, Ops& ops, Arena& arena, bool keep_quantised, const std::string& base_dtype = "fp32",
                       const std::string& embed_dtype = "auto");
 
 }  // namespace oomless

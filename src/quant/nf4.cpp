@@ -244,6 +244,21 @@ size_t storage_bytes(int64_t rows, int64_t cols, int64_t blocksize, bool double_
   return static_cast<size_t>(floats * 4 + codes + packed_bytes(n));
 }
 
+Matrix rebase(const Matrix& m, const void* from, const void* to) {
+  auto move = [&](auto* p) {
+    using P = decltype(p);
+    return p ? reinterpret_cast<P>(static_cast<const uint8_t*>(to) +
+                                   (reinterpret_cast<const uint8_t*>(p) - static_cast<const uint8_t*>(from)))
+             : p;
+  };
+  Matrix r = m;
+  r.packed = move(m.packed);
+  r.absmax = move(m.absmax);
+  r.absmax_codes = move(m.absmax_codes);
+  r.nested_absmax = move(m.nested_absmax);
+  return r;
+}
+
 Matrix copy_to(const Matrix& m, void* dst, size_t dst_bytes) {
   check(m);
   const int64_t nb = m.blocks();

@@ -106,6 +106,10 @@ void check(const Matrix& m);
 // dequantize_4bit gives for them in float32). 0 <= r0 <= r0 + n_rows <= rows.
 void dequantize_rows(const Matrix& m, int64_t r0, int64_t n_rows, float* out);
 
+// The same matrix read from a copy of its storage: each array that lies at `from` + k is taken at `to` + k
+// (a matrix copied to another memory, e.g. staged on the host and uploaded to the device).
+Matrix rebase(const Matrix& m, const void* from, const void* to);
+
 // Bytes copy_to / quantize_matrix need (the float scales first, then codes, then packed nibbles).
 size_t storage_bytes(int64_t rows, int64_t cols, int64_t blocksize, bool double_quant,
                      int64_t nested_blocksize = kNestedBlocksize);

@@ -181,7 +181,7 @@ inline Result run(const RunSetup& s, std::vector<int32_t> ids, int64_t C, int64_
   CpuMemory mem(size_t{1} << 34);
   auto ops = make_ops("cpu", &mem.device);
   ParamSet params(s.cfg, DType::f32, mem.device, Category::weights);
-  init_random(params, 5, 0.3);  // large weights: attention far from uniform, so history matters
+  init_random(*ops, params, 5, 0.3);  // large weights: attention far from uniform, so history matters
   std::unique_ptr<AdapterSet> ad;
   if (s.lora_r > 0) {
     LoraSettings ls = all_linear_lora(s.lora_r);
