@@ -40,6 +40,7 @@ class HeapAllocator final : public Allocator {
     if (p && bytes < kMapThreshold) std::memset(p, 0, bytes);  // mapped pages are zero already
     return p;
   }
+  void zero(void* p, size_t bytes) override { std::memset(p, 0, bytes); }
   void deallocate(void* p, size_t bytes) override {
     if (bytes >= kMapThreshold)
       munmap(p, bytes);
@@ -49,9 +50,11 @@ class HeapAllocator final : public Allocator {
 };
 
 // The guarded range: reserved once (address space only, nothing committed), handed out first-fit in whole
-// pages; [base, base + high) is what has ever been handed out, PROT_NONE unless a DeviceAccess is open.
+// pages; [base, base + high) covers what has ever been handed out (in whole 2 MiB pages), PROT_NONE unless a
+// DeviceAccess is open.
 constexpr size_t kReserve = size_t{1} << 40;  // 1 TiB of addresses
 constexpr size_t kPage = 4096;
+constexpr size_t kHuge = size_t{2} << 20;
 
 char* g_base = nullptr;  // set once, read by the fault handler
 struct sigaction g_previous {};
@@ -97,22 +100,30 @@ class GuardedAllocator final : public Allocator {
       const size_t off = it->first, len = it->second;
       free_.erase(it);
       if (len > need) free_[off + need] = len - need;
-      if (off + need > high_) {
-        if (open_ > 0) protect(high_, off + need - high_, PROT_READ | PROT_WRITE);
-        high_ = off + need;
+      if (off + need > high_) {  // the open (or closed) part grows in whole huge pages
+        const size_t high = (off + need + kHuge - 1) / kHuge * kHuge;
+        if (open_ > 0) protect(high_, high - high_, PROT_READ | PROT_WRITE);
+        high_ = high;
       }
       return g_base + off;
     }
     return nullptr;
   }
-  // Pages never handed out, and pages given back (MADV_DONTNEED), read as zeros.
-  void* allocate_zeroed(size_t bytes) override { return allocate(bytes); }
+  void* allocate_zeroed(size_t bytes) override {
+    void* p = allocate(bytes);
+    if (p) zero(p, bytes);  // a freed range keeps the huge pages it shares with others, and their bytes
+    return p;
+  }
+  void zero(void* p, size_t bytes) override;
 
   void deallocate(void* p, size_t bytes) override {
     std::lock_guard<std::mutex> lock(mu_);
     const size_t off = static_cast<size_t>(static_cast<char*>(p) - g_base);
     size_t len = (bytes + kPage - 1) / kPage * kPage;
-    madvise(p, len, MADV_DONTNEED);  // the pages go back to the system; the next use reads zeros
+    // The whole huge pages inside go back to the system (the ledger's RSS); splitting the edges would leave
+    // small pages, which make each open and close walk 512 times the entries.
+    const size_t lo = (off + kHuge - 1) / kHuge * kHuge, hi = (off + len) / kHuge * kHuge;
+    if (hi > lo) madvise(g_base + lo, hi - lo, MADV_DONTNEED);
     size_t start = off;
     auto next = free_.lower_bound(off);
     if (next != free_.end() && off + len == next->first) {
@@ -142,9 +153,12 @@ class GuardedAllocator final : public Allocator {
  private:
   void reserve() {
     if (g_base) return;
-    void* p = mmap(nullptr, kReserve, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    void* p = mmap(nullptr, kReserve + kHuge, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     OOM_CHECK(p != MAP_FAILED, "[strict-device] could not reserve ", kReserve >> 30,
               " GiB of address space for guarded Device memory: ", std::strerror(errno));
+    // On huge pages where the system allows: opening and closing then changes one entry per 2 MiB.
+    p = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(p) + kHuge - 1) / kHuge * kHuge);
+    madvise(p, kReserve, MADV_HUGEPAGE);
     void* frames[4];
     backtrace(frames, 4);  // loads the unwinder now, not in the fault handler
     struct sigaction sa {};
@@ -197,6 +211,11 @@ void set_strict_device(bool on) { g_strict.store(on ? 1 : 0); }
 Allocator& tier_allocator(Tier t) {
   if (t == Tier::Device && strict_device()) return guarded_allocator();
   return heap_allocator();
+}
+
+void GuardedAllocator::zero(void* p, size_t bytes) {
+  DeviceAccess open;
+  std::memset(p, 0, bytes);
 }
 
 DeviceAccess::DeviceAccess() { guarded().open(); }

@@ -27,6 +27,9 @@ class Allocator {
   // The same, every byte zero (a device allocator clears it on the device).
   virtual void* allocate_zeroed(size_t bytes) = 0;
   virtual void deallocate(void* p, size_t bytes) = 0;
+  // Clears bytes [p, p + bytes) of memory it handed out (where the memory is: on the device for a device
+  // allocator), for memory/'s own users (a page pool's pages, a sub-arena's carvings).
+  virtual void zero(void* p, size_t bytes) = 0;
 };
 
 Allocator& heap_allocator();

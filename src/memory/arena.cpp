@@ -239,8 +239,13 @@ size_t Arena::used() const {
   return used_;
 }
 
-Arena::Arena(void* base, size_t bytes, Tier tier, Ledger& ledger)
-    : tier_(tier), budget_(bytes), ledger_(ledger), shared_(nullptr), region_(static_cast<char*>(base)) {
+Arena::Arena(void* base, size_t bytes, Tier tier, Ledger& ledger, Allocator* from)
+    : tier_(tier),
+      budget_(bytes),
+      ledger_(ledger),
+      shared_(nullptr),
+      from_(from ? from : &tier_allocator(tier)),
+      region_(static_cast<char*>(base)) {
   OOM_CHECK(base && reinterpret_cast<uintptr_t>(base) % kAlign == 0, "[arena] a sub-arena needs a ", kAlign,
             "-byte aligned region");
 }
@@ -259,7 +264,7 @@ Buffer Arena::take(size_t bytes, Category cat, std::string_view what, bool zeroe
                         " of " + category_name(cat) + (what.empty() ? std::string() : " (" + std::string(what) + ")") +
                         " after " + format_bytes(region_next_));
     b.ptr_ = region_ + region_next_;
-    if (zeroed) std::memset(b.ptr_, 0, bytes);  // a sub-arena carves host memory (DiskState's)
+    if (zeroed) from_->zero(b.ptr_, bytes);
     region_next_ += need;
     ++region_live_;
     used_ += bytes;

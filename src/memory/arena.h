@@ -109,8 +109,9 @@ class Arena {
   Arena(Tier tier, size_t budget, Ledger& ledger, Budget* shared = nullptr, Allocator* from = nullptr);
   // A sub-arena over `bytes` at `base`, memory another arena holds and already counts: allocations are
   // carved from it in order (64-byte aligned) and the region is reused from its start once none is live.
-  // Recorded in `ledger`, which should be a private one so that no byte is counted twice.
-  Arena(void* base, size_t bytes, Tier tier, Ledger& ledger);
+  // Recorded in `ledger`, which should be a private one so that no byte is counted twice. `from` is the
+  // allocator that memory came from (it clears alloc_zeroed's carvings; the tier's when null).
+  Arena(void* base, size_t bytes, Tier tier, Ledger& ledger, Allocator* from = nullptr);
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
   ~Arena();
@@ -124,7 +125,7 @@ class Arena {
   size_t budget() const { return budget_; }
   size_t used() const;
   Ledger& ledger() const { return ledger_; }
-  // Where its memory comes from (null for a sub-arena).
+  // Where its memory comes from (for a sub-arena, where its region came from).
   Allocator* allocator() const { return from_; }
 
  private:

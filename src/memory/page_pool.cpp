@@ -126,7 +126,7 @@ void PagePool::zero(int64_t id) {
     p = page_locked(id, "zero");
   }
   // The page is the caller's while it holds the id, and pages never move: no lock needed to write it.
-  std::memset(p, 0, shape_.page_bytes());
+  arena_.allocator()->zero(p, shape_.page_bytes());
 }
 
 int64_t PagePool::in_use() const {

@@ -85,7 +85,8 @@ DiskState::DiskState(const TrainableSet& params, Make make, std::function<bool(c
   for (int w = 0; w < window; ++w) {
     auto s = std::make_unique<Slot>();
     s->mem = window_arena.alloc(slot_bytes_, Category::optimizer, "optimizer state window");
-    s->arena = std::make_unique<Arena>(s->mem.data(), s->mem.size(), window_arena.tier(), s->ledger);
+    s->arena = std::make_unique<Arena>(s->mem.data(), s->mem.size(), window_arena.tier(), s->ledger,
+                                       window_arena.allocator());
     slots_.push_back(std::move(s));
   }
   // Pass 2: the initial state (as each optimizer starts it) into the file, through the window's first slot.
@@ -93,7 +94,8 @@ DiskState::DiskState(const TrainableSet& params, Make make, std::function<bool(c
   for (const Piece& p : pieces_) {
     s.opt = make_(TrainableSet{piece_of(params, p)}, *s.arena);
     const std::vector<NamedTensor> st = s.opt->state();
-    for (size_t j = 0; j < st.size(); ++j) file_->write(file_slot_, st[j].t.data, p.bytes[j], p.at[j]);
+    for (size_t j = 0; j < st.size(); ++j) offload_->to_disk(file_slot_, st[j].t.data, p.bytes[j], p.at[j], s.arena->tier());
+    offload_->wait_all();  // the window's memory is written from where it is, by the transfer engine
     s.opt.reset();
   }
 }
@@ -171,7 +173,7 @@ std::vector<NamedTensor> DiskState::state() {
   fail("[optim] the ", name_, " state is on disk (--optim-state disk): read it through state_entries()");
 }
 
-std::vector<StWrite> DiskState::state_entries() {
+std::vector<StWrite> DiskState::state_entries(Ops&) {  // file to the writer: no tensor memory
   std::vector<StWrite> w;
   for (const std::vector<Entry>& es : entries_)
     for (const Entry& e : es)
@@ -181,8 +183,8 @@ std::vector<StWrite> DiskState::state_entries() {
   return w;
 }
 
-void DiskState::load_state(Ops&, const SafetensorsFile& f) {  // file to file: no tensor memory
-  check_state_file(f, state_entries(), name_.c_str());
+void DiskState::load_state(Ops& ops, const SafetensorsFile& f) {  // file to file: no tensor memory
+  check_state_file(f, state_entries(ops), name_.c_str());
   for (const std::vector<Entry>& es : entries_)
     for (const Entry& e : es) file_->write(file_slot_, f.find(e.name)->data, e.bytes, e.offset);
 }
