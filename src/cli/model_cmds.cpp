@@ -194,7 +194,7 @@ int eval(const std::vector<std::string>& argv) {
     const ParamSet& g = l.adapters ? l.model->adapter_grads().tensors() : l.model->grads();
     std::vector<StWrite> w;
     for (size_t i = 0; i < g.specs().size(); ++i)
-      w.push_back({g.specs()[i].name, DType::f32, g.specs()[i].shape, g.tensors()[i].data});
+      w.push_back(tensor_entry(*l.ops, g.specs()[i].name, g.tensors()[i]));
     write_safetensors(a.str("grads"), w, {{"format", "pt"}});
   }
   const double loss = r.loss();

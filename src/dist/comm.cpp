@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "memory/allocator.h"
 
 #if OOMLESS_HAS_MPI
 #include <mpi.h>
@@ -123,9 +124,12 @@ bool any(bool v) {
   return false;
 }
 
+// The transport reads and writes the engine's memory where it lies, as a device's own interconnect does (NCCL
+// takes device pointers): the calls that touch tensors open Device memory (memory/allocator.h, strict mode).
 void sum_floats(float* x, int64_t n, float* scratch) {
 #if OOMLESS_HAS_MPI
   if (g_size <= 1 || n <= 0) return;
+  DeviceAccess open;
   OOM_CHECK(n <= INT32_MAX, "[dist] a sum of ", n, " floats at once; the caller splits it");
   const int N = g_size, r = g_rank;
   // Rank s reduces floats [start(s), start(s + 1)).
@@ -157,6 +161,7 @@ void sum_floats(float* x, int64_t n, float* scratch) {
 void broadcast(void* x, int64_t n, int root) {
 #if OOMLESS_HAS_MPI
   if (g_size <= 1 || n <= 0) return;
+  DeviceAccess open;
   OOM_CHECK(n <= INT32_MAX, "[dist] a broadcast of ", n, " bytes at once; the caller splits it");
   MPI_Bcast(x, static_cast<int>(n), MPI_BYTE, root, MPI_COMM_WORLD);
   if (g_rank == root) g_sent += static_cast<uint64_t>(n) * static_cast<uint64_t>(g_size - 1);
@@ -275,6 +280,7 @@ std::vector<std::string> gather_strings(const std::string& s) {
 void sum_floats_to(float* x, int64_t n, float* scratch, int root) {
 #if OOMLESS_HAS_MPI
   if (g_size <= 1 || n <= 0) return;
+  DeviceAccess open;
   OOM_CHECK(n <= INT32_MAX / g_size, "[dist] a sum of ", n, " floats at once; the caller splits it");
   MPI_Gather(x, static_cast<int>(n), MPI_FLOAT, scratch, static_cast<int>(n), MPI_FLOAT, root, MPI_COMM_WORLD);
   if (g_rank != root) {
@@ -336,6 +342,7 @@ Request& Request::operator=(Request&& o) noexcept {
 Request::~Request() {
 #if OOMLESS_HAS_MPI
   if (mpi) {  // an unfinished request (an error unwinding): completed, so its buffer may go
+    DeviceAccess open;
     MPI_Wait(static_cast<MPI_Request*>(mpi), MPI_STATUS_IGNORE);
     delete static_cast<MPI_Request*>(mpi);
   }
@@ -349,6 +356,7 @@ Request post(void* buf, int64_t bytes, int peer, int tag, bool send) {
 #if OOMLESS_HAS_MPI
   OOM_CHECK(bytes <= INT32_MAX, "[dist] a message of ", bytes, " bytes; the caller splits it");
   auto* q = new MPI_Request;
+  DeviceAccess open;
   if (send) {
     MPI_Isend(buf, static_cast<int>(bytes), MPI_BYTE, peer, tag, MPI_COMM_WORLD, q);
     g_sent += static_cast<uint64_t>(bytes);
@@ -373,6 +381,7 @@ Request irecv(void* buf, int64_t bytes, int from, int tag) { return post(buf, by
 void wait(Request& r) {
 #if OOMLESS_HAS_MPI
   if (!r.mpi) return;
+  DeviceAccess open;
   MPI_Wait(static_cast<MPI_Request*>(r.mpi), MPI_STATUS_IGNORE);
   delete static_cast<MPI_Request*>(r.mpi);
   r.mpi = nullptr;

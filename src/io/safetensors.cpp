@@ -5,6 +5,8 @@
 // that a hostile header can never make a tensor's span leave the mapping.
 #include "io/safetensors.h"
 
+#include "backend/ops.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -456,6 +458,24 @@ void write_all(int fd, const void* data, size_t n, const std::string& tmp) {
 }
 
 }  // namespace
+
+StWrite tensor_entry(Ops& ops, std::string name, const Tensor& t, bool as_bf16) {
+  StWrite w{std::move(name), t.dtype, std::vector<int64_t>(t.dims, t.dims + t.ndim), nullptr, {}};
+  if (as_bf16 && t.dtype == DType::f32) {
+    w.dtype = DType::bf16;
+    w.read = [&ops, t](void* dst, size_t offset, size_t n) {  // bf16 bytes [offset, offset + n): floats / 2
+      std::vector<float> f(n / 2);
+      ops.download(f.data(), Tensor(static_cast<char*>(t.data) + offset * 2, DType::f32,
+                                    {static_cast<int64_t>(n / 2)}, t.tier));
+      convert(dst, DType::bf16, f.data(), DType::f32, static_cast<int64_t>(n / 2));
+    };
+  } else {
+    w.read = [&ops, t](void* dst, size_t offset, size_t n) {
+      ops.download(dst, Tensor(static_cast<char*>(t.data) + offset, DType::u8, {static_cast<int64_t>(n)}, t.tier));
+    };
+  }
+  return w;
+}
 
 void write_safetensors_stream(const std::vector<StWrite>& tensors, const std::map<std::string, std::string>& metadata,
                               const std::function<void(const void*, size_t)>& sink, const std::string& path) {

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "core/tensor.h"
 
 namespace oomless {
 
@@ -104,6 +105,11 @@ struct StWrite {
   // tensor in pieces of at most a few MiB (a tensor streamed from disk, never whole in memory).
   std::function<void(void* dst, size_t offset, size_t n)> read = {};
 };
+
+class Ops;
+// A tensor of the engine's memory as an entry read through `ops` (downloaded in the writer's pieces, never
+// read on the host where it lies); with as_bf16 an f32 tensor is written as bf16 (rounded to nearest even).
+StWrite tensor_entry(Ops& ops, std::string name, const Tensor& t, bool as_bf16 = false);
 
 // Writes a .safetensors file that the reference (Python/Rust) library reads and writes identically:
 // tensors ordered by dtype size (largest first, so every tensor is aligned) then by name, a compact

@@ -41,7 +41,7 @@ class DiskState final : public Optimizer {
                     int64_t step) override;
   // The state is not in memory: throws (checkpoints use state_entries / load_state).
   std::vector<NamedTensor> state() override;
-  std::vector<StWrite> state_entries() override;
+  std::vector<StWrite> state_entries(Ops& ops) override;
   void load_state(Ops& ops, const SafetensorsFile& f) override;
   json::Value settings_json() const override { return settings_; }
 

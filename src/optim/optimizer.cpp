@@ -36,9 +36,9 @@ void Optimizer::check_step(const TrainableSet& params, const std::vector<size_t>
               ": the tensors of a partial step must be ascending indices below ", built);
 }
 
-std::vector<StWrite> Optimizer::state_entries() {
+std::vector<StWrite> Optimizer::state_entries(Ops& ops) {
   std::vector<StWrite> w;
-  for (const NamedTensor& t : state()) w.push_back({t.name, t.t.dtype, std::vector<int64_t>(t.t.dims, t.t.dims + t.t.ndim), t.t.data, {}});
+  for (const NamedTensor& t : state()) w.push_back(tensor_entry(ops, t.name, t.t));
   return w;
 }
 
@@ -71,7 +71,7 @@ void check_state_file(const SafetensorsFile& f, const std::vector<StWrite>& want
 
 void Optimizer::load_state(Ops& ops, const SafetensorsFile& f) {
   const std::vector<NamedTensor> mine = state();
-  const std::vector<StWrite> want = state_entries();
+  const std::vector<StWrite> want = state_entries(ops);
   check_state_file(f, want, name());
   for (const NamedTensor& t : mine) {
     const StTensor* st = f.find(t.name);

@@ -33,7 +33,7 @@ class Optimizer {
   // back from a checkpoint's optimizer file, which must hold exactly these tensors with their dtypes and
   // shapes (else an error naming the first that differs, before anything is changed). The defaults go
   // through state(); an optimizer whose state is not in memory overrides both.
-  virtual std::vector<StWrite> state_entries();
+  virtual std::vector<StWrite> state_entries(Ops& ops);
   virtual void load_state(Ops& ops, const SafetensorsFile& f);
   // The settings that define the run (fixed on resume), as JSON.
   virtual json::Value settings_json() const = 0;

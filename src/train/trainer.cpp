@@ -74,23 +74,12 @@ std::string binary_id() {
 }
 
 // A checkpoint file of named tensors (safetensors, names as given, in their dtypes; as_bf16: f32 tensors
-// rounded to bf16, converted when the file is written).
-CheckpointFile tensors_file(const std::string& name, const std::vector<NamedTensor>& ts, bool as_bf16 = false) {
+// rounded to bf16, converted when the file is written), read through ops as the file is written.
+CheckpointFile tensors_file(Ops& ops, const std::string& name, const std::vector<NamedTensor>& ts, bool as_bf16 = false) {
   std::vector<NamedTensor> keep = ts;
-  return {name, "", [keep = std::move(keep), name, as_bf16](int fd) {
+  return {name, "", [&ops, keep = std::move(keep), name, as_bf16](int fd) {
             std::vector<StWrite> w;
-            std::vector<std::vector<uint16_t>> copies;
-            copies.reserve(keep.size());
-            for (const NamedTensor& t : keep) {
-              const std::vector<int64_t> shape(t.t.dims, t.t.dims + t.t.ndim);
-              if (as_bf16 && t.t.dtype == DType::f32) {
-                copies.emplace_back(static_cast<size_t>(t.t.numel()));
-                convert(copies.back().data(), DType::bf16, t.t.data, DType::f32, t.t.numel());
-                w.push_back({t.name, DType::bf16, shape, copies.back().data()});
-              } else {
-                w.push_back({t.name, t.t.dtype, shape, t.t.data});
-              }
-            }
+            for (const NamedTensor& t : keep) w.push_back(tensor_entry(ops, t.name, t.t, as_bf16));
             write_safetensors_stream(w, {{"format", "pt"}}, [fd](const void* d, size_t n) { checkpoint_write(fd, d, n); },
                                      name);
           }};
@@ -1550,16 +1539,16 @@ std::string Trainer::save() {
   const bool bf16 = s.c.save_dtype == "bf16";
   if (s.e.adapters) {
     // A PEFT adapter folder: the base is unchanged, so only the adapter is written.
-    files.push_back(tensors_file(kAdapterWeights, model_state(s.e), bf16));
+    files.push_back(tensors_file(*s.e.ops, kAdapterWeights, model_state(s.e), bf16));
     files.push_back({kAdapterConfig, adapter_config_text(s.e.adapters->settings(), s.c.model, src.cfg.tied), {}});
   } else {
-    files.push_back(tensors_file("model.safetensors", model_state(s.e), bf16));
+    files.push_back(tensors_file(*s.e.ops, "model.safetensors", model_state(s.e), bf16));
     files.push_back({"config.json", json::dump(src.cfg.to_json(), 2) + "\n", {}});
     files.push_back({"generation_config.json", json::dump(generation_config(src), 2) + "\n", {}});
   }
   const bool sharded = s.owned.size() < s.trained.size() && s.c.save_optimizer == "yes";
   if (s.c.save_optimizer == "yes") {
-    std::vector<StWrite> entries = s.opt->state_entries();
+    std::vector<StWrite> entries = s.opt->state_entries(*s.e.ops);
     if (sharded) {  // --zero 1: every rank's part in the one file, the others' read from them as it is written
       const std::vector<std::string> lists = dist::gather_strings(entries_json(entries));
       for (size_t r = 1; r < lists.size(); ++r) {
@@ -1602,14 +1591,11 @@ std::string Trainer::save() {
 void Trainer::serve_save() {
   State& s = *s_;
   if (!(s.owned.size() < s.trained.size() && s.c.save_optimizer == "yes")) return;
-  const std::vector<StWrite> entries = s.opt->state_entries();
+  const std::vector<StWrite> entries = s.opt->state_entries(*s.e.ops);
   dist::gather_strings(entries_json(entries));
   dist::serve_reads([&](int64_t k, void* dst, size_t off, size_t n) {
     const StWrite& e = entries[static_cast<size_t>(k)];
-    if (e.read)
-      e.read(dst, off, n);
-    else
-      std::memcpy(dst, static_cast<const char*>(e.data) + off, n);
+    e.read(dst, off, n);  // every in-memory entry reads through Ops (tensor_entry)
   });
 }
 
