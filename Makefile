@@ -6,7 +6,7 @@ ASAN_BUILD ?= build/asan
 CUDA ?= auto
 CTEST_FLAGS ?= --output-on-failure --timeout 120 -j$(JOBS)
 
-.PHONY: all setup build run test test-fast test-asan test-fuzz test-smoke test-all bench bench-peers bench-long \
+.PHONY: all setup build run test test-fast test-strict test-asan test-fuzz test-smoke test-all bench bench-peers bench-long \
 	bench-sparse fuzz fuzz-build peft-roundtrip gguf-roundtrip clean
 
 all: build
@@ -24,12 +24,18 @@ build: setup $(BUILD)/CMakeCache.txt
 run: build
 	$(BUILD)/oomless train
 
-# What CI runs (.ci/run): fast tests (ctest -LE "gpu|slow") of the Release build, the same under ASan + UBSan,
-# every fuzz target for a short time from its seeds (clang build), and every benchmark at a smoke size.
-test: test-fast test-asan test-fuzz test-smoke
+# What CI runs (.ci/run): fast tests (ctest -LE "gpu|slow") of the Release build, the same in the strict device
+# mode and under ASan + UBSan, every fuzz target for a short time from its seeds (clang build), and every
+# benchmark at a smoke size.
+test: test-fast test-strict test-asan test-fuzz test-smoke
 
 test-fast: build
 	cd $(BUILD) && ctest $(CTEST_FLAGS) -LE "gpu|slow"
+
+# The fast tests with Device memory closed to host code outside backend calls (OOMLESS_STRICT_DEVICE=1,
+# memory/allocator.h): any read or write of it above backend/ kills the test, naming itself.
+test-strict: build
+	cd $(BUILD) && OOMLESS_STRICT_DEVICE=1 ctest $(CTEST_FLAGS) -LE "gpu|slow"
 
 test-asan: setup
 	@cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DOOMLESS_SANITIZE=ON -DOOMLESS_CUDA=off -DOOMLESS_BENCH=OFF -DOOMLESS_SLOW_TESTS=OFF > /dev/null

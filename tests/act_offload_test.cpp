@@ -28,7 +28,7 @@ ModelConfig five_layers() {
 
 struct Outcome {
   std::vector<double> losses;
-  std::vector<char> grads;
+  std::vector<uint8_t> grads;
   size_t device_acts = 0, host_acts = 0, disk_acts = 0;
 };
 
@@ -65,8 +65,8 @@ Outcome run(const Case& st, Tier offload, std::vector<Tier> tiers = {}) {
     m.backward(1.0 / static_cast<double>(c.count));
     r.losses.push_back(c.loss_sum);
   }
-  r.grads.resize(m.grads().bytes());
-  std::memcpy(r.grads.data(), m.grads().data(), r.grads.size());
+  r.grads = test::tensor_values<uint8_t>(
+      Tensor(m.grads().data(), DType::u8, {static_cast<int64_t>(m.grads().bytes())}, Tier::Device));
   r.device_acts = mem.ledger.peak(Tier::Device, Category::activations);
   r.host_acts = mem.ledger.peak(Tier::Host, Category::activations);
   r.disk_acts = mem.ledger.peak(Tier::Disk, Category::activations);

@@ -128,7 +128,7 @@ TEST(Arena, PeakRssFollowsTheLedger) {
   }
   size_t idle = status_kib("VmRSS:") * 1024;
   CpuMemory mem(size_t(8) << 30);
-  CpuOps ops(&mem.device);
+  auto ops = make_ops("cpu", &mem.device);
   const int64_t T = 2048, E = 1024, F = 2816;
   Buffer w1 = mem.device.alloc(sizeof(float) * E * F, Category::weights, "w1");
   Buffer w2 = mem.device.alloc(sizeof(float) * F * E, Category::weights, "w2");
@@ -137,13 +137,13 @@ TEST(Arena, PeakRssFollowsTheLedger) {
   Buffer y = mem.device.alloc(sizeof(float) * T * E, Category::activations, "y");
   Tensor tw1 = w1.view(DType::f32, {E, F}), tw2 = w2.view(DType::f32, {F, E});
   Tensor tx = x.view(DType::f32, {T, E}), th = h.view(DType::f32, {T, F}), ty = y.view(DType::f32, {T, E});
-  ops.fill(tw1, 0.01);
-  ops.fill(tw2, 0.01);
-  ops.fill(tx, 1.0);
-  ops.matmul(th, tx, tw1, false, false, false);
-  ops.swiglu_forward(th, th, th);
-  ops.matmul(ty, th, tw2, false, false, false);
-  ops.matmul(tw2, th, ty, true, false, true);  // a weight-gradient-shaped product
+  ops->fill(tw1, 0.01);
+  ops->fill(tw2, 0.01);
+  ops->fill(tx, 1.0);
+  ops->matmul(th, tx, tw1, false, false, false);
+  ops->swiglu_forward(th, th, th);
+  ops->matmul(ty, th, tw2, false, false, false);
+  ops->matmul(tw2, th, ty, true, false, true);  // a weight-gradient-shaped product
   size_t peak_rss = status_kib("VmHWM:") * 1024;
   size_t grown = peak_rss > idle ? peak_rss - idle : 0;
   size_t ledger_peak = mem.ledger.peak_all();

@@ -11,6 +11,7 @@
 #include <functional>
 #include <tuple>
 
+#include "memory/allocator.h"
 #include "backend/cpu/gemm.h"
 #include "backend/cpu/gemm_kernel.h"
 #include "memory/arena.h"
@@ -99,6 +100,7 @@ class GemmRun : public testing::TestWithParam<Param> {
     expect_within_bound(got, ref, bound, eps_of(DType::f32), K, 2.0, what);
   }
 
+  DeviceAccess inside;  // the GEMM driven directly, as the backend drives it: Device memory open (strict mode)
   CpuMemory mem;
   Gemm gemm;
   std::mt19937_64 rng{20240611};
@@ -159,6 +161,7 @@ TEST(GemmF32AsBf16, PackingRoundsLikeTheScalarConversion) {
 
 // The same product with 1, 2 and 3 threads gives the same bits (one row too: run_row), on every path.
 TEST(GemmDeterminism, SameBitsForAnyThreadCount) {
+  DeviceAccess inside;  // the GEMM driven directly
   CpuMemory mem(size_t(1) << 30);
   Gemm gemm(mem.device);
   std::mt19937_64 rng(7);
@@ -195,6 +198,7 @@ TEST(GemmDeterminism, SameBitsForAnyThreadCount) {
 // CPU's implementation of the instruction. Blocked, skinny and one-row shapes, every transpose pair, a b
 // read as bf16, and Gemm::tile (f32).
 TEST(GemmPaths, EveryPathGivesTheAvx2Bits) {
+  DeviceAccess inside;  // the GEMM driven directly
   if (!gemm_isa_supported(GemmIsa::avx2)) GTEST_SKIP() << "no AVX2";
   CpuMemory mem(size_t(1) << 30);
   Gemm gemm(mem.device);

@@ -93,8 +93,9 @@ TEST(Generate, Bf16KvCacheHoldsTheRoundedKeysInHalfTheBytes) {
   for (const Tensor* t : {&f.slots[0].k, &f.slots[0].v}) {
     const Tensor& r = t == &f.slots[0].k ? b.slots[0].k : b.slots[0].v;
     std::vector<uint16_t> want(static_cast<size_t>(n));
-    convert(want.data(), DType::bf16, t->data, DType::f32, n);
-    EXPECT_EQ(std::memcmp(want.data(), r.data, static_cast<size_t>(n) * 2), 0);
+    const std::vector<float> wide = test::tensor_values<float>(*t);
+    convert(want.data(), DType::bf16, wide.data(), DType::f32, n);
+    EXPECT_EQ(std::memcmp(want.data(), test::tensor_values<uint16_t>(r).data(), static_cast<size_t>(n) * 2), 0);
   }
   // generate() keeps the cache in the dtype asked: the ledger's kv bytes halve
   EXPECT_EQ(2 * r.kv_bytes(DType::bf16), r.kv_bytes(DType::f32));
@@ -142,8 +143,11 @@ TEST(Generate, Fp8AndInt8KvCacheHoldTheRowScaledCodes) {
       std::vector<float> want_s(static_cast<size_t>(rows));
       ops->cast_rows_scaled(Tensor(want.data(), t, {rows, cfg.D}), Tensor::of(want_s.data(), {rows}),
                             Tensor(src.data, DType::f32, {rows, cfg.D}));
-      EXPECT_EQ(std::memcmp(want.data(), (kv == 0 ? n.slots[0].k : n.slots[0].v).data, want.size()), 0);
-      EXPECT_EQ(std::memcmp(want_s.data(), (kv == 0 ? n.slots[0].k_scale : n.slots[0].v_scale).data, 4 * want_s.size()), 0);
+      EXPECT_EQ(std::memcmp(want.data(), test::tensor_values<uint8_t>(kv == 0 ? n.slots[0].k : n.slots[0].v).data(),
+                            want.size()), 0);
+      EXPECT_EQ(std::memcmp(want_s.data(),
+                            test::tensor_values<float>(kv == 0 ? n.slots[0].k_scale : n.slots[0].v_scale).data(),
+                            4 * want_s.size()), 0);
     }
   }
   EXPECT_LT(worst_of[1], worst_of[0]);

@@ -113,8 +113,9 @@ TEST(GgufExport, AModelReadsBackAsItself) {
       const Tensor& want = m.params->tensors()[i];
       const Tensor& got = g.params->tensors()[i];
       ASSERT_EQ(got.numel(), want.numel()) << m.params->specs()[i].name;
-      const float* w = static_cast<const float*>(want.data);
-      const float* r = static_cast<const float*>(got.data);
+      const std::vector<float> wv = test::tensor_values<float>(want), rv = test::tensor_values<float>(got);
+      const float* w = wv.data();
+      const float* r = rv.data();
       const bool matrix = m.params->specs()[i].shape.size() == 2;
       double worst = 0;
       for (int64_t k = 0; k < want.numel(); ++k) {

@@ -3,6 +3,7 @@
 // each kind of malformed file is refused with an error that names the problem.
 #include <gtest/gtest.h>
 
+#include "memory/allocator.h"
 #include "backend/ops.h"
 
 #include <cmath>
@@ -281,6 +282,7 @@ TEST(Gguf, DequantizeMatchesGgufPyBitExactly) {
 // block, ending inside one, or whole blocks) holds the values of the whole tensor's dequantisation, for
 // the 32-element formats (with and without their vector forms) and a K format.
 TEST(Gguf, QuantisedRowSpansEqualTheWholeDequantisation) {
+  DeviceAccess inside;  // the row readers called directly, as the GEMM calls them
   GgufFile g = GgufFile::open(golden("blocks.gguf"));
   ModelConfig cfg;
   cfg.L = 1, cfg.E = 256, cfg.F = 64, cfg.H = 4, cfg.Hkv = 4, cfg.D = 64, cfg.V = 16;

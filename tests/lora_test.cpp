@@ -169,8 +169,8 @@ TEST(Lora, FrozenBaseHasNoGradientsAndTrainingLeavesItsBytes) {
   ParamSet params(var.cfg, DType::f32, mem.device, Category::weights);
   init_random(*ops, params, 5, 0.3);
   perturb(params, 6);
-  const std::vector<char> before(static_cast<const char*>(params.data()),
-                                 static_cast<const char*>(params.data()) + params.bytes());
+  const Tensor all(params.data(), DType::u8, {static_cast<int64_t>(params.bytes())}, Tier::Device);
+  const std::vector<uint8_t> before = test::tensor_values<uint8_t>(all);
   AdapterSet ad(var.cfg, lora(4, "all-linear", 8.0, false, 0, dora), DType::f32, mem.device, Category::adapter);
   init_lora(*ops, ad, 1);
   init_dora(*ops, ad, params);
@@ -193,7 +193,7 @@ TEST(Lora, FrozenBaseHasNoGradientsAndTrainingLeavesItsBytes) {
     (step == 1 ? first : last) = r.loss_sum / static_cast<double>(r.count);
   }
   EXPECT_LT(last, first) << "the adapter trains";
-  EXPECT_EQ(std::memcmp(before.data(), params.data(), before.size()), 0) << "the base changed";
+  EXPECT_EQ(test::tensor_values<uint8_t>(all), before) << "the base changed";
   EXPECT_EQ(mem.ledger.current(Tier::Device, Category::grads), ad.tensors().bytes());
   }
 }
@@ -222,10 +222,7 @@ TEST(Lora, OnePassHeadGivesTheTwoPassGradients) {
       *loss = m.forward(s.id_t(), s.tg_t(), true, one_pass ? std::optional<double>(scale) : std::nullopt).loss_sum;
       m.backward(scale);
       std::vector<std::vector<float>> g;
-      for (const Trainable& t : tr) {
-        const float* p = static_cast<const float*>(t.grad.data);
-        g.emplace_back(p, p + t.grad.numel());
-      }
+      for (const Trainable& t : tr) g.push_back(test::tensor_values<float>(t.grad));
       return g;
     };
     double l2 = 0, l1 = 0;

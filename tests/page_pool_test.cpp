@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "memory/allocator.h"
 #include "memory/page_pool.h"
 
 namespace oomless {
@@ -244,6 +245,7 @@ TEST(PagePool, BadIdsAndDoubleFreesAreErrors) {
 }
 
 TEST(PagePool, IdsAndPointersStayPutWhileOtherPagesComeAndGo) {
+  DeviceAccess inside;  // pages written and read as the kernels do (strict device mode)
   Ledger ledger;
   Arena dev(Tier::Device, kBig, ledger);
   PageShape shape{2, 8, 16, DType::f32};
@@ -285,6 +287,7 @@ TEST(PagePool, IdsAndPointersStayPutWhileOtherPagesComeAndGo) {
 }
 
 TEST(PagePool, ZeroClearsBothHalvesOfOnePage) {
+  DeviceAccess inside;  // pages written and read as the kernels do (strict device mode)
   Ledger ledger;
   Arena dev(Tier::Device, kBig, ledger);
   PageShape shape{3, 5, 7, DType::f32};
@@ -311,6 +314,7 @@ TEST(PagePool, ZeroClearsBothHalvesOfOnePage) {
 }
 
 TEST(PagePool, BlockIsThePageAsTheKernelsReadIt) {
+  DeviceAccess inside;  // pages written and read as the kernels do (strict device mode)
   Ledger ledger;
   Arena dev(Tier::Device, kBig, ledger);
   PageShape shape{2, 16, 8, DType::bf16};
@@ -335,6 +339,7 @@ TEST(PagePool, BlockIsThePageAsTheKernelsReadIt) {
 }
 
 TEST(PagePool, ReserveHoldsPagesBeforeTheRun) {
+  DeviceAccess inside;  // pages written and read as the kernels do (strict device mode)
   Ledger ledger;
   PageShape shape{2, 16, 16, DType::f32};
   const size_t pb = shape.page_bytes();
@@ -369,6 +374,7 @@ TEST(PagePool, ReserveHoldsPagesBeforeTheRun) {
 }
 
 TEST(PagePool, ManyPagesHoldDistinctBytes) {
+  DeviceAccess inside;  // pages written and read as the kernels do (strict device mode)
   for (PageShape shape : {PageShape{3, 7, 5, DType::f32}, PageShape{8, 64, 128, DType::bf16}}) {  // malloc'd, mapped
     Ledger ledger;
     Arena dev(Tier::Device, kBig, ledger);
@@ -399,6 +405,7 @@ TEST(PagePool, ManyPagesHoldDistinctBytes) {
 }
 
 TEST(PagePool, TwoThreadsAllocAndFreeConcurrently) {
+  DeviceAccess inside;  // pages written and read as the kernels do (strict device mode)
   Ledger ledger;
   Arena dev(Tier::Device, kBig, ledger);
   PageShape shape{1, 4, 8, DType::f32};

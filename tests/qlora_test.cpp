@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "memory/allocator.h"
 #include "io/safetensors.h"
 #include "model/load.h"
 #include "model/quant_base.h"
@@ -18,6 +19,7 @@ namespace {
 
 // The f32 parameters with every projection replaced by its NF4 round trip.
 void dequantised_copy(const ParamSet& params, const QuantBase&, ParamSet& out) {
+  DeviceAccess inside;  // the row readers called directly, as the GEMM calls them
   for (size_t i = 0; i < params.specs().size(); ++i) {
     const Tensor& t = params.tensors()[i];
     const Tensor& d = out.tensors()[i];
@@ -49,14 +51,15 @@ TEST(Qlora, Nf4BaseIsBitwiseTheDequantisedBase) {
           return !is_projection_weight(s.name) && !(tq && is_embedding_or_head(s.name));
         });
         for (size_t i = 0; i < full.specs().size(); ++i)
-          if (qp.tensors()[i].data) std::memcpy(qp.tensors()[i].data, full.tensors()[i].data, full.tensors()[i].nbytes());
+          if (qp.tensors()[i].data) ops->copy(qp.tensors()[i], full.tensors()[i]);
         QuantBase qb;
         qb.add_nf4_from(*ops, full, qp, mem.device, dq);
         for (size_t i = 0; tq && i < full.specs().size(); ++i) {
           const Tensor& t = full.tensors()[i];
           if (!is_embedding_or_head(full.specs()[i].name)) continue;
-          if (mode == 3) qb.add_bf16_matrix(*ops, full.specs()[i].name, static_cast<const float*>(t.data), t.dims[0], t.dims[1], qp, mem.device);
-          else qb.add_nf4_matrix(*ops, full.specs()[i].name, static_cast<const float*>(t.data), t.dims[0], t.dims[1], qp, mem.device, true);
+          const std::vector<float> w = test::tensor_values<float>(t);
+          if (mode == 3) qb.add_bf16_matrix(*ops, full.specs()[i].name, w.data(), t.dims[0], t.dims[1], qp, mem.device);
+          else qb.add_nf4_matrix(*ops, full.specs()[i].name, w.data(), t.dims[0], t.dims[1], qp, mem.device, true);
         }
         EXPECT_EQ(qb.matrices(), 7 * var.cfg.L + (tq ? (var.cfg.tied ? 1 : 2) : 0));
         ASSERT_EQ(qp.embed.quant != nullptr, tq);
@@ -80,8 +83,7 @@ TEST(Qlora, Nf4BaseIsBitwiseTheDequantisedBase) {
           logits[k].resize(static_cast<size_t>(48 * var.cfg.V));  // the head through a GEMM (generation's path)
           m.logits(Tensor::of(logits[k].data(), {48, var.cfg.V}));
           for (const Trainable& t : m.trainable())
-            grads[k].emplace_back(static_cast<const float*>(t.grad.data),
-                                  static_cast<const float*>(t.grad.data) + t.grad.numel());
+            grads[k].push_back(test::tensor_values<float>(t.grad));
         }
         EXPECT_EQ(std::memcmp(&loss[0], &loss[1], sizeof(double)), 0);
         EXPECT_EQ(std::memcmp(logits[0].data(), logits[1].data(), logits[0].size() * 4), 0);
@@ -102,6 +104,7 @@ TEST(Qlora, Nf4BaseIsBitwiseTheDequantisedBase) {
 // time with AVX2 where a run starts on a byte) are bitwise nf4::dequantize_rows' (bit-exact with
 // bitsandbytes), for every start and length, odd widths, plain and double-quantised scales.
 TEST(Qlora, Nf4RowReadsEqualTheReferenceDequantisation) {
+  DeviceAccess inside;  // the row readers called directly, as the GEMM calls them
   for (bool dq : {false, true}) {
     ModelConfig cfg = test::small_config();
     cfg.E = 333;  // odd rows: runs start on either nibble

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <random>
 
+#include "memory/allocator.h"
 #include "backend/ops.h"
 #include "core/cpu_info.h"
 #include "core/q8_act.h"
@@ -175,6 +176,7 @@ struct GgufProjections {
 };
 
 TEST(QuantGemm, GgufOneRowFromTheBlocksIsBitwiseTheDequantisedProduct) {
+  DeviceAccess inside;  // the blocks' row readers called directly, as the GEMM calls them
   const CpuInfo cpu = detect_cpu();
   const char* isa = std::getenv("OOMLESS_ISA");
   const bool fused = cpu.avx2 && cpu.fma && cpu.f16c && !(isa && std::string(isa) == "generic");
@@ -225,6 +227,7 @@ TEST(QuantGemm, GgufOneRowFromTheBlocksIsBitwiseTheDequantisedProduct) {
 // weights with the dequantised activation codes (to f32 rounding), the same bits for 1 and 2 threads and
 // for row views; products of more rows, and one-row products once it is off again, keep the f32 bits.
 TEST(QuantGemm, GgufOneRowWithInt8ActivationsIsTheIntegerProduct) {
+  DeviceAccess inside;  // the blocks' row readers called directly, as the GEMM calls them
   auto ops = make_ops("cpu");
   for (GgmlType type : {GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0}) {
     SCOPED_TRACE(ggml_type_name(type));

@@ -70,7 +70,7 @@ TEST(StrictDevice, FreedRangesAreTakenAgainAndReadAsZeros) {
     static_cast<char*>(x)[5] = 7;
   }
   g.deallocate(x, 3 * 4096 + 1);
-  void* z = g.allocate(2 * 4096);  // first fit: the freed range
+  void* z = g.allocate_zeroed(2 * 4096);  // first fit: the freed range, cleared
   EXPECT_EQ(z, x);
   {
     DeviceAccess open;

@@ -16,6 +16,7 @@
 #include "memory/arena.h"
 #include "model/model.h"
 #include "kv/paged_kv.h"
+#include "util/harness.h"
 
 namespace oomless::test {
 
@@ -106,7 +107,7 @@ inline std::unique_ptr<AdapterSet> random_adapters(const ModelConfig& cfg, const
     const Tensor& t = a->tensors().tensors()[i];
     std::vector<double> v(static_cast<size_t>(t.numel()));
     for (double& x : v) x = m ? 1.0 + 2 * u(rng) : u(rng);  // DoRA magnitudes: positive, around 1
-    convert(t.data, t.dtype, v.data(), DType::f64, t.numel());
+    write_tensor(t, [&](void* h) { convert(h, t.dtype, v.data(), DType::f64, t.numel()); });
   }
   return a;
 }
@@ -224,7 +225,7 @@ inline Result run(const RunSetup& s, std::vector<int32_t> ids, int64_t C, int64_
   for (const Trainable& tr : m.trainable()) {
     const Tensor& t = tr.grad;
     r.names.push_back(tr.name);
-    r.grads.emplace_back(static_cast<const float*>(t.data), static_cast<const float*>(t.data) + t.numel());
+    r.grads.push_back(tensor_values<float>(t));
   }
   r.peak_activations = mem.ledger.peak(Tier::Device, Category::activations);
   r.peak_device = mem.ledger.peak_total(Tier::Device);

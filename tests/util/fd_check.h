@@ -8,6 +8,8 @@
 #include <functional>
 #include <random>
 
+#include "util/harness.h"
+
 #include "model/params.h"
 
 namespace oomless::test {
@@ -18,18 +20,19 @@ inline int check_sampled_gradients(ParamSet& params, const ParamSet& grads, cons
   int checked = 0;
   for (size_t i = 0; i < params.specs().size(); ++i) {
     const Tensor& w = params.tensors()[i];
-    double* wp = static_cast<double*>(w.data);
-    const double* gp = static_cast<const double*>(grads.tensors()[i].data);
+    const std::vector<double> g = tensor_values<double>(grads.tensors()[i]);
     for (int k = 0; k < per_tensor; ++k) {
       const int64_t j = static_cast<int64_t>(rng() % static_cast<uint64_t>(w.numel()));
-      const double save = wp[j], h = 1e-5;
-      wp[j] = save + h;
+      const Tensor one(static_cast<double*>(w.data) + j, DType::f64, {1}, w.tier);  // element j, through Ops
+      const double save = tensor_values<double>(one)[0], h = 1e-5;
+      auto set = [&](double v) { write_tensor(one, [v](void* p) { *static_cast<double*>(p) = v; }); };
+      set(save + h);
       const double lp = loss();
-      wp[j] = save - h;
+      set(save - h);
       const double lm = loss();
-      wp[j] = save;
+      set(save);
       const double fd = (lp - lm) / (2 * h);
-      EXPECT_NEAR(gp[j], fd, 1e-7 + 1e-6 * std::abs(fd)) << params.specs()[i].name << "[" << j << "]";
+      EXPECT_NEAR(g[static_cast<size_t>(j)], fd, 1e-7 + 1e-6 * std::abs(fd)) << params.specs()[i].name << "[" << j << "]";
       ++checked;
     }
   }

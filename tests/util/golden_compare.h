@@ -9,6 +9,7 @@
 
 #include "io/safetensors.h"
 #include "model/params.h"
+#include "util/harness.h"
 
 namespace oomless::test {
 
@@ -26,11 +27,7 @@ inline double rel_err(const std::vector<double>& a, const std::vector<double>& b
   return std::sqrt(num) / std::sqrt(den);
 }
 
-inline std::vector<double> to_f64(const Tensor& t) {
-  std::vector<double> v(static_cast<size_t>(t.numel()));
-  convert(v.data(), DType::f64, t.data, t.dtype, t.numel());
-  return v;
-}
+inline std::vector<double> to_f64(const Tensor& t) { return tensor_f64(t); }
 
 // Non-trivial norms and biases (+ U(-0.3, 0.3)) so their effect and gradients are exercised.
 inline void perturb(ParamSet& p, uint64_t seed) {
@@ -40,10 +37,9 @@ inline void perturb(ParamSet& p, uint64_t seed) {
     const std::string& n = p.specs()[i].name;
     const Tensor& t = p.tensors()[i];
     if (n.find("norm") == std::string::npos && n.find(".bias") == std::string::npos) continue;
-    std::vector<double> v(static_cast<size_t>(t.numel()));
-    convert(v.data(), DType::f64, t.data, t.dtype, t.numel());
+    std::vector<double> v = tensor_f64(t);
     for (double& x : v) x += u(rng);
-    convert(t.data, t.dtype, v.data(), DType::f64, t.numel());
+    write_tensor(t, [&](void* h) { convert(h, t.dtype, v.data(), DType::f64, t.numel()); });
   }
 }
 

@@ -146,9 +146,19 @@ double rel_l2(const std::vector<double>& got, const std::vector<double>& ref) {
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
+namespace {
+Ops& host_io() {
+  static const std::unique_ptr<Ops> ops = make_ops("cpu");
+  return *ops;
+}
+}  // namespace
+
+void read_tensor(const Tensor& t, const std::function<void(const void*)>& read) { host_io().read_host(t, read); }
+void write_tensor(const Tensor& t, const std::function<void(void*)>& write) { host_io().write_host(t, write); }
+
 std::vector<double> tensor_f64(const Tensor& t) {
   std::vector<double> v(static_cast<size_t>(t.numel()));
-  convert(v.data(), DType::f64, t.data, t.dtype, t.numel());
+  read_tensor(t, [&](const void* h) { convert(v.data(), DType::f64, h, t.dtype, t.numel()); });
   return v;
 }
 

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstring>
+#include <functional>
 #include <initializer_list>
 #include <random>
 #include <string>
@@ -55,8 +57,20 @@ class HostTensor {
 double rel_l2(const HostTensor& got, const HostTensor& ref);
 // The same over float64 vectors of one length (e.g. tensor_f64 of a Tensor against golden_f64).
 double rel_l2(const std::vector<double>& got, const std::vector<double>& ref);
-// A tensor's elements (any float dtype) as float64.
+// A tensor's elements (any float dtype) as float64, read through the backend (engine memory may be Device
+// memory, which test code, like any code above backend/, reads only through Ops: see the strict device mode).
 std::vector<double> tensor_f64(const Tensor& t);
+// An engine tensor's bytes handed to `read`, or host memory handed to `write` that becomes its bytes, through
+// the CPU backend's read_host / write_host.
+void read_tensor(const Tensor& t, const std::function<void(const void* host)>& read);
+void write_tensor(const Tensor& t, const std::function<void(void* host)>& write);
+// Its elements as T (T's size must be the dtype's).
+template <class T>
+std::vector<T> tensor_values(const Tensor& t) {
+  std::vector<T> v(static_cast<size_t>(t.numel()));
+  read_tensor(t, [&](const void* h) { std::memcpy(v.data(), h, v.size() * sizeof(T)); });
+  return v;
+}
 // Tensor `name` of a golden file (any float dtype) as float64; throws when it is missing.
 std::vector<double> golden_f64(const SafetensorsFile& f, const std::string& name);
 // True when every element is finite.
