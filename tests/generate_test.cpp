@@ -142,7 +142,7 @@ TEST(Generate, Fp8AndInt8KvCacheHoldTheRowScaledCodes) {
       std::vector<uint8_t> want(static_cast<size_t>(rows * cfg.D));
       std::vector<float> want_s(static_cast<size_t>(rows));
       ops->cast_rows_scaled(Tensor(want.data(), t, {rows, cfg.D}), Tensor::of(want_s.data(), {rows}),
-                            Tensor(src.data, DType::f32, {rows, cfg.D}));
+                            Tensor(src, DType::f32, {rows, cfg.D}));
       EXPECT_EQ(std::memcmp(want.data(), test::tensor_values<uint8_t>(kv == 0 ? n.slots[0].k : n.slots[0].v).data(),
                             want.size()), 0);
       EXPECT_EQ(std::memcmp(want_s.data(),

@@ -6,6 +6,22 @@ namespace oomless {
 
 namespace {
 
+// A tensor's tier must say where its memory is (guarded Device memory, or not), and no kernel takes the Disk
+// tier: every tensor argument of every call is checked in this mode.
+void true_tier(const char* op, const Tensor& t, int arg) {
+  if (!t.data || t.numel() == 0) return;
+  OOM_CHECK(t.tier != Tier::Disk, "[", op, "] ", t.str(), " says it is on disk: kernels take memory only");
+  const bool device = in_guarded_range(t.data);
+  OOM_CHECK(device == (t.tier == Tier::Device), "[strict-device] ", op, ": argument ", arg + 1, ", ", t.str(), ", is a view of ",
+            device ? "Device" : "host", " memory but its tier says ", tier_name(t.tier),
+            "; make views with the tier of the buffer they come from (Buffer::view, or Tensor's tier argument)");
+}
+template <class... T>
+void true_tiers(const char* op, const T&... ts) {
+  int i = 0;
+  ((true_tier(op, ts, i++)), ...);
+}
+
 // Forwards every entry of Ops (each pure virtual must be, or this does not compile) inside a DeviceAccess.
 class StrictOps final : public Ops {
  public:
@@ -27,74 +43,92 @@ class StrictOps final : public Ops {
 
   void matmul(Tensor c, Tensor a, Tensor b, bool ta, bool tb, bool accumulate) override {
     DeviceAccess open;
+    true_tiers("matmul", c, a, b);
     in_->matmul(c, a, b, ta, tb, accumulate);
   }
   void embedding_forward(Tensor out, Tensor ids, Tensor table) override {
     DeviceAccess open;
+    true_tiers("embedding_forward", out, ids, table);
     in_->embedding_forward(out, ids, table);
   }
   void embedding_backward(Tensor dtable, Tensor dout, Tensor ids) override {
     DeviceAccess open;
+    true_tiers("embedding_backward", dtable, dout, ids);
     in_->embedding_backward(dtable, dout, ids);
   }
   void rmsnorm_forward(Tensor out, Tensor rstd, Tensor in, Tensor weight, double eps) override {
     DeviceAccess open;
+    true_tiers("rmsnorm_forward", out, rstd, in, weight);
     in_->rmsnorm_forward(out, rstd, in, weight, eps);
   }
   void rmsnorm_backward(Tensor din, Tensor dweight, Tensor dout, Tensor in, Tensor weight, Tensor rstd) override {
     DeviceAccess open;
+    true_tiers("rmsnorm_backward", din, dweight, dout, in, weight, rstd);
     in_->rmsnorm_backward(din, dweight, dout, in, weight, rstd);
   }
   void rope_forward(Tensor out, Tensor in, Tensor pos, const RopeConfig& cfg) override {
     DeviceAccess open;
+    true_tiers("rope_forward", out, in, pos);
     in_->rope_forward(out, in, pos, cfg);
   }
   void rope_backward(Tensor din, Tensor dout, Tensor pos, const RopeConfig& cfg) override {
     DeviceAccess open;
+    true_tiers("rope_backward", din, dout, pos);
     in_->rope_backward(din, dout, pos, cfg);
   }
   void swiglu_forward(Tensor out, Tensor gate, Tensor up) override {
     DeviceAccess open;
+    true_tiers("swiglu_forward", out, gate, up);
     in_->swiglu_forward(out, gate, up);
   }
   void swiglu_backward(Tensor dgate, Tensor dup, Tensor dout, Tensor gate, Tensor up) override {
     DeviceAccess open;
+    true_tiers("swiglu_backward", dgate, dup, dout, gate, up);
     in_->swiglu_backward(dgate, dup, dout, gate, up);
   }
   void add(Tensor out, Tensor a, Tensor b) override {
     DeviceAccess open;
+    true_tiers("add", out, a, b);
     in_->add(out, a, b);
   }
   void axpy(Tensor y, double alpha, Tensor x) override {
     DeviceAccess open;
+    true_tiers("axpy", y, x);
     in_->axpy(y, alpha, x);
   }
   void scale(Tensor x, double alpha) override {
     DeviceAccess open;
+    true_tiers("scale", x);
     in_->scale(x, alpha);
   }
   void fill(Tensor x, double value) override {
     DeviceAccess open;
+    true_tiers("fill", x);
     in_->fill(x, value);
   }
   void upload(Tensor dst, const void* src) override {
     DeviceAccess open;
+    true_tiers("upload", dst);
     in_->upload(dst, src);
   }
   void download(void* dst, Tensor src) override {
     DeviceAccess open;
+    true_tiers("download", src);
     in_->download(dst, src);
   }
   void copy(Tensor dst, Tensor src) override {
     DeviceAccess open;
+    true_tiers("copy", dst, src);
     in_->copy(dst, src);
   }
   void zero(Tensor x) override {
     DeviceAccess open;
+    true_tiers("zero", x);
     in_->zero(x);
   }
   void iota(Tensor x, int32_t first) override {
     DeviceAccess open;
+    true_tiers("iota", x);
     in_->iota(x, first);
   }
   void write_host(Tensor dst, const std::function<void(void*)>& write) override {
@@ -107,103 +141,127 @@ class StrictOps final : public Ops {
   }
   void page_summary(Tensor out, Tensor k, int64_t row0, int64_t P) override {
     DeviceAccess open;
+    true_tiers("page_summary", out, k);
     in_->page_summary(out, k, row0, P);
   }
   void page_select(Tensor sel, Tensor counts, Tensor q, Tensor summaries, int64_t P, int64_t sinks) override {
     DeviceAccess open;
+    true_tiers("page_select", sel, counts, q, summaries);
     in_->page_select(sel, counts, q, summaries, P, sinks);
   }
   void dropout(Tensor out, Tensor in, double p, uint64_t seed, int64_t offset, bool accumulate) override {
     DeviceAccess open;
+    true_tiers("dropout", out, in);
     in_->dropout(out, in, p, seed, offset, accumulate);
   }
   double sum_squares(Tensor x) override {
     DeviceAccess open;
+    true_tiers("sum_squares", x);
     return in_->sum_squares(x);
   }
   double abs_max(Tensor x) override {
     DeviceAccess open;
+    true_tiers("abs_max", x);
     return in_->abs_max(x);
   }
   void convert(Tensor dst, Tensor src) override {
     DeviceAccess open;
+    true_tiers("convert", dst, src);
     in_->convert(dst, src);
   }
   CastStats cast_scaled(Tensor dst, Tensor src, double scale) override {
     DeviceAccess open;
+    true_tiers("cast_scaled", dst, src);
     return in_->cast_scaled(dst, src, scale);
   }
   void cast_rows_scaled(Tensor dst, Tensor scales, Tensor src) override {
     DeviceAccess open;
+    true_tiers("cast_rows_scaled", dst, scales, src);
     in_->cast_rows_scaled(dst, scales, src);
   }
   void row_norms(Tensor out, Tensor w) override {
     DeviceAccess open;
+    true_tiers("row_norms", out, w);
     in_->row_norms(out, w);
   }
   void dora_scale(Tensor g, Tensor n, Tensor m, Tensor wn, Tensor b, Tensor p, Tensor q, double s) override {
     DeviceAccess open;
+    true_tiers("dora_scale", g, n, m, wn, b, p, q);
     in_->dora_scale(g, n, m, wn, b, p, q, s);
   }
   void dora_forward(Tensor y, Tensor z, Tensor g, Tensor bias) override {
     DeviceAccess open;
+    true_tiers("dora_forward", y, z, g, bias);
     in_->dora_forward(y, z, g, bias);
   }
   void dora_backward(Tensor dz, Tensor dm, Tensor dy, Tensor z, Tensor g, Tensor n) override {
     DeviceAccess open;
+    true_tiers("dora_backward", dz, dm, dy, z, g, n);
     in_->dora_backward(dz, dm, dy, z, g, n);
   }
   void scale_rows(Tensor x, Tensor g) override {
     DeviceAccess open;
+    true_tiers("scale_rows", x, g);
     in_->scale_rows(x, g);
   }
   void attention_forward(Tensor o, Tensor lse, Tensor q, const KvBlocks& kv, Tensor q_pos, double scale) override {
     DeviceAccess open;
+    true_tiers("attention_forward", o, lse, q, q_pos);
     in_->attention_forward(o, lse, q, kv, q_pos, scale);
   }
   void attention_backward(Tensor dq, const KvBlocks& dkv, Tensor dout, Tensor q, const KvBlocks& kv, Tensor o,
                           Tensor lse, Tensor q_pos, double scale) override {
     DeviceAccess open;
+    true_tiers("attention_backward", dq, dout, q, o, lse, q_pos);
     in_->attention_backward(dq, dkv, dout, q, kv, o, lse, q_pos, scale);
   }
   void attention_merge(Tensor o, Tensor lse, Tensor o2, Tensor lse2, int64_t row0) override {
     DeviceAccess open;
+    true_tiers("attention_merge", o, lse, o2, lse2);
     in_->attention_merge(o, lse, o2, lse2, row0);
   }
   CeResult linear_cross_entropy_forward(Tensor lse, Tensor h, Tensor w, Tensor targets, int32_t ignore_index) override {
     DeviceAccess open;
+    true_tiers("linear_cross_entropy_forward", lse, h, w, targets);
     return in_->linear_cross_entropy_forward(lse, h, w, targets, ignore_index);
   }
   std::vector<double> target_logits(Tensor h, Tensor w, Tensor targets, int32_t ignore_index) override {
     DeviceAccess open;
+    true_tiers("target_logits", h, w, targets);
     return in_->target_logits(h, w, targets, ignore_index);
   }
   void linear_cross_entropy_backward(Tensor dh, Tensor dw, Tensor h, Tensor w, Tensor targets, Tensor lse,
                                      int32_t ignore_index, double grad_scale) override {
     DeviceAccess open;
+    true_tiers("linear_cross_entropy_backward", dh, dw, h, w, targets, lse);
     in_->linear_cross_entropy_backward(dh, dw, h, w, targets, lse, ignore_index, grad_scale);
   }
   CeResult linear_cross_entropy_fused(Tensor lse, Tensor dh, Tensor h, Tensor w, Tensor targets, int32_t ignore_index,
                                       double grad_scale) override {
     DeviceAccess open;
+    true_tiers("linear_cross_entropy_fused", lse, dh, h, w, targets);
     return in_->linear_cross_entropy_fused(lse, dh, h, w, targets, ignore_index, grad_scale);
   }
   CeResult linear_cross_entropy_trained(Tensor lse, Tensor dh, Tensor dw, Tensor h, Tensor w, Tensor targets,
                                         int32_t ignore_index, double grad_scale) override {
     DeviceAccess open;
+    true_tiers("linear_cross_entropy_trained", lse, dh, dw, h, w, targets);
     return in_->linear_cross_entropy_trained(lse, dh, dw, h, w, targets, ignore_index, grad_scale);
   }
   void adamw_step(Tensor param, Tensor grad, Tensor m, Tensor v, const AdamWConfig& cfg) override {
     DeviceAccess open;
+    true_tiers("adamw_step", param, grad, m, v);
     in_->adamw_step(param, grad, m, v, cfg);
   }
   void adamw8bit_step(Tensor param, Tensor grad, Tensor m_codes, Tensor m_absmax, Tensor v_codes, Tensor v_absmax,
                       const AdamWConfig& cfg) override {
     DeviceAccess open;
+    true_tiers("adamw8bit_step", param, grad, m_codes, m_absmax, v_codes, v_absmax);
     in_->adamw8bit_step(param, grad, m_codes, m_absmax, v_codes, v_absmax, cfg);
   }
   void svd_basis(Tensor out, Tensor g, bool right) override {
     DeviceAccess open;
+    true_tiers("svd_basis", out, g);
     in_->svd_basis(out, g, right);
   }
 

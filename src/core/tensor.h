@@ -67,6 +67,11 @@ struct Tensor {
 
   Tensor() = default;
   Tensor(void* d, DType t, std::initializer_list<int64_t> shape, Tier where = Tier::Host);
+  // A view of base's memory (from its start, or `byte_offset` bytes in) in base's tier.
+  Tensor(const Tensor& base, DType t, std::initializer_list<int64_t> shape)
+      : Tensor(base.data, t, shape, base.tier) {}
+  Tensor(const Tensor& base, int64_t byte_offset, DType t, std::initializer_list<int64_t> shape)
+      : Tensor(static_cast<char*>(base.data) + byte_offset, t, shape, base.tier) {}
   template <class T>
   static Tensor of(T* d, std::initializer_list<int64_t> shape, Tier where = Tier::Host) {
     return Tensor(const_cast<std::remove_const_t<T>*>(d), dtype_of<std::remove_const_t<T>>(), shape, where);

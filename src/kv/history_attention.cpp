@@ -25,7 +25,7 @@ void PagedKvStore::forward(int64_t layer, Tensor o, Tensor lse, Tensor q, Tensor
     if (j + 1 < steps.size()) start_fetch(*kv_win_[(j + 1) % 2], layer, steps[j + 1].pages, false);
     finish_fetch(w);
     for (const Group& g : steps[j].groups) {
-      Tensor o2(o2_.data, o.dtype, {g.n, H, D}), l2(lse2_.data, lse.dtype, {H, g.n});
+      Tensor o2(o2_, o.dtype, {g.n, H, D}), l2(lse2_, lse.dtype, {H, g.n});
       ops_.attention_forward(o2, l2, rows(q, g.r0, g.n), blocks_of(w, false, g.idx), rows(pos, g.r0, g.n), scale);
       ops_.attention_merge(o, lse, o2, l2, g.r0);
     }
@@ -79,14 +79,14 @@ void PagedKvStore::backward(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Tens
     finish_fetch(g);
     for (const Group& gr : steps[j].groups) {
       if (gr.n == Tc) {
-        Tensor dq2(dq2_.data, dq.dtype, {Tc, H, D});
+        Tensor dq2(dq2_, dq.dtype, {Tc, H, D});
         ops_.attention_backward(dq2, blocks_of(g, true, gr.idx), dout, q, blocks_of(w, false, gr.idx), o, lse, pos,
                                 scale);
         ops_.add(dq, dq, dq2);
         continue;
       }
       // Some rows: their lse gathered into (H, n).
-      Tensor l(lse2_.data, lse.dtype, {H, gr.n}), dq2(dq2_.data, dq.dtype, {gr.n, H, D});
+      Tensor l(lse2_, lse.dtype, {H, gr.n}), dq2(dq2_, dq.dtype, {gr.n, H, D});
       for (int64_t h = 0; h < H; ++h) ops_.copy(span(l, h * gr.n, gr.n), span(lse, h * Tc + gr.r0, gr.n));
       const Tensor dq_rows = rows(dq, gr.r0, gr.n);
       ops_.attention_backward(dq2, blocks_of(g, true, gr.idx), rows(dout, gr.r0, gr.n), rows(q, gr.r0, gr.n),

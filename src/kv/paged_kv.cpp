@@ -103,10 +103,9 @@ PagedKvStore::PagedKvStore(const KvDims& cfg, Ops& ops, Arena& device, Arena& ho
   const int64_t C = opt.C, H = cfg.H, D = cfg.D;
   scratch_ = device.alloc(static_cast<size_t>(dtype_bytes(act, 2 * C * H * D + H * C)), Category::workspace,
                           "attention merge");
-  char* p = static_cast<char*>(scratch_.data());
-  o2_ = Tensor(p, act, {C, H, D});
-  dq2_ = Tensor(p + dtype_bytes(act, C * H * D), act, {C, H, D});
-  lse2_ = Tensor(p + dtype_bytes(act, 2 * C * H * D), act, {H, C});
+  o2_ = scratch_.view(act, {C, H, D});
+  dq2_ = Tensor(o2_, dtype_bytes(act, C * H * D), act, {C, H, D});
+  lse2_ = Tensor(o2_, dtype_bytes(act, 2 * C * H * D), act, {H, C});
   if (sparse()) {
     const int64_t S = opt.summary == PageSummary::mean ? 1 : 2;
     const int64_t summaries = std::max<int64_t>(1, cfg.L * hist_pages_ * S * cfg.Hkv * D);

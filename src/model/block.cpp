@@ -13,11 +13,10 @@ namespace {
 
 // Head h of a (Hkv, P, D) buffer, slots t0 .. t0+T-1, as (T, D).
 Tensor head(const Tensor& kv, int64_t h, int64_t P, int64_t t0, int64_t T, int64_t D) {
-  char* p = static_cast<char*>(kv.data) + dtype_bytes(kv.dtype, (h * P + t0) * D);
-  return Tensor(p, kv.dtype, {T, D});
+  return Tensor(kv, dtype_bytes(kv.dtype, (h * P + t0) * D), kv.dtype, {T, D});
 }
 
-Tensor mat(const Tensor& t, int64_t r, int64_t c) { return Tensor(t.data, t.dtype, {r, c}); }
+Tensor mat(const Tensor& t, int64_t r, int64_t c) { return Tensor(t, t.dtype, {r, c}); }
 
 // Head h of DoRA's (Hkv, T, D) unscaled k or v, or empty.
 Tensor z_head(const Tensor& z, int64_t h, int64_t T, int64_t D) {
@@ -82,7 +81,7 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
     // every kv head are one product each (every output is its own one-row dot: the bits of a product a head),
     // normed and rotated in one call each, then stored a head at a time.
     auto row = [&](const Tensor& t) { return t.data ? mat(t, 1, Hkv * D) : Tensor(); };
-    const Tensor k_all(a.k.data, a.k.dtype, {1, Hkv, D});
+    const Tensor k_all(a.k, a.k.dtype, {1, Hkv, D});
     project(K, cfg_.qk_norm ? row(a.k_pre) : row(a.k), a.h1, h1, u_of(Proj::k), row(z_of(Proj::k)));
     if (cfg_.qk_norm) ops_.rmsnorm_forward(mat(a.k, Hkv, D), a.k_rstd, mat(a.k_pre, Hkv, D), P.k_norm, eps);
     ops_.rope_forward(k_all, k_all, pos, cfg_.rope);
@@ -95,7 +94,7 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
     Tensor klin = cfg_.qk_norm ? head(a.k_pre, h, T, 0, T, D) : kh;
     project(K.rows(h * D, D), klin, a.h1, h1, u_of(Proj::k), z_head(z_of(Proj::k), h, T, D));
     if (cfg_.qk_norm) ops_.rmsnorm_forward(kh, span_of(a.k_rstd, h * T, T), klin, P.k_norm, eps);
-    Tensor kh3(kh.data, kh.dtype, {T, int64_t{1}, D});
+    Tensor kh3(kh, kh.dtype, {T, int64_t{1}, D});
     ops_.rope_forward(kh3, kh3, pos, cfg_.rope);
     project(V.rows(h * D, D), vh, a.h1, h1, u_of(Proj::v), z_head(z_of(Proj::v), h, T, D));
     if (staged) store(h, kh, vh);
@@ -168,13 +167,13 @@ void Model::block_backward(int64_t layer, Acts& a, Tensor pos, Tensor dx) {
   const LayerParams& G = grads_ ? grads_->layers[static_cast<size_t>(layer)] : no_grads_;  // frozen: all empty
   Scratch& s = *s_;
   const int64_t T = a.x_in.dims[0], E = cfg_.E, F = cfg_.F, H = cfg_.H, Hkv = cfg_.Hkv, D = cfg_.D;
-  auto view = [](const Tensor& t, std::initializer_list<int64_t> shape) { return Tensor(t.data, t.dtype, shape); };
+  auto view = [](const Tensor& t, std::initializer_list<int64_t> shape) { return Tensor(t, t.dtype, shape); };
   Tensor dh = view(s.dh, {T, E}), dxn = view(s.dxn, {T, E});
   Tensor dgate = view(s.dgate, {T, F}), dup = view(s.dup, {T, F}), dact = view(s.dact, {T, F});
   if (lora_r_) s.du[0] = view(s.du[0], {T, lora_r_}), s.du[1] = view(s.du[1], {T, lora_r_});
   // DoRA with dropout (dora_dropout_backward) gathers (g dy - dy) W for the adapter's input gradient in t.
   auto t_for = [&](const Linear& L, const Tensor& buf, int64_t K) {
-    return L.dora() && dropout_on() ? Tensor(buf.data, act_, {T, K}) : Tensor();
+    return L.dora() && dropout_on() ? Tensor(buf, act_, {T, K}) : Tensor();
   };
   // A whole projection's backward: output gradient dy (DoRA's g * dy into dz), input x / x_op, input
   // gradient dx_in (=|+=).
@@ -218,7 +217,7 @@ void Model::block_backward(int64_t layer, Acts& a, Tensor pos, Tensor dx) {
   // RoPE, then the Qwen3 per-head norms, backwards.
   ops_.rope_backward(dq, dq, pos, cfg_.rope);
   for (int64_t h = 0; h < Hkv; ++h) {
-    Tensor dkh(head(dk, h, T, 0, T, D).data, act_, {T, int64_t{1}, D});
+    Tensor dkh(head(dk, h, T, 0, T, D), act_, {T, int64_t{1}, D});
     ops_.rope_backward(dkh, dkh, pos, cfg_.rope);
   }
   Tensor dq_lin = dq, dk_lin = dk;

@@ -10,14 +10,14 @@ Tensor rows_of(const Tensor& t, int64_t r0, int64_t n) {
   }
   if (!t.data) return Tensor();
   const int64_t cols = t.dims[1];
-  Tensor r(static_cast<char*>(t.data) + dtype_bytes(t.dtype, r0 * cols), t.dtype, {n, cols});
+  Tensor r(t, dtype_bytes(t.dtype, r0 * cols), t.dtype, {n, cols});
   r.as_bf16 = t.as_bf16;
   return r;
 }
 
 Tensor span_of(const Tensor& t, int64_t e0, int64_t n) {
   if (!t.data) return Tensor();
-  return Tensor(static_cast<char*>(t.data) + dtype_bytes(t.dtype, e0), t.dtype, {n});
+  return Tensor(t, dtype_bytes(t.dtype, e0), t.dtype, {n});
 }
 
 Linear Linear::rows(int64_t r0, int64_t count) const {

@@ -151,7 +151,7 @@ void merge_lora(Ops& ops, ParamSet& params, const AdapterSet& a, Arena& arena) {
       const LoraTensors& t = a.layer(l)[p];
       // W (N, K) += (s B) (N, r) . A (r, K)
       Buffer buf = arena.alloc(static_cast<size_t>(t.b.nbytes()), Category::workspace, "merge");
-      Tensor bs(buf.data(), t.b.dtype, {t.b.dims[0], t.b.dims[1]});
+      Tensor bs = buf.view(t.b.dtype, {t.b.dims[0], t.b.dims[1]});
       ops.convert(bs, t.b);
       ops.scale(bs, s.scale());
       ops.matmul(*w, bs, t.a, false, false, true);
@@ -159,8 +159,8 @@ void merge_lora(Ops& ops, ParamSet& params, const AdapterSet& a, Arena& arena) {
       // DoRA: W_j *= m_j / ||W_j||, the norm of the merged row (PEFT's dora_factor).
       const int64_t N = w->dims[0];
       Buffer nb = arena.alloc(static_cast<size_t>(2 * dtype_bytes(w->dtype, N)), Category::workspace, "merge");
-      Tensor n(nb.data(), w->dtype, {N});
-      Tensor g(static_cast<char*>(nb.data()) + dtype_bytes(w->dtype, N), w->dtype, {N});
+      const Tensor n = nb.view(w->dtype, {N});
+      const Tensor g(n, dtype_bytes(w->dtype, N), w->dtype, {N});
       ops.row_norms(n, *w);
       ops.dora_scale(g, n, t.m, n, Tensor(), Tensor(), Tensor(), 0.0);
       ops.scale_rows(*w, g);

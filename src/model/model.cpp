@@ -148,7 +148,7 @@ Model::Model(const ModelConfig& cfg, Ops& ops, ParamSet& params, Arena& arena, M
     // The base's row norms once (it is frozen), room for each step's n and g, and the norm's scratch.
     auto buf = [&](int64_t n, Category cat, const char* what) {
       dora_bufs_.push_back(arena_.alloc(static_cast<size_t>(dtype_bytes(act_, n)), cat, what));
-      return dora_bufs_.back().data();
+      return dora_bufs_.back().view(DType::u8, {static_cast<int64_t>(dora_bufs_.back().size())});
     };
     const int64_t r = lora_r_;
     int64_t max_n = 0;
@@ -160,11 +160,11 @@ Model::Model(const ModelConfig& cfg, Ops& ops, ParamSet& params, Arena& arena, M
     for (int64_t l = 0; l < cfg_.L; ++l)
       for (Proj p : opt_.adapters->settings().targets) {
         const int64_t N = proj_out(cfg_, p);
-        char* d = static_cast<char*>(buf(3 * N, Category::adapter, "dora norms"));
+        const Tensor d = buf(3 * N, Category::adapter, "dora norms");
         DoraRows& x = dora_rows_[static_cast<size_t>(l)][static_cast<size_t>(p)];
         x.wn = Tensor(d, act_, {N});
-        x.n = Tensor(d + dtype_bytes(act_, N), act_, {N});
-        x.g = Tensor(d + dtype_bytes(act_, 2 * N), act_, {N});
+        x.n = Tensor(d, dtype_bytes(act_, N), act_, {N});
+        x.g = Tensor(d, dtype_bytes(act_, 2 * N), act_, {N});
         ops_.row_norms(x.wn, proj_weight(params_.layers[static_cast<size_t>(l)], p));
       }
   }
@@ -265,10 +265,9 @@ void Model::grads_final(int64_t group) {
 }
 
 void Model::zero_grads() {
-  auto bytes = [](void* p, size_t n) { return Tensor(p, DType::u8, {static_cast<int64_t>(n)}); };
-  if (grads_) ops_.zero(bytes(grads_->data(), grads_->bytes()));
-  if (agrads_) ops_.zero(bytes(agrads_->tensors().data(), agrads_->tensors().bytes()));
-  if (sgrads_) ops_.zero(bytes(sgrads_->data(), sgrads_->bytes()));
+  if (grads_) ops_.zero(grads_->raw());
+  if (agrads_) ops_.zero(agrads_->tensors().raw());
+  if (sgrads_) ops_.zero(sgrads_->raw());
 }
 
 void Model::reserve(int64_t T, bool for_backward, bool chunked) {
@@ -281,7 +280,7 @@ void Model::reserve(int64_t T, bool for_backward, bool chunked) {
     int64_t n = 1;
     for (int64_t d : shape) n *= d;
     s->bufs.push_back(arena_.alloc(static_cast<size_t>(dtype_bytes(t, n)), cat, what));
-    return Tensor(s->bufs.back().data(), t, shape);
+    return s->bufs.back().view(t, shape);
   };
   const Category A = Category::activations, W = Category::workspace;
   s->pos = alloc(DType::i32, {T}, W, "positions");
@@ -352,11 +351,12 @@ void Model::reserve(int64_t T, bool for_backward, bool chunked) {
   struct Carver {
     char* base = nullptr;
     size_t bytes = 0;
+    Tier tier = Tier::Device;
     Tensor operator()(DType t, std::initializer_list<int64_t> shape, Category, const char*) {
       int64_t n = 1;
       for (int64_t d : shape) n *= d;
       bytes = (bytes + 63) / 64 * 64;
-      Tensor r = base ? Tensor(base + bytes, t, shape) : Tensor();
+      Tensor r = base ? Tensor(base + bytes, t, shape, tier) : Tensor();
       bytes += static_cast<size_t>(dtype_bytes(t, n));
       return r;
     }
@@ -403,7 +403,8 @@ void Model::reserve(int64_t T, bool for_backward, bool chunked) {
     Acts a;  // a recomputed layer keeps nothing but its input (in layer_in) ...
     const int64_t i = s->off_index[static_cast<size_t>(l)];
     if (i >= 0) {
-      Carver carve{s->ring[static_cast<size_t>(i % std::min<int64_t>(kActRing, static_cast<int64_t>(out_layers.size())))].as<char>()};
+      const Buffer& ring = s->ring[static_cast<size_t>(i % std::min<int64_t>(kActRing, static_cast<int64_t>(out_layers.size())))];
+      Carver carve{ring.as<char>(), 0, ring.tier()};
       a = act_set(carve, A, false, save_policy(l));
     } else if (save_policy(l) != SavePolicy::none) {
       a = act_set(alloc, A, false, save_policy(l));
@@ -523,7 +524,7 @@ Model::Acts Model::acts_for_layer(int64_t layer) {
   // Views for the current length T (buffers are sized for the reserved capacity).
   const int64_t T = T_, E = cfg_.E, F = cfg_.F, H = cfg_.H, Hkv = cfg_.Hkv, D = cfg_.D;
   auto re = [](Tensor& t, std::initializer_list<int64_t> shape) {
-    if (t.data) t = Tensor(t.data, t.dtype, shape);
+    if (t.data) t = Tensor(t, t.dtype, shape);
   };
   re(a.x_in, {T, E}), re(a.h1, {T, E}), re(a.rstd1, {T}), re(a.q_pre, {T, H, D}), re(a.q_rstd, {T * H});
   re(a.k_pre, {Hkv, T, D}), re(a.k_rstd, {Hkv * T}), re(a.q, {T, H, D}), re(a.k, {Hkv, T, D});
@@ -541,8 +542,8 @@ Model::Acts Model::acts_for_layer(int64_t layer) {
 namespace {
 
 // x's values as a flat vector, and the same number of elements of c's buffer.
-Tensor flat(const Tensor& x) { return Tensor(x.data, x.dtype, {x.numel()}); }
-Tensor flat_like(const Tensor& c, const Tensor& x) { return Tensor(c.data, c.dtype, {x.numel()}); }
+Tensor flat(const Tensor& x) { return Tensor(x, x.dtype, {x.numel()}); }
+Tensor flat_like(const Tensor& c, const Tensor& x) { return Tensor(c, c.dtype, {x.numel()}); }
 
 }  // namespace
 
@@ -593,7 +594,7 @@ Tensor Model::as_operand(Tensor x, int slot) {
   if (opt_.dtype != ComputeDType::bf16) return x;
   OOM_CHECK(x.numel() <= (slot < 2 || slot == 4 ? s_->op_elems : s_->op_small_elems),
             "[model] bf16 operand scratch too small");
-  Tensor b(s_->op[slot].data, DType::bf16, {x.dims[0], x.dims[1]});
+  Tensor b(s_->op[slot], DType::bf16, {x.dims[0], x.dims[1]});
   ops_.convert(b, x);
   return b;
 }
@@ -602,7 +603,7 @@ void Model::linear_forward(Tensor y, Tensor x, Tensor wc, Tensor b) {
   // y (T, N) = x (T, K) . W (N, K)^T [+ b]; x is already an operand (fp32 or bf16 copy), wc the matching weight.
   ops_.matmul(y, x, wc, false, true, false);
   if (b.data) {
-    Tensor ones(s_->ones.data, act_, {y.dims[0], 1});
+    Tensor ones(s_->ones, act_, {y.dims[0], 1});
     ops_.matmul(y, ones, b.reshape({1, b.numel()}), false, false, true);
   }
 }
@@ -678,7 +679,7 @@ uint64_t Model::dropout_seed(int64_t layer, Proj p) const {
 }
 
 Tensor Model::dropped(const Linear& L, Tensor x) {
-  Tensor xd(s_->xdrop.data, act_, {x.dims[0], x.dims[1]});
+  Tensor xd(s_->xdrop, act_, {x.dims[0], x.dims[1]});
   ops_.dropout(xd, x, lora_dropout_, L.dropout_seed, row0_ * x.dims[1], false);
   return as_operand(xd, 4);
 }
@@ -707,7 +708,7 @@ void Model::lora_backward_input(const Linear& L, Tensor dx, Tensor du, Tensor x,
   }
   // dA += du^T dropout(x) (the same mask, drawn again); dx += dropout(du A [+ pre]).
   ops_.matmul(L.ga, du_op, dropped(L, x), true, false, true);
-  Tensor t = pre.data ? pre : Tensor(s_->dxdrop.data, act_, {dx.dims[0], dx.dims[1]});
+  Tensor t = pre.data ? pre : Tensor(s_->dxdrop, act_, {dx.dims[0], dx.dims[1]});
   ops_.matmul(t, du_op, L.a, false, false, pre.data != nullptr);
   ops_.dropout(dx, t, lora_dropout_, L.dropout_seed, row0_ * dx.dims[1], true);
 }
@@ -726,7 +727,7 @@ void Model::refresh_dora() {
         continue;
       }
       const int64_t N = proj_out(cfg_, p);
-      Tensor pt(dora_p_.data, act_, {r, N}), q(dora_q_.data, act_, {N, r});
+      Tensor pt(dora_p_, act_, {r, N}), q(dora_q_, act_, {N, r});
       ops_.matmul(pt, t.a, proj_weight(params_.layers[static_cast<size_t>(l)], p), false, true, false);
       ops_.matmul(dora_aa_, t.a, t.a, false, true, false);
       ops_.matmul(q, t.b, dora_aa_, false, false, false);
@@ -743,7 +744,7 @@ void Model::dora_backward(const Linear& L, Tensor dz, Tensor dy, Tensor z) {
 }
 
 void Model::dora_dropout_forward(const Linear& L, Tensor y, Tensor x, Tensor u, Tensor z) {
-  Tensor t(s_->dora_t.data, act_, {y.dims[0], y.dims[1]});
+  Tensor t(s_->dora_t, act_, {y.dims[0], y.dims[1]});
   linear_forward(t, dropped(L, x), L.w, Tensor());  // x_d W^T
   ops_.axpy(y, -1.0, t);                            // (x - x_d) W^T, negated exactly below
   lora_up(L, t, u);                                 // z_d
@@ -753,7 +754,7 @@ void Model::dora_dropout_forward(const Linear& L, Tensor y, Tensor x, Tensor u, 
 
 void Model::dora_dropout_backward(const Linear& L, Tensor dy, Tensor z, Tensor u, Tensor dx, bool dx_acc, Tensor t,
                                   bool t_acc, Tensor du, bool du_acc) {
-  Tensor dz(s_->dora_dz.data, act_, {dy.dims[0], dy.dims[1]});
+  Tensor dz(s_->dora_dz, act_, {dy.dims[0], dy.dims[1]});
   dora_backward(L, dz, dy, z);  // dm; dz = g dy
   linear_backward_input(dx, as_operand(dy, 0), L.w, dx_acc);
   lora_backward_rows(L, du, as_operand(dz, 0), u, du_acc);
@@ -764,7 +765,7 @@ void Model::dora_dropout_backward(const Linear& L, Tensor dy, Tensor z, Tensor u
 void Model::bias_backward(Tensor db, Tensor dy) {
   // db (N) += column sums of dy (T, N), as ones (T, 1)^T . dy: one fixed-order GEMM.
   if (!db.data) return;
-  Tensor ones(s_->ones.data, act_, {dy.dims[0], 1});
+  Tensor ones(s_->ones, act_, {dy.dims[0], 1});
   ops_.matmul(db.reshape({1, db.numel()}), ones, dy, true, false, true);
 }
 

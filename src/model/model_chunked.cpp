@@ -13,7 +13,7 @@ namespace {
 // Chunk c of an i32 vector (T), C per chunk.
 Tensor chunk_of(const Tensor& t, int64_t c, int64_t C) {
   const int64_t T = t.dims[0], n = std::min(C, T - c * C);
-  return Tensor(static_cast<int32_t*>(t.data) + c * C, DType::i32, {n});
+  return Tensor(t, static_cast<int64_t>(sizeof(int32_t)) * c * C, DType::i32, {n});
 }
 
 // Clears the model's pointer to the store and ends the store's sequence on every exit path.
@@ -41,13 +41,13 @@ CeResult Model::chunk_forward(Tensor ids, Tensor targets, int64_t t0, ChunkKv& k
   stash_ = for_backward && narrow_saved();
   round_qkv_ = training_ && !for_backward && narrow_saved();
   Scratch& s = *s_;
-  Tensor pos(s.pos.data, DType::i32, {T});
-  Tensor id_t(s.ids.data, DType::i32, {T}), tg_t(s.targets.data, DType::i32, {T});
+  Tensor pos(s.pos, DType::i32, {T});
+  Tensor id_t(s.ids, DType::i32, {T}), tg_t(s.targets, DType::i32, {T});
   ops_.upload(id_t, ids.data);
   ops_.upload(tg_t, targets.data);
   ops_.iota(pos, static_cast<int32_t>(t0));
   const size_t n_states = s.layer_in.size();
-  auto state = [&](int64_t i) { return Tensor(s.layer_in[static_cast<size_t>(i) % n_states].data, act_, {T, cfg_.E}); };
+  auto state = [&](int64_t i) { return Tensor(s.layer_in[static_cast<size_t>(i) % n_states], act_, {T, cfg_.E}); };
   ops_.embedding_forward(state(0), id_t, params_.embed);
   for (int64_t l = 0; l < cfg_.L; ++l) {
     Acts a = acts_for_layer(l);
@@ -61,7 +61,7 @@ CeResult Model::chunk_forward(Tensor ids, Tensor targets, int64_t t0, ChunkKv& k
   have_forward_ = false;
   fused_scale_.reset();
   if (!loss) return {};
-  Tensor hn(s.hn.data, act_, {T, cfg_.E}), rstd(s.rstd_f.data, act_, {T}), lse(s.lse_f.data, act_, {T});
+  Tensor hn(s.hn, act_, {T, cfg_.E}), rstd(s.rstd_f, act_, {T}), lse(s.lse_f, act_, {T});
   ops_.rmsnorm_forward(hn, rstd, state(cfg_.L), params_.final_norm, cfg_.rms_eps);
   CeResult r = head_forward(lse, hn, tg_t, for_backward, grad_scale);
   have_forward_ = for_backward;

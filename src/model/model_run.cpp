@@ -17,7 +17,7 @@ Tensor Model::run_blocks(Tensor ids, Tensor pos, std::vector<KvSlots>* cache, in
   Scratch& s = *s_;
   const int64_t T = ids.dims[0];
   const size_t n_states = s.layer_in.size();
-  auto state = [&](int64_t i) { return Tensor(s.layer_in[static_cast<size_t>(i) % n_states].data, act_, {T, cfg_.E}); };
+  auto state = [&](int64_t i) { return Tensor(s.layer_in[static_cast<size_t>(i) % n_states], act_, {T, cfg_.E}); };
   ops_.embedding_forward(state(0), ids, params_.embed);
   for (int64_t l = 0; l < cfg_.L; ++l) {
     Acts a = acts_for_layer(l);
@@ -37,7 +37,7 @@ CeResult Model::head_forward(Tensor lse, Tensor hn, Tensor targets, bool for_bac
   const Linear head = head_linear();
   if (!for_backward || !grad_scale) return ops_.linear_cross_entropy_forward(lse, hn, head.w, targets, kIgnore);
   // Training: the head's whole backward with the loss (a trained head's dw too), so backward starts at dh.
-  Tensor dh(s_->dh.data, act_, {hn.dims[0], cfg_.E});
+  Tensor dh(s_->dh, act_, {hn.dims[0], cfg_.E});
   const CeResult r =
       head.gw.data ? ops_.linear_cross_entropy_trained(lse, dh, head.gw, hn, head.w, targets, kIgnore, *grad_scale)
                    : ops_.linear_cross_entropy_fused(lse, dh, hn, head.w, targets, kIgnore, *grad_scale);
@@ -70,14 +70,14 @@ CeResult Model::forward(Tensor ids, Tensor targets, bool for_backward, std::opti
   for (int64_t t = 0; t < T; ++t)
     OOM_CHECK(id[t] >= 0 && id[t] < cfg_.V, "[model] token id ", id[t], " at position ", t,
               " is outside the vocabulary [0, ", cfg_.V, ")");
-  Tensor pos(s.pos.data, DType::i32, {T});
-  Tensor id_t(s.ids.data, DType::i32, {T}), tg_t(s.targets.data, DType::i32, {T});
+  Tensor pos(s.pos, DType::i32, {T});
+  Tensor id_t(s.ids, DType::i32, {T}), tg_t(s.targets, DType::i32, {T});
   ops_.upload(id_t, ids.data);
   ops_.upload(tg_t, targets.data);
   ops_.iota(pos, 0);
 
   const Tensor x_last = run_blocks(id_t, pos, nullptr, 0);
-  Tensor hn(s.hn.data, act_, {T, cfg_.E}), rstd(s.rstd_f.data, act_, {T}), lse(s.lse_f.data, act_, {T});
+  Tensor hn(s.hn, act_, {T, cfg_.E}), rstd(s.rstd_f, act_, {T}), lse(s.lse_f, act_, {T});
   ops_.rmsnorm_forward(hn, rstd, x_last, params_.final_norm, cfg_.rms_eps);
   CeResult r = head_forward(lse, hn, tg_t, for_backward, grad_scale);
   have_forward_ = for_backward;
@@ -93,10 +93,10 @@ void Model::backward(double grad_scale) {
   const Linear head = head_linear();
   const Tensor g_norm = grads_ ? grads_->final_norm : Tensor();
   const int64_t T = T_, E = cfg_.E;
-  Tensor pos(s.pos.data, DType::i32, {T});
-  Tensor id_t(s.ids.data, DType::i32, {T}), tg_t(s.targets.data, DType::i32, {T});
-  Tensor hn(s.hn.data, act_, {T, E}), rstd(s.rstd_f.data, act_, {T}), lse(s.lse_f.data, act_, {T});
-  Tensor dx(s.dx.data, act_, {T, E}), dh(s.dh.data, act_, {T, E});
+  Tensor pos(s.pos, DType::i32, {T});
+  Tensor id_t(s.ids, DType::i32, {T}), tg_t(s.targets, DType::i32, {T});
+  Tensor hn(s.hn, act_, {T, E}), rstd(s.rstd_f, act_, {T}), lse(s.lse_f, act_, {T});
+  Tensor dx(s.dx, act_, {T, E}), dh(s.dh, act_, {T, E});
   if (fused_scale_) {  // the forward left dh
     OOM_CHECK(*fused_scale_ == grad_scale, "[model] backward(", grad_scale, ") after a forward for grad_scale ",
               *fused_scale_);
@@ -104,7 +104,7 @@ void Model::backward(double grad_scale) {
   } else {
     ops_.linear_cross_entropy_backward(dh, head.gw, hn, head.w, tg_t, lse, kIgnore, grad_scale);
   }
-  Tensor x_last(s.layer_in[static_cast<size_t>(cfg_.L)].data, act_, {T, E});
+  Tensor x_last(s.layer_in[static_cast<size_t>(cfg_.L)], act_, {T, E});
   ops_.rmsnorm_backward(dx, g_norm, dh, x_last, params_.final_norm, rstd);
   grads_final(kHeadGroup);
   for (int64_t l = cfg_.L - 1; l >= 0; --l) {
@@ -125,7 +125,7 @@ void Model::backward(double grad_scale) {
 void Model::logits(Tensor out) {
   OOM_CHECK(s_ && T_ > 0, "[model] logits need a forward first");
   check_shape("[model] logits", "out", out, {T_, cfg_.V});
-  Tensor hn(s_->hn.data, act_, {T_, cfg_.E});
+  Tensor hn(s_->hn, act_, {T_, cfg_.E});
   ops_.matmul(out, as_operand(hn, 0), head_, false, true, false);
 }
 
@@ -134,8 +134,8 @@ std::vector<double> Model::token_losses() {
   // CE_t = lse_t - logit_t[target_t], the target logit from the operands the loss used (bf16 in bf16 mode), taken
   // by the backend; lse and the targets come back to the host beside it.
   const int64_t T = T_;
-  const Tensor hn(s_->hn.data, act_, {T, cfg_.E}), tg_t(s_->targets.data, DType::i32, {T}),
-      lse_t(s_->lse_f.data, act_, {T});
+  const Tensor hn(s_->hn, act_, {T, cfg_.E}), tg_t(s_->targets, DType::i32, {T}),
+      lse_t(s_->lse_f, act_, {T});
   const std::vector<double> logit = ops_.target_logits(hn, head_, tg_t, kIgnore);
   std::vector<int32_t> tg(static_cast<size_t>(T));
   std::vector<char> lse_raw(static_cast<size_t>(lse_t.nbytes()));
@@ -160,15 +160,15 @@ void Model::decode_forward(Tensor ids, int64_t t0, std::vector<KvSlots>& cache, 
   stash_ = round_qkv_ = false;
   if (t0 == 0) refresh_dora();  // a new sequence
   Scratch& s = *s_;
-  Tensor pos(s.pos.data, DType::i32, {T}), id_t(s.ids.data, DType::i32, {T});
+  Tensor pos(s.pos, DType::i32, {T}), id_t(s.ids, DType::i32, {T});
   ops_.iota(pos, static_cast<int32_t>(t0));
   ops_.upload(id_t, ids.data);
   const Tensor x_out = run_blocks(id_t, pos, &cache, t0);
   // Only the last token's logits are needed.
-  Tensor x_last(static_cast<char*>(x_out.data) + dtype_bytes(act_, (T - 1) * cfg_.E), act_, {1, cfg_.E});
-  Tensor hn(s.hn.data, act_, {1, cfg_.E}), rstd(s.rstd_f.data, act_, {1});
+  Tensor x_last(x_out, dtype_bytes(act_, (T - 1) * cfg_.E), act_, {1, cfg_.E});
+  Tensor hn(s.hn, act_, {1, cfg_.E}), rstd(s.rstd_f, act_, {1});
   ops_.rmsnorm_forward(hn, rstd, x_last, params_.final_norm, cfg_.rms_eps);
-  ops_.matmul(Tensor(logits_last.data, act_, {1, cfg_.V}), as_operand(hn, 0), head_, false, true, false);
+  ops_.matmul(Tensor(logits_last, act_, {1, cfg_.V}), as_operand(hn, 0), head_, false, true, false);
   have_forward_ = false;
   fused_scale_.reset();
 }

@@ -9,10 +9,10 @@ namespace oomless {
 
 namespace {
 
-Tensor make_view(void* p, DType t, const std::vector<int64_t>& shape) {
+Tensor make_view(void* p, DType t, const std::vector<int64_t>& shape, Tier tier = Tier::Host) {
   switch (shape.size()) {
-    case 1: return Tensor(p, t, {shape[0]});
-    case 2: return Tensor(p, t, {shape[0], shape[1]});
+    case 1: return Tensor(p, t, {shape[0]}, tier);
+    case 2: return Tensor(p, t, {shape[0], shape[1]}, tier);
     default: fail("[model] parameter of rank ", shape.size(), " is not supported");
   }
 }
@@ -85,7 +85,7 @@ ParamSet::ParamSet(std::vector<ParamSpec> specs, DType dtype, Arena& arena, Cate
   }
   storage_ = arena.alloc_zeroed(std::max<size_t>(total, 1), cat, what);
   for (size_t i = 0; i < specs_.size(); ++i)
-    tensors_.push_back(make_view(storage_.as<char>() + offsets[i], dtype, specs_[i].shape));
+    tensors_.push_back(make_view(storage_.as<char>() + offsets[i], dtype, specs_[i].shape, storage_.tier()));
 }
 
 ParamSet::ParamSet(const ModelConfig& cfg, DType dtype, Arena& arena, Category cat)

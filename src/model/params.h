@@ -46,6 +46,8 @@ class ParamSet {
   DType dtype() const { return dtype_; }
   size_t bytes() const { return storage_.size(); }
   void* data() const { return storage_.data(); }
+  // Every byte of the set as one u8 tensor, in its tier (zeroing, comparing).
+  Tensor raw() const { return storage_.view(DType::u8, {static_cast<int64_t>(storage_.size())}); }
   // Every tensor under its name (prefix + Hugging Face name), in specs order, for checkpoints.
   std::vector<NamedTensor> named(const std::string& prefix = "") const;
 

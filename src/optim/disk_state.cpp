@@ -104,8 +104,8 @@ Trainable DiskState::piece_of(const TrainableSet& params, const Piece& p) const 
   const Trainable& t = params[p.tensor];
   if (p.first == 0 && p.count == t.param.numel()) return t;
   Trainable x = t;
-  x.param = Tensor(static_cast<char*>(t.param.data) + dtype_bytes(t.param.dtype, p.first), t.param.dtype, {p.count});
-  x.grad = Tensor(static_cast<char*>(t.grad.data) + dtype_bytes(t.grad.dtype, p.first), t.grad.dtype, {p.count});
+  x.param = Tensor(t.param, dtype_bytes(t.param.dtype, p.first), t.param.dtype, {p.count});
+  x.grad = Tensor(t.grad, dtype_bytes(t.grad.dtype, p.first), t.grad.dtype, {p.count});
   return x;
 }
 

@@ -119,8 +119,8 @@ void GaLore::step_tensors(Ops& ops, const TrainableSet& params, const std::vecto
       ++refreshed_;
     }
     const std::vector<int64_t> low = p.low();
-    char* base = static_cast<char*>(scratch_.data());
-    Tensor R(base, dt, {low[0], low[1]}), U(base + dtype_bytes(dt, p.low_numel()), dt, {low[0], low[1]});
+    const Tensor R = scratch_.view(dt, {low[0], low[1]});
+    const Tensor U(R, dtype_bytes(dt, p.low_numel()), dt, {low[0], low[1]});
     if (p.right)
       ops.matmul(R, t.grad, P, false, true, false);  // (m, n) (r, n)^T
     else

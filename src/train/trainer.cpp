@@ -951,7 +951,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
         t.grad = v;
         g += t.param.numel();
       }
-      s.e.ops->zero(Tensor(s.owned_grads.data(), DType::u8, {static_cast<int64_t>(s.owned_grads.size())}));
+      s.e.ops->zero(s.owned_grads.view(DType::u8, {static_cast<int64_t>(s.owned_grads.size())}));
     }
   }
   {
@@ -1352,7 +1352,7 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
   };
   try {
     model.zero_grads();
-    if (s.zero2) ops.zero(Tensor(s.owned_grads.data(), DType::u8, {static_cast<int64_t>(s.owned_grads.size())}));
+    if (s.zero2) ops.zero(s.owned_grads.view(DType::u8, {static_cast<int64_t>(s.owned_grads.size())}));
     double loss_sum = 0;
     for (int64_t i = i0; i < i1 && N > 0; ++i) {
       const Tensor id_t(const_cast<int32_t*>(b.ids[static_cast<size_t>(i)].data()), DType::i32, {c.seq});
