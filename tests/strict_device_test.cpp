@@ -4,12 +4,19 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
 #include <vector>
 
 #include "backend/ops.h"
 #include "backend/strict_ops.h"
 #include "memory/allocator.h"
 #include "memory/arena.h"
+#include "optim/adamw.h"
+#include "optim/galore.h"
+#include "optim/host_placed.h"
+#include "optim/optimizer.h"
 
 namespace oomless {
 namespace {
@@ -81,6 +88,58 @@ TEST(StrictDevice, FreedRangesAreTakenAgainAndReadAsZeros) {
   void* w = g.allocate(5 * 4096);  // the three ranges coalesced
   EXPECT_EQ(w, x);
   g.deallocate(w, 5 * 4096);
+}
+
+// The optimizer on the host (HostPlaced): parameters and gradients in guarded Device memory, the state in host
+// memory, stepped by the host's backend over staged copies: bit for bit the same optimizer run on the device,
+// and the host never touches Device memory (it would die here).
+TEST(StrictDevice, AnOptimizerOnTheHostStepsStagedCopiesBitForBitAsOnTheDevice) {
+  Ledger ledger;
+  Arena device(Tier::Device, size_t{1} << 30, ledger, nullptr, &guarded_allocator());
+  Arena host(Tier::Host, size_t{1} << 30, ledger, nullptr, &heap_allocator());
+  std::unique_ptr<Ops> dev_ops = make_strict_ops(make_ops("cpu", &device));
+  std::unique_ptr<Ops> host_ops = make_ops("cpu", &host);
+  const AdamWSettings adam{1e-2, 0.9, 0.99, 1e-8, 0.1};
+  for (const char* name : {"adamw", "adamw8bit", "galore"}) {
+    SCOPED_TRACE(name);
+    std::vector<Buffer> keep;
+    std::vector<std::vector<float>> grads;
+    TrainableSet sets[2];
+    std::mt19937_64 rng(5);
+    std::normal_distribution<float> nd;
+    for (int t = 0; t < 3; ++t) {
+      const int64_t rows = t == 2 ? 1 : 48, cols = 64;
+      std::vector<float> p(static_cast<size_t>(rows * cols)), g(p.size());
+      for (float& x : p) x = nd(rng);
+      for (float& x : g) x = 0.1f * nd(rng);
+      grads.push_back(g);
+      for (TrainableSet& set : sets) {
+        keep.push_back(device.alloc(p.size() * 4, Category::weights));
+        const Tensor pt = rows == 1 ? keep.back().view(DType::f32, {cols}) : keep.back().view(DType::f32, {rows, cols});
+        keep.push_back(device.alloc(g.size() * 4, Category::grads));
+        const Tensor gt = rows == 1 ? keep.back().view(DType::f32, {cols}) : keep.back().view(DType::f32, {rows, cols});
+        dev_ops->upload(pt, p.data());
+        dev_ops->upload(gt, g.data());
+        set.push_back({"model.layers.0.mlp.w" + std::to_string(t) + ".weight", pt, gt, t < 2, 0});
+      }
+    }
+    const GaLoreSettings galore{8, 2, 0.25, false, false};
+    std::unique_ptr<Optimizer> on_device = make_optimizer(name, sets[0], device, adam, galore);
+    HostPlaced on_host(make_optimizer(name, sets[1], host, adam, galore), *host_ops);
+    for (int64_t step = 1; step <= 3; ++step) {
+      // each step's gradients afresh, as a backward gives them (GaLore uses its gradient as scratch)
+      for (TrainableSet& set : sets)
+        for (size_t t = 0; t < set.size(); ++t) dev_ops->upload(set[t].grad, grads[t].data());
+      on_device->step(*dev_ops, sets[0], 1e-2, step);
+      on_host.step(*dev_ops, sets[1], 1e-2, step);
+    }
+    for (size_t t = 0; t < sets[0].size(); ++t) {
+      std::vector<float> a(static_cast<size_t>(sets[0][t].param.numel())), b(a.size());
+      dev_ops->download(a.data(), sets[0][t].param);
+      dev_ops->download(b.data(), sets[1][t].param);
+      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * 4), 0) << t;
+    }
+  }
 }
 
 TEST(StrictDevice, HeapMemoryIsNotGuarded) {

@@ -40,6 +40,15 @@ void Ops::read_host(Tensor src, const std::function<void(const void*)>& read) {
   if (src.nbytes() > 0) read(src.data);
 }
 
+Tensor Ops::map_to_host(Tensor t) {
+  t.tier = Tier::Host;
+  return t;
+}
+
+void Ops::unmap_from_host(Tensor t, Tensor host, bool) {
+  OOM_CHECK(host.data == t.data, "[ops] unmap_from_host: ", host.str(), " is not the host view of ", t.str());
+}
+
 std::unique_ptr<Ops> make_ops(std::string_view name, Arena* workspace) {
   if (name == "ref") return strict_device() ? make_strict_ops(std::make_unique<RefOps>()) : std::make_unique<RefOps>();
   if (name == "cpu")

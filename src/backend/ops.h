@@ -175,6 +175,12 @@ class Ops {
   // `read` once with host memory holding src's bytes. The callbacks touch only the memory they are given.
   virtual void write_host(Tensor dst, const std::function<void(void* host)>& write);
   virtual void read_host(Tensor src, const std::function<void(const void* host)>& read);
+  // A tensor of this backend seen by host computation (the optimizer on the host, ZeRO-Offload's shape):
+  // map_to_host returns a Host-tier tensor holding t's values (a host-memory backend: t's own memory, no
+  // copy; a device backend: a staging buffer it downloads into); unmap_from_host then writes the host
+  // tensor's values back into t when write_back (a device backend uploads) and releases it.
+  virtual Tensor map_to_host(Tensor t);
+  virtual void unmap_from_host(Tensor t, Tensor host, bool write_back);
 
   // Page-level top-k sparse attention: the summaries of the paged K/V store's pages and the pages each query
   // page selects (backend/pages.cpp; the default forms are for backends whose tensors live in host memory).

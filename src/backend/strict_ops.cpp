@@ -1,5 +1,7 @@
 #include "backend/strict_ops.h"
 
+#include <cstdlib>
+
 #include "memory/allocator.h"
 
 namespace oomless {
@@ -138,6 +140,24 @@ class StrictOps final : public Ops {
   void read_host(Tensor src, const std::function<void(const void*)>& read) override {
     DeviceAccess open;
     in_->read_host(src, read);
+  }
+  // Staged as a device backend stages: the host sees a copy, never the Device memory itself.
+  Tensor map_to_host(Tensor t) override {
+    true_tiers("map_to_host", t);
+    if (t.tier != Tier::Device || !t.data) return in_->map_to_host(t);
+    const size_t n = static_cast<size_t>(t.nbytes());
+    void* h = std::aligned_alloc(64, (n + 63) / 64 * 64);
+    OOM_CHECK(h, "[strict-device] no host memory for a staged copy of ", t.str());
+    download(h, t);
+    Tensor v = t;
+    v.data = h;
+    v.tier = Tier::Host;
+    return v;
+  }
+  void unmap_from_host(Tensor t, Tensor host, bool write_back) override {
+    if (t.tier != Tier::Device || !t.data) return in_->unmap_from_host(t, host, write_back);
+    if (write_back) upload(t, host.data);
+    std::free(host.data);
   }
   void page_summary(Tensor out, Tensor k, int64_t row0, int64_t P) override {
     DeviceAccess open;

@@ -30,6 +30,7 @@ Engine build_engine(const EngineOptions& o) {
   }
   e.mem = std::make_unique<CpuMemory>(o.budget);
   e.ops = make_ops(o.backend, &e.mem->device);
+  e.host_ops = make_ops(o.backend == "ref" ? "ref" : "cpu", &e.mem->host);
   BaseWeights base = load_base(e.src, *e.ops, e.mem->device, o.keep_quantised, o.base_dtype, embed_dtype);
   e.params = std::move(base.params);
   e.quant = std::move(base.quant);

@@ -50,6 +50,9 @@ struct Engine {
   ModelSource src;                   // the model's config (with the options' RoPE overrides), tokenizer
   std::unique_ptr<CpuMemory> mem;
   std::unique_ptr<Ops> ops;
+  // The host's backend, over the Host arena: what computes on host memory (an optimizer whose state is
+  // there, optim/host_placed.h). The CPU backend (ref when the engine runs ref).
+  std::unique_ptr<Ops> host_ops;
   std::unique_ptr<ParamSet> params;  // the base (frozen when adapters are on)
   std::unique_ptr<QuantBase> quant;  // projections kept quantised (null: none)
   std::unique_ptr<AdapterSet> adapters;

@@ -562,24 +562,36 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
   for (Ops::CeCall call : head_trained ? std::vector<Ops::CeCall>{Ops::CeCall::forward, Ops::CeCall::trained}
                                        : std::vector<Ops::CeCall>{Ops::CeCall::forward, Ops::CeCall::fused})
     transient = std::max(transient, ops.cross_entropy_workspace(call, T, E, V, ms.bf16, head_widened, &products));
-  // The model's and the head's products take bf16 operands under bf16 compute; GaLore's are f32 always.
+  // The model's and the head's products take bf16 operands under bf16 compute; GaLore's are f32 always, and
+  // run where the optimizer runs: on the host's backend, with its scratch in the Host arena, when the state
+  // is in host memory (optim/host_placed.h).
+  const bool optim_on_host = c.optim_state == "host";
+  size_t optim_transient = 0;
   std::vector<std::array<int64_t, 3>> f32_products;
   for (const auto& [m, n] : c.optim.rfind("galore", 0) == 0 ? ob.projected : std::vector<std::array<int64_t, 2>>{}) {
     const int64_t r = rank;  // the SVD of each matrix, its projection and the step back (optim/galore.cpp)
-    transient = std::max(transient, lapack::svd_workspace(m, n, sizeof(float)));
+    optim_transient = std::max(optim_transient, lapack::svd_workspace(m, n, sizeof(float)));
     f32_products.push_back({m >= n ? m : r, m >= n ? r : n, m >= n ? n : m});
     f32_products.push_back({m, n, r});
   }
   size_t pack_shared = 0, pack_own = 0;
-  auto pack = [&](const std::vector<std::array<int64_t, 3>>& v, bool bf16) {
+  auto pack = [&](const std::vector<std::array<int64_t, 3>>& v, bool bf16, size_t& shared, size_t& own) {
     for (const auto& p : v) {
       const std::array<size_t, 2> b = ops.matmul_workspace(p[0], p[1], p[2], bf16);
-      pack_shared = std::max(pack_shared, b[0]);
-      pack_own = std::max(pack_own, b[1]);
+      shared = std::max(shared, b[0]);
+      own = std::max(own, b[1]);
     }
   };
-  pack(products, ms.bf16);
-  pack(f32_products, false);
+  pack(products, ms.bf16, pack_shared, pack_own);
+  if (optim_on_host) {
+    size_t host_shared = 0, host_own = 0;
+    pack(f32_products, false, host_shared, host_own);
+    if (host_shared + host_own + optim_transient > 0)
+      add(kHost, Category::workspace, host_shared + host_own + optim_transient);
+  } else {
+    pack(f32_products, false, pack_shared, pack_own);
+    transient = std::max(transient, optim_transient);
+  }
   const size_t run_workspace = workspace_fixed + pack_shared + pack_own + transient;
   add(kDev, Category::workspace, std::max(run_workspace, load_workspace));
 

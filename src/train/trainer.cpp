@@ -34,6 +34,7 @@
 #include "optim/adamw.h"
 #include "optim/clip.h"
 #include "optim/disk_state.h"
+#include "optim/host_placed.h"
 #include "optim/galore.h"
 #include "optim/schedule.h"
 #include "train/checkpoint.h"
@@ -969,8 +970,12 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
           [galore_run = c.optim.rfind("galore", 0) == 0](const Trainable& t) { return !galore_run || !galore_projects(t); },
           dir, s.e.mem->device);
     } else {
-      s.opt = make_optimizer(c.optim, s.owned, c.optim_state == "device" ? s.e.mem->device : s.e.mem->host, adam,
-                             galore);
+      if (c.optim_state == "device") {
+        s.opt = make_optimizer(c.optim, s.owned, s.e.mem->device, adam, galore);
+      } else {  // state in host memory: the optimizer runs on the host (optim/host_placed.h)
+        s.opt = std::make_unique<HostPlaced>(make_optimizer(c.optim, s.owned, s.e.mem->host, adam, galore),
+                                             *s.e.host_ops);
+      }
     }
   }
   say("oomless train: %s trainable parameters (%s)%s%s%s\n", format_count(trainable_params()).c_str(),
