@@ -26,6 +26,7 @@ class HostPlaced final : public Optimizer {
  private:
   std::unique_ptr<Optimizer> in_;
   Ops& host_;
+  TrainableSet staged_;  // the set the inner optimizer steps: host views of the tensors of one call
 };
 
 }  // namespace oomless

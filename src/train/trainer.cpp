@@ -213,8 +213,9 @@ const std::vector<TrainOption>& train_options() {
            "gap = l mod gap, spreading the SVDs (default all)",
            &C::galore_refresh),
       text("optim-state", false, "T",
-           "where the optimizer state lives: device, host, or disk (a file in --spill-dir,\nstreamed through a window "
-           "of three tensors' state while the threads update)\n(default host; on a CPU run Device and Host are both RAM)",
+           "where the optimizer state lives: device, host (the optimizer runs there, the parameters\nand gradients brought "
+           "to it each step), or disk (a file in --spill-dir, streamed through a\nwindow of three tensors' state while "
+           "the threads update)\n(default host; on a CPU run Device and Host are both RAM: nothing is copied)",
            &C::optim_state),
       whole("zero", false, "S",
             "under mpirun: 1 shards the optimizer state over the ranks (ZeRO stage 1: each\nrank steps and keeps the "
