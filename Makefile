@@ -24,10 +24,11 @@ build: setup $(BUILD)/CMakeCache.txt
 run: build
 	$(BUILD)/oomless train
 
-# What CI runs (.ci/run): fast tests (ctest -LE "gpu|slow") of the Release build, the same in the strict device
-# mode and under ASan + UBSan, every fuzz target for a short time from its seeds (clang build), and every
-# benchmark at a smoke size.
-test: test-fast test-strict test-asan test-fuzz test-smoke
+# What CI runs (.ci/run): fast tests (ctest -LE "gpu|slow") of the Release build in the strict device mode (a
+# superset of the plain run's checks: the same tests, Device memory closed to host code), the same tests in the
+# plain mode under ASan + UBSan, every fuzz target for a short time from its seeds (clang build), and every
+# benchmark at a smoke size. `make test-fast` is the plain Release run alone.
+test: test-strict test-asan test-fuzz test-smoke
 
 test-fast: build
 	cd $(BUILD) && ctest $(CTEST_FLAGS) -LE "gpu|slow"
