@@ -140,11 +140,16 @@ TEST(ChunkedKv, Fp8DelayedScalingCountsSaturationAndKeepsNonFiniteOut) {
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::vector<float> k(static_cast<size_t>(Hkv * C * D)), v(k.size());
   kv.begin(T, C);
+  auto store_kv = [&](int64_t c) {
+    kv.set_chunk(c);
+    std::vector<Buffer> keep;  // the chunk's keys and values where the store's kernels run
+    const Tensor kd = test::arena_copy(mem.device, keep, k, DType::f32, {Hkv, C, D}),
+                 vd = test::arena_copy(mem.device, keep, v, DType::f32, {Hkv, C, D});
+    for (int64_t l = 0; l < cfg.L; ++l) kv.store(l, kd, vd);
+  };
   auto store = [&](int64_t c, float mul) {
     for (size_t i = 0; i < k.size(); ++i) k[i] = nd(rng) * mul, v[i] = nd(rng);
-    kv.set_chunk(c);
-    for (int64_t l = 0; l < cfg.L; ++l)
-      kv.store(l, Tensor(k.data(), DType::f32, {Hkv, C, D}), Tensor(v.data(), DType::f32, {Hkv, C, D}));
+    store_kv(c);
   };
   store(0, 1.0f);
   float amax0 = 0;
@@ -162,9 +167,7 @@ TEST(ChunkedKv, Fp8DelayedScalingCountsSaturationAndKeepsNonFiniteOut) {
   const json::Value before = kv.amax_state();
   for (size_t i = 0; i < k.size(); ++i) k[i] = nd(rng);
   k[5] = std::numeric_limits<float>::infinity();
-  kv.set_chunk(2);
-  for (int64_t l = 0; l < cfg.L; ++l)
-    kv.store(l, Tensor(k.data(), DType::f32, {Hkv, C, D}), Tensor(v.data(), DType::f32, {Hkv, C, D}));
+  store_kv(2);
   s = kv.fp8_stats();
   EXPECT_EQ(s.k.nonfinite_chunks, static_cast<uint64_t>(cfg.L));
   EXPECT_EQ(s.v.nonfinite_chunks, 0u);

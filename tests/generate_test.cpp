@@ -139,10 +139,12 @@ TEST(Generate, Fp8AndInt8KvCacheHoldTheRowScaledCodes) {
     const int64_t rows = cfg.Hkv * cap;
     for (int kv = 0; kv < 2; ++kv) {
       const Tensor& src = kv == 0 ? f.slots[0].k : f.slots[0].v;
-      std::vector<uint8_t> want(static_cast<size_t>(rows * cfg.D));
-      std::vector<float> want_s(static_cast<size_t>(rows));
-      ops->cast_rows_scaled(Tensor(want.data(), t, {rows, cfg.D}), Tensor::of(want_s.data(), {rows}),
-                            Tensor(src, DType::f32, {rows, cfg.D}));
+      std::vector<Buffer> keep;
+      const Tensor codes = test::arena_copy(r.mem.device, keep, nullptr, t, {rows, cfg.D}),
+                   scales = test::arena_copy(r.mem.device, keep, nullptr, DType::f32, {rows});
+      ops->cast_rows_scaled(codes, scales, Tensor(src, DType::f32, {rows, cfg.D}));
+      const std::vector<uint8_t> want = test::tensor_values<uint8_t>(codes);
+      const std::vector<float> want_s = test::tensor_values<float>(scales);
       EXPECT_EQ(std::memcmp(want.data(), test::tensor_values<uint8_t>(kv == 0 ? n.slots[0].k : n.slots[0].v).data(),
                             want.size()), 0);
       EXPECT_EQ(std::memcmp(want_s.data(),

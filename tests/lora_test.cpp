@@ -176,11 +176,11 @@ TEST(Lora, FrozenBaseHasNoGradientsAndTrainingLeavesItsBytes) {
   init_dora(*ops, ad, params);
   Model m(var.cfg, *ops, params, mem.device, {ComputeDType::f32, SavePolicy::all, &ad});
   const TrainableSet tr = m.trainable();
-  AdamW opt(tr, mem.host, {1e-2, 0.9, 0.95, 1e-8, 0.1});
+  AdamW opt(tr, mem.device, {1e-2, 0.9, 0.95, 1e-8, 0.1});  // stepped by the device's Ops: its state is there
   EXPECT_THROW(m.grads(), Error);
   // Gradients and optimizer state are the adapter's size, not the model's.
   EXPECT_EQ(mem.ledger.current(Tier::Device, Category::grads), ad.tensors().bytes());
-  EXPECT_EQ(mem.ledger.current(Tier::Host, Category::optimizer), 2 * ad.tensors().bytes());
+  EXPECT_EQ(mem.ledger.current(Tier::Device, Category::optimizer), 2 * ad.tensors().bytes());
   const int64_t T = 17;
   m.reserve(T, true);
   Seq s = seq(T, var.cfg.V, 6);

@@ -45,5 +45,41 @@ TEST(OpsMemory, UploadDownloadCopyZeroAndIotaMoveTheBytes) {
   }
 }
 
+// copy_rows: strided rows (a kv head's page out of a chunk, a slice of every row of lse) land where the strides
+// say and nothing else is written; a stride shorter than its row, rows past either tensor, a dtype mismatch or
+// a sub-byte dtype are errors.
+TEST(OpsMemory, CopyRowsMovesStridedRowsAndNothingElse) {
+  for (const std::string& be : test::backends_under_test()) {
+    SCOPED_TRACE(be);
+    auto ops = make_ops(be);
+    for (DType t : {DType::f32, DType::bf16, DType::u8, DType::f64}) {
+      SCOPED_TRACE(dtype_name(t));
+      const int64_t rows = 3, cols = 5, src_ld = 11, dst_ld = 7, w = dtype_bytes(t, 1);
+      const int64_t src_n = (rows - 1) * src_ld + cols + 2, dst_n = rows * dst_ld;
+      std::vector<uint8_t> src(static_cast<size_t>(src_n * w)), dst(static_cast<size_t>(dst_n * w), 0xEE);
+      std::iota(src.begin(), src.end(), uint8_t{1});
+      std::vector<uint8_t> want = dst;
+      for (int64_t r = 0; r < rows; ++r)
+        std::memcpy(want.data() + r * dst_ld * w, src.data() + (r * src_ld + 1) * w, static_cast<size_t>(cols * w));
+      const Tensor ts(src.data() + w, t, {src_n - 1}), td(dst.data(), t, {dst_n});
+      ops->copy_rows(td, dst_ld, ts, src_ld, rows, cols);
+      EXPECT_EQ(dst, want);
+      EXPECT_THROW(ops->copy_rows(td, 4, ts, src_ld, rows, cols), Error);  // stride under the row
+      EXPECT_THROW(ops->copy_rows(td, dst_ld, ts, src_ld, rows + 2, cols), Error);  // past src
+      EXPECT_THROW(ops->copy_rows(Tensor(dst.data(), t, {2 * dst_ld + cols - 1}), dst_ld, ts, src_ld, rows, cols),
+                   Error);  // the last row past dst
+      ops->copy_rows(Tensor(dst.data(), t, {2 * dst_ld + cols}), dst_ld, ts, src_ld, rows, cols);  // exactly fits
+      EXPECT_EQ(dst, want);
+    }
+    std::vector<float> f(16);
+    std::vector<int32_t> g(16);
+    EXPECT_THROW(ops->copy_rows(Tensor(f.data(), DType::f32, {16}), 4, Tensor(g.data(), DType::i32, {16}), 4, 2, 4),
+                 Error);
+    std::vector<uint8_t> q(16);
+    EXPECT_THROW(ops->copy_rows(Tensor(q.data(), DType::nf4, {32}), 8, Tensor(q.data(), DType::nf4, {32}), 8, 2, 3),
+                 Error);
+  }
+}
+
 }  // namespace
 }  // namespace oomless

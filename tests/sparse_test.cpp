@@ -168,14 +168,18 @@ TEST(SparseAttention, SelectsThePagesWhoseKeysMatchTheQueries) {
         for (int64_t d = 0; d < D; ++d) q[static_cast<size_t>((t * H + h) * D + d)] = nd(rng) + u[d];
     std::vector<int32_t> pos(static_cast<size_t>(C));
     std::vector<float> out(q.size()), lse(static_cast<size_t>(H * C));
+    std::vector<Buffer> keep;  // the store's operands are Device tensors, as the model's are
+    const Tensor kd = test::arena_copy(mem.device, keep, k, DType::f32, {Hkv, C, D}),
+                 vd = test::arena_copy(mem.device, keep, v, DType::f32, {Hkv, C, D});
     kv.begin(T, C);
     kv.set_chunk(0);
-    kv.store(0, Tensor(k.data(), DType::f32, {Hkv, C, D}), Tensor(v.data(), DType::f32, {Hkv, C, D}));
+    kv.store(0, kd, vd);
     kv.set_chunk(1);
     for (int64_t t = 0; t < C; ++t) pos[static_cast<size_t>(t)] = static_cast<int32_t>(C + t);
-    kv.forward(0, Tensor(out.data(), DType::f32, {C, H, D}), Tensor(lse.data(), DType::f32, {H, C}),
-               Tensor(q.data(), DType::f32, {C, H, D}), Tensor(k.data(), DType::f32, {Hkv, C, D}),
-               Tensor(v.data(), DType::f32, {Hkv, C, D}), Tensor(pos.data(), DType::i32, {C}));
+    kv.forward(0, test::arena_copy(mem.device, keep, out, DType::f32, {C, H, D}),
+               test::arena_copy(mem.device, keep, lse, DType::f32, {H, C}),
+               test::arena_copy(mem.device, keep, q, DType::f32, {C, H, D}), kd, vd,
+               test::arena_copy(mem.device, keep, pos, DType::i32, {C}));
     for (int64_t qp = 0; qp < ppc; ++qp)
       EXPECT_EQ(kv.selection(0, 1, qp), (std::vector<int64_t>{0, 2, 5})) << page_summary_name(sum) << " page " << qp;
     kv.end();

@@ -11,6 +11,7 @@
 
 #include "backend/ops.h"
 #include "backend/strict_ops.h"
+#include "core/kv_block.h"
 #include "memory/allocator.h"
 #include "memory/arena.h"
 #include "optim/adamw.h"
@@ -64,6 +65,47 @@ TEST(StrictDevice, TheStrictBackendOpensItForEachCall) {
   ops->download(back.data(), tc);
   for (int i = 0; i < 64; ++i) EXPECT_EQ(back[static_cast<size_t>(i)], i % 8 == i / 8 ? 2.0f : 0.0f) << i;
   EXPECT_DEATH({ volatile float x = c.as<float>()[9]; (void)x; }, kFault);
+}
+
+// A kernel takes its operands on one side: a call mixing Device and host tensors, or attention over K/V pages
+// on the other side of its queries, is refused naming both; the memory operations cross.
+TEST(StrictDevice, AKernelTakesItsOperandsOnOneSide) {
+  Ledger ledger;
+  Arena device(Tier::Device, size_t{1} << 30, ledger, nullptr, &guarded_allocator());
+  std::unique_ptr<Ops> ops = make_strict_ops(make_ops("cpu"));
+  Buffer a = device.alloc(64 * sizeof(float), Category::activations);
+  const Tensor ta = a.view(DType::f32, {8, 8});
+  std::vector<float> host(64, 1.0f);
+  const Tensor th = Tensor::of(host.data(), {8, 8});
+  ops->upload(ta, host.data());
+  ops->copy(th, ta);  // crossing is what copy is for
+  try {
+    ops->matmul(th, ta, ta, false, false, false);
+    ADD_FAILURE() << "a Device product written into host memory";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("matmul: argument 1, f32[8, 8], is host memory and argument 2"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(ops->add(ta, ta, th), Error);
+  ops->add(th, th, th);  // all on the host: allowed
+  // Attention: queries in Device memory, one K/V block in host memory.
+  std::vector<float> k(2 * 4 * 8), v(k.size());
+  Buffer q = device.alloc(4 * 2 * 8 * sizeof(float), Category::activations);
+  Buffer o = device.alloc(4 * 2 * 8 * sizeof(float), Category::activations);
+  Buffer lse = device.alloc(2 * 4 * sizeof(float), Category::activations);
+  Buffer pos = device.alloc(4 * sizeof(int32_t), Category::workspace);
+  ops->zero(q.view(DType::f32, {4 * 2 * 8}));
+  ops->iota(pos.view(DType::i32, {4}), 0);
+  KvBlock blk{k.data(), v.data(), 0, 4};
+  const KvBlocks kv{&blk, 1, 2, 4, 8, DType::f32};
+  try {
+    ops->attention_forward(o.view(DType::f32, {4, 2, 8}), lse.view(DType::f32, {2, 4}), q.view(DType::f32, {4, 2, 8}),
+                           kv, pos.view(DType::i32, {4}), 0.25);
+    ADD_FAILURE() << "attention over host pages with Device queries";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("K/V block 0 (keys 0..3) is in host memory"), std::string::npos) << e.what();
+  }
 }
 
 TEST(StrictDevice, FreedRangesAreTakenAgainAndReadAsZeros) {

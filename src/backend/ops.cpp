@@ -23,6 +23,21 @@ void Ops::copy(Tensor dst, Tensor src) {
   if (dst.nbytes() > 0 && dst.data != src.data) std::memmove(dst.data, src.data, static_cast<size_t>(dst.nbytes()));
 }
 
+void Ops::copy_rows(Tensor dst, int64_t dst_ld, Tensor src, int64_t src_ld, int64_t rows, int64_t cols) {
+  OOM_CHECK(dst.dtype == src.dtype, "[copy_rows] dst ", dst.str(), " and src ", src.str(), " differ in dtype");
+  OOM_CHECK(dtype_bits(dst.dtype) % 8 == 0, "[copy_rows] ", dtype_name(dst.dtype), " packs elements below a byte");
+  OOM_CHECK(rows >= 0 && cols >= 0 && dst_ld >= cols && src_ld >= cols, "[copy_rows] ", rows, " rows of ", cols,
+            " elements with strides ", dst_ld, " / ", src_ld, ": a stride must cover its row");
+  if (rows == 0 || cols == 0) return;
+  OOM_CHECK((rows - 1) * dst_ld + cols <= dst.numel() && (rows - 1) * src_ld + cols <= src.numel(), "[copy_rows] ",
+            rows, " rows of ", cols, " elements with strides ", dst_ld, " / ", src_ld, " run past dst ", dst.str(),
+            " or src ", src.str());
+  const size_t row = static_cast<size_t>(dtype_bytes(dst.dtype, cols));
+  const int64_t dl = dtype_bytes(dst.dtype, dst_ld), sl = dtype_bytes(src.dtype, src_ld);
+  for (int64_t r = 0; r < rows; ++r)
+    std::memmove(static_cast<char*>(dst.data) + r * dl, static_cast<const char*>(src.data) + r * sl, row);
+}
+
 void Ops::zero(Tensor x) {
   if (x.nbytes() > 0) std::memset(x.data, 0, static_cast<size_t>(x.nbytes()));
 }

@@ -165,6 +165,10 @@ class Ops {
   virtual void download(void* dst, Tensor src);
   // dst = src: the same dtype and element count.
   virtual void copy(Tensor dst, Tensor src);
+  // Strided rows (cudaMemcpy2D's shape): for r < rows, the `cols` elements at src + r * src_ld go to
+  // dst + r * dst_ld (elements of their common dtype; the tensors are the memory the rows lie in and must
+  // hold the last row). Gathers a kv head's page out of a chunk, a slice of each row of lse, ... in one call.
+  virtual void copy_rows(Tensor dst, int64_t dst_ld, Tensor src, int64_t src_ld, int64_t rows, int64_t cols);
   // Every byte of x = 0.
   virtual void zero(Tensor x);
   // x (i32) = first, first + 1, ... (positions).

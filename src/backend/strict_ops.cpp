@@ -1,6 +1,8 @@
 #include "backend/strict_ops.h"
 
 #include <cstdlib>
+#include <initializer_list>
+#include <string_view>
 
 #include "memory/allocator.h"
 
@@ -18,10 +20,44 @@ void true_tier(const char* op, const Tensor& t, int arg) {
             device ? "Device" : "host", " memory but its tier says ", tier_name(t.tier),
             "; make views with the tier of the buffer they come from (Buffer::view, or Tensor's tier argument)");
 }
+// A kernel runs where its operands are: the tensors of one call are all Device memory or all host memory. Only
+// the memory operations that exist to cross (copy, copy_rows, upload, download, map_to_host) take both.
+void one_side(const char* op, std::initializer_list<const Tensor*> ts) {
+  const Tensor* first = nullptr;
+  int first_arg = 0, arg = 0;
+  for (const Tensor* t : ts) {
+    ++arg;
+    if (!t->data || t->numel() == 0) continue;
+    if (!first) {
+      first = t;
+      first_arg = arg;
+      continue;
+    }
+    OOM_CHECK((t->tier == Tier::Device) == (first->tier == Tier::Device), "[strict-device] ", op, ": argument ",
+              first_arg, ", ", first->str(), ", is ", tier_name(first->tier), " memory and argument ", arg, ", ",
+              t->str(), ", is ", tier_name(t->tier),
+              " memory: a kernel takes its operands on one side; bring them over first (upload, download, copy)");
+  }
+}
 template <class... T>
 void true_tiers(const char* op, const T&... ts) {
   int i = 0;
   ((true_tier(op, ts, i++)), ...);
+  if (std::string_view(op) != "copy" && std::string_view(op) != "copy_rows") one_side(op, {&ts...});
+}
+// The K/V blocks an attention call reads lie on the side of its queries.
+void kv_side(const char* op, const Tensor& q, const KvBlocks& kv) {
+  if (!q.data || q.numel() == 0) return;
+  const bool device = q.tier == Tier::Device;
+  for (int64_t b = 0; b < kv.n_blocks; ++b) {
+    const KvBlock& blk = kv.blocks[b];
+    if (blk.len == 0) continue;
+    for (const void* p : {blk.k, blk.v})
+      OOM_CHECK(!p || in_guarded_range(p) == device, "[strict-device] ", op, ": K/V block ", b, " (keys ", blk.start,
+                "..", blk.start + blk.len - 1, ") is in ", in_guarded_range(p) ? "Device" : "host",
+                " memory and the queries ", q.str(), " in ", tier_name(q.tier),
+                " memory: bring the pages to the queries' side first");
+  }
 }
 
 // Forwards every entry of Ops (each pure virtual must be, or this does not compile) inside a DeviceAccess.
@@ -122,6 +158,11 @@ class StrictOps final : public Ops {
     DeviceAccess open;
     true_tiers("copy", dst, src);
     in_->copy(dst, src);
+  }
+  void copy_rows(Tensor dst, int64_t dst_ld, Tensor src, int64_t src_ld, int64_t rows, int64_t cols) override {
+    DeviceAccess open;
+    true_tiers("copy_rows", dst, src);
+    in_->copy_rows(dst, dst_ld, src, src_ld, rows, cols);
   }
   void zero(Tensor x) override {
     DeviceAccess open;
@@ -227,12 +268,15 @@ class StrictOps final : public Ops {
   void attention_forward(Tensor o, Tensor lse, Tensor q, const KvBlocks& kv, Tensor q_pos, double scale) override {
     DeviceAccess open;
     true_tiers("attention_forward", o, lse, q, q_pos);
+    kv_side("attention_forward", q, kv);
     in_->attention_forward(o, lse, q, kv, q_pos, scale);
   }
   void attention_backward(Tensor dq, const KvBlocks& dkv, Tensor dout, Tensor q, const KvBlocks& kv, Tensor o,
                           Tensor lse, Tensor q_pos, double scale) override {
     DeviceAccess open;
     true_tiers("attention_backward", dq, dout, q, o, lse, q_pos);
+    kv_side("attention_backward", q, kv);
+    kv_side("attention_backward", q, dkv);
     in_->attention_backward(dq, dkv, dout, q, kv, o, lse, q_pos, scale);
   }
   void attention_merge(Tensor o, Tensor lse, Tensor o2, Tensor lse2, int64_t row0) override {

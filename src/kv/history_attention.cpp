@@ -53,10 +53,12 @@ void PagedKvStore::backward(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Tens
     const KvBlocks g = blocks_of(w, true, idx);
     for (size_t b = 0; b < left.size(); ++b) {
       const int64_t i = left[b] - own0;
-      for (int64_t h = 0; h < Hkv; ++h) {
-        ops_.copy(span(dk, (h * Tc + i * P) * D, P * D), span(Tensor(g.blocks[b].k, dk.dtype, {Hkv * P * D}, Tier::Device), h * P * D, P * D));
-        ops_.copy(span(dv, (h * Tc + i * P) * D, P * D), span(Tensor(g.blocks[b].v, dv.dtype, {Hkv * P * D}, Tier::Device), h * P * D, P * D));
-      }
+      // The page's (Hkv, P, D) rows to rows [i P, (i + 1) P) of every kv head of (Hkv, Tc, D).
+      const int64_t n = (Hkv - 1) * Tc * D + P * D;
+      ops_.copy_rows(span(dk, i * P * D, n), Tc * D, Tensor(g.blocks[b].k, dk.dtype, {Hkv * P * D}, Tier::Device), P * D,
+                     Hkv, P * D);
+      ops_.copy_rows(span(dv, i * P * D, n), Tc * D, Tensor(g.blocks[b].v, dv.dtype, {Hkv * P * D}, Tier::Device), P * D,
+                     Hkv, P * D);
     }
   }
   KvBlock own{k.data, v.data, static_cast<int32_t>(chunk_ * opt_.C), static_cast<int32_t>(Tc)};
@@ -87,7 +89,7 @@ void PagedKvStore::backward(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Tens
       }
       // Some rows: their lse gathered into (H, n).
       Tensor l(lse2_, lse.dtype, {H, gr.n}), dq2(dq2_, dq.dtype, {gr.n, H, D});
-      for (int64_t h = 0; h < H; ++h) ops_.copy(span(l, h * gr.n, gr.n), span(lse, h * Tc + gr.r0, gr.n));
+      ops_.copy_rows(l, gr.n, span(lse, gr.r0, (H - 1) * Tc + gr.n), Tc, H, gr.n);
       const Tensor dq_rows = rows(dq, gr.r0, gr.n);
       ops_.attention_backward(dq2, blocks_of(g, true, gr.idx), rows(dout, gr.r0, gr.n), rows(q, gr.r0, gr.n),
                               blocks_of(w, false, gr.idx), rows(o, gr.r0, gr.n), l, rows(pos, gr.r0, gr.n), scale);

@@ -24,10 +24,14 @@ void PagedKvStore::select(int64_t layer, const Tensor& q) {
   float* summ = static_cast<float*>(summ_.data()) + layer * hist_pages_ * S * HD;
   int32_t* sel = static_cast<int32_t*>(sel_.data()) + (layer * max_chunks_ + chunk_) * ppc * K;
   int32_t* cnt = static_cast<int32_t*>(sel_n_.data()) + (layer * max_chunks_ + chunk_) * ppc;
-  const Tier t = sel_.tier();
-  if (nq < ppc) ops_.zero(Tensor(cnt + nq, DType::i32, {ppc - nq}, t));  // pages past a short last chunk: no queries
-  ops_.page_select(Tensor(sel, DType::i32, {nq, K}, t), Tensor(cnt, DType::i32, {nq}, t), q,
-                   Tensor(summ, DType::f32, {hist, S, cfg_.Hkv, cfg_.D}, summ_.tier()), P, opt_.sink_pages);
+  // Selected where the queries and summaries are, then brought to the host, which plans the windows from them.
+  int32_t* dev = static_cast<int32_t*>(sel_dev_.data());
+  const Tensor dsel(dev, DType::i32, {nq, K}, sel_dev_.tier()), dcnt(dev + ppc * K, DType::i32, {nq}, sel_dev_.tier());
+  ops_.page_select(dsel, dcnt, q, Tensor(summ, DType::f32, {hist, S, cfg_.Hkv, cfg_.D}, summ_.tier()), P,
+                   opt_.sink_pages);
+  ops_.download(sel, dsel);
+  ops_.download(cnt, dcnt);
+  if (nq < ppc) std::fill(cnt + nq, cnt + ppc, 0);  // pages past a short last chunk: no queries
   made = 1;
 }
 

@@ -114,6 +114,8 @@ PagedKvStore::PagedKvStore(const KvDims& cfg, Ops& ops, Arena& device, Arena& ho
     sel_ = host.alloc(static_cast<size_t>(n * sel_width() + 1) * sizeof(int32_t), KV, "page selections");
     sel_n_ = host.alloc(static_cast<size_t>(n) * sizeof(int32_t), KV, "page selection counts");
     std::memset(sel_n_.data(), 0, static_cast<size_t>(n) * sizeof(int32_t));
+    sel_dev_ = device.alloc(static_cast<size_t>(ppc * (sel_width() + 1)) * sizeof(int32_t), Category::workspace,
+                            "page selection of a chunk");
     made_.assign(static_cast<size_t>(cfg.L * max_chunks_), 0);
   }
 }
@@ -186,7 +188,6 @@ void PagedKvStore::store(int64_t layer, Tensor k, Tensor v) {
   // the storage dtype.
   const auto write_page = [&](char* dst, const Tensor& src, float scale, Fp8Counts& cnt) {
     const Tensor d(dst, shape_.dtype, {P * D}, Tier::Device);
-    if (shape_.dtype == src.dtype) return ops_.copy(d, src);
     if (!fp8) return ops_.convert(d, src);
     const CastStats st = ops_.cast_scaled(d, src, scale);
     cnt.saturated += static_cast<uint64_t>(st.saturated);
@@ -205,9 +206,19 @@ void PagedKvStore::store(int64_t layer, Tensor k, Tensor v) {
     } else {
       dst = static_cast<char*>(win_->k(s.dev[static_cast<size_t>(i)]));
     }
-    for (int64_t h = 0; h < Hkv; ++h) {
-      write_page(dst + static_cast<size_t>(h) * row, rows(k, h, i * P), ks, fp8_.k);
-      write_page(dst + half + static_cast<size_t>(h) * row, rows(v, h, i * P), vs, fp8_.v);
+    if (shape_.dtype == k.dtype && shape_.dtype == v.dtype) {
+      // Rows [i P, (i + 1) P) of every kv head: one strided copy for K, one for V.
+      const int64_t n = (Hkv - 1) * Tc * D + P * D;
+      const auto from = [&](const Tensor& t) {
+        return Tensor(static_cast<char*>(t.data) + dtype_bytes(t.dtype, i * P * D), t.dtype, {n}, t.tier);
+      };
+      ops_.copy_rows(Tensor(dst, shape_.dtype, {Hkv * P * D}, Tier::Device), P * D, from(k), Tc * D, Hkv, P * D);
+      ops_.copy_rows(Tensor(dst + half, shape_.dtype, {Hkv * P * D}, Tier::Device), P * D, from(v), Tc * D, Hkv, P * D);
+    } else {
+      for (int64_t h = 0; h < Hkv; ++h) {
+        write_page(dst + static_cast<size_t>(h) * row, rows(k, h, i * P), ks, fp8_.k);
+        write_page(dst + half + static_cast<size_t>(h) * row, rows(v, h, i * P), vs, fp8_.v);
+      }
     }
     if (opt_.offload == KvOffload::host) {
       ref.tier = Tier::Host;

@@ -167,6 +167,7 @@ class PagedKvStore final : public ChunkKv {
   int64_t max_T_ = 0, max_chunks_ = 0, hist_pages_ = 0;  // hist_pages_: per layer, for max_T
   Buffer summ_;                 // sparse: (L, hist_pages_, 1 or 2, Hkv, D) f32 summaries
   Buffer sel_, sel_n_;          // sparse: (L, max_chunks_, C/P, sel_width()) page ids; (L, max_chunks_, C/P) counts
+  Buffer sel_dev_;              // sparse: one chunk's (C/P, sel_width()) ids and (C/P) counts where page_select runs
   std::vector<uint8_t> made_;   // sparse: (L, max_chunks_) selection made
   std::vector<std::vector<float>> amax_;  // fp8: per (layer, K | V), the last kAmaxHistory chunks' amax
   Fp8Stats fp8_;

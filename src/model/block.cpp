@@ -86,7 +86,13 @@ void Model::block_forward(int64_t layer, Acts& a, const KvSlots& kv, Tensor pos,
     if (cfg_.qk_norm) ops_.rmsnorm_forward(mat(a.k, Hkv, D), a.k_rstd, mat(a.k_pre, Hkv, D), P.k_norm, eps);
     ops_.rope_forward(k_all, k_all, pos, cfg_.rope);
     project(V, row(a.v), a.h1, h1, u_of(Proj::v), row(z_of(Proj::v)));
-    for (int64_t h = 0; h < Hkv; ++h) store(h, head(a.k, h, 1, 0, 1, D), head(a.v, h, 1, 0, 1, D));
+    if (staged) {
+      for (int64_t h = 0; h < Hkv; ++h) store(h, head(a.k, h, 1, 0, 1, D), head(a.v, h, 1, 0, 1, D));
+    } else {  // row h of (Hkv, D) to position t0 of cache head h: one strided copy each
+      const int64_t span = (Hkv - 1) * Pk * D + D;
+      ops_.copy_rows(Tensor(kv.k, dtype_bytes(kv.k.dtype, t0 * D), kv.k.dtype, {span}), Pk * D, a.k, D, Hkv, D);
+      ops_.copy_rows(Tensor(kv.v, dtype_bytes(kv.v.dtype, t0 * D), kv.v.dtype, {span}), Pk * D, a.v, D, Hkv, D);
+    }
   }
   for (int64_t h = 0; h < Hkv && !(T == 1 && pass == Pass::full); ++h) {
     Tensor kh = staged ? head(a.k, h, T, 0, T, D) : head(kv.k, h, Pk, t0, T, D);

@@ -160,7 +160,8 @@ class Model {
   // --act-dtype bf16 / fp8: the narrow storage of saved activations (its counts and amax history); null
   // when they are kept as computed.
   ActStorage* act_storage() { return act_storage_.get(); }
-  // Logits (T, V) of the last forward (act dtype), for tests and small T.
+  // Logits (T, V) of the last forward into host memory `out` (act dtype), for tests and small T: computed
+  // in slices of rows into a device buffer of at most ~16 MiB (workspace, freed on return) and downloaded.
   void logits(Tensor out);
   // Per-token cross-entropy of the last forward (T values; 0 for unsupervised rows), in double.
   std::vector<double> token_losses();
@@ -183,7 +184,8 @@ class Model {
                         int64_t t0 = 0);
 
   // Gradient-free forward of T new tokens at positions t0.. with a KV cache per layer, for generation:
-  // logits_last (V) = logits of the last new token.
+  // logits_last (V, host memory, act dtype) = logits of the last new token, through a device buffer of V
+  // values the model keeps (workspace, "decode logits").
   void decode_forward(Tensor ids, int64_t t0, std::vector<KvSlots>& cache, Tensor logits_last);
 
  private:
@@ -310,6 +312,7 @@ class Model {
   std::vector<LayerParams> wread_;
   Tensor head_;
   std::unique_ptr<Scratch> s_;
+  Buffer decode_logits_;  // decode_forward's last-token logits where the head computes them
   int64_t T_ = 0;        // current sequence length
   int64_t cap_T_ = 0;    // reserved
   bool cap_backward_ = false;

@@ -125,8 +125,19 @@ void Model::backward(double grad_scale) {
 void Model::logits(Tensor out) {
   OOM_CHECK(s_ && T_ > 0, "[model] logits need a forward first");
   check_shape("[model] logits", "out", out, {T_, cfg_.V});
-  Tensor hn(s_->hn, act_, {T_, cfg_.E});
-  ops_.matmul(out, as_operand(hn, 0), head_, false, true, false);
+  OOM_CHECK(out.dtype == act_, "[model] logits come in the compute dtype ", dtype_name(act_), ", not ",
+            dtype_name(out.dtype));
+  // Host memory: rows of the product land in a device buffer of at most ~16 MiB and are downloaded from it.
+  const int64_t V = cfg_.V, row_bytes = dtype_bytes(act_, V);
+  const int64_t rows = std::clamp<int64_t>((int64_t{16} << 20) / row_bytes, 1, T_);
+  Buffer dev = arena_.alloc(static_cast<size_t>(rows * row_bytes), Category::workspace, "logits");
+  for (int64_t r0 = 0; r0 < T_; r0 += rows) {
+    const int64_t n = std::min(rows, T_ - r0);
+    const Tensor hn(s_->hn, dtype_bytes(act_, r0 * cfg_.E), act_, {n, cfg_.E});
+    const Tensor part = dev.view(act_, {n, V});
+    ops_.matmul(part, as_operand(hn, 0), head_, false, true, false);
+    ops_.download(static_cast<char*>(out.data) + r0 * row_bytes, part);
+  }
 }
 
 std::vector<double> Model::token_losses() {
@@ -168,7 +179,13 @@ void Model::decode_forward(Tensor ids, int64_t t0, std::vector<KvSlots>& cache, 
   Tensor x_last(x_out, dtype_bytes(act_, (T - 1) * cfg_.E), act_, {1, cfg_.E});
   Tensor hn(s.hn, act_, {1, cfg_.E}), rstd(s.rstd_f, act_, {1});
   ops_.rmsnorm_forward(hn, rstd, x_last, params_.final_norm, cfg_.rms_eps);
-  ops_.matmul(Tensor(logits_last, act_, {1, cfg_.V}), as_operand(hn, 0), head_, false, true, false);
+  OOM_CHECK(logits_last.dtype == act_, "[model] decode logits come in the compute dtype ", dtype_name(act_), ", not ",
+            dtype_name(logits_last.dtype));
+  if (!decode_logits_) decode_logits_ = arena_.alloc(static_cast<size_t>(dtype_bytes(act_, cfg_.V)), Category::workspace,
+                                                     "decode logits");
+  const Tensor dev = decode_logits_.view(act_, {1, cfg_.V});
+  ops_.matmul(dev, as_operand(hn, 0), head_, false, true, false);
+  ops_.download(logits_last.data, dev);
   have_forward_ = false;
   fused_scale_.reset();
 }

@@ -546,6 +546,7 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
       add(kDev, Category::kv, nbytes(f, std::max<int64_t>(1, L * hist * S * cfg.Hkv * cfg.D)));
       const int64_t n = L * max_chunks * ppc;
       add(kHost, Category::kv, nbytes(DType::i32, n * (c.sparse_pages + c.sink_pages) + 1) + nbytes(DType::i32, n));
+      workspace_fixed += nbytes(DType::i32, ppc * (c.sparse_pages + c.sink_pages + 1));
     }
     key_blocks = max_chunks * ppc;
     block_len = P;

@@ -156,6 +156,17 @@ Ops& host_io() {
 void read_tensor(const Tensor& t, const std::function<void(const void*)>& read) { host_io().read_host(t, read); }
 void write_tensor(const Tensor& t, const std::function<void(void*)>& write) { host_io().write_host(t, write); }
 
+Tensor arena_copy(Arena& arena, std::vector<Buffer>& keep, const void* host, DType dt,
+                  std::initializer_list<int64_t> shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  keep.push_back(arena.alloc(static_cast<size_t>(std::max<int64_t>(1, dtype_bytes(dt, n))), Category::workspace,
+                             "test data"));
+  Tensor t(keep.back().data(), dt, shape, keep.back().tier());
+  if (host) write_tensor(t, [&](void* h) { std::memcpy(h, host, static_cast<size_t>(dtype_bytes(dt, n))); });
+  return t;
+}
+
 std::vector<double> tensor_f64(const Tensor& t) {
   std::vector<double> v(static_cast<size_t>(t.numel()));
   read_tensor(t, [&](const void* h) { convert(v.data(), DType::f64, h, t.dtype, t.numel()); });

@@ -13,6 +13,7 @@
 
 #include "backend/ops.h"
 #include "core/tensor.h"
+#include "memory/arena.h"
 #include "io/safetensors.h"
 
 namespace oomless::test {
@@ -70,6 +71,15 @@ std::vector<T> tensor_values(const Tensor& t) {
   std::vector<T> v(static_cast<size_t>(t.numel()));
   read_tensor(t, [&](const void* h) { std::memcpy(v.data(), h, v.size() * sizeof(T)); });
   return v;
+}
+// Host values as a tensor of `arena` (Device memory when it is the Device arena), for the engine calls that take
+// their operands where the kernels run; the buffer is kept in `keep`. Written through write_tensor.
+Tensor arena_copy(Arena& arena, std::vector<Buffer>& keep, const void* host, DType dt,
+                  std::initializer_list<int64_t> shape);
+template <class T>
+Tensor arena_copy(Arena& arena, std::vector<Buffer>& keep, const std::vector<T>& host, DType dt,
+                  std::initializer_list<int64_t> shape) {
+  return arena_copy(arena, keep, static_cast<const void*>(host.data()), dt, shape);
 }
 // Tensor `name` of a golden file (any float dtype) as float64; throws when it is missing.
 std::vector<double> golden_f64(const SafetensorsFile& f, const std::string& name);
