@@ -39,6 +39,17 @@ struct IsaScope {
   GemmIsa saved;
 };
 
+// Runs a scope with the avx512 path's bf16 products in vdpbf16ps pairs or widened (gemm.h), then restores.
+struct PairsScope {
+  explicit PairsScope(bool pairs) : saved(gemm_bf16_pairs()) { set_gemm_bf16_pairs(pairs); }
+  ~PairsScope() { set_gemm_bf16_pairs(saved); }
+  bool saved;
+};
+// The bf16 choices of the avx512 path this CPU can run: both where it has AVX512-BF16, else widened.
+std::vector<bool> pair_choices() {
+  return bf16_pair_speed() > 0 ? std::vector<bool>{false, true} : std::vector<bool>{false};
+}
+
 class GemmRun : public testing::TestWithParam<Param> {
  protected:
   GemmRun() : mem(size_t(1) << 30), gemm(mem.device) {}
@@ -159,7 +170,8 @@ TEST(GemmF32AsBf16, PackingRoundsLikeTheScalarConversion) {
   EXPECT_EQ(differ, 0);
 }
 
-// The same product with 1, 2 and 3 threads gives the same bits (one row too: run_row), on every path.
+// The same product with 1, 2 and 3 threads gives the same bits (one row too: run_row), on every path (avx512's
+// bf16 in pairs and widened).
 TEST(GemmDeterminism, SameBitsForAnyThreadCount) {
   DeviceAccess inside;  // the GEMM driven directly
   CpuMemory mem(size_t(1) << 30);
@@ -167,6 +179,7 @@ TEST(GemmDeterminism, SameBitsForAnyThreadCount) {
   std::mt19937_64 rng(7);
   const int saved = omp_get_max_threads();
   for (GemmIsa isa : supported_gemm_isas())
+  for (bool pairs : pair_choices())
   for (DType t : {DType::f32, DType::bf16})
     for (Dims d : {Dims{50, 4100, 300}, Dims{5, 1000, 777}, Dims{1300, 40, 300}, Dims{1, 2001, 1029}})
       for (int tr = 0; tr < 4; ++tr) {
@@ -179,6 +192,7 @@ TEST(GemmDeterminism, SameBitsForAnyThreadCount) {
         c0.randn(rng);
         std::vector<HostTensor> out;
         IsaScope on(isa);
+        PairsScope with(pairs);
         for (int threads : {1, 2, 3}) {
           omp_set_num_threads(threads);
           HostTensor c = c0.clone();
@@ -188,14 +202,15 @@ TEST(GemmDeterminism, SameBitsForAnyThreadCount) {
         omp_set_num_threads(saved);
         for (size_t i = 1; i < out.size(); ++i)
           EXPECT_EQ(std::memcmp(out[0].ptr<float>(), out[i].ptr<float>(), sizeof(float) * d.M * d.N), 0)
-              << gemm_isa_name(isa) << " " << dtype_name(t) << " M=" << d.M << " N=" << d.N << " K=" << d.K << " ta=" << ta << " tb=" << tb
+              << gemm_isa_name(isa) << (pairs ? " pairs " : " ") << dtype_name(t) << " M=" << d.M << " N=" << d.N << " K=" << d.K << " ta=" << ta << " tb=" << tb
               << ": " << (i + 1) << " threads differ from 1";
       }
 }
 
 // Every path gives the avx2 path's bits: f32 (each output one FMA chain in ascending k), and bf16 operands,
-// which avx512 multiplies in k pairs (vdpbf16ps) and avx2 widens: the same sums, on normal values, on this
-// CPU's implementation of the instruction. Blocked, skinny and one-row shapes, every transpose pair, a b
+// which avx512 multiplies in k pairs (vdpbf16ps) or widens as avx2 does (both choices run here where the CPU
+// has AVX512-BF16, whichever it takes by default): the same sums, on normal values, on this CPU's
+// implementation of the instruction. Blocked, skinny and one-row shapes, every transpose pair, a b
 // read as bf16, and Gemm::tile (f32).
 TEST(GemmPaths, EveryPathGivesTheAvx2Bits) {
   DeviceAccess inside;  // the GEMM driven directly
@@ -204,7 +219,8 @@ TEST(GemmPaths, EveryPathGivesTheAvx2Bits) {
   Gemm gemm(mem.device);
   std::mt19937_64 rng(11);
   int compared = 0;
-  for (GemmIsa isa : supported_gemm_isas()) {
+  for (GemmIsa isa : supported_gemm_isas())
+  for (bool pairs : pair_choices()) {
     if (isa == GemmIsa::avx2 || isa == GemmIsa::generic) continue;  // generic sums unfused (GemmRun checks it)
     for (int mode = 0; mode < 3; ++mode)  // f32, bf16, bf16 a with an f32 b read as bf16
       for (Dims d : {Dims{50, 300, 301}, Dims{5, 100, 777}, Dims{130, 40, 64}, Dims{1, 33, 17}, Dims{300, 70, 900},
@@ -225,10 +241,12 @@ TEST(GemmPaths, EveryPathGivesTheAvx2Bits) {
           }
           {
             IsaScope on(isa);
+            PairsScope with(pairs);
             gemm.run(s, a.ptr<void>(), b.ptr<void>(), got.ptr<float>());
           }
           ++compared;
-          const std::string what = std::string(gemm_isa_name(isa)) + " mode " + std::to_string(mode) +
+          const std::string what = std::string(gemm_isa_name(isa)) + (pairs ? " pairs" : "") + " mode " +
+                                   std::to_string(mode) +
                                    " M=" + std::to_string(d.M) + " N=" + std::to_string(d.N) +
                                    " K=" + std::to_string(d.K) + " ta=" + std::to_string(s.ta) +
                                    " tb=" + std::to_string(s.tb);

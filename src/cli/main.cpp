@@ -32,7 +32,9 @@ const char* kUsage =
     "  probe      measure this machine: CPU, ISA, GEMM and attention GFLOP/s, memory bandwidth\n"
     "\n"
     "Run `oomless <command> --help` for a command's options, `oomless --version` for the build.\n"
-    "OOMLESS_ISA=generic|avx2|avx512|amx runs the CPU kernels on a lower path than the best this CPU has.\n";
+    "OOMLESS_ISA=generic|avx2|avx512|amx runs the CPU kernels on a lower path than the best this CPU has;\n"
+    "OOMLESS_BF16_GEMM=pairs|widened, bf16 products on the avx512 path in vdpbf16ps pairs or widened to f32\n"
+    "(default: whichever this CPU runs faster, measured at start).\n";
 
 // OpenMP's waiting threads: libgomp's default (spin a while, then sleep) is the fastest on an idle machine
 // but runs about 3x slower beside one busy process, while sleeping at once (passive) keeps its speed there
@@ -93,6 +95,7 @@ int main(int argc, char** argv) {
   int rc = 1;
   try {
     oomless::gemm_isa();  // OOMLESS_ISA, if set, must name a path this CPU has
+    oomless::gemm_bf16_pairs();  // and OOMLESS_BF16_GEMM a choice it can run
     // Launched by mpirun / srun: join the other ranks (only train runs over several).
     if (oomless::dist::init(&argc, &argv) && oomless::dist::distributed() && cmd != "train")
       oomless::fail("only `train` runs over several ranks (", oomless::dist::size(), " here); run `", cmd,

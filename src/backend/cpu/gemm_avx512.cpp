@@ -14,6 +14,9 @@
 //   not. An odd K is padded with a zero pair half.
 #include <immintrin.h>
 
+#include <algorithm>
+#include <chrono>
+
 #include "backend/cpu/gemm_kernel.h"
 
 namespace oomless::gemm_detail {
@@ -220,6 +223,60 @@ void fill_bf16(MicroFn* f, MicroFn* wide, std::integer_sequence<int, M...>) {
 }
 
 }  // namespace
+
+namespace {
+
+// n rounds of twelve independent vdpbf16ps / vfmadd231ps on registers (no memory traffic): the seconds.
+__attribute__((target("avx512f,avx512bf16"))) double time_pairs(int64_t n) {
+  __m512 c[12];
+  for (int i = 0; i < 12; ++i) c[i] = _mm512_set1_ps(static_cast<float>(i));
+  __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80), b = (__m512bh)_mm512_setzero_si512();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t r = 0; r < n; ++r) {
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) c[i] = _mm512_dpbf16_ps(c[i], a, b);
+    __asm__ volatile("" : "+v"(a));
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (int i = 1; i < 12; ++i) c[0] = _mm512_add_ps(c[0], c[i]);
+  float out[16];
+  _mm512_storeu_ps(out, c[0]);
+  volatile float sink = out[0];  // the chains are used
+  (void)sink;
+  return s;
+}
+__attribute__((target("avx512f"))) double time_fmas(int64_t n) {
+  __m512 c[12];
+  for (int i = 0; i < 12; ++i) c[i] = _mm512_set1_ps(static_cast<float>(i));
+  __m512 a = _mm512_set1_ps(1.0f), b = _mm512_setzero_ps();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t r = 0; r < n; ++r) {
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) c[i] = _mm512_fmadd_ps(a, b, c[i]);
+    __asm__ volatile("" : "+v"(a));
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (int i = 1; i < 12; ++i) c[0] = _mm512_add_ps(c[0], c[i]);
+  float out[16];
+  _mm512_storeu_ps(out, c[0]);
+  volatile float sink = out[0];  // the chains are used
+  (void)sink;
+  return s;
+}
+
+}  // namespace
+
+double measure_bf16_pair_speed() {
+  // A vdpbf16ps does 64 FLOPs, an FMA 32. Best of five alternating rounds (~0.1 ms each), so a preemption
+  // in one round does not decide.
+  const int64_t n = 4096;
+  double pairs = 1e30, fmas = 1e30;
+  for (int r = 0; r < 5; ++r) {
+    pairs = std::min(pairs, time_pairs(n));
+    fmas = std::min(fmas, time_fmas(n));
+  }
+  return (64.0 / std::max(pairs, 1e-12)) / (32.0 / std::max(fmas, 1e-12));
+}
 
 void fill_avx512_kernels(Kernels& k, bool bf16) {
   fill_avx512<false, false>(k.micro[0], std::make_integer_sequence<int, kMr>{});

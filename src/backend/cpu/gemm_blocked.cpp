@@ -243,9 +243,13 @@ inline uint32_t pair_word(uint16_t first, uint16_t second) { return (static_cast
 inline uint16_t bf16_of(uint16_t v) { return v; }
 inline uint16_t bf16_of(F32AsBf16 v) { return f32_to_bf16(v.v); }
 
-// Products whose operands all hold bf16 values take the pair kernels where the ISA has them.
+// Products whose operands all hold bf16 values take the pair kernels where the ISA has them: always on the
+// amx path (its tiles take pairs) and for one row (bound by reading B, which pairs keep at 2 bytes a value
+// where widening packs 4), on avx512 where they are the faster (gemm_bf16_pairs).
 bool use_pairs(const GemmShape& s) {
-  return s.ab == DType::bf16 && (!s.b_quant || s.b_as_bf16) && kernels().packed_pairs[1] != nullptr;
+  const Kernels& k = kernels();
+  return s.ab == DType::bf16 && (!s.b_quant || s.b_as_bf16) && k.packed_pairs[1] != nullptr &&
+         (k.amx || s.M == 1 || gemm_bf16_pairs());
 }
 // k depth of a packed strip or panel: k itself, or its pairs.
 inline int64_t depth(int64_t kc, bool pairs) { return pairs ? (kc + 1) / 2 : kc; }

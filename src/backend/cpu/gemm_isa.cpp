@@ -1,6 +1,7 @@
 // Which GEMM kernels run: the GemmIsa of gemm.h, chosen once from the CPU (cpu_info: cpuid and XCR0) or
 // OOMLESS_ISA, switchable by set_gemm_isa. Each ISA's kernel table is built once.
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <mutex>
 
@@ -82,7 +83,42 @@ const Kernels& current_kernels() {
   return *k;
 }
 
+// The avx512 path's bf16 choice (gemm.h): -1 until first use.
+std::atomic<int> bf16_pairs{-1};
+
 }  // namespace
+
+double bf16_pair_speed() {
+  static const double speed = cpu().avx512f && cpu().avx512_bf16 ? measure_bf16_pair_speed() : 0.0;
+  return speed;
+}
+
+bool gemm_bf16_pairs() {
+  int p = bf16_pairs.load(std::memory_order_acquire);
+  if (p >= 0) return p != 0;
+  std::lock_guard<std::mutex> lock(choose_mu);
+  p = bf16_pairs.load(std::memory_order_relaxed);
+  if (p >= 0) return p != 0;
+  const bool have = cpu().avx512f && cpu().avx512_bf16;
+  if (const char* env = std::getenv("OOMLESS_BF16_GEMM"); env && *env) {
+    const std::string_view v(env);
+    OOM_CHECK(v == "pairs" || v == "widened", "[gemm] OOMLESS_BF16_GEMM=", v, ": use pairs or widened");
+    OOM_CHECK(v == "widened" || have, "[gemm] OOMLESS_BF16_GEMM=pairs: this CPU has no AVX512-BF16 (it has: ",
+              cpu().isa_summary(), ")");
+    p = v == "pairs";
+  } else {
+    p = have && bf16_pair_speed() > 1.0;
+  }
+  bf16_pairs.store(p, std::memory_order_release);
+  return p != 0;
+}
+
+void set_gemm_bf16_pairs(bool pairs) {
+  OOM_CHECK(!pairs || (cpu().avx512f && cpu().avx512_bf16), "[gemm] bf16 pair kernels need AVX512-BF16 (this CPU has: ",
+            cpu().isa_summary(), ")");
+  std::lock_guard<std::mutex> lock(choose_mu);
+  bf16_pairs.store(pairs ? 1 : 0, std::memory_order_release);
+}
 
 const char* gemm_isa_name(GemmIsa isa) {
   switch (isa) {
@@ -134,7 +170,12 @@ std::string gemm_path() {
   const Kernels& k = current_kernels();
   std::string s = gemm_isa_name(k.isa);
   if (k.isa == GemmIsa::amx) s += " (f32 zmm, bf16 amx tiles; one-row bf16 vdpbf16ps)";
-  else if (k.isa == GemmIsa::avx512) s += k.packed_pairs[1] ? " (f32 zmm, bf16 vdpbf16ps)" : " (f32 zmm, bf16 widened)";
+  else if (k.isa == GemmIsa::avx512 && !k.packed_pairs[1]) s += " (f32 zmm, bf16 widened)";
+  else if (k.isa == GemmIsa::avx512) {
+    char speed[96];
+    std::snprintf(speed, sizeof speed, "; vdpbf16ps at %.2fx the FMA rate here)", bf16_pair_speed());
+    s += std::string(gemm_bf16_pairs() ? " (f32 zmm, bf16 vdpbf16ps" : " (f32 zmm, bf16 widened") + speed;
+  }
   else if (k.isa == GemmIsa::avx2) s += " (f32 ymm, bf16 widened)";
   return s;
 }

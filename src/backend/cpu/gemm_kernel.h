@@ -297,6 +297,8 @@ void fill_generic(MicroFn* f, std::integer_sequence<int, M...>) {
 }
 // The AVX-512 f32 kernels, and with bf16 the AVX512-BF16 pair kernels (gemm_avx512.cpp).
 void fill_avx512_kernels(Kernels& k, bool bf16);
+// vdpbf16ps's FLOP rate over FMA's on this core: twelve independent chains of each, timed in turn.
+double measure_bf16_pair_speed();
 
 // ---- AMX-BF16 (gemm_amx.cpp) ------------------------------------------------------------------------
 
