@@ -226,33 +226,21 @@ void fill_bf16(MicroFn* f, MicroFn* wide, std::integer_sequence<int, M...>) {
 
 namespace {
 
-// n rounds of twelve independent vdpbf16ps / vfmadd231ps on registers (no memory traffic): the seconds.
-__attribute__((target("avx512f,avx512bf16"))) double time_pairs(int64_t n) {
+// n rounds of twelve independent chains of vdpbf16ps (PAIRS) or vfmadd231ps on registers (no memory
+// traffic): the seconds.
+template <bool PAIRS>
+__attribute__((target("avx512f,avx512bf16"))) double time_chains(int64_t n) {
   __m512 c[12];
   for (int i = 0; i < 12; ++i) c[i] = _mm512_set1_ps(static_cast<float>(i));
-  __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80), b = (__m512bh)_mm512_setzero_si512();
+  __m512 a = _mm512_castsi512_ps(_mm512_set1_epi32(0x3f803f80));  // bf16 pairs of 1.0; as f32 about 1.004
+  const __m512 b = _mm512_setzero_ps();
   const auto t0 = std::chrono::steady_clock::now();
   for (int64_t r = 0; r < n; ++r) {
 #pragma GCC unroll 12
-    for (int i = 0; i < 12; ++i) c[i] = _mm512_dpbf16_ps(c[i], a, b);
-    __asm__ volatile("" : "+v"(a));
-  }
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  for (int i = 1; i < 12; ++i) c[0] = _mm512_add_ps(c[0], c[i]);
-  float out[16];
-  _mm512_storeu_ps(out, c[0]);
-  volatile float sink = out[0];  // the chains are used
-  (void)sink;
-  return s;
-}
-__attribute__((target("avx512f"))) double time_fmas(int64_t n) {
-  __m512 c[12];
-  for (int i = 0; i < 12; ++i) c[i] = _mm512_set1_ps(static_cast<float>(i));
-  __m512 a = _mm512_set1_ps(1.0f), b = _mm512_setzero_ps();
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int64_t r = 0; r < n; ++r) {
-#pragma GCC unroll 12
-    for (int i = 0; i < 12; ++i) c[i] = _mm512_fmadd_ps(a, b, c[i]);
+    for (int i = 0; i < 12; ++i) {
+      if constexpr (PAIRS) c[i] = _mm512_dpbf16_ps(c[i], (__m512bh)a, (__m512bh)b);
+      else c[i] = _mm512_fmadd_ps(a, b, c[i]);
+    }
     __asm__ volatile("" : "+v"(a));
   }
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -272,8 +260,8 @@ double measure_bf16_pair_speed() {
   const int64_t n = 4096;
   double pairs = 1e30, fmas = 1e30;
   for (int r = 0; r < 5; ++r) {
-    pairs = std::min(pairs, time_pairs(n));
-    fmas = std::min(fmas, time_fmas(n));
+    pairs = std::min(pairs, time_chains<true>(n));
+    fmas = std::min(fmas, time_chains<false>(n));
   }
   return (64.0 / std::max(pairs, 1e-12)) / (32.0 / std::max(fmas, 1e-12));
 }
