@@ -480,12 +480,15 @@ const char* kConvertHelp =
     "  --dtype D   folder: fp32 (default) or bf16 weights\n"
     "  --type T    GGUF: f32, f16 (default), bf16, q8_0 or q4_k matrices (q4_k: rows not a multiple of 256\n"
     "              fall back to q8_0)\n"
-    "  --seed s    random init of a preset (default 0)\n";
+    "  --seed s    random init of a preset (default 0)\n"
+    "  --backend B where the weights are loaded and read back: cpu (default); cuda is refused until its kernels\n"
+    "              exist\n";
 
 }  // namespace
 
 int convert(const std::vector<std::string>& argv) {
-  Args a(argv, {{"model", true}, {"out", true}, {"seed", true}, {"type", true}, {"dtype", true}}, "convert", kConvertHelp);
+  Args a(argv, {{"model", true}, {"out", true}, {"seed", true}, {"type", true}, {"dtype", true}, {"backend", true}},
+         "convert", kConvertHelp);
   if (a.help_requested()) return std::fputs(kConvertHelp, stdout), 0;
   const std::string out = a.required("out");
   const bool gguf = out.size() > 5 && out.compare(out.size() - 5, 5, ".gguf") == 0;
