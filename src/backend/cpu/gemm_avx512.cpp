@@ -23,14 +23,13 @@ namespace oomless::gemm_detail {
 
 namespace {
 
-// The tile's C rows fetched ahead of the k loop (the blocked GEMM's C is out of cache); wide: 32 columns.
+// The tile's C rows fetched ahead of the k loop (the blocked GEMM's C is out of cache): `vectors` 16-float
+// lines a row (1, 2 or 3).
 template <int M>
-__attribute__((target("avx512f"), always_inline)) inline void prefetch_c(const Micro& u, bool wide) {
+__attribute__((target("avx512f"), always_inline)) inline void prefetch_c(const Micro& u, int vectors) {
 #pragma GCC unroll 6
-  for (int i = 0; i < M; ++i) {
-    _mm_prefetch(reinterpret_cast<const char*>(u.c + i * u.ldc), _MM_HINT_T0);
-    if (wide) _mm_prefetch(reinterpret_cast<const char*>(u.c + i * u.ldc + kNr), _MM_HINT_T0);
-  }
+  for (int i = 0; i < M; ++i)
+    for (int v = 0; v < vectors; ++v) _mm_prefetch(reinterpret_cast<const char*>(u.c + i * u.ldc + v * kNr), _MM_HINT_T0);
 }
 
 // Rows of C (+)= the accumulators: columns [0, u.n) of one 16-wide vector a row ...
@@ -65,7 +64,7 @@ __attribute__((target("avx512f"), always_inline)) inline void store_c_wide(const
 
 template <int M, bool TA, bool PACKED>
 __attribute__((target("avx512f"))) void micro_avx512(const Micro& u) {
-  if constexpr (PACKED) prefetch_c<M>(u, false);
+  if constexpr (PACKED) prefetch_c<M>(u, 1);
   __m512 c[M];
 #pragma GCC unroll 6
   for (int i = 0; i < M; ++i) c[i] = _mm512_setzero_ps();
@@ -108,7 +107,7 @@ __attribute__((target("avx512f"))) void micro_avx512(const Micro& u) {
 // micro_avx512.
 template <int M>
 __attribute__((target("avx512f"))) void micro_avx512_wide(const Micro& u) {
-  prefetch_c<M>(u, true);
+  prefetch_c<M>(u, 2);
   __m512 c0[M], c1[M];
 #pragma GCC unroll 6
   for (int i = 0; i < M; ++i) c0[i] = c1[i] = _mm512_setzero_ps();
@@ -128,6 +127,53 @@ __attribute__((target("avx512f"))) void micro_avx512_wide(const Micro& u) {
     b += kNr;
   }
   store_c_wide<M>(u, c0, c1);
+}
+
+// ... or of three (u.n in 33..48).
+template <int M>
+__attribute__((target("avx512f"), always_inline)) inline void store_c_wide3(const Micro& u, __m512* c0, __m512* c1,
+                                                                          __m512* c2) {
+  const __mmask16 m2 = static_cast<__mmask16>((1u << (u.n - 2 * kNr)) - 1u);
+#pragma GCC unroll 6
+  for (int i = 0; i < M; ++i) {
+    float* ci = u.c + i * u.ldc;
+    if (u.acc) {
+      c0[i] = _mm512_add_ps(_mm512_loadu_ps(ci), c0[i]);
+      c1[i] = _mm512_add_ps(_mm512_loadu_ps(ci + kNr), c1[i]);
+      c2[i] = _mm512_add_ps(_mm512_maskz_loadu_ps(m2, ci + 2 * kNr), c2[i]);
+    }
+    _mm512_storeu_ps(ci, c0[i]);
+    _mm512_storeu_ps(ci + kNr, c1[i]);
+    _mm512_mask_storeu_ps(ci + 2 * kNr, m2, c2[i]);
+  }
+}
+
+// Three adjacent packed panels (48 columns; the k-th at b + 16 * kc * k floats): eighteen FMA chains, three
+// B loads and six broadcasts a k step (the two-panel kernel issues eight loads per twelve FMAs), each
+// output's chain as in micro_avx512.
+template <int M>
+__attribute__((target("avx512f"))) void micro_avx512_wide3(const Micro& u) {
+  prefetch_c<M>(u, 3);
+  __m512 c0[M], c1[M], c2[M];
+#pragma GCC unroll 6
+  for (int i = 0; i < M; ++i) c0[i] = c1[i] = c2[i] = _mm512_setzero_ps();
+  const float* a = u.a;
+  const float* b = u.b;
+  const int64_t second = kNr * u.kc;
+#pragma GCC unroll 2
+  for (int64_t k = 0; k < u.kc; ++k) {
+    const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + second), b2 = _mm512_loadu_ps(b + 2 * second);
+#pragma GCC unroll 6
+    for (int i = 0; i < M; ++i) {
+      const __m512 ai = _mm512_set1_ps(a[i]);
+      c0[i] = _mm512_fmadd_ps(ai, b0, c0[i]);
+      c1[i] = _mm512_fmadd_ps(ai, b1, c1[i]);
+      c2[i] = _mm512_fmadd_ps(ai, b2, c2[i]);
+    }
+    a += kMr;
+    b += kNr;
+  }
+  store_c_wide3<M>(u, c0, c1, c2);
 }
 
 // Unpacked A (Gemm::tile) over two adjacent panels, the second u.b2 floats after the first: twelve FMA chains
@@ -161,7 +207,7 @@ __attribute__((target("avx512f"))) void micro_avx512_tile_wide(const Micro& u) {
 // A packed pair strip: word (k pair p, row i) at a[p * 6 + i]; a panel: word (p, column j) at b[p * 16 + j].
 template <int M>
 __attribute__((target("avx512f,avx512bf16"))) void micro_bf16(const Micro& u) {
-  prefetch_c<M>(u, false);
+  prefetch_c<M>(u, 1);
   __m512 c[M];
 #pragma GCC unroll 6
   for (int i = 0; i < M; ++i) c[i] = _mm512_setzero_ps();
@@ -182,7 +228,7 @@ __attribute__((target("avx512f,avx512bf16"))) void micro_bf16(const Micro& u) {
 // flight, which the instruction's latency needs (six are not enough to keep it busy).
 template <int M>
 __attribute__((target("avx512f,avx512bf16"))) void micro_bf16_wide(const Micro& u) {
-  prefetch_c<M>(u, true);
+  prefetch_c<M>(u, 2);
   __m512 c0[M], c1[M];
 #pragma GCC unroll 6
   for (int i = 0; i < M; ++i) c0[i] = c1[i] = _mm512_setzero_ps();
@@ -209,8 +255,9 @@ void fill_avx512(MicroFn* f, std::integer_sequence<int, M...>) {
   ((f[M + 1] = &micro_avx512<M + 1, TA, PACKED>), ...);
 }
 template <int... M>
-void fill_avx512_wide(MicroFn* f, std::integer_sequence<int, M...>) {
+void fill_avx512_wide(MicroFn* f, MicroFn* f3, std::integer_sequence<int, M...>) {
   ((f[M + 1] = &micro_avx512_wide<M + 1>), ...);
+  ((f3[M + 1] = &micro_avx512_wide3<M + 1>), ...);
 }
 template <bool TA, int... M>
 void fill_avx512_tile_wide(MicroFn* f, std::integer_sequence<int, M...>) {
@@ -270,7 +317,7 @@ void fill_avx512_kernels(Kernels& k, bool bf16) {
   fill_avx512<false, false>(k.micro[0], std::make_integer_sequence<int, kMr>{});
   fill_avx512<true, false>(k.micro[1], std::make_integer_sequence<int, kMr>{});
   fill_avx512<true, true>(k.packed, std::make_integer_sequence<int, kMr>{});
-  fill_avx512_wide(k.packed_wide, std::make_integer_sequence<int, kMr>{});
+  fill_avx512_wide(k.packed_wide, k.packed_wide3, std::make_integer_sequence<int, kMr>{});
   fill_avx512_tile_wide<false>(k.tile_wide[0], std::make_integer_sequence<int, kMr>{});
   fill_avx512_tile_wide<true>(k.tile_wide[1], std::make_integer_sequence<int, kMr>{});
   if (bf16) fill_bf16(k.packed_pairs, k.packed_pairs_wide, std::make_integer_sequence<int, kMr>{});
