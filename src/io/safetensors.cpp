@@ -460,14 +460,23 @@ void write_all(int fd, const void* data, size_t n, const std::string& tmp) {
 }  // namespace
 
 StWrite tensor_entry(Ops& ops, std::string name, const Tensor& t, bool as_bf16) {
-  StWrite w{std::move(name), t.dtype, std::vector<int64_t>(t.dims, t.dims + t.ndim), nullptr, {}};
-  if (as_bf16 && t.dtype == DType::f32) {
-    w.dtype = DType::bf16;
-    w.read = [&ops, t](void* dst, size_t offset, size_t n) {  // bf16 bytes [offset, offset + n): floats / 2
-      std::vector<float> f(n / 2);
-      ops.download(f.data(), Tensor(static_cast<char*>(t.data) + offset * 2, DType::f32,
-                                    {static_cast<int64_t>(n / 2)}, t.tier));
-      convert(dst, DType::bf16, f.data(), DType::f32, static_cast<int64_t>(n / 2));
+  return tensor_entry(ops, std::move(name), t, as_bf16 && t.dtype == DType::f32 ? DType::bf16 : t.dtype);
+}
+
+StWrite tensor_entry(Ops& ops, std::string name, const Tensor& t, DType as) {
+  StWrite w{std::move(name), as, std::vector<int64_t>(t.dims, t.dims + t.ndim), nullptr, {}};
+  if (as != t.dtype) {
+    OOM_CHECK(dtype_is_float(as) && dtype_is_float(t.dtype) && dtype_bits(as) % 8 == 0 && dtype_bits(t.dtype) % 8 == 0,
+              "[safetensors] tensor '", w.name, "' cannot be written as ", dtype_name(as), " from ",
+              dtype_name(t.dtype));
+    // Bytes [offset, offset + n) of the converted tensor: its elements [offset / out, (offset + n) / out), read
+    // from the source's and converted (the writer's pieces hold whole elements).
+    w.read = [&ops, t, as](void* dst, size_t offset, size_t n) {
+      const int64_t out = dtype_bytes(as, 1), in = dtype_bytes(t.dtype, 1);
+      const int64_t e0 = static_cast<int64_t>(offset) / out, ne = static_cast<int64_t>(n) / out;
+      std::vector<char> raw(static_cast<size_t>(ne * in));
+      ops.download(raw.data(), Tensor(static_cast<char*>(t.data) + e0 * in, t.dtype, {ne}, t.tier));
+      convert(dst, as, raw.data(), t.dtype, ne);
     };
   } else {
     w.read = [&ops, t](void* dst, size_t offset, size_t n) {

@@ -110,6 +110,9 @@ class Ops;
 // A tensor of the engine's memory as an entry read through `ops` (downloaded in the writer's pieces, never
 // read on the host where it lies); with as_bf16 an f32 tensor is written as bf16 (rounded to nearest even).
 StWrite tensor_entry(Ops& ops, std::string name, const Tensor& t, bool as_bf16 = false);
+// The same written in dtype `as` (any float dtype from any float dtype, converted piece by piece as `convert`
+// does; as its own dtype, its bytes).
+StWrite tensor_entry(Ops& ops, std::string name, const Tensor& t, DType as);
 
 // Writes a .safetensors file that the reference (Python/Rust) library reads and writes identically:
 // tensors ordered by dtype size (largest first, so every tensor is aligned) then by name, a compact

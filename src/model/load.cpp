@@ -302,15 +302,11 @@ void save_hf_model(Ops& ops, const std::string& dir, const ModelSource& src, con
             " already exists and is not an empty folder; give a new folder (nothing was written)");
   fs::create_directories(dir, ec);
   OOM_CHECK(!ec, "[model] cannot create ", dir, ": ", ec.message());
-  std::vector<std::vector<char>> copies;
+  // Each tensor downloaded and converted in the writer's pieces, not copied whole to the host first.
   std::vector<StWrite> w;
   for (size_t i = 0; i < params.specs().size(); ++i) {
-    const Tensor& t = params.tensors()[i];
-    std::vector<char> raw(static_cast<size_t>(t.nbytes()));
-    ops.download(raw.data(), t);
-    copies.emplace_back(static_cast<size_t>(dtype_bytes(dtype, t.numel())));
-    convert(copies.back().data(), dtype, raw.data(), t.dtype, t.numel());
-    w.push_back({params.specs()[i].name, dtype, params.specs()[i].shape, copies.back().data()});
+    w.push_back(tensor_entry(ops, params.specs()[i].name, params.tensors()[i], dtype));
+    w.back().shape = params.specs()[i].shape;
   }
   write_safetensors((fs::path(dir) / "model.safetensors").string(), w, {{"format", "pt"}});
   write_text(fs::path(dir) / "config.json", json::dump(src.cfg.to_json(), 2) + "\n");
