@@ -55,10 +55,10 @@ void PagedKvStore::backward(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Tens
       const int64_t i = left[b] - own0;
       // The page's (Hkv, P, D) rows to rows [i P, (i + 1) P) of every kv head of (Hkv, Tc, D).
       const int64_t n = (Hkv - 1) * Tc * D + P * D;
-      ops_.copy_rows(span(dk, i * P * D, n), Tc * D, Tensor(g.blocks[b].k, dk.dtype, {Hkv * P * D}, Tier::Device), P * D,
-                     Hkv, P * D);
-      ops_.copy_rows(span(dv, i * P * D, n), Tc * D, Tensor(g.blocks[b].v, dv.dtype, {Hkv * P * D}, Tier::Device), P * D,
-                     Hkv, P * D);
+      const Tensor pk(g.blocks[b].k, dk.dtype, {Hkv * P * D}, Tier::Device),
+          pv(g.blocks[b].v, dv.dtype, {Hkv * P * D}, Tier::Device);
+      ops_.copy_rows(span(dk, i * P * D, n), Tc * D, pk, P * D, Hkv, P * D);
+      ops_.copy_rows(span(dv, i * P * D, n), Tc * D, pv, P * D, Hkv, P * D);
     }
   }
   KvBlock own{k.data, v.data, static_cast<int32_t>(chunk_ * opt_.C), static_cast<int32_t>(Tc)};

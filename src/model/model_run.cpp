@@ -181,8 +181,8 @@ void Model::decode_forward(Tensor ids, int64_t t0, std::vector<KvSlots>& cache, 
   ops_.rmsnorm_forward(hn, rstd, x_last, params_.final_norm, cfg_.rms_eps);
   OOM_CHECK(logits_last.dtype == act_, "[model] decode logits come in the compute dtype ", dtype_name(act_), ", not ",
             dtype_name(logits_last.dtype));
-  if (!decode_logits_) decode_logits_ = arena_.alloc(static_cast<size_t>(dtype_bytes(act_, cfg_.V)), Category::workspace,
-                                                     "decode logits");
+  if (!decode_logits_)
+    decode_logits_ = arena_.alloc(static_cast<size_t>(dtype_bytes(act_, cfg_.V)), Category::workspace, "decode logits");
   const Tensor dev = decode_logits_.view(act_, {1, cfg_.V});
   ops_.matmul(dev, as_operand(hn, 0), head_, false, true, false);
   ops_.download(logits_last.data, dev);

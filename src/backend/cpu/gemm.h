@@ -27,8 +27,8 @@ class Arena;
 //   avx2     AVX2 + FMA, 6x16 tiles of 8-wide vectors; bf16 operands widened to f32 while packing;
 //   avx512   AVX-512F 6x16 tiles of 16-wide vectors (the same f32 bits as avx2), and with AVX512-BF16
 //            bf16 operands multiplied as they are (vdpbf16ps on k pairs; see gemm_avx512.cpp) where
-//            that instruction is the faster: on some CPUs (Sapphire / Emerald Rapids) it adds half the
-//            FLOPs a cycle two FMA pipes do, and bf16 is widened while packing instead (below);
+//            that instruction is the faster: on some CPUs (the Emerald Rapids Xeon measured) it adds half
+//            the FLOPs a cycle two FMA pipes do, and bf16 is widened while packing instead (below);
 //   amx      avx512's kernels, and bf16 products of two rows or more on AMX-BF16 tiles (32 x 32 outputs
 //            from tdpbf16ps on the same k pairs; gemm_amx.cpp): not the other paths' bf16 bits, but
 //            bitwise the same for any thread count.
@@ -49,11 +49,12 @@ void set_gemm_isa(GemmIsa isa);
 // The current path for logs: "avx512 (f32 zmm, bf16 vdpbf16ps)".
 std::string gemm_path();
 // The avx512 path's bf16 products of two rows or more (one-row products, bound by reading B, and the amx
-// path keep their pair kernels): in vdpbf16ps k pairs, or widened to f32 while packing and multiplied by FMAs. The same sums
-// either way (a bf16 product is exact in fp32, each output's chain ascends in k), but for the instruction's
-// denormal handling (inputs read as zero, results flushed). Chosen at first use by OOMLESS_BF16_GEMM=pairs|
-// widened, or else by measurement: bf16_pair_speed() (the instruction's FLOPs a cycle over FMA's, from
-// register-resident loops timed in turn, best of several) above 1 takes pairs. Pairs need AVX512-BF16.
+// path keep their pair kernels): in vdpbf16ps k pairs, or widened to f32 while packing and multiplied by
+// FMAs. The same sums either way (a bf16 product is exact in fp32, each output's chain ascends in k), but
+// for the instruction's denormal handling (inputs read as zero, results flushed). Chosen at first use by
+// OOMLESS_BF16_GEMM=pairs|widened, or else by measurement: bf16_pair_speed() (the instruction's FLOPs a
+// cycle over FMA's, from register-resident loops timed in turn, best of several) above 1 takes pairs.
+// Pairs need AVX512-BF16.
 bool gemm_bf16_pairs();
 void set_gemm_bf16_pairs(bool pairs);  // tests and benches; an error without AVX512-BF16
 double bf16_pair_speed();              // measured once (0 without AVX512-BF16)

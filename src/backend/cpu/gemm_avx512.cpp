@@ -29,7 +29,8 @@ template <int M>
 __attribute__((target("avx512f"), always_inline)) inline void prefetch_c(const Micro& u, int vectors) {
 #pragma GCC unroll 6
   for (int i = 0; i < M; ++i)
-    for (int v = 0; v < vectors; ++v) _mm_prefetch(reinterpret_cast<const char*>(u.c + i * u.ldc + v * kNr), _MM_HINT_T0);
+    for (int v = 0; v < vectors; ++v)
+      _mm_prefetch(reinterpret_cast<const char*>(u.c + i * u.ldc + v * kNr), _MM_HINT_T0);
 }
 
 // Rows of C (+)= the accumulators: columns [0, u.n) of one 16-wide vector a row ...
@@ -129,7 +130,7 @@ __attribute__((target("avx512f"))) void micro_avx512_wide(const Micro& u) {
   store_c_wide<M>(u, c0, c1);
 }
 
-// ... or of three (u.n in 33..48).
+// Rows of C (+)= the accumulators of three 16-wide vectors a row (u.n in 33..48).
 template <int M>
 __attribute__((target("avx512f"), always_inline)) inline void store_c_wide3(const Micro& u, __m512* c0, __m512* c1,
                                                                           __m512* c2) {
