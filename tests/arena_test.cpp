@@ -1,4 +1,6 @@
 // Arenas, budgets and the ledger: the accounting every memory claim rests on.
+#include <sys/mman.h>
+
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -152,6 +154,25 @@ TEST(Arena, PeakRssFollowsTheLedger) {
       << "peak RSS grew by " << format_bytes(grown) << ", ledger peak " << format_bytes(ledger_peak) << "\n"
       << mem.ledger.table();
   EXPECT_GE(ledger_peak, size_t(sizeof(float) * (2 * E * F + 2 * T * E + T * F)));
+}
+
+// Zeroed memory from the heap's mappings is resident and writable before first use: a read of a page never
+// touched maps the shared zero page, and the write after it (an optimizer moment, an accumulated gradient)
+// must copy it and interrupt the other threads to flush their TLBs.
+TEST(Arena, ZeroedMappingsAreResidentAndZero) {
+  CpuMemory mem(size_t(1) << 30);
+  const size_t bytes = size_t(8) << 20;
+  Buffer z = mem.host.alloc_zeroed(bytes, Category::optimizer, "m");
+  const long page = sysconf(_SC_PAGESIZE);
+  std::vector<unsigned char> resident((bytes + page - 1) / page);
+  ASSERT_EQ(mincore(z.data(), bytes, resident.data()), 0);
+  size_t in = 0;
+  for (unsigned char r : resident) in += r & 1;
+  EXPECT_EQ(in, resident.size()) << "pages resident after alloc_zeroed";
+  const unsigned char* b = z.as<unsigned char>();
+  size_t nonzero = 0;
+  for (size_t i = 0; i < bytes; ++i) nonzero += b[i] != 0;
+  EXPECT_EQ(nonzero, 0u);
 }
 
 }  // namespace

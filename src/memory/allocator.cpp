@@ -36,8 +36,16 @@ class HeapAllocator final : public Allocator {
     return std::aligned_alloc(kAlign, (bytes + kAlign - 1) / kAlign * kAlign);
   }
   void* allocate_zeroed(size_t bytes) override {
+    if (bytes >= kMapThreshold) {
+      // Mapped pages are zero already. Populated now: left to first touch, a page read before it is written
+      // (optimizer moments, accumulated gradients) maps the shared zero page, and the write that follows
+      // copies it and flushes the other threads' TLBs by interrupt, which in a virtual machine cost
+      // SmolLM2's first AdamW step about 3 s.
+      void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+      return p == MAP_FAILED ? nullptr : p;
+    }
     void* p = allocate(bytes);
-    if (p && bytes < kMapThreshold) std::memset(p, 0, bytes);  // mapped pages are zero already
+    if (p) std::memset(p, 0, bytes);
     return p;
   }
   void zero(void* p, size_t bytes) override { std::memset(p, 0, bytes); }
