@@ -69,5 +69,7 @@ struct ParamSpec {
   bool decay = true;  // false for norms and biases (no weight decay)
 };
 std::vector<ParamSpec> param_specs(const ModelConfig& c);
+// The layer of a model.layers.N.* name (rest: what follows N, from its '.'), or -1.
+int64_t layer_of_name(std::string_view name, std::string* rest = nullptr);
 
 }  // namespace oomless

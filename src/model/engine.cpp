@@ -31,8 +31,12 @@ Engine build_engine(const EngineOptions& o) {
   e.mem = std::make_unique<CpuMemory>(o.budget);
   e.ops = make_ops(o.backend, &e.mem->device);
   e.host_ops = make_ops(o.backend == "ref" ? "ref" : "cpu", &e.mem->host);
-  BaseWeights base = load_base(e.src, *e.ops, e.mem->device, o.keep_quantised, o.base_dtype, embed_dtype);
+  std::vector<bool> held;
+  if (o.held) held = o.held(param_specs(e.src.cfg));
+  BaseWeights base = load_base(e.src, *e.ops, e.mem->device, o.keep_quantised, o.base_dtype, embed_dtype,
+                               o.held ? &held : nullptr);
   e.params = std::move(base.params);
+  e.gathered = std::move(base.gathered);
   e.quant = std::move(base.quant);
   if (e.quant && o.int8_decode) e.quant->set_int8_activations(true);
   e.src.release_weights();

@@ -3,6 +3,7 @@
 // trainer, the tests and the benches.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -43,6 +44,9 @@ struct EngineOptions {
   Tier act_offload = Tier::Device;   // --act-offload none|host|disk (ModelOptions::act_offload)
   std::string act_tiers;             // --act-offload as a per-layer list (parse_act_tiers); empty: act_offload
   std::string spill_dir;             // its spill file's folder (disk)
+  // ZeRO-3 (full training): given the model's parameters in param_specs order, whether this rank keeps each;
+  // the layers' others share one gathered layer (load_base's `held`). Empty: every parameter kept.
+  std::function<std::vector<bool>(const std::vector<ParamSpec>&)> held;
 };
 
 // Members are declared in destruction order: memory last, after everything holding its buffers.
@@ -54,6 +58,7 @@ struct Engine {
   // there, optim/host_placed.h). The CPU backend (ref when the engine runs ref).
   std::unique_ptr<Ops> host_ops;
   std::unique_ptr<ParamSet> params;  // the base (frozen when adapters are on)
+  Buffer gathered;                   // ZeRO-3: the layer storage params' tensors of other ranks view
   std::unique_ptr<QuantBase> quant;  // projections kept quantised (null: none)
   std::unique_ptr<AdapterSet> adapters;
   std::unique_ptr<Model> model;

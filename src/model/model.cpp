@@ -174,20 +174,6 @@ Model::~Model() = default;
 
 namespace {
 
-constexpr std::string_view kLayerPrefix = "model.layers.";
-
-// The layer of a model.layers.N.* name, or -1.
-int64_t layer_of_name(std::string_view name, std::string* rest = nullptr) {
-  if (name.substr(0, kLayerPrefix.size()) != kLayerPrefix) return -1;
-  name.remove_prefix(kLayerPrefix.size());
-  int64_t l = 0;
-  size_t i = 0;
-  while (i < name.size() && name[i] >= '0' && name[i] <= '9') l = l * 10 + (name[i++] - '0');
-  if (i == 0 || i >= name.size() || name[i] != '.') return -1;
-  if (rest) *rest = std::string(name.substr(i));
-  return l;
-}
-
 // Trainable::group of a trainable tensor's name (Hugging Face or PEFT keys).
 int64_t group_of(std::string_view name, const ModelConfig& cfg) {
   constexpr std::string_view peft = "base_model.model.";
@@ -212,7 +198,7 @@ ParamSet& Model::grads() {
                                         [](const ParamSpec& p) { return layer_of_name(p.name) <= 0; });
     for (const ParamSpec& p : param_specs(cfg_)) {
       std::string rest;
-      if (layer_of_name(p.name, &rest) > 0) grads_->set_view(p.name, *grads_->find(std::string(kLayerPrefix) + "0" + rest));
+      if (layer_of_name(p.name, &rest) > 0) grads_->set_view(p.name, *grads_->find("model.layers.0" + rest));
     }
   }
   if (!grads_) grads_ = std::make_unique<ParamSet>(cfg_, act_, arena_, Category::grads);

@@ -157,6 +157,11 @@ class Model {
   // must have the pass it arms be the step's last accumulation into the gradients.
   using GradHook = std::function<void(int64_t group)>;
   void on_grads_final(GradHook hook) { grad_hook_ = std::move(hook); }
+  // ZeRO-3: `fetch(layer)` is called before every pass reads a layer's weights (its forward; in backward, before
+  // its recompute and backward), in the same order on every rank, to fill the tensors other ranks hold (views
+  // into the engine's gathered layer, load_base). Kept until replaced; an empty one: weights all here.
+  using LayerFetch = std::function<void(int64_t layer)>;
+  void on_layer_weights(LayerFetch fetch) { layer_fetch_ = std::move(fetch); }
   // --act-dtype bf16 / fp8: the narrow storage of saved activations (its counts and amax history); null
   // when they are kept as computed.
   ActStorage* act_storage() { return act_storage_.get(); }
@@ -321,6 +326,7 @@ class Model {
   bool have_forward_ = false;
   bool share_layer_grads_ = false;
   GradHook grad_hook_;
+  LayerFetch layer_fetch_;
   bool hook_this_backward_ = true;  // chunked_step: only chunk 0's backward fires the hook
   void grads_final(int64_t group);
   std::optional<double> fused_scale_;  // the last forward left dh for this grad_scale

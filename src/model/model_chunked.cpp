@@ -54,6 +54,7 @@ CeResult Model::chunk_forward(Tensor ids, Tensor targets, int64_t t0, ChunkKv& k
     a.x_in = state(l);
     // Without a loss (pass 1) the last layer only has to leave its keys and values for later chunks.
     const Pass pass = !loss && l == cfg_.L - 1 ? Pass::kv_only : Pass::full;
+    if (layer_fetch_) layer_fetch_(l);
     block_forward(l, a, KvSlots{a.k, a.v, 0}, pos, state(l + 1), pass);
     if (stash_) stash_layer(l, a);
     if (store) kv.store(l, a.k, a.v);

@@ -25,6 +25,7 @@ Tensor Model::run_blocks(Tensor ids, Tensor pos, std::vector<KvSlots>* cache, in
     KvSlots kv = cache ? (*cache)[static_cast<size_t>(l)] : KvSlots{a.k, a.v, 0};
     kv.t0 = t0;
     act_offload_before_forward(l);
+    if (layer_fetch_) layer_fetch_(l);
     block_forward(l, a, kv, pos, state(l + 1), Pass::full);
     if (stash_) stash_layer(l, a);
     act_offload_after_forward(l);
@@ -111,6 +112,7 @@ void Model::backward(double grad_scale) {
     act_offload_before_backward(l);
     Acts a = acts_for_layer(l);
     unstash_layer(l, a);
+    if (layer_fetch_) layer_fetch_(l);
     recompute_for_backward(l, a, pos);
     block_backward(l, a, pos, dx);
     act_offload_after_backward(l);

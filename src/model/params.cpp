@@ -63,6 +63,18 @@ const LayerField kLayerFields[] = {
 std::string layer_prefix(int64_t l) { return "model.layers." + std::to_string(l) + "."; }
 }  // namespace
 
+int64_t layer_of_name(std::string_view name, std::string* rest) {
+  constexpr std::string_view kLayerPrefix = "model.layers.";
+  if (name.substr(0, kLayerPrefix.size()) != kLayerPrefix) return -1;
+  name.remove_prefix(kLayerPrefix.size());
+  int64_t l = 0;
+  size_t i = 0;
+  while (i < name.size() && name[i] >= '0' && name[i] <= '9') l = l * 10 + (name[i++] - '0');
+  if (i == 0 || i >= name.size() || name[i] != '.') return -1;
+  if (rest) *rest = std::string(name.substr(i));
+  return l;
+}
+
 std::vector<ParamSpec> param_specs(const ModelConfig& c) {
   std::vector<ParamSpec> p;
   p.push_back({"model.embed_tokens.weight", {c.V, c.E}, true});

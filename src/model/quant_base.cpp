@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 
 #include "io/gguf.h"
 #include "io/safetensors.h"
@@ -282,7 +283,7 @@ QuantBase::QuantBase(Ops& ops, const std::vector<GgufHfTensor>& tensors, ParamSe
 }
 
 BaseWeights load_base(ModelSource& src, Ops& ops, Arena& arena, bool keep_quantised, const std::string& base_dtype,
-                      const std::string& embed_dtype) {
+                      const std::string& embed_dtype, const std::vector<bool>* held) {
   OOM_CHECK(base_dtype == "fp32" || base_dtype == "nf4" || base_dtype == "nf4-dq", "[model] base dtype '", base_dtype,
             "' is not supported; supported: fp32, nf4 (nf4-dq: double-quantised scales)");
   OOM_CHECK(embed_dtype == "auto" || embed_dtype == "fp32" || embed_dtype == "bf16" || embed_dtype == "nf4",
@@ -366,6 +367,35 @@ BaseWeights load_base(ModelSource& src, Ops& ops, Arena& arena, bool keep_quanti
           ops.copy(b.params->tensors()[i], t);
       }
     }
+  } else if (held) {
+    const std::vector<ParamSpec> specs = param_specs(src.cfg);
+    OOM_CHECK(!keep_quantised && base_dtype == "fp32" && held->size() == specs.size(), "[model] internal: layer "
+              "tensors sharded over ranks need an f32 base and one entry per parameter");
+    std::map<std::string, bool> keep;
+    for (size_t i = 0; i < specs.size(); ++i) keep[specs[i].name] = (*held)[i] || layer_of_name(specs[i].name) < 0;
+    b.params = std::make_unique<ParamSet>(src.cfg, DType::f32, arena, Category::weights,
+                                          [&keep](const ParamSpec& s) { return keep.at(s.name); });
+    // One layer's tensors in specs order (64-byte aligned, as a ParamSet lays them out), by name after the layer.
+    std::map<std::string, size_t> at;
+    size_t bytes = 0;
+    for (const ParamSpec& s : specs) {
+      std::string rest;
+      if (layer_of_name(s.name, &rest) != 0) continue;
+      at[rest] = bytes;
+      int64_t n = 1;
+      for (int64_t d : s.shape) n *= d;
+      bytes += (static_cast<size_t>(n) * sizeof(float) + 63) / 64 * 64;
+    }
+    b.gathered = arena.alloc_zeroed(bytes, Category::weights, "ZeRO-3 gathered layer");
+    for (const ParamSpec& s : specs) {
+      std::string rest;
+      if (keep.at(s.name) || layer_of_name(s.name, &rest) < 0) continue;
+      Tensor v = *b.params->find(s.name);
+      v.data = b.gathered.as<char>() + at.at(rest);
+      v.tier = b.gathered.tier();
+      b.params->set_view(s.name, v);
+    }
+    src.load_weights(ops, *b.params);
   } else {
     b.params = std::make_unique<ParamSet>(src.cfg, DType::f32, arena, Category::weights);
     src.load_weights(ops, *b.params);

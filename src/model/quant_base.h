@@ -81,12 +81,19 @@ class QuantBase {
 // keep_quantised, else fp32), "fp32", or "bf16" / "nf4" (converted at load; nf4 double-quantised with
 // base_dtype nf4-dq), which need keep_quantised. Read as the GEMM reads a quantised matrix: the embedding
 // gathers dequantised rows, the fused cross-entropy dequantises each vocabulary chunk.
+//
+// held (ZeRO-3, full training in f32 only): per param_specs entry, whether this rank keeps the tensor. The
+// layers' tensors it does not keep are views into `gathered`, one layer's worth of storage (category weights)
+// that every layer's other tensors share: whoever runs a layer first fills it (Model::on_layer_weights).
+// Loading still reads every tensor (the others' pass through `gathered`), so a preset's values are drawn as
+// on one rank.
 struct BaseWeights {
   std::unique_ptr<ParamSet> params;
   std::unique_ptr<QuantBase> quant;  // null: nothing kept quantised
+  Buffer gathered;                   // held: one layer's storage for the tensors of other ranks
 };
 struct ModelSource;
 BaseWeights load_base(ModelSource& src, Ops& ops, Arena& arena, bool keep_quantised, const std::string& base_dtype = "fp32",
-                      const std::string& embed_dtype = "auto");
+                      const std::string& embed_dtype = "auto", const std::vector<bool>* held = nullptr);
 
 }  // namespace oomless
