@@ -220,8 +220,9 @@ const std::vector<TrainOption>& train_options() {
       whole("zero", false, "S",
             "under mpirun: 1 shards the optimizer state over the ranks (ZeRO stage 1: each\nrank steps and keeps the "
             "state of its share of the tensors, then sends their new\nvalues to the others); 2 the gradients too (one "
-            "layer's kept at a time, each\nsummed into its owners as backward finishes it; no --chunk); 0 neither\n"
-            "(default 0)",
+            "layer's kept at a time, each\nsummed into its owners as backward finishes it; no --chunk); 3 the "
+            "layers'\nweights too (each rank keeps its share; a layer's others are sent to every rank\nbefore its "
+            "forward and again before its backward, into one layer's storage);\n0 none (default 0)",
             &C::zero),
       whole("context-parallel", false, "N",
             "under mpirun -np N: every sequence spread over the N ranks in consecutive\nslices of --seq / N tokens, "
@@ -426,11 +427,11 @@ LoraSettings lora_settings(const TrainConfig& c) {
 }
 
 void validate_config(const TrainConfig& c) {
-  OOM_CHECK(c.zero >= 0 && c.zero <= 2, "[train] --zero ", c.zero, ": ZeRO stage 3 (weights sharded) is not built "
-            "yet; --zero 2 shards the gradients and the optimizer state over the ranks, 1 the optimizer state, 0 "
-            "neither");
-  OOM_CHECK(c.zero < 2 || c.chunk == 0, "[train] --zero 2 keeps one layer's gradients at a time, which chunks' "
-            "backward passes would overwrite: drop --chunk, or use --zero 1");
+  OOM_CHECK(c.zero >= 0 && c.zero <= 3, "[train] --zero ", c.zero, ": there is no such ZeRO stage; --zero 3 shards the "
+            "layers' weights, the gradients and the optimizer state over the ranks, 2 the gradients and the optimizer "
+            "state, 1 the optimizer state, 0 none");
+  OOM_CHECK(c.zero < 2 || c.chunk == 0, "[train] --zero ", c.zero, " keeps one layer's gradients at a time, which "
+            "chunks' backward passes would overwrite: drop --chunk, or use --zero 1");
   const int64_t cp = c.context_parallel;
   OOM_CHECK(cp >= 1, "[train] --context-parallel ", cp, ": give the number of ranks a sequence is spread over (1: "
             "none)");
@@ -439,8 +440,8 @@ void validate_config(const TrainConfig& c) {
               "length: --seq ", c.seq, " is not a multiple of ", cp, " (e.g. --seq ", (c.seq / cp + 1) * cp, ")");
     OOM_CHECK(c.chunk == 0, "[train] --context-parallel with --chunk: a rank holds its slice as one chunk; drop --chunk "
               "(or use more ranks for a shorter slice)");
-    OOM_CHECK(c.zero < 2, "[train] --context-parallel with --zero 2 is not built: use --zero 1 (the optimizer state "
-              "sharded) or 0");
+    OOM_CHECK(c.zero < 2, "[train] --context-parallel with --zero ", c.zero, " is not built: use --zero 1 (the "
+              "optimizer state sharded) or 0");
     OOM_CHECK(c.act_offload == "none", "[train] --context-parallel with --act-offload ", c.act_offload, ": a rank runs "
               "its slice as one chunk of chunk-recurrent training, which offloads no saved activations; drop "
               "--act-offload (more ranks make each slice shorter)");
@@ -656,6 +657,12 @@ struct Trainer::State {
   // model keeps one layer's at a time (and the embedding's, the norm's and the head's whole).
   bool zero2 = false;
   Buffer owned_grads;
+  // --zero 3 (over several ranks): the layers' tensors of other ranks are views into one layer's storage
+  // (Engine::gathered), filled from their owners before a pass reads them; the layer it holds now (-1: none,
+  // or stale after a step).
+  bool zero3 = false;
+  int64_t gathered_layer = -1;
+  std::vector<int64_t> opt_entries_of;  // per rank, its optimizer state entries at the last save (0: none sent)
   std::unique_ptr<Optimizer> opt;
   std::unique_ptr<PagedKvStore> kv;
   std::unique_ptr<RingKv> ring;  // --context-parallel: the earlier slices' keys (kv stays empty)
@@ -716,6 +723,33 @@ namespace {
 // The model's part of a checkpoint: the adapter (PEFT's names; the base is unchanged) or every parameter.
 std::vector<NamedTensor> model_state(Engine& e) {
   return e.adapters ? adapter_tensors(*e.adapters, *e.params, e.src.cfg) : e.params->named();
+}
+
+bool in_buffer(const Tensor& t, const Buffer& b) {
+  const char* p = static_cast<const char*>(t.data);
+  return p >= b.as<char>() && p < b.as<char>() + b.size();
+}
+
+// Trained tensor i's values from its owner on every rank, in pieces of the data-parallel stage.
+void from_owner(Trainer::State& s, size_t i) {
+  Ops& ops = *s.e.ops;
+  float* stage = s.dp_stage.as<float>();
+  const Tensor& p = s.trained[i].param;
+  for (int64_t o = 0, total = p.numel(); o < total; o += s.dp_bucket) {
+    const int64_t len = std::min(s.dp_bucket, total - o);
+    const Tensor part(static_cast<float*>(p.data) + o, DType::f32, {len}, p.tier);
+    if (s.owner[i] == dist::rank()) ops.download(stage, part);
+    dist::broadcast(stage, len * static_cast<int64_t>(sizeof(float)), s.owner[i]);
+    if (s.owner[i] != dist::rank()) ops.upload(part, stage);
+  }
+}
+
+// --zero 3: layer l's tensors of other ranks into the gathered layer (nothing when it holds them already).
+void gather_layer(Trainer::State& s, int64_t l) {
+  if (s.gathered_layer == l) return;
+  s.gathered_layer = -1;
+  for (size_t i : s.groups.at(l)) from_owner(s, i);
+  s.gathered_layer = l;
 }
 
 }  // namespace
@@ -890,6 +924,23 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
   };
   EngineOptions eo = engine_options(c);
   if (c.act_offload.find("disk") != std::string::npos) eo.spill_dir = spill_folder("--act-offload");
+  // --zero 3 over several ranks: this rank keeps its share of the layers' tensors (the owners --zero 1 and 2 give
+  // the optimizer state), and the embedding, final norm and head whole.
+  s.zero3 = c.zero >= 3 && dist::distributed();
+  OOM_CHECK(!s.zero3 || c.lora == 0, "[train] --zero 3 shards the base model's weights, which an adapter run freezes "
+            "(its own tensors are small): use --zero 1 with --lora");
+  if (s.zero3)
+    eo.held = [](const std::vector<ParamSpec>& specs) {
+      std::vector<int64_t> sizes;
+      for (const ParamSpec& p : specs) {
+        int64_t n = 1;
+        for (int64_t d : p.shape) n *= d;
+        sizes.push_back(n);
+      }
+      std::vector<bool> held;
+      for (int o : dist::owners(sizes, dist::size())) held.push_back(o == dist::rank());
+      return held;
+    };
   // What the run will hold, in closed form before anything is allocated (train/estimate.h); setup below
   // reports what it then holds. An estimate that cannot be made is left out: setup names what is wrong.
   try {
@@ -920,8 +971,8 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
   // --zero 2 over several ranks: one layer's gradients at a time here; each is summed into its owner's buffer as
   // backward finishes it.
   s.zero2 = c.zero >= 2 && dist::distributed();
-  OOM_CHECK(!s.zero2 || !s.e.adapters, "[train] --zero 2 shards the base model's gradients, and an adapter run has "
-            "none (its own are small): use --zero 1 with --lora");
+  OOM_CHECK(!s.zero2 || !s.e.adapters, "[train] --zero ", c.zero, " shards the base model's gradients, and an adapter "
+            "run has none (its own are small): use --zero 1 with --lora");
   if ((c.step_in_backward || s.zero2) && !s.e.adapters) model.share_layer_grads();
   s.trained = model.trainable();
   for (size_t i = 0; i < s.trained.size(); ++i) s.groups[s.trained[i].group].push_back(i);
@@ -1049,6 +1100,16 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
     } catch (const OutOfBudget& e) {
       out_of_budget(c, e.what(), &s.e.mem->ledger);
     }
+  }
+  if (s.zero3) {
+    // Each tensor's owner is the rank that loaded it into its own storage: the optimizer's owner (dist::owners
+    // over the same sizes in the same order).
+    for (size_t i = 0; i < s.trained.size(); ++i)
+      OOM_CHECK(!is_layer_group(s.trained[i].group) ||
+                    (s.owner[i] == dist::rank()) == (s.e.gathered.size() == 0 || !in_buffer(s.trained[i].param, s.e.gathered)),
+                "[train] internal: --zero 3 placed ", s.trained[i].name, " against its owner");
+    // The setup's dry run above read whatever the gathered layer held (the last one loaded): only its shapes count.
+    s.e.model->on_layer_weights([&s](int64_t l) { gather_layer(s, l); });
   }
   const ModelConfig& cfg = s.e.src.cfg;
   {
@@ -1186,6 +1247,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
       load_adapter(*s.e.ops, ck->path, cfg, *s.e.adapters, *s.e.params);
     } else {
       rounded = read_tensors(*s.e.ops, SafetensorsFile::open(ck->path + "/model.safetensors"), model_state(s.e));
+      s.gathered_layer = -1;
     }
     if (rounded)
       warn("the checkpoint's weights are bf16 (--save-dtype bf16): the run continues from the rounded weights, not "
@@ -1440,23 +1502,15 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
         }
         const std::vector<size_t> own = mine(rest);
         if (!own.empty()) s.opt->step_tensors(ops, s.owned, own, r.lr, opt_step);
-        // --zero 1: each tensor's new values from the rank that stepped it.
-        if (dp && c.zero >= 1) {
-          float* stage = s.dp_stage.as<float>();
-          for (size_t i : rest) {
-            const Tensor& p = s.trained[i].param;
-            for (int64_t o = 0, total = p.numel(); o < total; o += s.dp_bucket) {
-              const int64_t len = std::min(s.dp_bucket, total - o);
-              const Tensor part(static_cast<float*>(p.data) + o, DType::f32, {len}, p.tier);
-              if (s.owner[i] == dist::rank()) ops.download(stage, part);
-              dist::broadcast(stage, len * static_cast<int64_t>(sizeof(float)), s.owner[i]);
-              if (s.owner[i] != dist::rank()) ops.upload(part, stage);
-            }
-          }
-        }
+        // --zero 1 and 2: each tensor's new values from the rank that stepped it (--zero 3: the layers' are sent
+        // when a pass needs them).
+        if (dp && c.zero >= 1)
+          for (size_t i : rest)
+            if (!s.zero3 || !is_layer_group(s.trained[i].group)) from_owner(s, i);
       }
       s.prev_norm = r.grad_norm;
     }
+    s.gathered_layer = -1;  // --zero 3: the owners' tensors have stepped
   } catch (const OutOfBudget& e) {
     // Setup reserves everything a step needs; reaching this is a bug in that reservation.
     fail("[train] ran out of memory budget at step ", r.step, ", after setup had reserved the run: ", e.what());
@@ -1473,11 +1527,13 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
     r.ranks.set("size", json::Value::integer(dist::size()));
     r.ranks.set("peak", peaks);
     r.ranks.set("bytes_sent", sent);
-    json::Value optim = json::Value::array();
-    size_t mine = 0;
-    for (int t = 0; t < kTierCount; ++t) mine += l.peak(static_cast<Tier>(t), Category::optimizer);
-    for (uint64_t v : dist::all_u64(mine)) optim.push_back(json::Value::integer(static_cast<int64_t>(v)));
-    r.ranks.set("optimizer", optim);
+    for (Category cat : {Category::optimizer, Category::weights}) {  // each rank's peak of the category
+      json::Value per = json::Value::array();
+      size_t mine = 0;
+      for (int t = 0; t < kTierCount; ++t) mine += l.peak(static_cast<Tier>(t), cat);
+      for (uint64_t v : dist::all_u64(mine)) per.push_back(json::Value::integer(static_cast<int64_t>(v)));
+      r.ranks.set(category_name(cat), per);
+    }
   }
   if (s.kv && s.kv->options().kv_dtype == DType::f8_e4m3) {
     const Fp8Stats now = s.kv->fp8_stats();
@@ -1543,10 +1599,38 @@ std::string Trainer::save() {
   const ModelSource& src = s.e.src;
   std::vector<CheckpointFile> files;
   const bool bf16 = s.c.save_dtype == "bf16";
+  s.opt_entries_of.assign(static_cast<size_t>(dist::size()), 0);
   if (s.e.adapters) {
     // A PEFT adapter folder: the base is unchanged, so only the adapter is written.
     files.push_back(tensors_file(*s.e.ops, kAdapterWeights, model_state(s.e), bf16));
     files.push_back({kAdapterConfig, adapter_config_text(s.e.adapters->settings(), s.c.model, src.cfg.tied), {}});
+  } else if (s.zero3) {
+    // --zero 3: the layers' tensors of other ranks read from their owners as the file is written (each serves its
+    // optimizer entries, if sharded, then its layer tensors: zero3_entries).
+    files.push_back({"model.safetensors", "", [&s, bf16](int fd) {
+                       std::vector<int64_t> next(static_cast<size_t>(dist::size()), 0);
+                       for (int r = 1; r < dist::size(); ++r) next[static_cast<size_t>(r)] = s.opt_entries_of[static_cast<size_t>(r)];
+                       std::vector<StWrite> w;
+                       for (size_t i = 0; i < s.trained.size(); ++i) {
+                         const Trainable& t = s.trained[i];
+                         const int r = s.owner[i];
+                         if (r == 0 || !is_layer_group(t.group)) {
+                           w.push_back(tensor_entry(*s.e.ops, t.name, t.param, bf16));
+                           continue;
+                         }
+                         StWrite e{t.name, bf16 ? DType::bf16 : DType::f32, {}, nullptr, {}};
+                         for (int d = 0; d < t.param.ndim; ++d) e.shape.push_back(t.param.dims[d]);
+                         e.read = [r, k = next[static_cast<size_t>(r)]++](void* dst, size_t off, size_t n) {
+                           dist::read_remote(r, k, dst, off, n);
+                         };
+                         w.push_back(std::move(e));
+                       }
+                       write_safetensors_stream(w, {{"format", "pt"}},
+                                                [fd](const void* d, size_t n) { checkpoint_write(fd, d, n); },
+                                                "model.safetensors");
+                     }});
+    files.push_back({"config.json", json::dump(src.cfg.to_json(), 2) + "\n", {}});
+    files.push_back({"generation_config.json", json::dump(generation_config(src), 2) + "\n", {}});
   } else {
     files.push_back(tensors_file(*s.e.ops, "model.safetensors", model_state(s.e), bf16));
     files.push_back({"config.json", json::dump(src.cfg.to_json(), 2) + "\n", {}});
@@ -1559,6 +1643,7 @@ std::string Trainer::save() {
       const std::vector<std::string> lists = dist::gather_strings(entries_json(entries));
       for (size_t r = 1; r < lists.size(); ++r) {
         const json::Value list = json::parse(lists[r]);
+        s.opt_entries_of[r] = static_cast<int64_t>(list.size());
         for (size_t k = 0; k < list.size(); ++k) {
           const json::Value& e = list[k];
           StWrite w{e.at("name").as_string(), static_cast<DType>(e.at("dtype").as_int()), {}, nullptr, {}};
@@ -1590,15 +1675,23 @@ std::string Trainer::save() {
   st.set("lr", json::Value::number(lr_at(s.sched, std::max<int64_t>(s.step, 1))));
   files.push_back({"trainer_state.json", json::dump(st, 2) + "\n", {}});
   const std::string path = save_checkpoint(s.out, s.step, files, {static_cast<int>(s.c.keep)});
-  if (sharded) dist::end_reads();
+  if (sharded || s.zero3) dist::end_reads();
   return path;
 }
 
 void Trainer::serve_save() {
   State& s = *s_;
-  if (!(s.owned.size() < s.trained.size() && s.c.save_optimizer == "yes")) return;
-  const std::vector<StWrite> entries = s.opt->state_entries(*s.e.ops);
-  dist::gather_strings(entries_json(entries));
+  const bool sharded = s.owned.size() < s.trained.size() && s.c.save_optimizer == "yes";
+  if (!sharded && !s.zero3) return;
+  std::vector<StWrite> entries;
+  if (sharded) {
+    entries = s.opt->state_entries(*s.e.ops);
+    dist::gather_strings(entries_json(entries));
+  }
+  if (s.zero3)  // then this rank's layer tensors, in the trained order (as rank 0 asks for them)
+    for (size_t i = 0; i < s.trained.size(); ++i)
+      if (s.owner[i] == dist::rank() && is_layer_group(s.trained[i].group))
+        entries.push_back(tensor_entry(*s.e.ops, s.trained[i].name, s.trained[i].param, s.c.save_dtype == "bf16"));
   dist::serve_reads([&](int64_t k, void* dst, size_t off, size_t n) {
     const StWrite& e = entries[static_cast<size_t>(k)];
     e.read(dst, off, n);  // every in-memory entry reads through Ops (tensor_entry)
@@ -1661,8 +1754,11 @@ int train_run(const TrainConfig& c, const std::string& out, const json::Value& p
   std::optional<MetricsWriter> metrics;
   if (writer) metrics.emplace(out);
   if (writer) metrics->set_params(tr.trainable_params(), tr.trainable_bytes(), tr.frozen_params(), tr.frozen_bytes());
+  // Context parallel: every rank scores its slice; --zero 3: every rank runs the evaluation (the layers' weights
+  // come from all of them), rank 0 reports it.
+  const bool all_evaluate = c.context_parallel > 1 || (c.zero >= 3 && dist::distributed());
   auto run_eval = [&](int64_t s) {
-    if (!writer && c.context_parallel == 1) return;  // context parallel: every rank scores its slice
+    if (!writer && !all_evaluate) return;
     const std::optional<EvalResult> r = tr.evaluate();
     if (!r || !writer) return;
     metrics->write_eval(s, r->loss(), std::exp(r->loss()));
@@ -1715,10 +1811,10 @@ int train_run(const TrainConfig& c, const std::string& out, const json::Value& p
     if (c.save_every > 0 && step % c.save_every == 0 && step < total) save();
   }
   const int64_t step = tr.steps_done();
-  // Context parallel: the final evaluation takes every rank (each scores its slices), unless the ranks stopped.
-  const bool final_eval = c.context_parallel > 1 ? !stopped : !g_stop;
+  // Context parallel, --zero 3: the final evaluation takes every rank, unless the ranks stopped.
+  const bool final_eval = all_evaluate ? !stopped : !g_stop;
   if (!writer) {
-    if (c.context_parallel > 1 && final_eval) run_eval(step);
+    if (all_evaluate && final_eval) run_eval(step);
     save();
     return stopped ? 130 : 0;
   }
@@ -1762,7 +1858,11 @@ int train_run(const TrainConfig& c, const std::string& out, const json::Value& p
   std::printf("trained %lld steps; last loss %.4f; checkpoint in %s/checkpoint-%lld; metrics in %s; report in %s\n",
               static_cast<long long>(step), last_loss, out.c_str(), static_cast<long long>(step),
               MetricsWriter::path_in(out).c_str(), report.c_str());
-  if (!g_stop && e.src.tokenizer) {
+  if (!g_stop && e.src.tokenizer && c.zero >= 3 && dist::distributed()) {
+    std::printf("sample: skipped (--zero 3 spreads each layer's weights over the ranks, which have finished; the "
+                "checkpoint holds them all: oomless generate --model %s/checkpoint-%lld)\n", out.c_str(),
+                static_cast<long long>(step));
+  } else if (!g_stop && e.src.tokenizer) {
     // A sample from the trained weights, greedy, so a person sees what the run learned: for chat data the
     // first user turn of the eval (else training) data's first conversation, answered through the chat
     // template; for text the first words of the eval (else training) data.

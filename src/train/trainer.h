@@ -213,8 +213,9 @@ class Trainer {
   int64_t frozen_params() const;
   int64_t frozen_bytes() const;
 
+  struct State;  // defined in trainer.cpp
+
  private:
-  struct State;
   std::unique_ptr<State> s_;
 };
 

@@ -5,8 +5,8 @@
 #  - a checkpoint of 3 ranks resumes on 2 ranks and on 1, each continuing as the 1-rank run does; one of 2 ranks
 #    resumes on 2 to the uninterrupted run's bytes;
 #  - ranks started with different settings stop with an error naming the rank, and leave no run folder;
-#  - ZeRO stages 1 and 2 (--zero 1, 2): the same with the optimizer state (and gradients) sharded, which every
-#    rank holds less of;
+#  - ZeRO stages 1, 2 and 3 (--zero 1, 2, 3): the same with the optimizer state (and gradients, and the layers'
+#    weights) sharded, which every rank holds less of;
 #  - a rank killed in the middle of a run stops the others within a minute, and its last checkpoint resumes.
 # Skipped (77) when mpirun or an MPI build is missing.
 # usage: dist_dp.sh OOMLESS_BINARY SOURCE_DIR WORK_DIR
@@ -165,12 +165,42 @@ for f in model.safetensors optimizer.safetensors; do
 done
 for to in "2 --zero 2" "1"; do resume_from y3 "$to"; done
 echo "zero 2: reruns bitwise; 3 ranks' checkpoint resumed on 2 and on 1"
-for bad in "--zero 3" "--zero 2 --chunk 16" "--zero 2 --lora 8"; do
+# Stage 3 (--zero 3): the layers' weights sharded too, each layer's sent to every rank before its forward and again
+# before its backward. 2 and 3 ranks: the 1-rank losses, weights and optimizer state, and --zero 2's weights bit for
+# bit (the same values reach every product); less weight memory on every rank; the estimate the ledger's; a rerun
+# the same bytes; resumed on 2 ranks and on 1.
+for n in 2 3; do
+  zero_run 3 $n x$n
+  cmp -s "$work/y$n/checkpoint-4/model.safetensors" "$work/x$n/checkpoint-4/model.safetensors" \
+    || { echo "zero 3, $n ranks: weights differ from --zero 2's on $n ranks"; exit 1; }
+  "$bin" estimate $args --steps 4 --ranks $n --zero 3 --json > "$work/estx$n.json" || { echo "estimate --zero 3 failed"; exit 1; }
+  python3 -c "
+import json, sys
+est = json.load(open(sys.argv[1]))['estimate']['ram_peak']
+rows = [json.loads(l) for l in open(sys.argv[2]) if '\"train\"' in l]
+two = [json.loads(l) for l in open(sys.argv[3]) if '\"train\"' in l][-1]
+weights = lambda m: sum(m[t].get('weights', {}).get('peak', 0) for t in m if isinstance(m[t], dict))
+led = max(rows[-1]['ranks']['peak'])
+assert abs(est - led) <= 0.01 * led, (est, led)
+assert weights(rows[-1]['memory']) < weights(two['memory']), (weights(rows[-1]['memory']), weights(two['memory']))
+assert led < max(two['ranks']['peak']), (led, two['ranks']['peak'])
+print('zero 3: rank 0 holds %d weight bytes of %d; estimate %d, ledger %d' % (weights(rows[-1]['memory']),
+      weights(two['memory']), est, led))" "$work/estx$n.json" "$work/x$n/metrics.jsonl" "$work/y$n/metrics.jsonl" \
+    || { echo "zero 3, $n ranks: memory"; exit 1; }
+  echo "zero 3, $n ranks: the 1-rank losses, weights and optimizer state; --zero 2's weights bit for bit"
+done
+mpi 2 train $args --steps 4 --save-every 2 --zero 3 --out "$work/x2b" > "$work/x2b.log" 2>&1 || { echo "zero 3 again failed"; exit 1; }
+for f in model.safetensors optimizer.safetensors; do
+  cmp -s "$work/x2/checkpoint-4/$f" "$work/x2b/checkpoint-4/$f" || { echo "zero 3, 2 ranks twice: $f differs"; exit 1; }
+done
+for to in "2 --zero 3" "1"; do resume_from x3 "$to"; done
+echo "zero 3: reruns bitwise; 3 ranks' checkpoint resumed on 2 and on 1"
+for bad in "--zero 4" "--zero 2 --chunk 16" "--zero 2 --lora 8" "--zero 3 --chunk 16" "--zero 3 --lora 8"; do
   mpi 2 train $args --steps 1 $bad --out "$work/bad" > "$work/bad.log" 2>&1 && { echo "$bad: ran"; exit 1; }
   grep -q "zero" "$work/bad.log" || { echo "$bad: no error naming --zero"; cat "$work/bad.log"; exit 1; }
   rm -rf "$work/bad"
 done
-echo "--zero 3, --zero 2 with --chunk or --lora: refused"
+echo "--zero 4, --zero 2 and 3 with --chunk or --lora: refused"
 
 # Other settings on one rank (an MPMD launch): an error naming it, from every rank; no folder left.
 mpirun -np 1 "$bin" train $args --steps 2 --out "$work/mixed" : -np 1 "$bin" train $args --steps 2 --lr 1e-3 --out "$work/mixed" \
