@@ -383,7 +383,23 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
     if ((quant_proj && proj) || (tables_elsewhere && table)) continue;
     f32_slots.push_back(s);
   }
-  size_t weights = set_bytes(f32_slots, f), quant = 0;
+  // --zero 3 over several ranks (full training): this rank's share of the layers' tensors, the rest whole, and
+  // one layer's storage the others are gathered into (load_base's `held`).
+  size_t gathered = 0;
+  if (c.zero >= 3 && ranks.size > 1 && !adapters) {
+    std::vector<int64_t> sizes;
+    for (const ParamSpec& s : specs) sizes.push_back(numel(s.shape));
+    const std::vector<int> own = dist::owners(sizes, ranks.size);
+    std::vector<ParamSpec> kept, layer0;
+    for (size_t i = 0; i < specs.size(); ++i) {
+      const bool layer = specs[i].name.rfind("model.layers.", 0) == 0;
+      if (!layer || own[i] == ranks.rank) kept.push_back(specs[i]);
+      if (specs[i].name.rfind("model.layers.0.", 0) == 0) layer0.push_back(specs[i]);
+    }
+    f32_slots = kept;
+    gathered = set_bytes(layer0, f);
+  }
+  size_t weights = set_bytes(f32_slots, f) + gathered, quant = 0;
   for (const ParamSpec& s : specs) {
     const bool proj = is_projection_weight(s.name), table = is_embedding_or_head(s.name);
     if (gguf_q) continue;
@@ -446,7 +462,7 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
     }
   } else {
     trained = specs;
-    const bool zero2 = c.zero >= 2 && ranks.size > 1;
+    const bool zero2 = c.zero >= 2 && ranks.size > 1;  // and --zero 3
     if (c.step_in_backward || zero2) {
       std::vector<ParamSpec> kept;
       for (const ParamSpec& s : specs)
@@ -682,6 +698,16 @@ int run_estimate(const TrainConfig& c, bool as_json, int ranks) {
     std::vector<Option> options = {
         {"--zero 1", [&](TrainConfig& x) { return ranks > 1 && x.zero == 0 ? (x.zero = 1, true) : false; },
          [] { return std::make_pair(0.0, std::string("the optimizer state sharded over the ranks, the same bytes sent")); }},
+        {"--zero 3",
+         [&](TrainConfig& x) {
+           if (ranks <= 1 || x.zero >= 3 || x.lora > 0 || x.chunk > 0 || x.context_parallel > 1) return false;
+           x.zero = 3;
+           return true;
+         },
+         [] {
+           return std::make_pair(0.05, std::string("the layers' weights, gradients and optimizer state sharded; each "
+                                                   "layer's weights sent to every rank twice a step"));
+         }},
         {"--context-parallel " + std::to_string(ranks),
          [&](TrainConfig& x) {
            if (ranks <= 1 || x.context_parallel != 1 || x.seq % ranks || x.chunk > 0 || x.zero >= 2 ||
