@@ -87,10 +87,14 @@ def run(a, n, tag, link=None):
     peaks = ranks["peak"] if ranks else [sum(rows[-1]["memory"][t]["total"]["peak"] for t in rows[-1]["memory"])]
     optim = ranks["optimizer"] if ranks else [sum(rows[-1]["memory"][t].get("optimizer", {}).get("peak", 0)
                                                   for t in rows[-1]["memory"])]
+    weights = ranks["weights"] if ranks else [sum(rows[-1]["memory"][t].get("weights", {}).get("peak", 0)
+                                                  for t in rows[-1]["memory"])]
     sent_all = [x - y for x, y in zip(ranks["bytes_sent"], rows[-2]["ranks"]["bytes_sent"])] \
         if ranks and len(rows) > 1 else [0]
     sent = sent_all[0]
-    formula = [2 * (n - 1) / n * 4 * params] * n
+    # --zero 3: the layers' weights gathered before each forward and each backward besides the gradients' sum:
+    # the ZeRO paper's 3 Psi (its mean over the ranks; who sends depends on who owns what).
+    formula = [(3 if a.zero >= 3 else 2) * (n - 1) / n * 4 * params] * n
     if cp_flags(a, n):  # the keys, values and key gradients of each layer (the model's config in the checkpoint)
         cfg = json.load(open(os.path.join(out, sorted(d for d in os.listdir(out) if d.startswith("checkpoint-"))[-1],
                                           "config.json")))
@@ -100,6 +104,7 @@ def run(a, n, tag, link=None):
         formula = [f + a.batch * L * block * (2 * (n - 1 - r) + r) for r, f in enumerate(formula)]
     shutil.rmtree(out, ignore_errors=True)
     return {"ranks": n, "threads_per_rank": threads, "tokens_per_s": tps, "ledger_peak": peaks, "optimizer": optim,
+            "weights": weights,
             "rss": sorted(rss), "bytes_sent_per_step": sent, "bytes_sent_per_step_ranks": sent_all,
             "formula_bytes": formula[0], "formula_bytes_ranks": formula, "params": params,
             "losses": [r["loss"] for r in rows]}
@@ -116,7 +121,7 @@ def main():
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2, help="the N values alternate, this many times")
     ap.add_argument("--threads-per-rank", type=int, default=0)
-    ap.add_argument("--zero", type=int, default=0, help="ZeRO stage (--zero of oomless train)")
+    ap.add_argument("--zero", type=int, default=0, help="ZeRO stage (--zero of oomless train): 0-3")
     ap.add_argument("--work", default=os.path.join(ROOT, "build/bench-dp"))
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="preset:micro, --seq 32, 2 steps, ranks 1,2, one round")
@@ -144,9 +149,11 @@ def main():
     print(f"{a.model}, --seq {a.seq} --batch {a.batch} (global), {a.steps} steps, {a.rounds} round(s); "
           f"{os.cpu_count()} CPUs")
     print(f"--zero {a.zero}" + (", --context-parallel N" if a.context_parallel else ""))
+    k = 3 if a.zero >= 3 else 2
     print("| ranks | threads a rank | tok/s (median of rounds) | vs 1 rank | ledger peak a rank (largest) | optimizer "
-          "state a rank (largest) | peak RSS a rank | sent a step a rank | formula 2(N-1)/N x 4 B x params |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"state a rank (largest) | weights a rank (largest) | peak RSS a rank | sent a step, rank 0 / mean of ranks | "
+          f"formula {k}(N-1)/N x 4 B x params |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     base = statistics.median(x["tokens_per_s"] for x in res[ns[0]])
     summary = []
     for n in ns:
@@ -155,16 +162,18 @@ def main():
         peak = max(max(x["ledger_peak"]) for x in xs)
         rss = max(max(x["rss"]) for x in xs) if all(x["rss"] for x in xs) else 0
         sent = xs[-1]["bytes_sent_per_step"]
+        mean = statistics.mean(xs[-1]["bytes_sent_per_step_ranks"])
         opt = max(max(x["optimizer"]) for x in xs)
+        wts = max(max(x["weights"]) for x in xs)
         print(f"| {n} | {xs[0]['threads_per_rank']} | {tps:.0f} | {tps / base:.2f}x | {peak / 2**20:.1f} MiB | "
-              f"{opt / 2**20:.1f} MiB | {rss / 2**20:.1f} MiB | {sent / 2**20:.2f} MiB | "
-              f"{xs[0]['formula_bytes'] / 2**20:.2f} MiB |")
+              f"{opt / 2**20:.1f} MiB | {wts / 2**20:.1f} MiB | {rss / 2**20:.1f} MiB | {sent / 2**20:.2f} / "
+              f"{mean / 2**20:.2f} MiB | {xs[0]['formula_bytes'] / 2**20:.2f} MiB |")
         if a.context_parallel and n > 1:
             print("|  | each rank: sent / formula | " + ", ".join(
                 f"{s / 2**20:.2f} / {f / 2**20:.2f} MiB" for s, f in
                 zip(xs[-1]["bytes_sent_per_step_ranks"], xs[-1]["formula_bytes_ranks"])) + " |||||||")
-        summary.append({"ranks": n, "tokens_per_s": tps, "ledger_peak": peak, "optimizer": opt, "rss": rss,
-                        "bytes_sent_per_step": sent,
+        summary.append({"ranks": n, "tokens_per_s": tps, "ledger_peak": peak, "optimizer": opt, "weights": wts,
+                        "rss": rss, "bytes_sent_per_step": sent, "bytes_sent_per_step_mean": mean,
                         "formula_bytes": xs[0]["formula_bytes"], "runs": xs})
     for n in ns[1:]:  # the same global batch: the 1-rank losses within fp32 rounding
         a0, b0 = res[ns[0]][0]["losses"], res[n][0]["losses"]
