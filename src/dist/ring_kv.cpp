@@ -18,8 +18,16 @@ Buffer take(Arena& arena, int64_t bytes, const char* what) {
 }
 }  // namespace
 
-RingKv::RingKv(const KvDims& dims, Ops& ops, Arena& device, Arena& host)
-    : d_(dims), ops_(ops), device_(device), host_(host) {}
+RingKv::RingKv(const KvDims& dims, Ops& ops, Arena& device, Arena& host, int ranks)
+    : d_(dims),
+      n_(ranks > 0 ? ranks : dist::size()),
+      r_(dist::rank() % n_),
+      base_(dist::rank() - r_),
+      ops_(ops),
+      device_(device),
+      host_(host) {
+  OOM_CHECK(dist::size() % n_ == 0, "[context parallel] rings of ", n_, " ranks out of ", dist::size());
+}
 
 void RingKv::begin(int64_t T, int64_t C) {
   OOM_CHECK(C >= T, "[context parallel] a rank's slice is one chunk: chunks of ", C, " for a slice of ", T,
@@ -51,7 +59,7 @@ int tag(int64_t layer, Kind k) { return static_cast<int>(layer % 8000) * 4 + k; 
 }  // namespace
 
 void RingKv::post(int64_t layer, int kind, Tensor k, Tensor v, Ring* ring) {
-  const int N = dist::size(), r = dist::rank();
+  const int N = n_, r = r_;
   const int64_t bytes = dtype_bytes(k.dtype, d_.Hkv * T_ * d_.D), blk = 2 * bytes;
   ring->blk = blk;
   ring->host = take(host_, blk * (r + 1), "context parallel: keys in flight");
@@ -59,11 +67,13 @@ void RingKv::post(int64_t layer, int kind, Tensor k, Tensor v, Ring* ring) {
   ring->recvs.clear();
   ring->sends.clear();
   for (int s = 0; s < r; ++s)
-    ring->recvs.push_back(dist::irecv(ring->host.as<char>() + s * blk, blk, s, tag(layer, static_cast<Kind>(kind))));
+    ring->recvs.push_back(
+        dist::irecv(ring->host.as<char>() + s * blk, blk, base_ + s, tag(layer, static_cast<Kind>(kind))));
   if (r + 1 < N) {
     ops_.download(own, k);
     ops_.download(own + bytes, v);
-    for (int s = r + 1; s < N; ++s) ring->sends.push_back(dist::isend(own, blk, s, tag(layer, static_cast<Kind>(kind))));
+    for (int s = r + 1; s < N; ++s)
+      ring->sends.push_back(dist::isend(own, blk, base_ + s, tag(layer, static_cast<Kind>(kind))));
   }
   if (r > 0) ring->dev = take(device_, blk, "context parallel: an earlier slice's keys");
 }
@@ -77,7 +87,7 @@ KvBlocks RingKv::arrived(int s, Ring* ring, DType dtype, KvBlock* block) {
 }
 
 void RingKv::forward(int64_t layer, Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, Tensor pos) {
-  const int r = dist::rank();
+  const int r = r_;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d_.D));
   Ring ring;
   post(layer, kKvForward, k, v, &ring);
@@ -99,7 +109,7 @@ void RingKv::forward(int64_t layer, Tensor o, Tensor lse, Tensor q, Tensor k, Te
 
 void RingKv::backward(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v,
                       Tensor o, Tensor lse, Tensor pos) {
-  const int N = dist::size(), r = dist::rank();
+  const int N = n_, r = r_;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d_.D));
   OOM_CHECK(dk.dtype == DType::f32, "[context parallel] key gradients are f32");
   const int64_t half = d_.Hkv * T_ * d_.D, gblk = dtype_bytes(dk.dtype, 2 * half);
@@ -109,7 +119,7 @@ void RingKv::backward(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Tensor dou
   Buffer grads = take(host_, gblk * (N - 1), "context parallel: key gradients in flight");
   std::vector<dist::Request> in, out;
   for (int s = r + 1; s < N; ++s)
-    in.push_back(dist::irecv(grads.as<char>() + (s - 1) * gblk, gblk, s, tag(layer, kGrads)));
+    in.push_back(dist::irecv(grads.as<char>() + (s - 1) * gblk, gblk, base_ + s, tag(layer, kGrads)));
   // The own slice (dq =, its keys' share into dk, dv, which start at zero), then each earlier one as it comes:
   // its dq added, its key gradients sent back to its rank.
   KvBlock own{k.data, v.data, static_cast<int32_t>(r * T_), static_cast<int32_t>(T_)};
@@ -129,7 +139,7 @@ void RingKv::backward(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Tensor dou
       ops_.axpy(dq, 1.0, dq2);
       char* at = grads.as<char>() + s * gblk;  // slots below this rank: its gradients for rank s
       ops_.download(at, dkv);
-      out.push_back(dist::isend(at, gblk, s, tag(layer, kGrads)));
+      out.push_back(dist::isend(at, gblk, base_ + s, tag(layer, kGrads)));
     }
   }
   for (dist::Request& x : in) dist::wait(x);

@@ -28,8 +28,11 @@ namespace oomless {
 class RingKv final : public ChunkKv {
  public:
   // Transient blocks come from `device` (an earlier slice's keys and values, its gradients, a partial O or
-  // dq) and `host` (the messages), as workspace.
-  RingKv(const KvDims& dims, Ops& ops, Arena& device, Arena& host);
+  // dq) and `host` (the messages), as workspace. `ranks`: the ring's size; the ranks make consecutive rings
+  // of it (ranks [g ranks, (g + 1) ranks) share a sequence: context parallel beside data parallel), this rank
+  // holding slice dist::rank() % ranks of its ring's. 0: every rank in one ring.
+  RingKv(const KvDims& dims, Ops& ops, Arena& device, Arena& host, int ranks = 0);
+  int index() const { return r_; }  // this rank's slice
 
   void set_bf16_products(bool on) override { bf16_ = on; }
   void begin(int64_t T, int64_t C) override;
@@ -59,6 +62,7 @@ class RingKv final : public ChunkKv {
   KvBlocks arrived(int s, Ring* ring, DType dtype, KvBlock* block);
 
   KvDims d_;
+  int n_ = 1, r_ = 0, base_ = 0;  // the ring's size, this rank's place in it, its first rank
   Ops& ops_;
   Arena& device_;
   Arena& host_;

@@ -512,8 +512,8 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
 
   // Activations and the model's workspace. Context parallel: a rank holds its slice as one chunk.
   const int64_t cp = c.context_parallel;
-  OOM_CHECK(cp == 1 || cp == ranks.size, "[estimate] --context-parallel ", cp, " spreads each sequence over ", cp,
-            " ranks: give --ranks ", cp, " too");
+  OOM_CHECK(cp == 1 || ranks.size % cp == 0, "[estimate] --context-parallel ", cp, " spreads each sequence over ", cp,
+            " ranks: give --ranks ", cp, " (or a multiple of it: data parallel over groups of ", cp, ") too");
   const int64_t C = cp > 1 ? c.seq / cp : c.chunk > 0 ? std::min(c.chunk, c.seq) : 0;
   const int64_t T = C > 0 ? C : c.seq;
   const ModelBytes mb = model_bytes(ms, T, true, C > 0);
@@ -538,7 +538,8 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
     const KvDims kd{cfg.L, cfg.H, cfg.Hkv, cfg.D};
     const DType saved_kv = ms.store == DType::f32 ? f : ms.store;
     ring = ranks.rank > 0 ? RingKv::device_bytes(kd, C, saved_kv, f) : 0;
-    add(kHost, Category::workspace, RingKv::host_bytes(kd, C, ranks.rank, ranks.size, saved_kv, f));
+    add(kHost, Category::workspace, RingKv::host_bytes(kd, C, static_cast<int>(ranks.rank % cp), static_cast<int>(cp),
+                                                       saved_kv, f));
   } else if (C > 0) {
     const int64_t P = c.page > 0 ? c.page : default_page(C);
     OOM_CHECK(c.page <= 0 || C % c.page == 0, "[estimate] --page ", c.page, " does not divide --chunk ", C,
@@ -842,9 +843,13 @@ int run_estimate(const TrainConfig& c, bool as_json, int ranks) {
               static_cast<long long>(c.seq),
               c.chunk > 0 ? (" in chunks of " + std::to_string(std::min(c.chunk, c.seq))).c_str() : "");
   if (ranks > 1) {
-    const std::string kind = c.context_parallel > 1
-                                 ? "context parallel: slices of " + std::to_string(c.seq / c.context_parallel) + " tokens"
-                                 : std::string("data parallel");
+    const std::string kind =
+        c.context_parallel > 1
+            ? "context parallel: slices of " + std::to_string(c.seq / c.context_parallel) + " tokens" +
+                  (ranks > c.context_parallel ? ", data parallel over " + std::to_string(ranks / c.context_parallel) +
+                                                    " groups"
+                                              : std::string())
+            : std::string("data parallel");
     const std::string zero = c.zero >= 1 ? ", --zero " + std::to_string(c.zero) : std::string();
     std::printf("one rank of %d (%s%s): rank %d, %s\n", ranks, kind.c_str(), zero.c_str(), who,
                 c.zero >= 1 || c.context_parallel > 1 ? "the one holding the most" : "every rank holds the same");

@@ -227,7 +227,8 @@ const std::vector<TrainOption>& train_options() {
       whole("context-parallel", false, "N",
             "under mpirun -np N: every sequence spread over the N ranks in consecutive\nslices of --seq / N tokens, "
             "each rank's queries attending to the earlier slices'\nkeys sent to it (memory for --seq / N tokens a "
-            "rank; no --chunk) (default 1)",
+            "rank; no --chunk); under\nmpirun -np M x N: M groups of N ranks, data parallel over the groups "
+            "(default 1)",
             &C::context_parallel),
       real("beta1", true, "b", "AdamW beta1 (default 0.9)", &C::beta1),
       real("beta2", true, "b", "AdamW beta2 (default 0.95)", &C::beta2),
@@ -530,12 +531,15 @@ void check_ranks_agree(const TrainConfig& c) {
     OOM_CHECK(all[r] == all[0], "[train] rank ", r, " was started with other settings than rank 0 (every rank of a "
               "run needs the same flags, data and model: one command line for all, e.g. mpirun -np ", all.size(),
               " oomless train ...)");
-  const int64_t n = c.batch * c.grad_accum, R = dist::size();
+  // Data parallel over groups of --context-parallel ranks (a group shares each of its sequences).
+  const int64_t n = c.batch * c.grad_accum, R = dist::size() / std::max<int64_t>(c.context_parallel, 1);
   int64_t g = c.grad_accum;
   while (c.batch * g % R) ++g;
-  OOM_CHECK(n % R == 0 || c.context_parallel > 1, "[train] ", R, " ranks share each step's --batch x --grad-accum = ",
-            n, " sequences, which needs a multiple of ", R, ": e.g. --batch ", c.batch, " --grad-accum ", g,
-            " (or --context-parallel ", R, ": every sequence spread over the ranks)");
+  OOM_CHECK(n % R == 0, "[train] ", R, c.context_parallel > 1 ? " groups of ranks" : " ranks",
+            " share each step's --batch x --grad-accum = ", n, " sequences, which needs a multiple of ", R,
+            ": e.g. --batch ", c.batch, " --grad-accum ", g,
+            c.context_parallel > 1 ? std::string() : " (or --context-parallel " + std::to_string(R) +
+                                                        ": every sequence spread over the ranks)");
   OOM_CHECK(!c.step_in_backward, "[train] --step-in-backward steps each layer during backward, before the ranks' "
             "gradients are summed: run it without mpirun, or drop --step-in-backward");
 }
@@ -543,12 +547,14 @@ void check_ranks_agree(const TrainConfig& c) {
 
 int run_training(const TrainConfig& c, const json::Value& plan) {
   validate_config(c);
-  OOM_CHECK(c.context_parallel == 1 || c.context_parallel == dist::size(), "[train] --context-parallel ",
+  OOM_CHECK(c.context_parallel == 1 || dist::size() % c.context_parallel == 0, "[train] --context-parallel ",
             c.context_parallel, " spreads each sequence over ", c.context_parallel, " ranks, but ",
             dist::size() == 1 ? "this run is one process: launch it with mpirun -np " + std::to_string(c.context_parallel) +
                                     ", or give --context-parallel 1 (a resumed run keeps its setting unless given)"
-                              : "the run has " + std::to_string(dist::size()) + ": use --context-parallel " +
-                                    std::to_string(dist::size()) + " (every rank holds a slice)");
+                              : "the run has " + std::to_string(dist::size()) + ", not a multiple of it: use "
+                                    "--context-parallel " + std::to_string(dist::size()) + " (every rank holds a "
+                                    "slice) or a divisor of " + std::to_string(dist::size()) + " (data parallel "
+                                    "over groups of that many ranks)");
   if (c.threads > 0) {
     set_threads(static_cast<int>(c.threads));
   } else if (dist::local_size() > 1) {  // ranks sharing this machine share its CPUs
@@ -1042,7 +1048,8 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
   {
     if (c.context_parallel > 1) {
       model.reserve(c.seq / c.context_parallel, true, true);
-      s.ring = std::make_unique<RingKv>(kv_dims(cfg), *s.e.ops, s.e.mem->device, s.e.mem->host);
+      s.ring = std::make_unique<RingKv>(kv_dims(cfg), *s.e.ops, s.e.mem->device, s.e.mem->host,
+                                        static_cast<int>(c.context_parallel));
     } else if (C > 0) {
       PagedKvOptions ko;
       ko.C = C;
@@ -1073,7 +1080,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
     if (s.ring) {
       const int64_t Tl = c.seq / c.context_parallel;
       model.chunked_step(Tensor(zeros.data(), DType::i32, {Tl}), Tensor(zeros.data(), DType::i32, {Tl}), Tl, *s.ring,
-                         0.0, dist::rank() * Tl);
+                         0.0, s.ring->index() * Tl);
     } else if (s.kv) {
       model.chunked_step(z, z, C, *s.kv, 0.0);
     } else {
@@ -1104,10 +1111,11 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
   if (s.zero3) {
     // Each tensor's owner is the rank that loaded it into its own storage: the optimizer's owner (dist::owners
     // over the same sizes in the same order).
-    for (size_t i = 0; i < s.trained.size(); ++i)
-      OOM_CHECK(!is_layer_group(s.trained[i].group) ||
-                    (s.owner[i] == dist::rank()) == (s.e.gathered.size() == 0 || !in_buffer(s.trained[i].param, s.e.gathered)),
+    for (size_t i = 0; i < s.trained.size(); ++i) {
+      const bool here = s.e.gathered.size() == 0 || !in_buffer(s.trained[i].param, s.e.gathered);
+      OOM_CHECK(!is_layer_group(s.trained[i].group) || (s.owner[i] == dist::rank()) == here,
                 "[train] internal: --zero 3 placed ", s.trained[i].name, " against its owner");
+    }
     // The setup's dry run above read whatever the gathered layer held (the last one loaded): only its shapes count.
     s.e.model->on_layer_weights([&s](int64_t l) { gather_layer(s, l); });
   }
@@ -1388,10 +1396,12 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
   // Several ranks (data parallel): this rank takes its share of the step's sequences, [i0, i1); every rank drew
   // the whole step (the same data stream), so N counts the step's targets on every rank alike.
   const bool dp = dist::distributed();
-  // --context-parallel: every rank takes every sequence, its slice of it (Tl tokens at r Tl).
+  // --context-parallel P: every rank of a group of P takes each of the group's sequences, its slice of it (Tl
+  // tokens at r Tl for the group's rank r); the groups (ranks / P) share the step's sequences as data parallel.
   const bool cp = s.ring != nullptr;
-  const int64_t Tl = c.seq / c.context_parallel, at = cp ? dist::rank() * Tl : 0;
-  const int64_t i0 = cp ? 0 : n * dist::rank() / dist::size(), i1 = cp ? n : n * (dist::rank() + 1) / dist::size();
+  const int64_t Tl = c.seq / c.context_parallel, at = cp ? s.ring->index() * Tl : 0;
+  const int64_t groups = dist::size() / c.context_parallel, group = dist::rank() / c.context_parallel;
+  const int64_t i0 = n * group / groups, i1 = n * (group + 1) / groups;
   // --zero 2: a group of gradients, final for this sequence, summed over the ranks into its tensors' owners'
   // buffers (+=), then zeroed for the next layer's backward. Every rank runs as many sequences, so the groups
   // come in the same order everywhere.
@@ -1575,9 +1585,9 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
 
 std::optional<EvalResult> Trainer::evaluate() {
   State& s = *s_;
-  if (s.ring) {  // context parallel: every rank scores its slice of each window; the sums over the ranks
+  if (s.ring) {  // context parallel: every rank scores its slice of each window; the sums over its group's ranks
     const int64_t Tl = s.c.seq / s.c.context_parallel;
-    const EvalSlice slice{dist::rank() * Tl, Tl};
+    const EvalSlice slice{s.ring->index() * Tl, Tl};
     if (s.eval_seqs.ids.empty() && s.eval_stream.empty()) return std::nullopt;
     EvalResult r = !s.eval_seqs.ids.empty()
                        ? evaluate_sequences(*s.e.model, s.eval_seqs.ids, s.eval_seqs.targets, s.ring.get(), 0, {}, slice)
@@ -1586,7 +1596,8 @@ std::optional<EvalResult> Trainer::evaluate() {
     const std::vector<uint64_t> counts = dist::all_u64(static_cast<uint64_t>(r.predictions));
     r.loss_sum = 0;
     r.predictions = 0;
-    for (size_t k = 0; k < sums.size(); ++k) r.loss_sum += sums[k], r.predictions += static_cast<int64_t>(counts[k]);
+    const size_t P = static_cast<size_t>(s.c.context_parallel), g0 = static_cast<size_t>(dist::rank()) / P * P;
+    for (size_t k = g0; k < g0 + P; ++k) r.loss_sum += sums[k], r.predictions += static_cast<int64_t>(counts[k]);
     return r;
   }
   if (!s.eval_seqs.ids.empty()) return evaluate_sequences(*s.e.model, s.eval_seqs.ids, s.eval_seqs.targets, s.kv.get(), s.C);
@@ -1606,10 +1617,9 @@ std::string Trainer::save() {
     files.push_back({kAdapterConfig, adapter_config_text(s.e.adapters->settings(), s.c.model, src.cfg.tied), {}});
   } else if (s.zero3) {
     // --zero 3: the layers' tensors of other ranks read from their owners as the file is written (each serves its
-    // optimizer entries, if sharded, then its layer tensors: zero3_entries).
+    // optimizer entries, if sharded, then its layer tensors: serve_save).
     files.push_back({"model.safetensors", "", [&s, bf16](int fd) {
-                       std::vector<int64_t> next(static_cast<size_t>(dist::size()), 0);
-                       for (int r = 1; r < dist::size(); ++r) next[static_cast<size_t>(r)] = s.opt_entries_of[static_cast<size_t>(r)];
+                       std::vector<int64_t> next = s.opt_entries_of;  // each rank's first layer tensor entry
                        std::vector<StWrite> w;
                        for (size_t i = 0; i < s.trained.size(); ++i) {
                          const Trainable& t = s.trained[i];

@@ -4,12 +4,13 @@
 #  - 2 and 4 ranks give the 1-rank run's losses, evaluations and gradient norms within fp32 rounding, and its
 #    final weights within 2e-4 of their largest entry;
 #  - a rerun with 2 ranks gives the same bytes, and so does one over a simulated slow link (OOMLESS_DIST_LINK);
+#  - beside data parallel (4 ranks, --context-parallel 2: two groups of two), the 1-rank results as well;
 #  - with --zero 1 (the optimizer state sharded as well): the 1-rank losses; under bf16 compute on tiny, the 1-rank
 #    losses within bf16 rounding;
 #  - each rank holds a quarter of the activations on 4 ranks, and `oomless estimate --ranks 4 --context-parallel
 #    4` gives the largest rank's ledger peak (within 1%); over budget without it, the estimate offers it;
 #  - the 4-rank run's step-2 checkpoint resumes on 2 ranks and on 1, as the 1-rank run continues;
-#  - bad settings stop with a message that names the fix: N not the number of ranks, --seq not a multiple of N,
+#  - bad settings stop with a message that names the fix: N not a divisor of the ranks, --seq not a multiple of N,
 #    --chunk or --act-offload beside it, an OOMLESS_DIST_LINK that is not LATENCY_US,GB_PER_S.
 # Skipped (77) when mpirun or an MPI build is missing.
 # usage: dist_cp.sh OOMLESS_BINARY SOURCE_DIR WORK_DIR
@@ -47,6 +48,25 @@ for f in model.safetensors optimizer.safetensors; do
   cmp -s "$work/c2/checkpoint-4/$f" "$work/c2b/checkpoint-4/$f" || { echo "2 ranks twice: $f differs"; exit 1; }
 done
 echo "2 ranks twice: the same bytes"
+
+# Beside data parallel: 4 ranks as 2 groups of 2 (--context-parallel 2), each group its share of the step's
+# sequences: the 1-rank losses, evaluations, norms and weights; the estimate the largest rank's ledger peak.
+mpi 4 train $args --context-parallel 2 --out "$work/g2" > "$work/g2.log" 2>&1 || { echo "4 ranks in 2 groups failed"; cat "$work/g2.log"; exit 1; }
+got=$(losses "$work/g2/metrics.jsonl"); got_eval=$(evals "$work/g2/metrics.jsonl")
+same_losses "$ref" "$got" || { echo "4 ranks in 2 groups: losses $got, 1 rank: $ref"; exit 1; }
+same_losses "$ref_eval" "$got_eval" || { echo "4 ranks in 2 groups: evaluations $got_eval, 1 rank: $ref_eval"; exit 1; }
+same_losses "$(norms "$work/one/metrics.jsonl")" "$(norms "$work/g2/metrics.jsonl")" \
+  || { echo "4 ranks in 2 groups: gradient norms differ from 1 rank's"; exit 1; }
+close "$work/one/checkpoint-4/model.safetensors" "$work/g2/checkpoint-4/model.safetensors" 2e-4 \
+  || { echo "4 ranks in 2 groups: final weights differ from 1 rank's"; exit 1; }
+"$bin" estimate $args --ranks 4 --context-parallel 2 --json > "$work/est-g2.json" || { echo "estimate --ranks 4 --context-parallel 2 failed"; exit 1; }
+python3 -c "
+import json, sys
+est = json.load(open(sys.argv[1]))['estimate']['ram_peak']
+led = max([json.loads(l) for l in open(sys.argv[2]) if '\"train\"' in l][-1]['ranks']['peak'])
+sys.exit(0 if abs(est - led) <= 0.01 * led else 1)" "$work/est-g2.json" "$work/g2/metrics.jsonl" \
+  || { echo "estimate --ranks 4 --context-parallel 2: not the ledger's peak"; exit 1; }
+echo "4 ranks as 2 groups of 2: the 1-rank losses ($got), evaluations and weights; the estimate the ledger's"
 
 # A simulated slow link (OOMLESS_DIST_LINK: 2 ms latency, 50 MB/s) only delays the messages: the same bytes.
 OOMLESS_DIST_LINK=2000,0.05 mpi 2 train $args --context-parallel 2 --out "$work/c2slow" > "$work/c2slow.log" 2>&1 \
@@ -128,6 +148,7 @@ expect_error "use --context-parallel 2" 2 $args --context-parallel 3 --out "$wor
 expect_error "is not a multiple of 5" 0 $args --context-parallel 5 --out "$work/bad3"
 expect_error "drop --chunk" 2 $args --context-parallel 2 --chunk 16 --out "$work/bad4"
 expect_error "drop --act-offload" 2 $args --context-parallel 2 --act-offload host --out "$work/bad5"
+expect_error "2 groups of ranks share each step" 4 $args --context-parallel 2 --batch 1 --out "$work/bad7"
 (export OOMLESS_DIST_LINK=fast; expect_error "give LATENCY_US,GB_PER_S" 2 $args --context-parallel 2 --out "$work/bad6") || exit 1
 [ ! -e "$work/bad1" ] && [ ! -e "$work/bad2" ] || { echo "a refused run left a folder"; exit 1; }
 echo "bad settings: refused with the fix named"
