@@ -21,6 +21,7 @@ the attention that overlaps it.
 usage: python3 bench/dist/dp.py [--oomless build/release/oomless] [--model preset:tiny] [--ranks 1,2,4]
                                 [--seq 256] [--batch 4] [--steps 4] [--rounds 2] [--zero 0|1] [--work build/bench-dp] [--smoke]
                                 [--context-parallel] [--fit SIZE] [--dtype fp32|bf16] [--links 'none;50,1.25']
+                                [--train-flags 'FLAGS']
 """
 import argparse
 import json
@@ -73,7 +74,8 @@ def run(a, n, tag, link=None):
     # --bind-to none: OpenMPI binds each of 1-2 ranks to one core, which would leave a rank's second thread none.
     cmd = ["mpirun", "-np", str(n), "--bind-to", "none", "/usr/bin/time", "-v", a.oomless, "train", "--model", a.model, "--seq", str(a.seq),
            "--batch", str(a.batch), "--steps", str(a.steps), "--threads", str(threads), "--eval-every", "0",
-           "--save-every", "0", "--zero", str(a.zero), "--dtype", a.dtype, "--out", out] + cp_flags(a, n)
+           "--save-every", "0", "--zero", str(a.zero), "--dtype", a.dtype, "--out", out] + cp_flags(a, n) + \
+        a.train_flags.split()
     if a.data:
         cmd[cmd.index("--seq"):cmd.index("--seq")] = ["--data", a.data]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -84,7 +86,9 @@ def run(a, n, tag, link=None):
     tps = statistics.median(r["tokens_per_s"] for r in rows[1:]) if len(rows) > 1 else rows[0]["tokens_per_s"]
     params = rows[0]["params"]["trainable"]
     ranks = rows[-1].get("ranks")
-    peaks = ranks["peak"] if ranks else [sum(rows[-1]["memory"][t]["total"]["peak"] for t in rows[-1]["memory"])]
+    # Device + Host (memory), as each rank's "peak" in metrics.jsonl; a disk tier (spilled state) is not memory
+    peaks = ranks["peak"] if ranks else [sum(rows[-1]["memory"][t]["total"]["peak"] for t in rows[-1]["memory"]
+                                             if t != "disk")]
     optim = ranks["optimizer"] if ranks else [sum(rows[-1]["memory"][t].get("optimizer", {}).get("peak", 0)
                                                   for t in rows[-1]["memory"])]
     weights = ranks["weights"] if ranks else [sum(rows[-1]["memory"][t].get("weights", {}).get("peak", 0)
@@ -128,6 +132,8 @@ def main():
     ap.add_argument("--context-parallel", action="store_true", help="N > 1: each sequence spread over the ranks")
     ap.add_argument("--fit", default=None, help="a rank's budget: the longest --seq that fits, for each N")
     ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--train-flags", default="", help="more flags for oomless train, e.g. '--optim-state disk "
+                    "--spill-dir DIR --save-optimizer no'")
     ap.add_argument("--links", default=None,
                     help="with --context-parallel: simulated links to compare, ';'-separated LATENCY_US,GB_PER_S "
                          "(OOMLESS_DIST_LINK), 'none' for the plain transport")
@@ -184,6 +190,7 @@ def main():
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"model": a.model, "seq": a.seq, "batch": a.batch, "steps": a.steps, "zero": a.zero,
+                       "train_flags": a.train_flags,
                        "summary": summary}, f, indent=1)
 
 
