@@ -159,12 +159,18 @@ print('zero 2: rank 0 holds %d gradient bytes of %d; estimate %d, ledger %d' % (
     "$work/esty$n.json" "$work/y$n/metrics.jsonl" "$work/one/metrics.jsonl" || { echo "zero 2, $n ranks: memory"; exit 1; }
   echo "zero 2, $n ranks: the 1-rank losses, weights and optimizer state"
 done
-mpi 2 train $args --steps 4 --save-every 2 --zero 2 --out "$work/y2b" > "$work/y2b.log" 2>&1 || { echo "zero 2 again failed"; exit 1; }
-for f in model.safetensors optimizer.safetensors; do
-  cmp -s "$work/y2/checkpoint-4/$f" "$work/y2b/checkpoint-4/$f" || { echo "zero 2, 2 ranks twice: $f differs"; exit 1; }
-done
-for to in "2 --zero 2" "1"; do resume_from y3 "$to"; done
-echo "zero 2: reruns bitwise; 3 ranks' checkpoint resumed on 2 and on 1"
+# `rerun_and_resume STAGE TAG`: 2 ranks under --zero STAGE again give TAG2's bytes; TAG3's step-2 checkpoint resumed
+# on 2 ranks (the same stage) and on 1 gives the 1-rank losses.
+rerun_and_resume() {
+  mpi 2 train $args --steps 4 --save-every 2 --zero $1 --out "$work/${2}2b" > "$work/${2}2b.log" 2>&1 \
+    || { echo "zero $1 again failed"; exit 1; }
+  for f in model.safetensors optimizer.safetensors; do
+    cmp -s "$work/${2}2/checkpoint-4/$f" "$work/${2}2b/checkpoint-4/$f" || { echo "zero $1, 2 ranks twice: $f differs"; exit 1; }
+  done
+  for to in "2 --zero $1" "1"; do resume_from ${2}3 "$to"; done
+  echo "zero $1: reruns bitwise; 3 ranks' checkpoint resumed on 2 and on 1"
+}
+rerun_and_resume 2 y
 # Stage 3 (--zero 3): the layers' weights sharded too, each layer's sent to every rank before its forward and again
 # before its backward. 2 and 3 ranks: the 1-rank losses, weights and optimizer state, and --zero 2's weights bit for
 # bit (the same values reach every product); less weight memory on every rank; the estimate the ledger's; a rerun
@@ -189,12 +195,7 @@ print('zero 3: rank 0 holds %d weight bytes of %d; estimate %d, ledger %d' % (we
     || { echo "zero 3, $n ranks: memory"; exit 1; }
   echo "zero 3, $n ranks: the 1-rank losses, weights and optimizer state; --zero 2's weights bit for bit"
 done
-mpi 2 train $args --steps 4 --save-every 2 --zero 3 --out "$work/x2b" > "$work/x2b.log" 2>&1 || { echo "zero 3 again failed"; exit 1; }
-for f in model.safetensors optimizer.safetensors; do
-  cmp -s "$work/x2/checkpoint-4/$f" "$work/x2b/checkpoint-4/$f" || { echo "zero 3, 2 ranks twice: $f differs"; exit 1; }
-done
-for to in "2 --zero 3" "1"; do resume_from x3 "$to"; done
-echo "zero 3: reruns bitwise; 3 ranks' checkpoint resumed on 2 and on 1"
+rerun_and_resume 3 x
 for bad in "--zero 4" "--zero 2 --chunk 16" "--zero 2 --lora 8" "--zero 3 --chunk 16" "--zero 3 --lora 8"; do
   mpi 2 train $args --steps 1 $bad --out "$work/bad" > "$work/bad.log" 2>&1 && { echo "$bad: ran"; exit 1; }
   grep -q "zero" "$work/bad.log" || { echo "$bad: no error naming --zero"; cat "$work/bad.log"; exit 1; }
