@@ -736,17 +736,13 @@ bool in_buffer(const Tensor& t, const Buffer& b) {
   return p >= b.as<char>() && p < b.as<char>() + b.size();
 }
 
-// Trained tensor i's values from its owner on every rank, in pieces of the data-parallel stage.
+// Trained tensor i's values from its owner on every rank: the transport reads and writes the tensor where it lies
+// (dist/comm.h), in pieces of the data-parallel bucket.
 void from_owner(Trainer::State& s, size_t i) {
-  Ops& ops = *s.e.ops;
-  float* stage = s.dp_stage.as<float>();
   const Tensor& p = s.trained[i].param;
   for (int64_t o = 0, total = p.numel(); o < total; o += s.dp_bucket) {
     const int64_t len = std::min(s.dp_bucket, total - o);
-    const Tensor part(static_cast<float*>(p.data) + o, DType::f32, {len}, p.tier);
-    if (s.owner[i] == dist::rank()) ops.download(stage, part);
-    dist::broadcast(stage, len * static_cast<int64_t>(sizeof(float)), s.owner[i]);
-    if (s.owner[i] != dist::rank()) ops.upload(part, stage);
+    dist::broadcast(static_cast<float*>(p.data) + o, len * static_cast<int64_t>(sizeof(float)), s.owner[i]);
   }
 }
 
