@@ -706,7 +706,8 @@ int run_estimate(const TrainConfig& c, bool as_json, int ranks) {
            return true;
          },
          [] {
-           return std::make_pair(0.05, std::string("the layers' weights, gradients and optimizer state sharded; each "
+           // SmolLM2 on 4 ranks of one machine: 0.85x the 1-rank step (docs/BENCHMARKS.md, ZeRO stage 3)
+           return std::make_pair(0.15, std::string("the layers' weights, gradients and optimizer state sharded; each "
                                                    "layer's weights sent to every rank twice a step"));
          }},
         {"--context-parallel " + std::to_string(ranks),
