@@ -69,6 +69,8 @@ struct ParamSpec {
   bool decay = true;  // false for norms and biases (no weight decay)
 };
 std::vector<ParamSpec> param_specs(const ModelConfig& c);
+// Elements of a parameter of this shape.
+int64_t numel_of(const std::vector<int64_t>& shape);
 // The layer of a model.layers.N.* name (rest: what follows N, from its '.'), or -1.
 int64_t layer_of_name(std::string_view name, std::string* rest = nullptr);
 

@@ -17,13 +17,13 @@ Tensor make_view(void* p, DType t, const std::vector<int64_t>& shape, Tier tier 
   }
 }
 
+}  // namespace
+
 int64_t numel_of(const std::vector<int64_t>& shape) {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   return n;
 }
-
-}  // namespace
 
 namespace {
 

@@ -382,9 +382,7 @@ BaseWeights load_base(ModelSource& src, Ops& ops, Arena& arena, bool keep_quanti
       std::string rest;
       if (layer_of_name(s.name, &rest) != 0) continue;
       at[rest] = bytes;
-      int64_t n = 1;
-      for (int64_t d : s.shape) n *= d;
-      bytes += (static_cast<size_t>(n) * sizeof(float) + 63) / 64 * 64;
+      bytes += (static_cast<size_t>(numel_of(s.shape)) * sizeof(float) + 63) / 64 * 64;
     }
     b.gathered = arena.alloc_zeroed(bytes, Category::weights, "ZeRO-3 gathered layer");
     for (const ParamSpec& s : specs) {

@@ -385,16 +385,20 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
   }
   // --zero 3 over several ranks (full training): this rank's share of the layers' tensors, the rest whole, and
   // one layer's storage the others are gathered into (load_base's `held`).
-  size_t gathered = 0;
-  if (c.zero >= 3 && ranks.size > 1 && !adapters) {
+  // The rank owning each parameter under --zero 2 and 3 (full training: the trained tensors are specs).
+  std::vector<int> spec_owner;
+  if (c.zero >= 2 && ranks.size > 1 && !adapters) {
     std::vector<int64_t> sizes;
     for (const ParamSpec& s : specs) sizes.push_back(numel(s.shape));
-    const std::vector<int> own = dist::owners(sizes, ranks.size);
+    spec_owner = dist::owners(sizes, ranks.size);
+  }
+  size_t gathered = 0;
+  if (c.zero >= 3 && ranks.size > 1 && !adapters) {
     std::vector<ParamSpec> kept, layer0;
     for (size_t i = 0; i < specs.size(); ++i) {
-      const bool layer = specs[i].name.rfind("model.layers.", 0) == 0;
-      if (!layer || own[i] == ranks.rank) kept.push_back(specs[i]);
-      if (specs[i].name.rfind("model.layers.0.", 0) == 0) layer0.push_back(specs[i]);
+      const int64_t layer = layer_of_name(specs[i].name);
+      if (layer < 0 || spec_owner[i] == ranks.rank) kept.push_back(specs[i]);
+      if (layer == 0) layer0.push_back(specs[i]);
     }
     f32_slots = kept;
     gathered = set_bytes(layer0, f);
@@ -469,12 +473,9 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
         if (s.name.rfind("model.layers.", 0) != 0 || s.name.rfind("model.layers.0.", 0) == 0) kept.push_back(s);
       add(kDev, Category::grads, set_bytes(kept, f));
       if (zero2) {  // and this rank's layer tensors' gradients, in one buffer
-        std::vector<int64_t> sizes;
-        for (const ParamSpec& s : specs) sizes.push_back(numel(s.shape));
-        const std::vector<int> own = dist::owners(sizes, ranks.size);
         int64_t n = 0;
         for (size_t i = 0; i < specs.size(); ++i)
-          if (own[i] == ranks.rank && specs[i].name.rfind("model.layers.", 0) == 0) n += sizes[i];
+          if (spec_owner[i] == ranks.rank && layer_of_name(specs[i].name) >= 0) n += numel(specs[i].shape);
         if (n > 0) add(kDev, Category::grads, nbytes(f, n));
       }
     } else {

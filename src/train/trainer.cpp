@@ -934,11 +934,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
   if (s.zero3)
     eo.held = [](const std::vector<ParamSpec>& specs) {
       std::vector<int64_t> sizes;
-      for (const ParamSpec& p : specs) {
-        int64_t n = 1;
-        for (int64_t d : p.shape) n *= d;
-        sizes.push_back(n);
-      }
+      for (const ParamSpec& p : specs) sizes.push_back(numel_of(p.shape));
       std::vector<bool> held;
       for (int o : dist::owners(sizes, dist::size())) held.push_back(o == dist::rank());
       return held;
