@@ -177,6 +177,36 @@ __attribute__((target("avx512f"))) void micro_avx512_wide3(const Micro& u) {
   store_c_wide3<M>(u, c0, c1, c2);
 }
 
+// micro_avx512_wide3 with A's rows read where they are (a stored (M, K), row i at a + i * ras) instead of a
+// packed strip: the blocked nest's products of an f32 A that is not transposed, whose six rows the kernel
+// reads as six sequential streams (the strip, 6 x kc floats, stays in L1 across a unit's column groups).
+// The same chains, so the same bits.
+template <int M>
+__attribute__((target("avx512f"))) void micro_avx512_rows3(const Micro& u) {
+  prefetch_c<M>(u, 3);
+  __m512 c0[M], c1[M], c2[M];
+#pragma GCC unroll 6
+  for (int i = 0; i < M; ++i) c0[i] = c1[i] = c2[i] = _mm512_setzero_ps();
+  const float* ar[kMr];
+#pragma GCC unroll 6
+  for (int i = 0; i < M; ++i) ar[i] = u.a + i * u.ras;
+  const float* b = u.b;
+  const int64_t second = kNr * u.kc;
+#pragma GCC unroll 2
+  for (int64_t k = 0; k < u.kc; ++k) {
+    const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + second), b2 = _mm512_loadu_ps(b + 2 * second);
+#pragma GCC unroll 6
+    for (int i = 0; i < M; ++i) {
+      const __m512 ai = _mm512_set1_ps(ar[i][k]);
+      c0[i] = _mm512_fmadd_ps(ai, b0, c0[i]);
+      c1[i] = _mm512_fmadd_ps(ai, b1, c1[i]);
+      c2[i] = _mm512_fmadd_ps(ai, b2, c2[i]);
+    }
+    b += kNr;
+  }
+  store_c_wide3<M>(u, c0, c1, c2);
+}
+
 // Unpacked A (Gemm::tile) over two adjacent panels, the second u.b2 floats after the first: twelve FMA chains
 // in flight where micro_avx512's six leave one of two 512-bit FMA pipes idle, each output's chain as there.
 template <int M, bool TA>
@@ -256,9 +286,10 @@ void fill_avx512(MicroFn* f, std::integer_sequence<int, M...>) {
   ((f[M + 1] = &micro_avx512<M + 1, TA, PACKED>), ...);
 }
 template <int... M>
-void fill_avx512_wide(MicroFn* f, MicroFn* f3, std::integer_sequence<int, M...>) {
+void fill_avx512_wide(MicroFn* f, MicroFn* f3, MicroFn* r3, std::integer_sequence<int, M...>) {
   ((f[M + 1] = &micro_avx512_wide<M + 1>), ...);
   ((f3[M + 1] = &micro_avx512_wide3<M + 1>), ...);
+  ((r3[M + 1] = &micro_avx512_rows3<M + 1>), ...);
 }
 template <bool TA, int... M>
 void fill_avx512_tile_wide(MicroFn* f, std::integer_sequence<int, M...>) {
@@ -318,7 +349,7 @@ void fill_avx512_kernels(Kernels& k, bool bf16) {
   fill_avx512<false, false>(k.micro[0], std::make_integer_sequence<int, kMr>{});
   fill_avx512<true, false>(k.micro[1], std::make_integer_sequence<int, kMr>{});
   fill_avx512<true, true>(k.packed, std::make_integer_sequence<int, kMr>{});
-  fill_avx512_wide(k.packed_wide, k.packed_wide3, std::make_integer_sequence<int, kMr>{});
+  fill_avx512_wide(k.packed_wide, k.packed_wide3, k.rows_wide3, std::make_integer_sequence<int, kMr>{});
   fill_avx512_tile_wide<false>(k.tile_wide[0], std::make_integer_sequence<int, kMr>{});
   fill_avx512_tile_wide<true>(k.tile_wide[1], std::make_integer_sequence<int, kMr>{});
   if (bf16) fill_bf16(k.packed_pairs, k.packed_pairs_wide, std::make_integer_sequence<int, kMr>{});

@@ -7,7 +7,8 @@
 //       threads (static), then a barrier;
 //       the (row block x column range) units of the panel split over the threads (static): a thread
 //       packs its row block of A (mc x kc, 6-row strips) into its own buffer and runs the 6x16
-//       micro-kernel (gemm_kernel.h) over the unit's strips and micro-panels; then a barrier.
+//       micro-kernel (gemm_kernel.h) over the unit's strips and micro-panels; then a barrier. (On the
+//       avx512 path an f32 A that is not transposed is not packed: its kernels read A's rows in place.)
 // The first k slice overwrites C (unless accumulate), later slices add to it. Each output element is
 // one micro-kernel sum per k slice (k ascending) added to C in slice order, whichever thread computes
 // it, and the slices depend only on K, so the bits do not depend on the number of threads. The units
@@ -852,6 +853,11 @@ void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, 
   const MicroFn* wide3 = pairs ? nullptr : kern.packed_wide3;
   const size_t a_stride = static_cast<size_t>(p.max_strips * kMr * p.kc + kSpare);
   const bool rows_of_b = std::is_same_v<BP, const float*> && !s.tb && !pairs;
+  // An f32 A stored (M, K) is read where it is by kernels of unpacked rows, where the ISA has them (see
+  // micro_avx512_rows3): 6 x kc strips of it stay in L1 as packed ones would, and the pass that would pack
+  // them is saved (up to 8% of a product with N = 128). A transposed A is still packed (its rows would be
+  // columns, a cache line read for 6 floats).
+  const bool in_place = std::is_same_v<TA, float> && !s.ta && kern.rows_wide3[1] != nullptr;
 #pragma omp parallel
   {
     float* ap = apack + static_cast<size_t>(omp_get_thread_num()) * a_stride;
@@ -884,7 +890,7 @@ void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, 
         for (int64_t u = 0; u < units; ++u) {
           const Unit un = unit_of(p, pu, u, kMr, s.M);
           const int64_t bm = un.bm, r0 = un.r0, r1 = un.r1;
-          if (bm != packed_bm) {
+          if (bm != packed_bm && !in_place) {
             const TA* src = s.ta ? a + k0 * s.lda + r0 : a + r0 * s.lda + k0;
             pack_a_any(ap, src, s.lda, s.ta, kc, r1 - r0, avx2, pairs);
             packed_bm = bm;
@@ -904,7 +910,19 @@ void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, 
             m.n = static_cast<int>(std::min<int64_t>(w * kNr, s.N - jq));
             m.b = bpack + q * kNr * kd;
             const MicroFn* fn = w == 3 ? wide3 : w == 2 ? wide : micro;
+            if (in_place) {  // unpacked A rows: micro[0] and tile_wide[0] read B's panels at bs = kNr, b2 apart
+              fn = w == 3 ? kern.rows_wide3 : w == 2 ? kern.tile_wide[0] : kern.micro[0];
+              m.ras = s.lda;
+              m.b2 = kNr * kd;
+            }
             for (int64_t r = r0; r < r1; r += kMr) {
+              if constexpr (std::is_same_v<TA, float>)
+                if (in_place) {
+                  m.a = a + r * s.lda + k0;
+                  m.c = c + r * s.ldc + jq;
+                  fn[std::min<int64_t>(kMr, r1 - r)](m);
+                  continue;
+                }
               m.a = ap + (r - r0) * kd;
               m.c = c + r * s.ldc + jq;
               fn[std::min<int64_t>(kMr, r1 - r)](m);

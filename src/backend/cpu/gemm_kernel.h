@@ -277,6 +277,9 @@ struct Kernels {
   // [rows], the same over three adjacent packed panels (n: 33..48 columns, the k-th kNr * kc * k floats after
   // the first); null where the ISA has none.
   MicroFn packed_wide3[kMr + 1];
+  // [rows], the same with A's rows read where they are (row i at a + i * ras, k contiguous; no packed strip);
+  // null where the ISA has none.
+  MicroFn rows_wide3[kMr + 1];
   // [rows], bf16 k pairs (gemm_avx512.cpp): a pair strip and a pair panel, kc counting pairs; null
   // where the ISA has no pair instruction (bf16 then widens to f32 while packing).
   MicroFn packed_pairs[kMr + 1];
