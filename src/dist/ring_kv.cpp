@@ -18,44 +18,78 @@ Buffer take(Arena& arena, int64_t bytes, const char* what) {
 }
 }  // namespace
 
-RingKv::RingKv(const KvDims& dims, Ops& ops, Arena& device, Arena& host, int ranks)
+RingKv::RingKv(const KvDims& dims, Ops& ops, Arena& device, Arena& host, int ranks, RingSparse sparse)
     : d_(dims),
       n_(ranks > 0 ? ranks : dist::size()),
       r_(dist::rank() % n_),
       base_(dist::rank() - r_),
       ops_(ops),
       device_(device),
-      host_(host) {
+      host_(host),
+      sp_(sparse) {
   OOM_CHECK(dist::size() % n_ == 0, "[context parallel] rings of ", n_, " ranks out of ", dist::size());
+  OOM_CHECK(sp_.pages == 0 || (sp_.P > 0 && sp_.sinks >= 0 && (sp_.S == 1 || sp_.S == 2)),
+            "[context parallel] page-sparse selection needs a page size and a summary");
+  if (sp_.pages > 0) {
+    sel_.resize(static_cast<size_t>(d_.L));
+    served_.resize(static_cast<size_t>(d_.L));
+  }
 }
 
 void RingKv::begin(int64_t T, int64_t C) {
   OOM_CHECK(C >= T, "[context parallel] a rank's slice is one chunk: chunks of ", C, " for a slice of ", T,
             " tokens");
+  OOM_CHECK(sp_.pages == 0 || T % sp_.P == 0, "[context parallel] a slice of ", T, " tokens is not whole pages of ",
+            sp_.P);
   T_ = T;
 }
 
 void RingKv::set_chunk(int64_t c) { OOM_CHECK(c == 0, "[context parallel] a rank's slice is one chunk, not ", c + 1); }
 
-size_t RingKv::device_bytes(const KvDims& d, int64_t T, DType kv, DType grad) {
+namespace {
+// Page-sparse: the summaries of (r + 1) slices' pages (f32) and one slice's selection (ids and counts).
+int64_t summary_bytes(const KvDims& d, int64_t T, int rank, const RingSparse& sp) {
+  return dtype_bytes(DType::f32, (rank + 1) * (T / sp.P) * sp.S * d.Hkv * d.D);
+}
+int64_t selection_bytes(int64_t T, const RingSparse& sp) {
+  return dtype_bytes(DType::i32, (T / sp.P) * (sp.pages + sp.sinks + 1));
+}
+}  // namespace
+
+size_t RingKv::device_bytes(const KvDims& d, int64_t T, DType kv, DType grad, int rank, const RingSparse& sp) {
   // forward: one earlier block and its partial O and lse; backward: one block, its gradients and a dq
+  // (page-sparse: an earlier rank's pages asked for, at most its slice; in the forward the summaries and the
+  // selection beside them)
   const int64_t rows = T * d.H * d.D;
-  return static_cast<size_t>(std::max(dtype_bytes(kv, block_elems(d, T)) + dtype_bytes(DType::f32, rows + d.H * T),
+  const int64_t sel = sp.pages > 0 ? summary_bytes(d, T, rank, sp) + selection_bytes(T, sp) : 0;
+  if (rank == 0) return static_cast<size_t>(sel);  // no earlier slice: its own summaries at most
+  return static_cast<size_t>(std::max(sel + dtype_bytes(kv, block_elems(d, T)) +
+                                           dtype_bytes(DType::f32, rows + d.H * T),
                                       dtype_bytes(kv, block_elems(d, T)) + dtype_bytes(grad, block_elems(d, T)) +
-                                          dtype_bytes(DType::f32, rows)));
+                                          dtype_bytes(DType::f32, rows + (sp.pages > 0 ? d.H * T : 0))));
 }
 
-size_t RingKv::host_bytes(const KvDims& d, int64_t T, int rank, int ranks, DType kv, DType grad) {
+size_t RingKv::host_bytes(const KvDims& d, int64_t T, int rank, int ranks, DType kv, DType grad,
+                          const RingSparse& sp) {
   // every message in flight at once: this rank's block and the earlier ones; backward also the earlier blocks'
   // gradients sent and the later ranks' received
   const int64_t b = block_elems(d, T);
-  return static_cast<size_t>(dtype_bytes(kv, (rank + 1) * b) + dtype_bytes(grad, (ranks - 1) * b));
+  if (sp.pages == 0) return static_cast<size_t>(dtype_bytes(kv, (rank + 1) * b) + dtype_bytes(grad, (ranks - 1) * b));
+  // Page-sparse: buffers for every page of a slice asked of each rank (the selection is known only at the
+  // step; the bound keeps the ledger the estimate's): forward, the summaries, the asks both ways, the pages
+  // served to each later rank and received from each earlier one; backward, those pages again, the gradients
+  // both ways and this rank's own sums.
+  const int64_t asks = dtype_bytes(DType::i32, (ranks - 1) * (T / sp.P + 1));
+  const int64_t fwd = summary_bytes(d, T, rank, sp) + asks + dtype_bytes(kv, (ranks - 1) * b);
+  const int64_t bwd = dtype_bytes(kv, (ranks - 1) * b) + dtype_bytes(grad, (rank + 1 < ranks ? ranks : ranks - 1) * b);
+  return static_cast<size_t>(std::max(fwd, bwd));
 }
 
 namespace {
 // A message's tag: the layer and what it carries (keys and values forward, again backward, key gradients).
-enum Kind { kKvForward = 0, kKvBackward = 1, kGrads = 2 };
-int tag(int64_t layer, Kind k) { return static_cast<int>(layer % 8000) * 4 + k; }
+// Page-sparse adds the pages' summaries and the asks.
+enum Kind { kKvForward = 0, kKvBackward = 1, kGrads = 2, kSummaries = 3, kAsks = 4 };
+int tag(int64_t layer, Kind k) { return static_cast<int>(layer % 8000) * 8 + k; }
 }  // namespace
 
 void RingKv::post(int64_t layer, int kind, Tensor k, Tensor v, Ring* ring) {
@@ -87,6 +121,7 @@ KvBlocks RingKv::arrived(int s, Ring* ring, DType dtype, KvBlock* block) {
 }
 
 void RingKv::forward(int64_t layer, Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, Tensor pos) {
+  if (sp_.pages > 0) return forward_sparse(layer, o, lse, q, k, v, pos);
   const int r = r_;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d_.D));
   Ring ring;
@@ -109,6 +144,7 @@ void RingKv::forward(int64_t layer, Tensor o, Tensor lse, Tensor q, Tensor k, Te
 
 void RingKv::backward(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v,
                       Tensor o, Tensor lse, Tensor pos) {
+  if (sp_.pages > 0) return backward_sparse(layer, dq, dk, dv, dout, q, k, v, o, lse, pos);
   const int N = n_, r = r_;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d_.D));
   OOM_CHECK(dk.dtype == DType::f32, "[context parallel] key gradients are f32");
@@ -157,6 +193,312 @@ void RingKv::backward(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Tensor dou
   }
   for (dist::Request& x : out) dist::wait(x);
   for (dist::Request& x : ring.sends) dist::wait(x);
+}
+
+// ---- page-sparse ----------------------------------------------------------------------------------------
+
+namespace {
+// Consecutive query pages reading the same of one earlier rank's pages: rows [r0, r0 + n), the pages' places
+// in the rank's list.
+struct PageGroup {
+  int64_t r0, n;
+  std::vector<KvBlock> blocks;
+};
+
+// Rows [r0, r0 + n) of a (T, ...) tensor.
+Tensor rows_of(const Tensor& t, int64_t r0, int64_t n) {
+  const int64_t per = t.numel() / t.dims[0];
+  Tensor x = t;
+  x.data = static_cast<char*>(t.data) + dtype_bytes(t.dtype, r0 * per);
+  x.dims[0] = n;
+  return x;
+}
+}  // namespace
+
+std::vector<int32_t> RingKv::asked_of(int64_t layer, int s) const {
+  const std::vector<int32_t>& sel = sel_[static_cast<size_t>(layer)];
+  const int64_t ppc = T_ / sp_.P, W = sp_.pages + sp_.sinks, nq = ppc;
+  const int32_t* cnt = sel.data() + nq * W;
+  std::vector<int32_t> out;
+  for (int64_t qp = 0; qp < nq; ++qp)
+    for (int32_t i = 0; i < cnt[qp]; ++i) {
+      const int32_t p = sel[static_cast<size_t>(qp * W + i)];
+      if (p >= s * ppc && p < (s + 1) * ppc) out.push_back(static_cast<int32_t>(p - s * ppc));
+    }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+void RingKv::pack_pages(char* dst, const std::vector<int32_t>& list, Tensor k, Tensor v) {
+  const int64_t P = sp_.P, D = d_.D, Hkv = d_.Hkv, rows = P * D, half = dtype_bytes(k.dtype, Hkv * rows);
+  for (size_t i = 0; i < list.size(); ++i) {
+    char* page = dst + static_cast<int64_t>(i) * 2 * half;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const int64_t at = (h * T_ + list[i] * P) * D;
+      ops_.download(page + dtype_bytes(k.dtype, h * rows),
+                    Tensor(static_cast<char*>(k.data) + dtype_bytes(k.dtype, at), k.dtype, {rows}, k.tier));
+      ops_.download(page + half + dtype_bytes(v.dtype, h * rows),
+                    Tensor(static_cast<char*>(v.data) + dtype_bytes(v.dtype, at), v.dtype, {rows}, v.tier));
+    }
+  }
+}
+
+namespace {
+// The groups of query pages reading rank s's pages `asked` (its place in s's slice, sorted), `blocks` the pages
+// as they arrived (in that order), from the rank's selection sel (nq, W) and counts.
+std::vector<PageGroup> groups_of(const std::vector<int32_t>& sel, int64_t nq, int64_t W, int64_t P, int64_t ppc, int s,
+                                 const std::vector<int32_t>& asked, const std::vector<KvBlock>& blocks) {
+  const int32_t* cnt = sel.data() + nq * W;
+  std::vector<PageGroup> out;
+  std::vector<int32_t> prev;
+  for (int64_t qp = 0; qp < nq; ++qp) {
+    std::vector<int32_t> idx;
+    for (int32_t i = 0; i < cnt[qp]; ++i) {
+      const int32_t p = sel[static_cast<size_t>(qp * W + i)] - static_cast<int32_t>(s * ppc);
+      if (p < 0 || p >= ppc) continue;
+      idx.push_back(static_cast<int32_t>(std::lower_bound(asked.begin(), asked.end(), p) - asked.begin()));
+    }
+    if (idx.empty()) {
+      prev.clear();
+      continue;
+    }
+    if (!out.empty() && idx == prev && out.back().r0 + out.back().n == qp * P) {
+      out.back().n += P;
+      continue;
+    }
+    PageGroup g{qp * P, P, {}};
+    for (int32_t i : idx) g.blocks.push_back(blocks[static_cast<size_t>(i)]);
+    out.push_back(std::move(g));
+    prev = std::move(idx);
+  }
+  return out;
+}
+}  // namespace
+
+void RingKv::forward_sparse(int64_t layer, Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, Tensor pos) {
+  const int N = n_, r = r_;
+  const int64_t P = sp_.P, ppc = T_ / P, nq = ppc, W = sp_.pages + sp_.sinks, HD = d_.Hkv * d_.D;
+  const int64_t sbytes = dtype_bytes(DType::f32, sp_.S * HD), page = dtype_bytes(k.dtype, 2 * HD * P);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d_.D));
+  // The own slice first (dense, causal), then the summaries: this rank's pages' to the later ranks.
+  KvBlock own{k.data, v.data, static_cast<int32_t>(r * T_), static_cast<int32_t>(T_)};
+  ops_.attention_forward(o, lse, q, KvBlocks{&own, 1, d_.Hkv, T_, d_.D, k.dtype, bf16_}, pos, scale);
+  Buffer dsum = take(device_, (r + 1) * ppc * sbytes + dtype_bytes(DType::i32, nq * (W + 1)),
+                     "context parallel: page summaries and a selection");
+  Buffer hsum = take(host_, (r + 1) * ppc * sbytes, "context parallel: page summaries in flight");
+  char* dmine = dsum.as<char>() + r * ppc * sbytes;
+  for (int64_t p = 0; p < ppc; ++p)
+    ops_.page_summary(Tensor(dmine + p * sbytes, DType::f32, {sp_.S, d_.Hkv, d_.D}, Tier::Device), k, p * P, P);
+  std::vector<dist::Request> sum_in, sum_out, ask_in, ask_out, pages_in, pages_out;
+  if (r + 1 < N) {
+    ops_.download(hsum.as<char>() + r * ppc * sbytes, Tensor(dmine, DType::f32, {ppc * sp_.S * HD}, Tier::Device));
+    for (int t = r + 1; t < N; ++t)
+      sum_out.push_back(dist::isend(hsum.as<char>() + r * ppc * sbytes, ppc * sbytes, base_ + t, tag(layer, kSummaries)));
+  }
+  for (int s = 0; s < r; ++s)
+    sum_in.push_back(dist::irecv(hsum.as<char>() + s * ppc * sbytes, ppc * sbytes, base_ + s, tag(layer, kSummaries)));
+  // The asks: each earlier rank's pages this rank's queries selected (count, then the pages), and the later ranks'.
+  const int64_t ask_len = ppc + 1;
+  Buffer asks = take(host_, dtype_bytes(DType::i32, (N - 1) * ask_len), "context parallel: pages asked");
+  int32_t* ask = asks.as<int32_t>();  // slots [0, r): this rank's asks of rank s; [r, N - 1): later rank s + 1's
+  for (int t = r + 1; t < N; ++t)
+    ask_in.push_back(dist::irecv(ask + (t - 1) * ask_len, dtype_bytes(DType::i32, ask_len), base_ + t, tag(layer, kAsks)));
+  std::vector<int32_t>& sel = sel_[static_cast<size_t>(layer)];
+  sel.assign(static_cast<size_t>(nq * (W + 1)), 0);
+  std::vector<std::vector<int32_t>> asked(static_cast<size_t>(r));
+  int64_t total = 0;
+  if (r > 0) {
+    for (dist::Request& x : sum_in) dist::wait(x);
+    ops_.upload(Tensor(dsum.data(), DType::f32, {r * ppc * sp_.S * HD}, Tier::Device), hsum.data());
+    int32_t* dsel = reinterpret_cast<int32_t*>(dsum.as<char>() + (r + 1) * ppc * sbytes);
+    ops_.page_select(Tensor(dsel, DType::i32, {nq, W}, Tier::Device), Tensor(dsel + nq * W, DType::i32, {nq}, Tier::Device),
+                     q, Tensor(dsum.data(), DType::f32, {r * ppc, sp_.S, d_.Hkv, d_.D}, Tier::Device), P, sp_.sinks);
+    ops_.download(sel.data(), Tensor(dsel, DType::i32, {nq * (W + 1)}, Tier::Device));
+    for (int s = 0; s < r; ++s) {
+      asked[static_cast<size_t>(s)] = asked_of(layer, s);
+      const std::vector<int32_t>& a = asked[static_cast<size_t>(s)];
+      int32_t* slot = ask + s * ask_len;
+      slot[0] = static_cast<int32_t>(a.size());
+      std::copy(a.begin(), a.end(), slot + 1);
+      ask_out.push_back(dist::isend(slot, dtype_bytes(DType::i32, ask_len), base_ + s, tag(layer, kAsks)));
+      total += static_cast<int64_t>(a.size());
+    }
+  }
+  // The pages asked of this rank, and those this rank asked for (room for all of every slice: see host_bytes).
+  Buffer in = take(host_, r * ppc * page, "context parallel: pages received");
+  {
+    int64_t at = 0;
+    for (int s = 0; s < r; ++s) {
+      const int64_t n = static_cast<int64_t>(asked[static_cast<size_t>(s)].size());
+      pages_in.push_back(dist::irecv(in.as<char>() + at * page, n * page, base_ + s, tag(layer, kKvForward)));
+      at += n;
+    }
+  }
+  std::vector<std::vector<int32_t>>& served = served_[static_cast<size_t>(layer)];
+  served.assign(static_cast<size_t>(N - 1 - r), {});
+  Buffer out = take(host_, (N - 1 - r) * ppc * page, "context parallel: pages served");
+  for (int t = r + 1; t < N; ++t) {
+    dist::wait(ask_in[static_cast<size_t>(t - r - 1)]);
+    const int32_t* slot = ask + (t - 1) * ask_len;
+    std::vector<int32_t>& list = served[static_cast<size_t>(t - r - 1)];
+    list.assign(slot + 1, slot + 1 + slot[0]);
+    char* at = out.as<char>() + (t - r - 1) * ppc * page;
+    pack_pages(at, list, k, v);
+    pages_out.push_back(dist::isend(at, static_cast<int64_t>(list.size()) * page, base_ + t, tag(layer, kKvForward)));
+  }
+  // Each earlier rank's pages as they arrive, nearest first, merged into O and lse.
+  if (r > 0) {
+    Buffer blk = take(device_, ppc * page, "context parallel: an earlier slice's pages");
+    Buffer part = take(device_, dtype_bytes(o.dtype, o.numel() + lse.numel()), "context parallel: a partial O");
+    int64_t at = total;
+    for (int s = r - 1; s >= 0; --s) {
+      const std::vector<int32_t>& a = asked[static_cast<size_t>(s)];
+      const int64_t n = static_cast<int64_t>(a.size());
+      at -= n;
+      dist::wait(pages_in[static_cast<size_t>(s)]);
+      if (n == 0) continue;
+      ops_.upload(Tensor(blk.data(), DType::u8, {n * page}, Tier::Device), in.as<char>() + at * page);
+      std::vector<KvBlock> blocks;
+      for (int64_t i = 0; i < n; ++i) {
+        char* b = blk.as<char>() + i * page;
+        blocks.push_back(KvBlock{b, b + page / 2, static_cast<int32_t>(s * T_ + a[static_cast<size_t>(i)] * P),
+                                 static_cast<int32_t>(P)});
+      }
+      for (const PageGroup& g : groups_of(sel, nq, W, P, ppc, s, a, blocks)) {
+        Tensor o2(part.data(), o.dtype, {g.n, o.dims[1], o.dims[2]}, Tier::Device);
+        Tensor l2(part.as<char>() + dtype_bytes(o.dtype, o.numel()), lse.dtype, {lse.dims[0], g.n}, Tier::Device);
+        ops_.attention_forward(o2, l2, rows_of(q, g.r0, g.n),
+                               KvBlocks{g.blocks.data(), static_cast<int64_t>(g.blocks.size()), d_.Hkv, P, d_.D,
+                                        k.dtype, bf16_},
+                               rows_of(pos, g.r0, g.n), scale);
+        ops_.attention_merge(o, lse, o2, l2, g.r0);
+      }
+    }
+  }
+  for (dist::Request& x : sum_out) dist::wait(x);
+  for (dist::Request& x : ask_out) dist::wait(x);
+  for (dist::Request& x : pages_out) dist::wait(x);
+}
+
+void RingKv::backward_sparse(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
+                             Tensor v, Tensor o, Tensor lse, Tensor pos) {
+  const int N = n_, r = r_;
+  const int64_t P = sp_.P, ppc = T_ / P, nq = ppc, W = sp_.pages + sp_.sinks, HD = d_.Hkv * d_.D;
+  const int64_t page = dtype_bytes(k.dtype, 2 * HD * P), gpage = dtype_bytes(dk.dtype, 2 * HD * P);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d_.D));
+  OOM_CHECK(dk.dtype == DType::f32, "[context parallel] key gradients are f32");
+  const std::vector<int32_t>& sel = sel_[static_cast<size_t>(layer)];
+  const std::vector<std::vector<int32_t>>& served = served_[static_cast<size_t>(layer)];
+  OOM_CHECK(static_cast<int64_t>(sel.size()) == nq * (W + 1) && static_cast<int64_t>(served.size()) == N - 1 - r,
+            "[context parallel] internal: layer ", layer, "'s backward without its forward's selection");
+  std::vector<std::vector<int32_t>> asked(static_cast<size_t>(r));
+  int64_t total = 0;
+  for (int s = 0; s < r; ++s) total += static_cast<int64_t>((asked[static_cast<size_t>(s)] = asked_of(layer, s)).size());
+  // The same pages travel again (the forward's asks), and their gradients come back.
+  std::vector<dist::Request> pages_in, pages_out, grads_in, grads_out;
+  Buffer in = take(host_, r * ppc * page, "context parallel: pages received");
+  for (int s = 0, at = 0; s < r; ++s) {
+    const int64_t n = static_cast<int64_t>(asked[static_cast<size_t>(s)].size());
+    pages_in.push_back(dist::irecv(in.as<char>() + at * page, n * page, base_ + s, tag(layer, kKvBackward)));
+    at += static_cast<int>(n);
+  }
+  Buffer out = take(host_, (N - 1 - r) * ppc * page, "context parallel: pages served");
+  Buffer gin = take(host_, (N - 1 - r) * ppc * gpage, "context parallel: key gradients received");
+  for (int t = r + 1, at = 0; t < N; ++t) {
+    const std::vector<int32_t>& list = served[static_cast<size_t>(t - r - 1)];
+    const int64_t n = static_cast<int64_t>(list.size());
+    pack_pages(out.as<char>() + at * page, list, k, v);
+    pages_out.push_back(dist::isend(out.as<char>() + at * page, n * page, base_ + t, tag(layer, kKvBackward)));
+    grads_in.push_back(dist::irecv(gin.as<char>() + at * gpage, n * gpage, base_ + t, tag(layer, kGrads)));
+    at += static_cast<int>(n);
+  }
+  // The own slice (dq =, its keys' share into dk, dv, which start at zero), then each earlier rank's pages as
+  // they come: dq added, their key gradients sent back.
+  KvBlock own{k.data, v.data, static_cast<int32_t>(r * T_), static_cast<int32_t>(T_)};
+  KvBlock down{dk.data, dv.data, own.start, own.len};
+  ops_.attention_backward(dq, KvBlocks{&down, 1, d_.Hkv, T_, d_.D, dk.dtype}, dout, q,
+                          KvBlocks{&own, 1, d_.Hkv, T_, d_.D, k.dtype, bf16_}, o, lse, pos, scale);
+  Buffer gout = take(host_, r * ppc * gpage, "context parallel: key gradients sent");
+  if (r > 0) {
+    Buffer part = take(device_, ppc * page + ppc * gpage + dtype_bytes(dq.dtype, dq.numel()) +
+                                    dtype_bytes(lse.dtype, lse.numel()),
+                       "context parallel: an earlier slice's pages and gradients");
+    char* blk = part.as<char>();
+    char* gblk = blk + ppc * page;
+    Tensor dq2all(gblk + ppc * gpage, dq.dtype, {dq.dims[0], dq.dims[1], dq.dims[2]}, Tier::Device);
+    int64_t at = total;
+    for (int s = r - 1; s >= 0; --s) {
+      const std::vector<int32_t>& a = asked[static_cast<size_t>(s)];
+      const int64_t n = static_cast<int64_t>(a.size());
+      at -= n;
+      dist::wait(pages_in[static_cast<size_t>(s)]);
+      if (n == 0) {
+        grads_out.push_back(dist::isend(gout.as<char>() + at * gpage, 0, base_ + s, tag(layer, kGrads)));
+        continue;
+      }
+      ops_.upload(Tensor(blk, DType::u8, {n * page}, Tier::Device), in.as<char>() + at * page);
+      const Tensor g(gblk, dk.dtype, {n * 2 * HD * P}, Tier::Device);
+      ops_.zero(g);
+      std::vector<KvBlock> blocks, gblocks;
+      for (int64_t i = 0; i < n; ++i) {
+        const int32_t start = static_cast<int32_t>(s * T_ + a[static_cast<size_t>(i)] * P);
+        blocks.push_back(KvBlock{blk + i * page, blk + i * page + page / 2, start, static_cast<int32_t>(P)});
+        gblocks.push_back(KvBlock{gblk + i * gpage, gblk + i * gpage + gpage / 2, start, static_cast<int32_t>(P)});
+      }
+      const std::vector<PageGroup> groups = groups_of(sel, nq, W, P, ppc, s, a, blocks);
+      const std::vector<PageGroup> ggroups = groups_of(sel, nq, W, P, ppc, s, a, gblocks);
+      for (size_t j = 0; j < groups.size(); ++j) {
+        const PageGroup& gr = groups[j];
+        const KvBlocks kv{gr.blocks.data(), static_cast<int64_t>(gr.blocks.size()), d_.Hkv, P, d_.D, k.dtype, bf16_};
+        const KvBlocks gk{ggroups[j].blocks.data(), static_cast<int64_t>(gr.blocks.size()), d_.Hkv, P, d_.D, dk.dtype};
+        Tensor dq2(dq2all.data, dq.dtype, {gr.n, dq.dims[1], dq.dims[2]}, Tier::Device);
+        if (gr.n == T_) {
+          ops_.attention_backward(dq2, gk, dout, q, kv, o, lse, pos, scale);
+        } else {  // some rows: their lse gathered into (H, n) behind dq2
+          Tensor l(static_cast<char*>(dq2all.data) + dtype_bytes(dq.dtype, gr.n * dq.dims[1] * dq.dims[2]), lse.dtype,
+                   {lse.dims[0], gr.n}, Tier::Device);
+          ops_.copy_rows(l, gr.n, Tensor(static_cast<char*>(lse.data) + dtype_bytes(lse.dtype, gr.r0), lse.dtype,
+                                         {(lse.dims[0] - 1) * T_ + gr.n}, lse.tier),
+                         T_, lse.dims[0], gr.n);
+          ops_.attention_backward(dq2, gk, rows_of(dout, gr.r0, gr.n), rows_of(q, gr.r0, gr.n), kv,
+                                  rows_of(o, gr.r0, gr.n), l, rows_of(pos, gr.r0, gr.n), scale);
+        }
+        const Tensor dq_rows = rows_of(dq, gr.r0, gr.n);
+        ops_.add(dq_rows, dq_rows, dq2);
+      }
+      ops_.download(gout.as<char>() + at * gpage, g);
+      grads_out.push_back(dist::isend(gout.as<char>() + at * gpage, n * gpage, base_ + s, tag(layer, kGrads)));
+    }
+  }
+  // The later ranks' gradients for this rank's pages, added in rank order (each rank's pages in order).
+  if (r + 1 < N) {
+    const int64_t half = d_.Hkv * T_ * d_.D, rows = P * d_.D;
+    Buffer mine = take(host_, dtype_bytes(DType::f32, 2 * half), "context parallel: own key gradients");
+    float* m = mine.as<float>();
+    ops_.download(m, dk);
+    ops_.download(m + half, dv);
+    for (int t = r + 1, at = 0; t < N; ++t) {
+      dist::wait(grads_in[static_cast<size_t>(t - r - 1)]);
+      for (int32_t p : served[static_cast<size_t>(t - r - 1)]) {
+        const float* gk = reinterpret_cast<const float*>(gin.as<char>() + static_cast<int64_t>(at) * gpage);
+        const float* gv = gk + HD * P;
+        for (int64_t h = 0; h < d_.Hkv; ++h) {
+          float* mk = m + h * T_ * d_.D + p * rows;
+          float* mv = m + half + h * T_ * d_.D + p * rows;
+          for (int64_t i = 0; i < rows; ++i) {
+            mk[i] += gk[h * rows + i];
+            mv[i] += gv[h * rows + i];
+          }
+        }
+        ++at;
+      }
+    }
+    ops_.upload(dk, m);
+    ops_.upload(dv, m + half);
+  }
+  for (dist::Request& x : grads_out) dist::wait(x);
+  for (dist::Request& x : pages_out) dist::wait(x);
 }
 
 }  // namespace oomless

@@ -14,6 +14,15 @@
 // rounding. Per layer and step the ranks move N (N - 1) / 2 blocks of keys and values twice and as many
 // gradient blocks: rank r receives r blocks each time and sends N - 1 - r (and r gradient blocks), the causal
 // half of a ring's traffic. The parameters' gradients are summed over the ranks as data parallel sums them.
+//
+// Page-sparse (RingSparse, `--sparse-pages k` beside --context-parallel): each query page of P rows reads its
+// own slice and the k best earlier pages beside the first `sinks`, as chunk-recurrent training with chunks of a
+// slice reads its store (PagedKvStore), and only the pages some query page of a later rank selected travel:
+// forward, a rank sends its pages' summaries to the later ranks, selects among the earlier ranks' (page_select),
+// asks each earlier rank for the union of its pages selected, serves the later ranks' asks, and attends over the
+// pages that arrive; backward, the same pages travel again (the selection and the asks kept from the forward) and
+// their key gradients go back to their ranks, which add them in rank order. Bytes a step: the summaries, the asks,
+// and the selected pages twice with their gradients once, instead of every earlier slice.
 #pragma once
 
 #include <vector>
@@ -25,13 +34,21 @@
 
 namespace oomless {
 
+// Page-sparse selection over the earlier slices (pages = 0: dense).
+struct RingSparse {
+  int64_t P = 0;      // rows of a page; divides the slice
+  int64_t pages = 0;  // the best earlier pages each query page reads beside the sinks
+  int64_t sinks = 1;  // the first pages of the sequence every query page reads
+  int64_t S = 2;      // summary rows a page: 1 mean, 2 minimum and maximum
+};
+
 class RingKv final : public ChunkKv {
  public:
   // Transient blocks come from `device` (an earlier slice's keys and values, its gradients, a partial O or
   // dq) and `host` (the messages), as workspace. `ranks`: the ring's size; the ranks make consecutive rings
   // of it (ranks [g ranks, (g + 1) ranks) share a sequence: context parallel beside data parallel), this rank
   // holding slice dist::rank() % ranks of its ring's. 0: every rank in one ring.
-  RingKv(const KvDims& dims, Ops& ops, Arena& device, Arena& host, int ranks = 0);
+  RingKv(const KvDims& dims, Ops& ops, Arena& device, Arena& host, int ranks = 0, RingSparse sparse = {});
   int index() const { return r_; }  // this rank's slice
 
   void set_bf16_products(bool on) override { bf16_ = on; }
@@ -44,10 +61,12 @@ class RingKv final : public ChunkKv {
   void chunk_done(int64_t) override {}
   void end() override {}
 
-  // The most bytes of transient buffers a call holds at once (the estimate's): Device, beside the attention
-  // call's own scratch; Host (rank `rank` of `ranks`), the messages in flight.
-  static size_t device_bytes(const KvDims& d, int64_t T, DType kv, DType grad);
-  static size_t host_bytes(const KvDims& d, int64_t T, int rank, int ranks, DType kv, DType grad);
+  // The most bytes of transient buffers a call holds at once (the estimate's) on rank `rank` of `ranks` of a
+  // ring: Device, beside the attention call's own scratch; Host, the messages in flight.
+  static size_t device_bytes(const KvDims& d, int64_t T, DType kv, DType grad, int rank = 1,
+                             const RingSparse& sparse = {});
+  static size_t host_bytes(const KvDims& d, int64_t T, int rank, int ranks, DType kv, DType grad,
+                           const RingSparse& sparse = {});
 
  private:
   // One call's traffic: this rank's keys and values sent to the later ranks, the earlier ranks' received into
@@ -60,6 +79,15 @@ class RingKv final : public ChunkKv {
   void post(int64_t layer, int kind, Tensor k, Tensor v, Ring* ring);
   // Rank s's keys and values once here, on the Device: a one-block table.
   KvBlocks arrived(int s, Ring* ring, DType dtype, KvBlock* block);
+  // Page-sparse: the same calls (RingSparse).
+  void forward_sparse(int64_t layer, Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, Tensor pos);
+  void backward_sparse(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v,
+                       Tensor o, Tensor lse, Tensor pos);
+  // Rank s's pages this rank asked for (sorted, the page's place in s's slice), from `layer`'s selection.
+  std::vector<int32_t> asked_of(int64_t layer, int s) const;
+  // Pages `list` of k and v ((Hkv, T, D) each) into `dst` as blocks: page i at dst + i * page bytes, its keys
+  // (Hkv, P, D) then its values.
+  void pack_pages(char* dst, const std::vector<int32_t>& list, Tensor k, Tensor v);
 
   KvDims d_;
   int n_ = 1, r_ = 0, base_ = 0;  // the ring's size, this rank's place in it, its first rank
@@ -68,6 +96,9 @@ class RingKv final : public ChunkKv {
   Arena& host_;
   bool bf16_ = false;
   int64_t T_ = 0;
+  RingSparse sp_;
+  std::vector<std::vector<int32_t>> sel_;                 // [layer]: (T / P, W) selected history pages, then counts
+  std::vector<std::vector<std::vector<int32_t>>> served_;  // [layer][t - rank - 1]: pages sent to later rank t
 };
 
 }  // namespace oomless

@@ -538,9 +538,10 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
   if (cp > 1) {
     const KvDims kd{cfg.L, cfg.H, cfg.Hkv, cfg.D};
     const DType saved_kv = ms.store == DType::f32 ? f : ms.store;
-    ring = ranks.rank > 0 ? RingKv::device_bytes(kd, C, saved_kv, f) : 0;
-    add(kHost, Category::workspace, RingKv::host_bytes(kd, C, static_cast<int>(ranks.rank % cp), static_cast<int>(cp),
-                                                       saved_kv, f));
+    const RingSparse sp = ring_sparse(c);
+    const int rr = static_cast<int>(ranks.rank % cp);
+    ring = RingKv::device_bytes(kd, C, saved_kv, f, rr, sp);
+    add(kHost, Category::workspace, RingKv::host_bytes(kd, C, rr, static_cast<int>(cp), saved_kv, f, sp));
   } else if (C > 0) {
     const int64_t P = c.page > 0 ? c.page : default_page(C);
     OOM_CHECK(c.page <= 0 || C % c.page == 0, "[estimate] --page ", c.page, " does not divide --chunk ", C,

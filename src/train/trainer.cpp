@@ -267,7 +267,8 @@ const std::vector<TrainOption>& train_options() {
             "chunk-recurrent training: activations for C tokens at a time, keys and values of\nearlier chunks in "
             "a paged store (default 0: off)",
             &C::chunk),
-      whole("page", true, "P", "tokens per K/V page; divides --chunk (default: its largest divisor up to 64)",
+      whole("page", true, "P", "tokens per K/V page; divides --chunk (or a --context-parallel slice; default: its "
+            "largest\ndivisor up to 64)",
             &C::page),
       text("kv-offload", false, "M", "none, host or disk: where earlier chunks' K/V pages live (default none)",
            &C::kv_offload),
@@ -291,7 +292,8 @@ const std::vector<TrainOption>& train_options() {
       text("spill-dir", false, "DIR", "disk: folder of the spill file, not tmpfs (default --out)", &C::spill_dir),
       whole("sparse-pages", true, "k",
             "page-sparse attention: each query page reads its own chunk, the first --sink-pages\npages and its k "
-            "best-scoring earlier pages (default 0: every page, dense)",
+            "best-scoring earlier pages (default 0: every page, dense); with\n--context-parallel, only the pages "
+            "selected travel between the ranks",
             &C::sparse_pages),
       whole("sink-pages", true, "s", "pages every query page reads with --sparse-pages (default 1)", &C::sink_pages),
       text("page-summary", true, "S",
@@ -446,6 +448,13 @@ void validate_config(const TrainConfig& c) {
     OOM_CHECK(c.act_offload == "none", "[train] --context-parallel with --act-offload ", c.act_offload, ": a rank runs "
               "its slice as one chunk of chunk-recurrent training, which offloads no saved activations; drop "
               "--act-offload (more ranks make each slice shorter)");
+    if (c.sparse_pages > 0) {  // the slice is the chunk: its pages are the ones selected among
+      const int64_t Tl = c.seq / cp, P = c.page > 0 ? c.page : default_page(Tl);
+      OOM_CHECK(P > 0 && Tl % P == 0, "[train] --sparse-pages with --context-parallel ", cp, ": a slice of ", Tl,
+                " tokens ", c.page > 0 ? "is not whole pages of --page " + std::to_string(c.page)
+                                       : std::string("has no divisor from 8 to 64 for a page"),
+                ": give --page P dividing ", Tl);
+    }
   }
   parse_truncation(c.truncation);
   OOM_CHECK(c.save_dtype == "fp32" || c.save_dtype == "bf16", "[train] --save-dtype ", c.save_dtype,
@@ -496,8 +505,9 @@ void validate_config(const TrainConfig& c) {
   OOM_CHECK(c.act_dtype == "fp32" || !keeps_nothing || c.chunk > 0, "[train] --act-dtype ", c.act_dtype,
             " with --save-policy none keeps nothing to narrow: only each layer's input is kept (fp32, the checkpoint "
             "the recompute starts from); use --save-policy all or selective, or drop --act-dtype");
-  OOM_CHECK(c.page == 0 || c.chunk > 0, "[train] --page ", c.page, " needs --chunk C: pages are the K/V store of "
-            "chunk-recurrent training");
+  OOM_CHECK(c.page == 0 || c.chunk > 0 || (c.context_parallel > 1 && c.sparse_pages > 0), "[train] --page ", c.page,
+            " needs --chunk C: pages are the K/V store of chunk-recurrent training (or, with --context-parallel and "
+            "--sparse-pages, what each rank's slice is selected in)");
   OOM_CHECK(c.optim_state == "device" || c.optim_state == "host" || c.optim_state == "disk", "[train] --optim-state ",
             c.optim_state, " is not a place oomless keeps optimizer state; use device, host or disk");
   parse_act_tiers(c.act_offload, -1);  // the syntax; the layers are checked against the model at setup
@@ -832,6 +842,17 @@ int64_t default_page(int64_t C) {
   return 0;
 }
 
+RingSparse ring_sparse(const TrainConfig& c) {
+  RingSparse sp;
+  if (c.context_parallel <= 1 || c.sparse_pages == 0) return sp;
+  const int64_t Tl = c.seq / c.context_parallel;
+  sp.P = c.page > 0 ? c.page : default_page(Tl);
+  sp.pages = c.sparse_pages;
+  sp.sinks = c.sink_pages;
+  sp.S = parse_page_summary(c.page_summary) == PageSummary::mean ? 1 : 2;
+  return sp;
+}
+
 namespace {
 
 // Setup ran out of memory: what the run holds and needs, and the changes that cut the most, exact where
@@ -1035,13 +1056,14 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
   // Chunk-recurrent mode: activations for one chunk, K/V of earlier chunks in a paged store.
   s.C = c.chunk > 0 ? std::min(c.chunk, c.seq) : 0;
   const int64_t C = s.C;
-  OOM_CHECK(c.sparse_pages == 0 || C > 0, "[train] --sparse-pages ", c.sparse_pages, " needs --chunk C: page-sparse "
-            "attention selects among the pages of chunk-recurrent training's K/V store");
+  OOM_CHECK(c.sparse_pages == 0 || C > 0 || c.context_parallel > 1, "[train] --sparse-pages ", c.sparse_pages,
+            " needs --chunk C: page-sparse attention selects among the pages of chunk-recurrent training's K/V store "
+            "(or, with --context-parallel, among the earlier ranks' slices)");
   {
     if (c.context_parallel > 1) {
       model.reserve(c.seq / c.context_parallel, true, true);
       s.ring = std::make_unique<RingKv>(kv_dims(cfg), *s.e.ops, s.e.mem->device, s.e.mem->host,
-                                        static_cast<int>(c.context_parallel));
+                                        static_cast<int>(c.context_parallel), ring_sparse(c));
     } else if (C > 0) {
       PagedKvOptions ko;
       ko.C = C;

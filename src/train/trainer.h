@@ -108,6 +108,9 @@ EngineOptions engine_options(const TrainConfig& c);
 std::string format_count(int64_t n);
 // The largest divisor of C up to 64 (the default K/V page), or 0 when it would be below 8.
 int64_t default_page(int64_t C);
+// --sparse-pages beside --context-parallel: the ring's page-sparse selection (pages 0 otherwise).
+struct RingSparse;
+RingSparse ring_sparse(const TrainConfig& c);
 
 // Fills the settings left at their "default" values for a pretrained model or a random init (above).
 void resolve_defaults(TrainConfig& c, bool pretrained);

@@ -5,13 +5,16 @@
 #    final weights within 2e-4 of their largest entry;
 #  - a rerun with 2 ranks gives the same bytes, and so does one over a simulated slow link (OOMLESS_DIST_LINK);
 #  - beside data parallel (4 ranks, --context-parallel 2: two groups of two), the 1-rank results as well;
+#  - page-sparse (--sparse-pages): 2 and 4 ranks give the 1-rank run in chunks of a slice, send fewer bytes than the
+#    dense ring, and the estimate is the ledger's;
 #  - with --zero 1 (the optimizer state sharded as well): the 1-rank losses; under bf16 compute on tiny, the 1-rank
 #    losses within bf16 rounding;
 #  - each rank holds a quarter of the activations on 4 ranks, and `oomless estimate --ranks 4 --context-parallel
 #    4` gives the largest rank's ledger peak (within 1%); over budget without it, the estimate offers it;
 #  - the 4-rank run's step-2 checkpoint resumes on 2 ranks and on 1, as the 1-rank run continues;
 #  - bad settings stop with a message that names the fix: N not a divisor of the ranks, --seq not a multiple of N,
-#    --chunk or --act-offload beside it, an OOMLESS_DIST_LINK that is not LATENCY_US,GB_PER_S.
+#    --chunk or --act-offload beside it, a --page that does not divide a sparse slice, an OOMLESS_DIST_LINK that
+#    is not LATENCY_US,GB_PER_S.
 # Skipped (77) when mpirun or an MPI build is missing.
 # usage: dist_cp.sh OOMLESS_BINARY SOURCE_DIR WORK_DIR
 set -u
@@ -74,6 +77,42 @@ OOMLESS_DIST_LINK=2000,0.05 mpi 2 train $args --context-parallel 2 --out "$work/
 cmp -s "$work/c2/checkpoint-4/model.safetensors" "$work/c2slow/checkpoint-4/model.safetensors" \
   || { echo "2 ranks on a simulated link: weights differ"; exit 1; }
 echo "2 ranks on a simulated slow link: the same bytes"
+
+# Page-sparse (--sparse-pages 1 --page 4: each query page reads its slice, the first page and its best earlier
+# page): N ranks give the 1-rank run with chunks of a slice (--chunk 48/N, the same selection), and send fewer bytes
+# than the dense ring; the estimate is the largest rank's ledger peak.
+sargs="$args --page 4 --sparse-pages 1"
+for n in 2 4; do
+  "$bin" train $sargs --chunk $((48 / n)) --out "$work/sone$n" > "$work/sone$n.log" 2>&1 \
+    || { echo "sparse, 1 rank, chunks of $((48 / n)) failed"; cat "$work/sone$n.log"; exit 1; }
+  mpi $n train $sargs --context-parallel $n --out "$work/s$n" > "$work/s$n.log" 2>&1 \
+    || { echo "sparse, $n ranks failed"; cat "$work/s$n.log"; exit 1; }
+  want=$(losses "$work/sone$n/metrics.jsonl"); got=$(losses "$work/s$n/metrics.jsonl")
+  same_losses "$want" "$got" || { echo "sparse, $n ranks: losses $got, 1 rank in chunks: $want"; exit 1; }
+  same_losses "$(evals "$work/sone$n/metrics.jsonl")" "$(evals "$work/s$n/metrics.jsonl")" \
+    || { echo "sparse, $n ranks: evaluations differ from 1 rank's in chunks"; exit 1; }
+  same_losses "$(norms "$work/sone$n/metrics.jsonl")" "$(norms "$work/s$n/metrics.jsonl")" \
+    || { echo "sparse, $n ranks: gradient norms differ from 1 rank's in chunks"; exit 1; }
+  close "$work/sone$n/checkpoint-4/model.safetensors" "$work/s$n/checkpoint-4/model.safetensors" 2e-4 \
+    || { echo "sparse, $n ranks: final weights differ from 1 rank's in chunks"; exit 1; }
+  echo "sparse, $n ranks: the losses ($got), evaluations and weights of 1 rank in chunks of $((48 / n))"
+done
+[ "$(losses "$work/s4/metrics.jsonl")" != "$(losses "$work/c4/metrics.jsonl")" ] \
+  || { echo "sparse, 4 ranks: the dense run's losses (no page was left out)"; exit 1; }
+python3 -c "
+import json, sys
+last = lambda p: [json.loads(l) for l in open(p) if '\"train\"' in l][-1]['ranks']['bytes_sent']
+s, d = sum(last(sys.argv[1])), sum(last(sys.argv[2]))
+print('sparse, 4 ranks: %d bytes sent in 4 steps, dense %d' % (s, d))
+sys.exit(0 if s < d else 1)" "$work/s4/metrics.jsonl" "$work/c4/metrics.jsonl" || { echo "sparse: not fewer bytes sent"; exit 1; }
+"$bin" estimate $sargs --ranks 4 --context-parallel 4 --json > "$work/est-s4.json" || { echo "estimate, sparse, 4 ranks failed"; exit 1; }
+python3 -c "
+import json, sys
+est = json.load(open(sys.argv[1]))['estimate']['ram_peak']
+led = max([json.loads(l) for l in open(sys.argv[2]) if '\"train\"' in l][-1]['ranks']['peak'])
+sys.exit(0 if abs(est - led) <= 0.01 * led else 1)" "$work/est-s4.json" "$work/s4/metrics.jsonl" \
+  || { echo "estimate, sparse, 4 ranks: not the ledger's peak"; exit 1; }
+echo "sparse, 4 ranks: the estimate the ledger's"
 
 mpi 2 train $args --context-parallel 2 --zero 1 --out "$work/z2" > "$work/z2.log" 2>&1 || { echo "--zero 1 failed"; cat "$work/z2.log"; exit 1; }
 got=$(losses "$work/z2/metrics.jsonl")
@@ -148,7 +187,8 @@ expect_error "use --context-parallel 2" 2 $args --context-parallel 3 --out "$wor
 expect_error "is not a multiple of 5" 0 $args --context-parallel 5 --out "$work/bad3"
 expect_error "drop --chunk" 2 $args --context-parallel 2 --chunk 16 --out "$work/bad4"
 expect_error "drop --act-offload" 2 $args --context-parallel 2 --act-offload host --out "$work/bad5"
+expect_error "give --page P dividing 24" 2 $args --context-parallel 2 --sparse-pages 1 --page 5 --out "$work/bad8"
 expect_error "2 groups of ranks share each step" 4 $args --context-parallel 2 --batch 1 --out "$work/bad7"
 (export OOMLESS_DIST_LINK=fast; expect_error "give LATENCY_US,GB_PER_S" 2 $args --context-parallel 2 --out "$work/bad6") || exit 1
-[ ! -e "$work/bad1" ] && [ ! -e "$work/bad2" ] || { echo "a refused run left a folder"; exit 1; }
+[ ! -e "$work/bad1" ] && [ ! -e "$work/bad2" ] && [ ! -e "$work/bad8" ] || { echo "a refused run left a folder"; exit 1; }
 echo "bad settings: refused with the fix named"

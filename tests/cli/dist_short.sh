@@ -2,7 +2,8 @@
 # Every distributed path once, on the fewest ranks that take it: the sanitizer build's share of the MPI tests
 # (dist_dp.sh and dist_cp.sh, the whole matrix, run in the other builds). Data parallel, ZeRO stages 1, 2 and 3
 # on 2 ranks, context parallel on 2, and beside data parallel on 4 (2 groups of 2): each gives the 1-rank run's
-# losses and evaluations (fp32 rounding) and writes its checkpoint through rank 0.
+# losses and evaluations (fp32 rounding) and writes its checkpoint through rank 0; page-sparse context parallel
+# on 3 ranks gives the 1-rank run's in chunks.
 # Skipped (77) when mpirun or an MPI build is missing.
 # usage: dist_short.sh OOMLESS_BINARY SOURCE_DIR WORK_DIR
 set -u
@@ -22,3 +23,13 @@ for run in "2" "2 --zero 1" "2 --zero 2" "2 --zero 3" "2 --context-parallel 2" "
   same_losses "$(echo "$ref" | tr -d /)" "$(echo "$got" | tr -d /)" || { echo "$run ranks: $got, 1 rank: $ref"; exit 1; }
   echo "$run ranks: the 1-rank losses and evaluations"
 done
+
+# Page-sparse context parallel on 3 ranks (every rank both asks for pages and serves them): the 1-rank run in chunks
+# of a slice.
+sargs="$args --page 4 --sparse-pages 1"
+"$bin" train $sargs --chunk 16 --out "$work/sone" > "$work/sone.log" 2>&1 || { echo "sparse, 1 rank failed"; cat "$work/sone.log"; exit 1; }
+mpi 3 train $sargs --context-parallel 3 --out "$work/s3" > "$work/s3.log" 2>&1 || { echo "sparse, 3 ranks failed"; cat "$work/s3.log"; exit 1; }
+want="$(losses "$work/sone/metrics.jsonl") $(evals "$work/sone/metrics.jsonl")"
+got="$(losses "$work/s3/metrics.jsonl") $(evals "$work/s3/metrics.jsonl")"
+same_losses "$want" "$got" || { echo "sparse, 3 ranks: $got, 1 rank in chunks: $want"; exit 1; }
+echo "sparse context parallel, 3 ranks: the 1-rank losses and evaluations in chunks of 16"
