@@ -11,7 +11,9 @@ oversubscribes: step time vs N measures the sum's cost there, not scaling.
 --context-parallel: the N > 1 runs spread each sequence over the ranks (--context-parallel N) instead of sharing
 out the batch; a rank's bytes a step are then the gradients' sum plus, per layer, its keys and values sent to
 the later ranks twice (forward, backward) and the earlier slices' key gradients sent back: rank r sends
-2 (N - 1 - r) + r blocks of 2 x Hkv x (seq / N) x D floats a layer. --fit SIZE: for each N, the longest --seq
+2 (N - 1 - r) + r blocks of 2 x Hkv x (seq / N) x D floats a layer; with --train-flags '--cp-split zigzag', in
+half blocks, 2 ((N - 1 - r) + 2 r) + r + 2 (N - 1 - r) (with '--sparse-pages', the selection decides: the formula
+column is then the gradients' sum alone). --fit SIZE: for each N, the longest --seq
 (a multiple of 256 N) whose `oomless estimate --ranks N [--context-parallel N]` fits SIZE a rank, then a run at
 that --seq (its ledger peak and RSS against SIZE). --links: context parallel over simulated links
 (OOMLESS_DIST_LINK=LATENCY_US,GB_PER_S delays each message of the ring to its post time + latency + bytes /
@@ -105,7 +107,12 @@ def run(a, n, tag, link=None):
         L, Hkv = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
         D = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         block = 2 * Hkv * (a.seq // n) * D * 4
-        formula = [f + a.batch * L * block * (2 * (n - 1 - r) + r) for r, f in enumerate(formula)]
+        if "zigzag" in a.train_flags:  # half blocks: the first piece to each later rank and both to each earlier one
+            # (twice), the gradients back for an earlier rank's first piece and a later rank's two
+            formula = [f + a.batch * L * block / 2 * (2 * ((n - 1 - r) + 2 * r) + (r + 2 * (n - 1 - r)))
+                       for r, f in enumerate(formula)]
+        elif "--sparse-pages" not in a.train_flags:
+            formula = [f + a.batch * L * block * (2 * (n - 1 - r) + r) for r, f in enumerate(formula)]
     shutil.rmtree(out, ignore_errors=True)
     return {"ranks": n, "threads_per_rank": threads, "tokens_per_s": tps, "ledger_peak": peaks, "optimizer": optim,
             "weights": weights,

@@ -18,7 +18,7 @@ Buffer take(Arena& arena, int64_t bytes, const char* what) {
 }
 }  // namespace
 
-RingKv::RingKv(const KvDims& dims, Ops& ops, Arena& device, Arena& host, int ranks, RingSparse sparse)
+RingKv::RingKv(const KvDims& dims, Ops& ops, Arena& device, Arena& host, int ranks, RingOptions options)
     : d_(dims),
       n_(ranks > 0 ? ranks : dist::size()),
       r_(dist::rank() % n_),
@@ -26,10 +26,11 @@ RingKv::RingKv(const KvDims& dims, Ops& ops, Arena& device, Arena& host, int ran
       ops_(ops),
       device_(device),
       host_(host),
-      sp_(sparse) {
+      sp_(options) {
   OOM_CHECK(dist::size() % n_ == 0, "[context parallel] rings of ", n_, " ranks out of ", dist::size());
   OOM_CHECK(sp_.pages == 0 || (sp_.P > 0 && sp_.sinks >= 0 && (sp_.S == 1 || sp_.S == 2)),
             "[context parallel] page-sparse selection needs a page size and a summary");
+  OOM_CHECK(!(sp_.zigzag && sp_.pages > 0), "[context parallel] the zigzag split is dense (no page-sparse selection)");
   if (sp_.pages > 0) {
     sel_.resize(static_cast<size_t>(d_.L));
     served_.resize(static_cast<size_t>(d_.L));
@@ -41,22 +42,32 @@ void RingKv::begin(int64_t T, int64_t C) {
             " tokens");
   OOM_CHECK(sp_.pages == 0 || T % sp_.P == 0, "[context parallel] a slice of ", T, " tokens is not whole pages of ",
             sp_.P);
+  OOM_CHECK(!sp_.zigzag || T % 2 == 0, "[context parallel] a zigzag slice is two pieces: ", T, " tokens is odd");
   T_ = T;
 }
+
+int64_t RingKv::first(int64_t T) const { return sp_.zigzag ? r_ * (T / (2 * n_)) : r_ * (T / n_); }
+int64_t RingKv::second(int64_t T) const { return sp_.zigzag ? (2 * n_ - 1 - r_) * (T / (2 * n_)) : -1; }
 
 void RingKv::set_chunk(int64_t c) { OOM_CHECK(c == 0, "[context parallel] a rank's slice is one chunk, not ", c + 1); }
 
 namespace {
 // Page-sparse: the summaries of (r + 1) slices' pages (f32) and one slice's selection (ids and counts).
-int64_t summary_bytes(const KvDims& d, int64_t T, int rank, const RingSparse& sp) {
+int64_t summary_bytes(const KvDims& d, int64_t T, int rank, const RingOptions& sp) {
   return dtype_bytes(DType::f32, (rank + 1) * (T / sp.P) * sp.S * d.Hkv * d.D);
 }
-int64_t selection_bytes(int64_t T, const RingSparse& sp) {
+int64_t selection_bytes(int64_t T, const RingOptions& sp) {
   return dtype_bytes(DType::i32, (T / sp.P) * (sp.pages + sp.sinks + 1));
 }
 }  // namespace
 
-size_t RingKv::device_bytes(const KvDims& d, int64_t T, DType kv, DType grad, int rank, const RingSparse& sp) {
+size_t RingKv::device_bytes(const KvDims& d, int64_t T, DType kv, DType grad, int rank, const RingOptions& sp) {
+  if (sp.zigzag) {  // one other rank's two pieces (and their gradients), O and lse, or dq and half the lse
+    const int64_t rows = T * d.H * d.D;
+    return static_cast<size_t>(std::max(dtype_bytes(kv, block_elems(d, T)) + dtype_bytes(DType::f32, rows + d.H * T),
+                                        dtype_bytes(kv, block_elems(d, T)) + dtype_bytes(grad, block_elems(d, T)) +
+                                            dtype_bytes(DType::f32, rows + d.H * T / 2)));
+  }
   // forward: one earlier block and its partial O and lse; backward: one block, its gradients and a dq
   // (page-sparse: an earlier rank's pages asked for, at most its slice; in the forward the summaries and the
   // selection beside them)
@@ -70,10 +81,16 @@ size_t RingKv::device_bytes(const KvDims& d, int64_t T, DType kv, DType grad, in
 }
 
 size_t RingKv::host_bytes(const KvDims& d, int64_t T, int rank, int ranks, DType kv, DType grad,
-                          const RingSparse& sp) {
+                          const RingOptions& sp) {
   // every message in flight at once: this rank's block and the earlier ones; backward also the earlier blocks'
   // gradients sent and the later ranks' received
   const int64_t b = block_elems(d, T);
+  if (sp.zigzag) {  // in quarter blocks (a piece's keys or values): forward the own four and each other rank's
+                    // message (two from an earlier rank, four from a later one); backward also the gradients
+                    // both ways (as many) and the own sums
+    const int64_t q = b / 4, kvq = 4 + 2 * rank + 4 * (ranks - 1 - rank);
+    return static_cast<size_t>(dtype_bytes(kv, kvq * q) + dtype_bytes(grad, (6 * (ranks - 1) + 4) * q));
+  }
   if (sp.pages == 0) return static_cast<size_t>(dtype_bytes(kv, (rank + 1) * b) + dtype_bytes(grad, (ranks - 1) * b));
   // Page-sparse: buffers for every page of a slice asked of each rank (the selection is known only at the
   // step; the bound keeps the ledger the estimate's): forward, the summaries, the asks both ways, the pages
@@ -122,6 +139,7 @@ KvBlocks RingKv::arrived(int s, Ring* ring, DType dtype, KvBlock* block) {
 
 void RingKv::forward(int64_t layer, Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, Tensor pos) {
   if (sp_.pages > 0) return forward_sparse(layer, o, lse, q, k, v, pos);
+  if (sp_.zigzag) return forward_zigzag(layer, o, lse, q, k, v, pos);
   const int r = r_;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d_.D));
   Ring ring;
@@ -145,6 +163,7 @@ void RingKv::forward(int64_t layer, Tensor o, Tensor lse, Tensor q, Tensor k, Te
 void RingKv::backward(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v,
                       Tensor o, Tensor lse, Tensor pos) {
   if (sp_.pages > 0) return backward_sparse(layer, dq, dk, dv, dout, q, k, v, o, lse, pos);
+  if (sp_.zigzag) return backward_zigzag(layer, dq, dk, dv, dout, q, k, v, o, lse, pos);
   const int N = n_, r = r_;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d_.D));
   OOM_CHECK(dk.dtype == DType::f32, "[context parallel] key gradients are f32");
@@ -499,6 +518,185 @@ void RingKv::backward_sparse(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Ten
   }
   for (dist::Request& x : grads_out) dist::wait(x);
   for (dist::Request& x : pages_out) dist::wait(x);
+}
+
+// ---- zigzag ---------------------------------------------------------------------------------------------
+
+void RingKv::pack_pieces(char* dst, Tensor k, Tensor v) {
+  const int64_t h = T_ / 2, D = d_.D, Hkv = d_.Hkv, piece = dtype_bytes(k.dtype, Hkv * h * D);
+  for (int half = 0; half < 2; ++half)
+    for (int kv = 0; kv < 2; ++kv) {
+      const Tensor& t = kv == 0 ? k : v;
+      char* out = dst + (2 * half + kv) * piece;
+      for (int64_t g = 0; g < Hkv; ++g)
+        ops_.download(out + dtype_bytes(t.dtype, g * h * D),
+                      Tensor(static_cast<char*>(t.data) + dtype_bytes(t.dtype, (g * T_ + half * h) * D), t.dtype, {h * D},
+                             t.tier));
+    }
+}
+
+void RingKv::forward_zigzag(int64_t layer, Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, Tensor pos) {
+  const int N = n_, r = r_;
+  const int64_t h = T_ / 2, D = d_.D, Hkv = d_.Hkv, piece = dtype_bytes(k.dtype, Hkv * h * D);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  // Messages: the own four pieces, then each other rank's (an earlier rank's first two, a later rank's four).
+  auto size_of = [&](int s) { return (s < r ? 2 : 4) * piece; };
+  std::vector<int64_t> at(static_cast<size_t>(N), 0);
+  int64_t total = 4 * piece;
+  for (int s = 0; s < N; ++s)
+    if (s != r) at[static_cast<size_t>(s)] = total, total += size_of(s);
+  Buffer host = take(host_, total, "context parallel: keys in flight");
+  char* hb = host.as<char>();
+  std::vector<dist::Request> recvs(static_cast<size_t>(N)), sends;
+  for (int s = 0; s < N; ++s)
+    if (s != r) recvs[static_cast<size_t>(s)] = dist::irecv(hb + at[static_cast<size_t>(s)], size_of(s), base_ + s, tag(layer, kKvForward));
+  if (N > 1) {
+    pack_pieces(hb, k, v);
+    for (int t = 0; t < N; ++t)
+      if (t != r) sends.push_back(dist::isend(hb, (t > r ? 2 : 4) * piece, base_ + t, tag(layer, kKvForward)));
+  }
+  // The own two pieces (causal by position), while the others travel.
+  const KvBlock own[2] = {
+      KvBlock{k.data, v.data, static_cast<int32_t>(first(2 * N * h)), static_cast<int32_t>(h)},
+      KvBlock{static_cast<char*>(k.data) + dtype_bytes(k.dtype, h * D), static_cast<char*>(v.data) + dtype_bytes(v.dtype, h * D),
+              static_cast<int32_t>(second(2 * N * h)), static_cast<int32_t>(h)}};
+  ops_.attention_forward(o, lse, q, KvBlocks{own, 2, Hkv, T_, D, k.dtype, bf16_}, pos, scale);
+  if (N == 1) return;
+  Buffer dev = take(device_, 4 * piece, "context parallel: another slice's keys");
+  Buffer part = take(device_, dtype_bytes(o.dtype, o.numel() + lse.numel()), "context parallel: a partial O");
+  char* db = dev.as<char>();
+  // Each earlier rank's first piece (every row reads it), nearest first; then each later rank's two pieces (the
+  // second piece's rows read them).
+  std::vector<int> order;
+  for (int s = r - 1; s >= 0; --s) order.push_back(s);
+  for (int s = r + 1; s < N; ++s) order.push_back(s);
+  for (int s : order) {
+    dist::wait(recvs[static_cast<size_t>(s)]);
+    ops_.upload(Tensor(db, DType::u8, {size_of(s)}, Tier::Device), hb + at[static_cast<size_t>(s)]);
+    const int64_t hs = h;
+    const KvBlock blk[2] = {KvBlock{db, db + piece, static_cast<int32_t>(s * hs), static_cast<int32_t>(hs)},
+                            KvBlock{db + 2 * piece, db + 3 * piece, static_cast<int32_t>((2 * N - 1 - s) * hs),
+                                    static_cast<int32_t>(hs)}};
+    const int64_t r0 = s < r ? 0 : h, n = s < r ? T_ : h;
+    Tensor o2(part.data(), o.dtype, {n, o.dims[1], o.dims[2]}, Tier::Device);
+    Tensor l2(part.as<char>() + dtype_bytes(o.dtype, o.numel()), lse.dtype, {lse.dims[0], n}, Tier::Device);
+    ops_.attention_forward(o2, l2, rows_of(q, r0, n), KvBlocks{blk, s < r ? 1 : 2, Hkv, h, D, k.dtype, bf16_},
+                           rows_of(pos, r0, n), scale);
+    ops_.attention_merge(o, lse, o2, l2, r0);
+  }
+  for (dist::Request& x : sends) dist::wait(x);
+}
+
+void RingKv::backward_zigzag(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
+                             Tensor v, Tensor o, Tensor lse, Tensor pos) {
+  const int N = n_, r = r_;
+  const int64_t h = T_ / 2, D = d_.D, Hkv = d_.Hkv, H = d_.H, piece = dtype_bytes(k.dtype, Hkv * h * D),
+                gpiece = dtype_bytes(dk.dtype, Hkv * h * D);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  OOM_CHECK(dk.dtype == DType::f32, "[context parallel] key gradients are f32");
+  // The pieces travel again; the gradients for the pieces read come back (an earlier rank read this rank's two,
+  // a later rank its first).
+  auto size_of = [&](int s) { return (s < r ? 2 : 4) * piece; };
+  auto grads_of = [&](int t) { return (t < r ? 4 : 2) * gpiece; };  // from rank t, for this rank's pieces
+  std::vector<int64_t> at(static_cast<size_t>(N), 0), gat(static_cast<size_t>(N), 0), oat(static_cast<size_t>(N), 0);
+  int64_t total = 4 * piece, gtotal = 0, ototal = 0;
+  for (int s = 0; s < N; ++s) {
+    if (s == r) continue;
+    at[static_cast<size_t>(s)] = total, total += size_of(s);
+    gat[static_cast<size_t>(s)] = gtotal, gtotal += grads_of(s);
+    oat[static_cast<size_t>(s)] = ototal, ototal += (s < r ? 2 : 4) * gpiece;  // to rank s, for its pieces
+  }
+  Buffer host = take(host_, total, "context parallel: keys in flight");
+  Buffer gin = take(host_, gtotal, "context parallel: key gradients received");
+  Buffer gout = take(host_, ototal, "context parallel: key gradients sent");
+  char* hb = host.as<char>();
+  std::vector<dist::Request> recvs(static_cast<size_t>(N)), ins(static_cast<size_t>(N)), sends, outs;
+  for (int s = 0; s < N; ++s) {
+    if (s == r) continue;
+    recvs[static_cast<size_t>(s)] = dist::irecv(hb + at[static_cast<size_t>(s)], size_of(s), base_ + s, tag(layer, kKvBackward));
+    ins[static_cast<size_t>(s)] = dist::irecv(gin.as<char>() + gat[static_cast<size_t>(s)], grads_of(s), base_ + s, tag(layer, kGrads));
+  }
+  if (N > 1) {
+    pack_pieces(hb, k, v);
+    for (int t = 0; t < N; ++t)
+      if (t != r) sends.push_back(dist::isend(hb, (t > r ? 2 : 4) * piece, base_ + t, tag(layer, kKvBackward)));
+  }
+  // The own pieces (dq =, their share into dk, dv, which start at zero).
+  const KvBlock own[2] = {
+      KvBlock{k.data, v.data, static_cast<int32_t>(first(2 * N * h)), static_cast<int32_t>(h)},
+      KvBlock{static_cast<char*>(k.data) + dtype_bytes(k.dtype, h * D), static_cast<char*>(v.data) + dtype_bytes(v.dtype, h * D),
+              static_cast<int32_t>(second(2 * N * h)), static_cast<int32_t>(h)}};
+  const KvBlock down[2] = {
+      KvBlock{dk.data, dv.data, own[0].start, own[0].len},
+      KvBlock{static_cast<char*>(dk.data) + dtype_bytes(dk.dtype, h * D), static_cast<char*>(dv.data) + dtype_bytes(dv.dtype, h * D),
+              own[1].start, own[1].len}};
+  ops_.attention_backward(dq, KvBlocks{down, 2, Hkv, T_, D, dk.dtype}, dout, q, KvBlocks{own, 2, Hkv, T_, D, k.dtype, bf16_},
+                          o, lse, pos, scale);
+  if (N == 1) return;
+  Buffer part = take(device_, 4 * piece + 4 * gpiece + dtype_bytes(dq.dtype, dq.numel()) + dtype_bytes(lse.dtype, H * h),
+                     "context parallel: another slice's keys and gradients");
+  char* db = part.as<char>();
+  char* gb = db + 4 * piece;
+  char* dqb = gb + 4 * gpiece;
+  char* lb = dqb + dtype_bytes(dq.dtype, dq.numel());
+  std::vector<int> order;
+  for (int s = r - 1; s >= 0; --s) order.push_back(s);
+  for (int s = r + 1; s < N; ++s) order.push_back(s);
+  for (int s : order) {
+    dist::wait(recvs[static_cast<size_t>(s)]);
+    const int pieces = s < r ? 2 : 4;
+    ops_.upload(Tensor(db, DType::u8, {pieces * piece}, Tier::Device), hb + at[static_cast<size_t>(s)]);
+    const Tensor g(gb, dk.dtype, {pieces * Hkv * h * D}, Tier::Device);
+    ops_.zero(g);
+    const int32_t p0 = static_cast<int32_t>(s * h), p1 = static_cast<int32_t>((2 * N - 1 - s) * h), len = static_cast<int32_t>(h);
+    const KvBlock blk[2] = {KvBlock{db, db + piece, p0, len}, KvBlock{db + 2 * piece, db + 3 * piece, p1, len}};
+    const KvBlock gblk[2] = {KvBlock{gb, gb + gpiece, p0, len}, KvBlock{gb + 2 * gpiece, gb + 3 * gpiece, p1, len}};
+    const int nb = s < r ? 1 : 2;
+    const KvBlocks kv{blk, nb, Hkv, h, D, k.dtype, bf16_}, gk{gblk, nb, Hkv, h, D, dk.dtype};
+    if (s < r) {  // every row
+      Tensor dq2(dqb, dq.dtype, {dq.dims[0], dq.dims[1], dq.dims[2]}, Tier::Device);
+      ops_.attention_backward(dq2, gk, dout, q, kv, o, lse, pos, scale);
+      ops_.axpy(dq, 1.0, dq2);
+    } else {  // the second piece's rows: their lse gathered into (H, h)
+      Tensor dq2(dqb, dq.dtype, {h, dq.dims[1], dq.dims[2]}, Tier::Device);
+      Tensor l(lb, lse.dtype, {H, h}, Tier::Device);
+      ops_.copy_rows(l, h, Tensor(static_cast<char*>(lse.data) + dtype_bytes(lse.dtype, h), lse.dtype, {(H - 1) * T_ + h},
+                                  lse.tier),
+                     T_, H, h);
+      ops_.attention_backward(dq2, gk, rows_of(dout, h, h), rows_of(q, h, h), kv, rows_of(o, h, h), l, rows_of(pos, h, h),
+                              scale);
+      const Tensor dq_rows = rows_of(dq, h, h);
+      ops_.axpy(dq_rows, 1.0, dq2);
+    }
+    char* out = gout.as<char>() + oat[static_cast<size_t>(s)];
+    ops_.download(out, g);
+    outs.push_back(dist::isend(out, pieces * gpiece, base_ + s, tag(layer, kGrads)));
+  }
+  // The other ranks' gradients for this rank's pieces, added in rank order.
+  const int64_t half = Hkv * T_ * D;
+  Buffer mine = take(host_, dtype_bytes(DType::f32, 2 * half), "context parallel: own key gradients");
+  float* m = mine.as<float>();
+  ops_.download(m, dk);
+  ops_.download(m + half, dv);
+  for (int t = 0; t < N; ++t) {
+    if (t == r) continue;
+    dist::wait(ins[static_cast<size_t>(t)]);
+    const float* src = reinterpret_cast<const float*>(gin.as<char>() + gat[static_cast<size_t>(t)]);
+    const int pieces = t < r ? 4 : 2;  // keys, values of the first piece, then of the second
+    for (int p = 0; p < pieces; ++p) {
+      const int kvi = p % 2, hp = p / 2;
+      float* base = m + kvi * half;
+      for (int64_t g2 = 0; g2 < Hkv; ++g2) {
+        float* dst = base + (g2 * T_ + hp * h) * D;
+        const float* add = src + (p * Hkv + g2) * h * D;
+        for (int64_t i = 0; i < h * D; ++i) dst[i] += add[i];
+      }
+    }
+  }
+  ops_.upload(dk, m);
+  ops_.upload(dv, m + half);
+  for (dist::Request& x : outs) dist::wait(x);
+  for (dist::Request& x : sends) dist::wait(x);
 }
 
 }  // namespace oomless

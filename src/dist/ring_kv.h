@@ -15,7 +15,7 @@
 // gradient blocks: rank r receives r blocks each time and sends N - 1 - r (and r gradient blocks), the causal
 // half of a ring's traffic. The parameters' gradients are summed over the ranks as data parallel sums them.
 //
-// Page-sparse (RingSparse, `--sparse-pages k` beside --context-parallel): each query page of P rows reads its
+// Page-sparse (RingOptions::pages, `--sparse-pages k` beside --context-parallel): each query page of P rows reads its
 // own slice and the k best earlier pages beside the first `sinks`, as chunk-recurrent training with chunks of a
 // slice reads its store (PagedKvStore), and only the pages some query page of a later rank selected travel:
 // forward, a rank sends its pages' summaries to the later ranks, selects among the earlier ranks' (page_select),
@@ -23,6 +23,15 @@
 // pages that arrive; backward, the same pages travel again (the selection and the asks kept from the forward) and
 // their key gradients go back to their ranks, which add them in rank order. Bytes a step: the summaries, the asks,
 // and the selected pages twice with their gradients once, instead of every earlier slice.
+//
+// Zigzag (RingOptions::zigzag, `--cp-split zigzag`): the sequence in 2N pieces of h = T / 2 tokens, rank r holding
+// pieces r and 2N - 1 - r (positions [r h, (r + 1) h) and [(2N - 1 - r) h, (2N - r) h)), so every rank's queries
+// see as many keys (the causal split gives the last rank N times the first one's attention work). A rank's first
+// piece is read by every later rank's queries and its second by the earlier ranks' second pieces: it sends its
+// first piece to the later ranks and both to the earlier ones, attends over its own two pieces (causal), each
+// earlier rank's first piece (every row) and each later rank's two pieces (its second piece's rows), and the key
+// gradients go back the same way, added by their rank in rank order. Bytes a layer: N (N - 1) h-blocks twice
+// (h-blocks of keys and values) against the causal split's N (N - 1) / 2 slices; the same traffic per rank.
 #pragma once
 
 #include <vector>
@@ -34,12 +43,13 @@
 
 namespace oomless {
 
-// Page-sparse selection over the earlier slices (pages = 0: dense).
-struct RingSparse {
+// Page-sparse selection over the earlier slices (pages = 0: dense), or the zigzag split.
+struct RingOptions {
   int64_t P = 0;      // rows of a page; divides the slice
   int64_t pages = 0;  // the best earlier pages each query page reads beside the sinks
   int64_t sinks = 1;  // the first pages of the sequence every query page reads
   int64_t S = 2;      // summary rows a page: 1 mean, 2 minimum and maximum
+  bool zigzag = false;  // pieces r and 2N - 1 - r (dense only)
 };
 
 class RingKv final : public ChunkKv {
@@ -48,8 +58,13 @@ class RingKv final : public ChunkKv {
   // dq) and `host` (the messages), as workspace. `ranks`: the ring's size; the ranks make consecutive rings
   // of it (ranks [g ranks, (g + 1) ranks) share a sequence: context parallel beside data parallel), this rank
   // holding slice dist::rank() % ranks of its ring's. 0: every rank in one ring.
-  RingKv(const KvDims& dims, Ops& ops, Arena& device, Arena& host, int ranks = 0, RingSparse sparse = {});
+  RingKv(const KvDims& dims, Ops& ops, Arena& device, Arena& host, int ranks = 0, RingOptions options = {});
   int index() const { return r_; }  // this rank's slice
+  int ranks() const { return n_; }
+  // The positions of this rank's tokens of a T-token sequence: [first, first + T / N) or, zigzag, two pieces of
+  // T / (2N) at first and second (second < 0: one piece).
+  int64_t first(int64_t T) const;
+  int64_t second(int64_t T) const;
 
   void set_bf16_products(bool on) override { bf16_ = on; }
   void begin(int64_t T, int64_t C) override;
@@ -64,9 +79,9 @@ class RingKv final : public ChunkKv {
   // The most bytes of transient buffers a call holds at once (the estimate's) on rank `rank` of `ranks` of a
   // ring: Device, beside the attention call's own scratch; Host, the messages in flight.
   static size_t device_bytes(const KvDims& d, int64_t T, DType kv, DType grad, int rank = 1,
-                             const RingSparse& sparse = {});
+                             const RingOptions& options = {});
   static size_t host_bytes(const KvDims& d, int64_t T, int rank, int ranks, DType kv, DType grad,
-                           const RingSparse& sparse = {});
+                           const RingOptions& options = {});
 
  private:
   // One call's traffic: this rank's keys and values sent to the later ranks, the earlier ranks' received into
@@ -79,10 +94,17 @@ class RingKv final : public ChunkKv {
   void post(int64_t layer, int kind, Tensor k, Tensor v, Ring* ring);
   // Rank s's keys and values once here, on the Device: a one-block table.
   KvBlocks arrived(int s, Ring* ring, DType dtype, KvBlock* block);
-  // Page-sparse: the same calls (RingSparse).
+  // Page-sparse: the same calls (RingOptions).
   void forward_sparse(int64_t layer, Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, Tensor pos);
   void backward_sparse(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v,
                        Tensor o, Tensor lse, Tensor pos);
+  // Zigzag: the same calls.
+  void forward_zigzag(int64_t layer, Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, Tensor pos);
+  void backward_zigzag(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v,
+                       Tensor o, Tensor lse, Tensor pos);
+  // Zigzag: this rank's keys and values as pieces (first keys, first values, second keys, second values; each
+  // (Hkv, h, D)) into dst.
+  void pack_pieces(char* dst, Tensor k, Tensor v);
   // Rank s's pages this rank asked for (sorted, the page's place in s's slice), from `layer`'s selection.
   std::vector<int32_t> asked_of(int64_t layer, int s) const;
   // Pages `list` of k and v ((Hkv, T, D) each) into `dst` as blocks: page i at dst + i * page bytes, its keys
@@ -96,7 +118,7 @@ class RingKv final : public ChunkKv {
   Arena& host_;
   bool bf16_ = false;
   int64_t T_ = 0;
-  RingSparse sp_;
+  RingOptions sp_;
   std::vector<std::vector<int32_t>> sel_;                 // [layer]: (T / P, W) selected history pages, then counts
   std::vector<std::vector<std::vector<int32_t>>> served_;  // [layer][t - rank - 1]: pages sent to later rank t
 };

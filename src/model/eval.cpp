@@ -1,6 +1,7 @@
 #include "model/eval.h"
 
 #include <algorithm>
+#include <array>
 
 #include "core/error.h"
 
@@ -22,12 +23,24 @@ namespace {
 void score_window(Model& model, const int32_t* ids, const int32_t* tg, int64_t T, ChunkKv* kv, int64_t C, bool grads,
                   EvalResult& r, EvalSlice slice) {
   const int64_t at = slice.len > 0 ? slice.at : 0, n = slice.len > 0 ? slice.len : T;
-  const Tensor id_t(const_cast<int32_t*>(ids) + at, DType::i32, {n}), tg_t(const_cast<int32_t*>(tg) + at, DType::i32, {n});
+  // The pieces scored: [at, at + n), or two of n / 2 (their tokens side by side in `two`).
+  const bool zig = slice.len > 0 && slice.at2 >= 0;
+  const std::vector<std::array<int64_t, 2>> pieces =
+      zig ? std::vector<std::array<int64_t, 2>>{{at, n / 2}, {slice.at2, n - n / 2}}
+          : std::vector<std::array<int64_t, 2>>{{at, n}};
+  std::vector<int32_t> two;
+  if (zig) {
+    for (const int32_t* src : {ids, tg})
+      for (const auto& [p0, len] : pieces) two.insert(two.end(), src + p0, src + p0 + len);
+  }
+  const Tensor id_t(zig ? two.data() : const_cast<int32_t*>(ids) + at, DType::i32, {n}),
+      tg_t(zig ? two.data() + n : const_cast<int32_t*>(tg) + at, DType::i32, {n});
   CeResult ce;
   std::vector<double> per;
   if (slice.len > 0) {
-    OOM_CHECK(kv && !grads && at + n <= T, "[eval] a slice of a window is scored through a store, without gradients");
-    ce = model.chunked_eval(id_t, tg_t, n, *kv, &per, at);
+    for (const auto& [p0, len] : pieces)
+      OOM_CHECK(kv && !grads && p0 + len <= T, "[eval] a slice of a window is scored through a store, without gradients");
+    ce = model.chunked_eval(id_t, tg_t, n, *kv, &per, at, zig ? slice.at2 : -1);
   } else if (kv && C > 0) {
     // The gradient's count is known before backward: the supervised targets.
     if (grads) {
@@ -44,8 +57,11 @@ void score_window(Model& model, const int32_t* ids, const int32_t* tg, int64_t T
   r.loss_sum += ce.loss_sum;
   r.predictions += ce.count;
   for (PositionBucket& b : r.buckets)
-    for (int64_t t = std::max(b.start, at); t < std::min(b.end, at + n); ++t)
-      if (tg[t] >= 0) b.loss_sum += per[static_cast<size_t>(t - at)], ++b.count;
+    for (int64_t i = 0, off = 0; i < static_cast<int64_t>(pieces.size()); off += pieces[static_cast<size_t>(i)][1], ++i) {
+      const int64_t p0 = pieces[static_cast<size_t>(i)][0], len = pieces[static_cast<size_t>(i)][1];
+      for (int64_t t = std::max(b.start, p0); t < std::min(b.end, p0 + len); ++t)
+        if (tg[t] >= 0) b.loss_sum += per[static_cast<size_t>(off + t - p0)], ++b.count;
+    }
 }
 
 }  // namespace

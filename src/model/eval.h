@@ -39,6 +39,7 @@ std::vector<PositionBucket> position_buckets(int64_t T);
 using EvalProgress = std::function<void(int64_t, int64_t)>;
 struct EvalSlice {
   int64_t at = 0, len = 0;
+  int64_t at2 = -1;  // >= 0: two pieces of len / 2, at `at` and `at2` (a zigzag slice)
 };
 EvalResult evaluate(Model& model, const std::vector<int32_t>& stream, int64_t T, bool with_grads,
                     ChunkKv* kv = nullptr, int64_t C = 0, const EvalProgress& progress = {}, EvalSlice slice = {});

@@ -180,13 +180,15 @@ class Model {
 
   // Chunk-recurrent forward and backward of one sequence (see the top of this file): parameter gradients
   // += d(grad_scale * loss_sum). Needs reserve(C, true, true). Returns the summed loss and its count.
-  // t0: the position of ids[0] (a context-parallel rank's slice of a longer sequence; 0 otherwise).
-  CeResult chunked_step(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv, double grad_scale, int64_t t0 = 0);
+  // t0: the position of ids[0] (a context-parallel rank's slice of a longer sequence; 0 otherwise). t1 >= 0: the
+  // ids are two pieces of T / 2 (a zigzag slice), the second at position t1 (one chunk: C >= T).
+  CeResult chunked_step(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv, double grad_scale, int64_t t0 = 0,
+                        int64_t t1 = -1);
   // Forward only, chunk by chunk (evaluation of sequences longer than what fits at once). Needs
   // reserve(C, false, true) or more.
   // token_losses, when given, receives the cross-entropy of every position (0 where unsupervised).
   CeResult chunked_eval(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv, std::vector<double>* token_losses = nullptr,
-                        int64_t t0 = 0);
+                        int64_t t0 = 0, int64_t t1 = -1);
 
   // Gradient-free forward of T new tokens at positions t0.. with a KV cache per layer, for generation:
   // logits_last (V, host memory, act dtype) = logits of the last new token, through a device buffer of V
@@ -312,6 +314,7 @@ class Model {
   uint64_t dropout_seed_ = 0;
   bool training_ = false;  // a training pass (dropout on) rather than evaluation or generation
   int64_t row0_ = 0;       // the absolute position of the current pass's first token (chunks)
+  int64_t pos1_ = -1;      // a zigzag slice: the position of its second piece (chunked_step / chunked_eval)
   // The weights matmuls and the LM head read: the master tensors, or in bf16 mode the same tensors read
   // as bf16 (Tensor::as_bf16), rounded while the GEMM packs them, so no copy is kept or refreshed.
   std::vector<LayerParams> wread_;

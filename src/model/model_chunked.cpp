@@ -31,6 +31,19 @@ struct ChunkScope {
   }
 };
 
+// A zigzag slice's second piece for the calls of one sequence (Model::pos1_), cleared on every exit path.
+struct TwoPieces {
+  int64_t& slot;
+  TwoPieces(int64_t& s, int64_t t1, int64_t T, int64_t C, bool dropout) : slot(s) {
+    OOM_CHECK(t1 < 0 || (C >= T && T % 2 == 0), "[model] a slice in two pieces is one chunk of an even length (", T,
+              " tokens in chunks of ", C, ")");
+    OOM_CHECK(t1 < 0 || !dropout, "[model] adapter dropout draws by position from one first position: not with a "
+              "slice in two pieces");
+    slot = t1;
+  }
+  ~TwoPieces() { slot = -1; }
+};
+
 }  // namespace
 
 CeResult Model::chunk_forward(Tensor ids, Tensor targets, int64_t t0, ChunkKv& kv, bool store, bool loss,
@@ -45,7 +58,13 @@ CeResult Model::chunk_forward(Tensor ids, Tensor targets, int64_t t0, ChunkKv& k
   Tensor id_t(s.ids, DType::i32, {T}), tg_t(s.targets, DType::i32, {T});
   ops_.upload(id_t, ids.data);
   ops_.upload(tg_t, targets.data);
-  ops_.iota(pos, static_cast<int32_t>(t0));
+  if (pos1_ >= 0) {  // a zigzag slice: two pieces
+    const int64_t h = T / 2;
+    ops_.iota(Tensor(pos.data, DType::i32, {h}, pos.tier), static_cast<int32_t>(t0));
+    ops_.iota(Tensor(static_cast<int32_t*>(pos.data) + h, DType::i32, {T - h}, pos.tier), static_cast<int32_t>(pos1_));
+  } else {
+    ops_.iota(pos, static_cast<int32_t>(t0));
+  }
   const size_t n_states = s.layer_in.size();
   auto state = [&](int64_t i) { return Tensor(s.layer_in[static_cast<size_t>(i) % n_states], act_, {T, cfg_.E}); };
   ops_.embedding_forward(state(0), id_t, params_.embed);
@@ -85,9 +104,11 @@ void check_chunked(const ModelConfig& cfg, const Tensor& ids, const Tensor& targ
 
 }  // namespace
 
-CeResult Model::chunked_step(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv, double grad_scale, int64_t t0) {
+CeResult Model::chunked_step(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv, double grad_scale, int64_t t0,
+                             int64_t t1) {
   check_chunked(cfg_, ids, targets, C);
   const int64_t T = ids.dims[0], n = (T + C - 1) / C;
+  TwoPieces pieces(pos1_, t1, T, C, lora_dropout_ > 0.0);
   OOM_CHECK(s_ && cap_chunked_ && cap_backward_ && std::min(C, T) <= cap_T_, "[model] chunked_step with chunks of ",
             std::min(C, T), " tokens needs reserve(", std::min(C, T), ", true, true) first");
   ensure_grads();
@@ -118,9 +139,10 @@ CeResult Model::chunked_step(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv,
 }
 
 CeResult Model::chunked_eval(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv, std::vector<double>* token_losses,
-                             int64_t t0) {
+                             int64_t t0, int64_t t1) {
   check_chunked(cfg_, ids, targets, C);
   const int64_t T = ids.dims[0], n = (T + C - 1) / C;
+  TwoPieces pieces(pos1_, t1, T, C, false);
   OOM_CHECK(s_ && cap_chunked_ && std::min(C, T) <= cap_T_, "[model] chunked_eval with chunks of ", std::min(C, T),
             " tokens needs reserve(", std::min(C, T), ", false, true) first");
   training_ = false;

@@ -538,7 +538,7 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
   if (cp > 1) {
     const KvDims kd{cfg.L, cfg.H, cfg.Hkv, cfg.D};
     const DType saved_kv = ms.store == DType::f32 ? f : ms.store;
-    const RingSparse sp = ring_sparse(c);
+    const RingOptions sp = ring_options(c);
     const int rr = static_cast<int>(ranks.rank % cp);
     ring = RingKv::device_bytes(kd, C, saved_kv, f, rr, sp);
     add(kHost, Category::workspace, RingKv::host_bytes(kd, C, rr, static_cast<int>(cp), saved_kv, f, sp));

@@ -230,6 +230,10 @@ const std::vector<TrainOption>& train_options() {
             "rank; no --chunk); under\nmpirun -np M x N: M groups of N ranks, data parallel over the groups "
             "(default 1)",
             &C::context_parallel),
+      text("cp-split", false, "S",
+           "with --context-parallel: contiguous (rank r the r-th slice; the default) or zigzag\n(rank r two pieces of "
+           "--seq / 2N, the r-th and the (2N-1-r)-th, so every rank has the\nsame attention work)",
+           &C::cp_split),
       real("beta1", true, "b", "AdamW beta1 (default 0.9)", &C::beta1),
       real("beta2", true, "b", "AdamW beta2 (default 0.95)", &C::beta2),
       real("eps", true, "e", "AdamW epsilon (default 1e-8)", &C::eps),
@@ -448,6 +452,17 @@ void validate_config(const TrainConfig& c) {
     OOM_CHECK(c.act_offload == "none", "[train] --context-parallel with --act-offload ", c.act_offload, ": a rank runs "
               "its slice as one chunk of chunk-recurrent training, which offloads no saved activations; drop "
               "--act-offload (more ranks make each slice shorter)");
+    OOM_CHECK(c.cp_split == "contiguous" || c.cp_split == "zigzag", "[train] --cp-split ", c.cp_split,
+              " is not a split oomless has: contiguous or zigzag");
+    if (c.cp_split == "zigzag") {
+      OOM_CHECK(c.seq % (2 * cp) == 0, "[train] --cp-split zigzag cuts each sequence into ", 2 * cp, " pieces of equal "
+                "length: --seq ", c.seq, " is not a multiple of ", 2 * cp, " (e.g. --seq ", (c.seq / (2 * cp) + 1) * 2 * cp,
+                ")");
+      OOM_CHECK(c.sparse_pages == 0, "[train] --cp-split zigzag with --sparse-pages is not built: the page-sparse ring "
+                "takes contiguous slices (drop one of them)");
+      OOM_CHECK(c.lora_dropout == 0, "[train] --cp-split zigzag with --lora-dropout is not built (dropout draws by a "
+                "slice's first position): use --cp-split contiguous or drop --lora-dropout");
+    }
     if (c.sparse_pages > 0) {  // the slice is the chunk: its pages are the ones selected among
       const int64_t Tl = c.seq / cp, P = c.page > 0 ? c.page : default_page(Tl);
       OOM_CHECK(P > 0 && Tl % P == 0, "[train] --sparse-pages with --context-parallel ", cp, ": a slice of ", Tl,
@@ -842,8 +857,9 @@ int64_t default_page(int64_t C) {
   return 0;
 }
 
-RingSparse ring_sparse(const TrainConfig& c) {
-  RingSparse sp;
+RingOptions ring_options(const TrainConfig& c) {
+  RingOptions sp;
+  sp.zigzag = c.context_parallel > 1 && c.cp_split == "zigzag";
   if (c.context_parallel <= 1 || c.sparse_pages == 0) return sp;
   const int64_t Tl = c.seq / c.context_parallel;
   sp.P = c.page > 0 ? c.page : default_page(Tl);
@@ -1063,7 +1079,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
     if (c.context_parallel > 1) {
       model.reserve(c.seq / c.context_parallel, true, true);
       s.ring = std::make_unique<RingKv>(kv_dims(cfg), *s.e.ops, s.e.mem->device, s.e.mem->host,
-                                        static_cast<int>(c.context_parallel), ring_sparse(c));
+                                        static_cast<int>(c.context_parallel), ring_options(c));
     } else if (C > 0) {
       PagedKvOptions ko;
       ko.C = C;
@@ -1094,7 +1110,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
     if (s.ring) {
       const int64_t Tl = c.seq / c.context_parallel;
       model.chunked_step(Tensor(zeros.data(), DType::i32, {Tl}), Tensor(zeros.data(), DType::i32, {Tl}), Tl, *s.ring,
-                         0.0, s.ring->index() * Tl);
+                         0.0, s.ring->first(c.seq), s.ring->second(c.seq));
     } else if (s.kv) {
       model.chunked_step(z, z, C, *s.kv, 0.0);
     } else {
@@ -1413,7 +1429,7 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
   // --context-parallel P: every rank of a group of P takes each of the group's sequences, its slice of it (Tl
   // tokens at r Tl for the group's rank r); the groups (ranks / P) share the step's sequences as data parallel.
   const bool cp = s.ring != nullptr;
-  const int64_t Tl = c.seq / c.context_parallel, at = cp ? s.ring->index() * Tl : 0;
+  const int64_t Tl = c.seq / c.context_parallel, at = cp ? s.ring->first(c.seq) : 0;
   const int64_t groups = dist::size() / c.context_parallel, group = dist::rank() / c.context_parallel;
   const int64_t i0 = n * group / groups, i1 = n * (group + 1) / groups;
   // --zero 2: a group of gradients, final for this sequence, summed over the ranks into its tensors' owners'
@@ -1455,9 +1471,24 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
       if (i + 1 == n && !dp) model.on_grads_final(on_final);  // the last pass into the gradients (dp: after the sum)
       if (s.zero2) model.on_grads_final(to_owners);  // every pass: each group summed into its owners as it is final
       if (cp) {
-        const Tensor ids_r(const_cast<int32_t*>(b.ids[static_cast<size_t>(i)].data()) + at, DType::i32, {Tl});
-        const Tensor tg_r(const_cast<int32_t*>(b.targets[static_cast<size_t>(i)].data()) + at, DType::i32, {Tl});
-        loss_sum += model.chunked_step(ids_r, tg_r, Tl, *s.ring, 1.0 / static_cast<double>(N), at).loss_sum;
+        const int64_t t1 = s.ring->second(c.seq);
+        std::vector<int32_t> pieces;  // zigzag: the two pieces side by side
+        const int32_t* ids_at = b.ids[static_cast<size_t>(i)].data() + at;
+        const int32_t* tg_at = b.targets[static_cast<size_t>(i)].data() + at;
+        if (t1 >= 0) {
+          const int64_t h = Tl / 2;
+          const int32_t* id0 = b.ids[static_cast<size_t>(i)].data();
+          const int32_t* tg0 = b.targets[static_cast<size_t>(i)].data();
+          pieces.insert(pieces.end(), id0 + at, id0 + at + h);
+          pieces.insert(pieces.end(), id0 + t1, id0 + t1 + h);
+          pieces.insert(pieces.end(), tg0 + at, tg0 + at + h);
+          pieces.insert(pieces.end(), tg0 + t1, tg0 + t1 + h);
+          ids_at = pieces.data();
+          tg_at = pieces.data() + Tl;
+        }
+        const Tensor ids_r(const_cast<int32_t*>(ids_at), DType::i32, {Tl});
+        const Tensor tg_r(const_cast<int32_t*>(tg_at), DType::i32, {Tl});
+        loss_sum += model.chunked_step(ids_r, tg_r, Tl, *s.ring, 1.0 / static_cast<double>(N), at, t1).loss_sum;
       } else if (s.kv) {
         loss_sum += model.chunked_step(id_t, tg_t, s.C, *s.kv, 1.0 / static_cast<double>(N)).loss_sum;
       } else {
@@ -1601,7 +1632,7 @@ std::optional<EvalResult> Trainer::evaluate() {
   State& s = *s_;
   if (s.ring) {  // context parallel: every rank scores its slice of each window; the sums over its group's ranks
     const int64_t Tl = s.c.seq / s.c.context_parallel;
-    const EvalSlice slice{s.ring->index() * Tl, Tl};
+    const EvalSlice slice{s.ring->first(s.c.seq), Tl, s.ring->second(s.c.seq)};
     if (s.eval_seqs.ids.empty() && s.eval_stream.empty()) return std::nullopt;
     EvalResult r = !s.eval_seqs.ids.empty()
                        ? evaluate_sequences(*s.e.model, s.eval_seqs.ids, s.eval_seqs.targets, s.ring.get(), 0, {}, slice)

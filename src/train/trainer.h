@@ -48,6 +48,7 @@ struct TrainConfig {
   std::string optim_state = "host";    // device | host | disk: where the optimizer state lives
   int64_t zero = 0;                    // ZeRO stage over the ranks: 0 (replicated) or 1 (optimizer state sharded)
   int64_t context_parallel = 1;        // ranks each sequence is spread over (its slices; RingKv); 1: none
+  std::string cp_split = "contiguous";  // context parallel: consecutive slices, or zigzag (two pieces a rank)
   std::string kv_dtype = "fp32";       // fp32 | bf16 | fp8: the chunk-recurrent K/V history's storage
   std::string act_dtype = "fp32";      // fp32 | bf16 | fp8: storage of the activations kept for backward
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
@@ -109,8 +110,8 @@ std::string format_count(int64_t n);
 // The largest divisor of C up to 64 (the default K/V page), or 0 when it would be below 8.
 int64_t default_page(int64_t C);
 // --sparse-pages beside --context-parallel: the ring's page-sparse selection (pages 0 otherwise).
-struct RingSparse;
-RingSparse ring_sparse(const TrainConfig& c);
+struct RingOptions;
+RingOptions ring_options(const TrainConfig& c);
 
 // Fills the settings left at their "default" values for a pretrained model or a random init (above).
 void resolve_defaults(TrainConfig& c, bool pretrained);

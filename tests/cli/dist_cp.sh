@@ -7,14 +7,17 @@
 #  - beside data parallel (4 ranks, --context-parallel 2: two groups of two), the 1-rank results as well;
 #  - page-sparse (--sparse-pages): 2 and 4 ranks give the 1-rank run in chunks of a slice, send fewer bytes than the
 #    dense ring, and the estimate is the ledger's;
+#  - zigzag (--cp-split zigzag): 2, 3 and 4 ranks, and 4 as 2 groups, give the 1-rank run and the estimate is the
+#    ledger's; a rerun the same bytes;
 #  - with --zero 1 (the optimizer state sharded as well): the 1-rank losses; under bf16 compute on tiny, the 1-rank
 #    losses within bf16 rounding;
 #  - each rank holds a quarter of the activations on 4 ranks, and `oomless estimate --ranks 4 --context-parallel
 #    4` gives the largest rank's ledger peak (within 1%); over budget without it, the estimate offers it;
 #  - the 4-rank run's step-2 checkpoint resumes on 2 ranks and on 1, as the 1-rank run continues;
 #  - bad settings stop with a message that names the fix: N not a divisor of the ranks, --seq not a multiple of N,
-#    --chunk or --act-offload beside it, a --page that does not divide a sparse slice, an OOMLESS_DIST_LINK that
-#    is not LATENCY_US,GB_PER_S.
+#    --chunk or --act-offload beside it, a --page that does not divide a sparse slice, a zigzag --seq not a
+#    multiple of 2N, zigzag beside --sparse-pages, an unknown --cp-split, an OOMLESS_DIST_LINK that is not
+#    LATENCY_US,GB_PER_S.
 # Skipped (77) when mpirun or an MPI build is missing.
 # usage: dist_cp.sh OOMLESS_BINARY SOURCE_DIR WORK_DIR
 set -u
@@ -114,6 +117,35 @@ sys.exit(0 if abs(est - led) <= 0.01 * led else 1)" "$work/est-s4.json" "$work/s
   || { echo "estimate, sparse, 4 ranks: not the ledger's peak"; exit 1; }
 echo "sparse, 4 ranks: the estimate the ledger's"
 
+# Zigzag (--cp-split zigzag: rank r the pieces r and 2N-1-r of 2N): 2, 3 and 4 ranks, and 4 as 2 groups of 2, give
+# the 1-rank losses, evaluations, norms and weights; a rerun the same bytes; the estimate the largest rank's ledger.
+for run in "2 --context-parallel 2" "3 --context-parallel 3" "4 --context-parallel 4" "4 --context-parallel 2"; do
+  n=${run%% *}; tag=zz${n}_${run##* }
+  mpi $n train $args ${run#$n} --cp-split zigzag --out "$work/$tag" > "$work/$tag.log" 2>&1 \
+    || { echo "zigzag, $run: failed"; cat "$work/$tag.log"; exit 1; }
+  got=$(losses "$work/$tag/metrics.jsonl"); got_eval=$(evals "$work/$tag/metrics.jsonl")
+  same_losses "$ref" "$got" || { echo "zigzag, $run: losses $got, 1 rank: $ref"; exit 1; }
+  same_losses "$ref_eval" "$got_eval" || { echo "zigzag, $run: evaluations $got_eval, 1 rank: $ref_eval"; exit 1; }
+  same_losses "$(norms "$work/one/metrics.jsonl")" "$(norms "$work/$tag/metrics.jsonl")" \
+    || { echo "zigzag, $run: gradient norms differ from 1 rank's"; exit 1; }
+  close "$work/one/checkpoint-4/model.safetensors" "$work/$tag/checkpoint-4/model.safetensors" 2e-4 \
+    || { echo "zigzag, $run: final weights differ from 1 rank's"; exit 1; }
+  "$bin" estimate $args --ranks $n ${run#$n} --cp-split zigzag --json > "$work/est-$tag.json" \
+    || { echo "estimate, zigzag, $run failed"; exit 1; }
+  python3 -c "
+import json, sys
+est = json.load(open(sys.argv[1]))['estimate']['ram_peak']
+led = max([json.loads(l) for l in open(sys.argv[2]) if '\"train\"' in l][-1]['ranks']['peak'])
+sys.exit(0 if abs(est - led) <= 0.01 * led else 1)" "$work/est-$tag.json" "$work/$tag/metrics.jsonl" \
+    || { echo "estimate, zigzag, $run: not the ledger's peak"; exit 1; }
+  echo "zigzag, $run: the 1-rank losses ($got), evaluations and weights; the estimate the ledger's"
+done
+mpi 2 train $args --context-parallel 2 --cp-split zigzag --out "$work/zzb" > "$work/zzb.log" 2>&1 \
+  || { echo "zigzag, 2 ranks again failed"; cat "$work/zzb.log"; exit 1; }
+cmp -s "$work/zz2_2/checkpoint-4/model.safetensors" "$work/zzb/checkpoint-4/model.safetensors" \
+  || { echo "zigzag, 2 ranks twice: weights differ"; exit 1; }
+echo "zigzag, 2 ranks twice: the same bytes"
+
 mpi 2 train $args --context-parallel 2 --zero 1 --out "$work/z2" > "$work/z2.log" 2>&1 || { echo "--zero 1 failed"; cat "$work/z2.log"; exit 1; }
 got=$(losses "$work/z2/metrics.jsonl")
 same_losses "$ref" "$got" || { echo "--zero 1, 2 ranks: losses $got, 1 rank: $ref"; exit 1; }
@@ -188,7 +220,10 @@ expect_error "is not a multiple of 5" 0 $args --context-parallel 5 --out "$work/
 expect_error "drop --chunk" 2 $args --context-parallel 2 --chunk 16 --out "$work/bad4"
 expect_error "drop --act-offload" 2 $args --context-parallel 2 --act-offload host --out "$work/bad5"
 expect_error "give --page P dividing 24" 2 $args --context-parallel 2 --sparse-pages 1 --page 5 --out "$work/bad8"
+expect_error "is not a multiple of 8" 4 $args --context-parallel 4 --cp-split zigzag --seq 52 --out "$work/bad9"
+expect_error "drop one of them" 2 $args --context-parallel 2 --cp-split zigzag --sparse-pages 1 --page 4 --out "$work/bad10"
+expect_error "contiguous or zigzag" 2 $args --context-parallel 2 --cp-split striped --out "$work/bad11"
 expect_error "2 groups of ranks share each step" 4 $args --context-parallel 2 --batch 1 --out "$work/bad7"
 (export OOMLESS_DIST_LINK=fast; expect_error "give LATENCY_US,GB_PER_S" 2 $args --context-parallel 2 --out "$work/bad6") || exit 1
-[ ! -e "$work/bad1" ] && [ ! -e "$work/bad2" ] && [ ! -e "$work/bad8" ] || { echo "a refused run left a folder"; exit 1; }
+[ ! -e "$work/bad1" ] && [ ! -e "$work/bad2" ] && [ ! -e "$work/bad8" ] && [ ! -e "$work/bad9" ] || { echo "a refused run left a folder"; exit 1; }
 echo "bad settings: refused with the fix named"

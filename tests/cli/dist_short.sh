@@ -3,7 +3,7 @@
 # (dist_dp.sh and dist_cp.sh, the whole matrix, run in the other builds). Data parallel, ZeRO stages 1, 2 and 3
 # on 2 ranks, context parallel on 2, and beside data parallel on 4 (2 groups of 2): each gives the 1-rank run's
 # losses and evaluations (fp32 rounding) and writes its checkpoint through rank 0; page-sparse context parallel
-# on 3 ranks gives the 1-rank run's in chunks.
+# on 3 ranks gives the 1-rank run's in chunks, and zigzag on 3 the 1-rank run's.
 # Skipped (77) when mpirun or an MPI build is missing.
 # usage: dist_short.sh OOMLESS_BINARY SOURCE_DIR WORK_DIR
 set -u
@@ -33,3 +33,8 @@ want="$(losses "$work/sone/metrics.jsonl") $(evals "$work/sone/metrics.jsonl")"
 got="$(losses "$work/s3/metrics.jsonl") $(evals "$work/s3/metrics.jsonl")"
 same_losses "$want" "$got" || { echo "sparse, 3 ranks: $got, 1 rank in chunks: $want"; exit 1; }
 echo "sparse context parallel, 3 ranks: the 1-rank losses and evaluations in chunks of 16"
+mpi 3 train $args --context-parallel 3 --cp-split zigzag --out "$work/zz3" > "$work/zz3.log" 2>&1 \
+  || { echo "zigzag, 3 ranks failed"; cat "$work/zz3.log"; exit 1; }
+got="$(losses "$work/zz3/metrics.jsonl") / $(evals "$work/zz3/metrics.jsonl")"
+same_losses "$(echo "$ref" | tr -d /)" "$(echo "$got" | tr -d /)" || { echo "zigzag, 3 ranks: $got, 1 rank: $ref"; exit 1; }
+echo "zigzag context parallel, 3 ranks: the 1-rank losses and evaluations"
