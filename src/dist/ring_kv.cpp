@@ -313,7 +313,8 @@ void RingKv::forward_sparse(int64_t layer, Tensor o, Tensor lse, Tensor q, Tenso
   if (r + 1 < N) {
     ops_.download(hsum.as<char>() + r * ppc * sbytes, Tensor(dmine, DType::f32, {ppc * sp_.S * HD}, Tier::Device));
     for (int t = r + 1; t < N; ++t)
-      sum_out.push_back(dist::isend(hsum.as<char>() + r * ppc * sbytes, ppc * sbytes, base_ + t, tag(layer, kSummaries)));
+      sum_out.push_back(
+          dist::isend(hsum.as<char>() + r * ppc * sbytes, ppc * sbytes, base_ + t, tag(layer, kSummaries)));
   }
   for (int s = 0; s < r; ++s)
     sum_in.push_back(dist::irecv(hsum.as<char>() + s * ppc * sbytes, ppc * sbytes, base_ + s, tag(layer, kSummaries)));
@@ -322,7 +323,8 @@ void RingKv::forward_sparse(int64_t layer, Tensor o, Tensor lse, Tensor q, Tenso
   Buffer asks = take(host_, dtype_bytes(DType::i32, (N - 1) * ask_len), "context parallel: pages asked");
   int32_t* ask = asks.as<int32_t>();  // slots [0, r): this rank's asks of rank s; [r, N - 1): later rank s + 1's
   for (int t = r + 1; t < N; ++t)
-    ask_in.push_back(dist::irecv(ask + (t - 1) * ask_len, dtype_bytes(DType::i32, ask_len), base_ + t, tag(layer, kAsks)));
+    ask_in.push_back(
+        dist::irecv(ask + (t - 1) * ask_len, dtype_bytes(DType::i32, ask_len), base_ + t, tag(layer, kAsks)));
   std::vector<int32_t>& sel = sel_[static_cast<size_t>(layer)];
   sel.assign(static_cast<size_t>(nq * (W + 1)), 0);
   std::vector<std::vector<int32_t>> asked(static_cast<size_t>(r));
@@ -331,8 +333,9 @@ void RingKv::forward_sparse(int64_t layer, Tensor o, Tensor lse, Tensor q, Tenso
     for (dist::Request& x : sum_in) dist::wait(x);
     ops_.upload(Tensor(dsum.data(), DType::f32, {r * ppc * sp_.S * HD}, Tier::Device), hsum.data());
     int32_t* dsel = reinterpret_cast<int32_t*>(dsum.as<char>() + (r + 1) * ppc * sbytes);
-    ops_.page_select(Tensor(dsel, DType::i32, {nq, W}, Tier::Device), Tensor(dsel + nq * W, DType::i32, {nq}, Tier::Device),
-                     q, Tensor(dsum.data(), DType::f32, {r * ppc, sp_.S, d_.Hkv, d_.D}, Tier::Device), P, sp_.sinks);
+    ops_.page_select(Tensor(dsel, DType::i32, {nq, W}, Tier::Device),
+                     Tensor(dsel + nq * W, DType::i32, {nq}, Tier::Device), q,
+                     Tensor(dsum.data(), DType::f32, {r * ppc, sp_.S, d_.Hkv, d_.D}, Tier::Device), P, sp_.sinks);
     ops_.download(sel.data(), Tensor(dsel, DType::i32, {nq * (W + 1)}, Tier::Device));
     for (int s = 0; s < r; ++s) {
       asked[static_cast<size_t>(s)] = asked_of(layer, s);
@@ -413,7 +416,10 @@ void RingKv::backward_sparse(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Ten
             "[context parallel] internal: layer ", layer, "'s backward without its forward's selection");
   std::vector<std::vector<int32_t>> asked(static_cast<size_t>(r));
   int64_t total = 0;
-  for (int s = 0; s < r; ++s) total += static_cast<int64_t>((asked[static_cast<size_t>(s)] = asked_of(layer, s)).size());
+  for (int s = 0; s < r; ++s) {
+    asked[static_cast<size_t>(s)] = asked_of(layer, s);
+    total += static_cast<int64_t>(asked[static_cast<size_t>(s)].size());
+  }
   // The same pages travel again (the forward's asks), and their gradients come back.
   std::vector<dist::Request> pages_in, pages_out, grads_in, grads_out;
   Buffer in = take(host_, r * ppc * page, "context parallel: pages received");
@@ -530,10 +536,37 @@ void RingKv::pack_pieces(char* dst, Tensor k, Tensor v) {
       char* out = dst + (2 * half + kv) * piece;
       for (int64_t g = 0; g < Hkv; ++g)
         ops_.download(out + dtype_bytes(t.dtype, g * h * D),
-                      Tensor(static_cast<char*>(t.data) + dtype_bytes(t.dtype, (g * T_ + half * h) * D), t.dtype, {h * D},
-                             t.tier));
+                      Tensor(static_cast<char*>(t.data) + dtype_bytes(t.dtype, (g * T_ + half * h) * D), t.dtype,
+                             {h * D}, t.tier));
     }
 }
+
+void RingKv::own_pieces(const Tensor& a, const Tensor& b, KvBlock* out) const {
+  const int64_t h = T_ / 2, T = 2 * n_ * h, off = dtype_bytes(a.dtype, h * d_.D);
+  out[0] = KvBlock{a.data, b.data, static_cast<int32_t>(first(T)), static_cast<int32_t>(h)};
+  out[1] = KvBlock{static_cast<char*>(a.data) + off, static_cast<char*>(b.data) + off, static_cast<int32_t>(second(T)),
+                   static_cast<int32_t>(h)};
+}
+
+std::vector<dist::Request> RingKv::send_pieces(int64_t layer, int kind, Tensor k, Tensor v, char* at) {
+  const int64_t piece = dtype_bytes(k.dtype, d_.Hkv * (T_ / 2) * d_.D);
+  std::vector<dist::Request> sends;
+  pack_pieces(at, k, v);
+  for (int t = 0; t < n_; ++t)
+    if (t != r_)
+      sends.push_back(dist::isend(at, (t > r_ ? 2 : 4) * piece, base_ + t, tag(layer, static_cast<Kind>(kind))));
+  return sends;
+}
+
+namespace {
+// The other ranks of a ring in the order a zigzag rank reads them: the earlier ones nearest first, then the later.
+std::vector<int> others(int r, int N) {
+  std::vector<int> order;
+  for (int s = r - 1; s >= 0; --s) order.push_back(s);
+  for (int s = r + 1; s < N; ++s) order.push_back(s);
+  return order;
+}
+}  // namespace
 
 void RingKv::forward_zigzag(int64_t layer, Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, Tensor pos) {
   const int N = n_, r = r_;
@@ -543,40 +576,28 @@ void RingKv::forward_zigzag(int64_t layer, Tensor o, Tensor lse, Tensor q, Tenso
   auto size_of = [&](int s) { return (s < r ? 2 : 4) * piece; };
   std::vector<int64_t> at(static_cast<size_t>(N), 0);
   int64_t total = 4 * piece;
-  for (int s = 0; s < N; ++s)
-    if (s != r) at[static_cast<size_t>(s)] = total, total += size_of(s);
+  for (int s : others(r, N)) at[static_cast<size_t>(s)] = total, total += size_of(s);
   Buffer host = take(host_, total, "context parallel: keys in flight");
   char* hb = host.as<char>();
-  std::vector<dist::Request> recvs(static_cast<size_t>(N)), sends;
-  for (int s = 0; s < N; ++s)
-    if (s != r) recvs[static_cast<size_t>(s)] = dist::irecv(hb + at[static_cast<size_t>(s)], size_of(s), base_ + s, tag(layer, kKvForward));
-  if (N > 1) {
-    pack_pieces(hb, k, v);
-    for (int t = 0; t < N; ++t)
-      if (t != r) sends.push_back(dist::isend(hb, (t > r ? 2 : 4) * piece, base_ + t, tag(layer, kKvForward)));
-  }
+  std::vector<dist::Request> recvs(static_cast<size_t>(N));
+  for (int s : others(r, N))
+    recvs[static_cast<size_t>(s)] =
+        dist::irecv(hb + at[static_cast<size_t>(s)], size_of(s), base_ + s, tag(layer, kKvForward));
+  std::vector<dist::Request> sends = send_pieces(layer, kKvForward, k, v, hb);
   // The own two pieces (causal by position), while the others travel.
-  const KvBlock own[2] = {
-      KvBlock{k.data, v.data, static_cast<int32_t>(first(2 * N * h)), static_cast<int32_t>(h)},
-      KvBlock{static_cast<char*>(k.data) + dtype_bytes(k.dtype, h * D), static_cast<char*>(v.data) + dtype_bytes(v.dtype, h * D),
-              static_cast<int32_t>(second(2 * N * h)), static_cast<int32_t>(h)}};
+  KvBlock own[2];
+  own_pieces(k, v, own);
   ops_.attention_forward(o, lse, q, KvBlocks{own, 2, Hkv, T_, D, k.dtype, bf16_}, pos, scale);
-  if (N == 1) return;
   Buffer dev = take(device_, 4 * piece, "context parallel: another slice's keys");
   Buffer part = take(device_, dtype_bytes(o.dtype, o.numel() + lse.numel()), "context parallel: a partial O");
   char* db = dev.as<char>();
-  // Each earlier rank's first piece (every row reads it), nearest first; then each later rank's two pieces (the
-  // second piece's rows read them).
-  std::vector<int> order;
-  for (int s = r - 1; s >= 0; --s) order.push_back(s);
-  for (int s = r + 1; s < N; ++s) order.push_back(s);
-  for (int s : order) {
+  // An earlier rank's first piece is read by every row; a later rank's two pieces by the second piece's rows.
+  for (int s : others(r, N)) {
     dist::wait(recvs[static_cast<size_t>(s)]);
     ops_.upload(Tensor(db, DType::u8, {size_of(s)}, Tier::Device), hb + at[static_cast<size_t>(s)]);
-    const int64_t hs = h;
-    const KvBlock blk[2] = {KvBlock{db, db + piece, static_cast<int32_t>(s * hs), static_cast<int32_t>(hs)},
-                            KvBlock{db + 2 * piece, db + 3 * piece, static_cast<int32_t>((2 * N - 1 - s) * hs),
-                                    static_cast<int32_t>(hs)}};
+    const int32_t len = static_cast<int32_t>(h);
+    const KvBlock blk[2] = {KvBlock{db, db + piece, static_cast<int32_t>(s * h), len},
+                            KvBlock{db + 2 * piece, db + 3 * piece, static_cast<int32_t>((2 * N - 1 - s) * h), len}};
     const int64_t r0 = s < r ? 0 : h, n = s < r ? T_ : h;
     Tensor o2(part.data(), o.dtype, {n, o.dims[1], o.dims[2]}, Tier::Device);
     Tensor l2(part.as<char>() + dtype_bytes(o.dtype, o.numel()), lse.dtype, {lse.dims[0], n}, Tier::Device);
@@ -594,61 +615,50 @@ void RingKv::backward_zigzag(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Ten
                 gpiece = dtype_bytes(dk.dtype, Hkv * h * D);
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   OOM_CHECK(dk.dtype == DType::f32, "[context parallel] key gradients are f32");
-  // The pieces travel again; the gradients for the pieces read come back (an earlier rank read this rank's two,
-  // a later rank its first).
+  // The pieces travel again; the gradients of the pieces read go back (an earlier rank reads this rank's two, a
+  // later rank its first).
   auto size_of = [&](int s) { return (s < r ? 2 : 4) * piece; };
-  auto grads_of = [&](int t) { return (t < r ? 4 : 2) * gpiece; };  // from rank t, for this rank's pieces
+  auto grads_in = [&](int t) { return (t < r ? 4 : 2) * gpiece; };   // from rank t, for this rank's pieces
+  auto grads_out = [&](int s) { return (s < r ? 2 : 4) * gpiece; };  // to rank s, for its pieces
   std::vector<int64_t> at(static_cast<size_t>(N), 0), gat(static_cast<size_t>(N), 0), oat(static_cast<size_t>(N), 0);
   int64_t total = 4 * piece, gtotal = 0, ototal = 0;
-  for (int s = 0; s < N; ++s) {
-    if (s == r) continue;
+  for (int s : others(r, N)) {
     at[static_cast<size_t>(s)] = total, total += size_of(s);
-    gat[static_cast<size_t>(s)] = gtotal, gtotal += grads_of(s);
-    oat[static_cast<size_t>(s)] = ototal, ototal += (s < r ? 2 : 4) * gpiece;  // to rank s, for its pieces
+    gat[static_cast<size_t>(s)] = gtotal, gtotal += grads_in(s);
+    oat[static_cast<size_t>(s)] = ototal, ototal += grads_out(s);
   }
   Buffer host = take(host_, total, "context parallel: keys in flight");
   Buffer gin = take(host_, gtotal, "context parallel: key gradients received");
   Buffer gout = take(host_, ototal, "context parallel: key gradients sent");
   char* hb = host.as<char>();
-  std::vector<dist::Request> recvs(static_cast<size_t>(N)), ins(static_cast<size_t>(N)), sends, outs;
-  for (int s = 0; s < N; ++s) {
-    if (s == r) continue;
-    recvs[static_cast<size_t>(s)] = dist::irecv(hb + at[static_cast<size_t>(s)], size_of(s), base_ + s, tag(layer, kKvBackward));
-    ins[static_cast<size_t>(s)] = dist::irecv(gin.as<char>() + gat[static_cast<size_t>(s)], grads_of(s), base_ + s, tag(layer, kGrads));
+  std::vector<dist::Request> recvs(static_cast<size_t>(N)), ins(static_cast<size_t>(N)), outs;
+  for (int s : others(r, N)) {
+    const size_t i = static_cast<size_t>(s);
+    recvs[i] = dist::irecv(hb + at[i], size_of(s), base_ + s, tag(layer, kKvBackward));
+    ins[i] = dist::irecv(gin.as<char>() + gat[i], grads_in(s), base_ + s, tag(layer, kGrads));
   }
-  if (N > 1) {
-    pack_pieces(hb, k, v);
-    for (int t = 0; t < N; ++t)
-      if (t != r) sends.push_back(dist::isend(hb, (t > r ? 2 : 4) * piece, base_ + t, tag(layer, kKvBackward)));
-  }
+  std::vector<dist::Request> sends = send_pieces(layer, kKvBackward, k, v, hb);
   // The own pieces (dq =, their share into dk, dv, which start at zero).
-  const KvBlock own[2] = {
-      KvBlock{k.data, v.data, static_cast<int32_t>(first(2 * N * h)), static_cast<int32_t>(h)},
-      KvBlock{static_cast<char*>(k.data) + dtype_bytes(k.dtype, h * D), static_cast<char*>(v.data) + dtype_bytes(v.dtype, h * D),
-              static_cast<int32_t>(second(2 * N * h)), static_cast<int32_t>(h)}};
-  const KvBlock down[2] = {
-      KvBlock{dk.data, dv.data, own[0].start, own[0].len},
-      KvBlock{static_cast<char*>(dk.data) + dtype_bytes(dk.dtype, h * D), static_cast<char*>(dv.data) + dtype_bytes(dv.dtype, h * D),
-              own[1].start, own[1].len}};
-  ops_.attention_backward(dq, KvBlocks{down, 2, Hkv, T_, D, dk.dtype}, dout, q, KvBlocks{own, 2, Hkv, T_, D, k.dtype, bf16_},
-                          o, lse, pos, scale);
-  if (N == 1) return;
-  Buffer part = take(device_, 4 * piece + 4 * gpiece + dtype_bytes(dq.dtype, dq.numel()) + dtype_bytes(lse.dtype, H * h),
+  KvBlock own[2], down[2];
+  own_pieces(k, v, own);
+  own_pieces(dk, dv, down);
+  ops_.attention_backward(dq, KvBlocks{down, 2, Hkv, T_, D, dk.dtype}, dout, q,
+                          KvBlocks{own, 2, Hkv, T_, D, k.dtype, bf16_}, o, lse, pos, scale);
+  Buffer part = take(device_,
+                     4 * piece + 4 * gpiece + dtype_bytes(dq.dtype, dq.numel()) + dtype_bytes(lse.dtype, H * h),
                      "context parallel: another slice's keys and gradients");
   char* db = part.as<char>();
   char* gb = db + 4 * piece;
   char* dqb = gb + 4 * gpiece;
   char* lb = dqb + dtype_bytes(dq.dtype, dq.numel());
-  std::vector<int> order;
-  for (int s = r - 1; s >= 0; --s) order.push_back(s);
-  for (int s = r + 1; s < N; ++s) order.push_back(s);
-  for (int s : order) {
+  for (int s : others(r, N)) {
     dist::wait(recvs[static_cast<size_t>(s)]);
     const int pieces = s < r ? 2 : 4;
     ops_.upload(Tensor(db, DType::u8, {pieces * piece}, Tier::Device), hb + at[static_cast<size_t>(s)]);
     const Tensor g(gb, dk.dtype, {pieces * Hkv * h * D}, Tier::Device);
     ops_.zero(g);
-    const int32_t p0 = static_cast<int32_t>(s * h), p1 = static_cast<int32_t>((2 * N - 1 - s) * h), len = static_cast<int32_t>(h);
+    const int32_t p0 = static_cast<int32_t>(s * h), p1 = static_cast<int32_t>((2 * N - 1 - s) * h),
+                  len = static_cast<int32_t>(h);
     const KvBlock blk[2] = {KvBlock{db, db + piece, p0, len}, KvBlock{db + 2 * piece, db + 3 * piece, p1, len}};
     const KvBlock gblk[2] = {KvBlock{gb, gb + gpiece, p0, len}, KvBlock{gb + 2 * gpiece, gb + 3 * gpiece, p1, len}};
     const int nb = s < r ? 1 : 2;
@@ -660,19 +670,21 @@ void RingKv::backward_zigzag(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Ten
     } else {  // the second piece's rows: their lse gathered into (H, h)
       Tensor dq2(dqb, dq.dtype, {h, dq.dims[1], dq.dims[2]}, Tier::Device);
       Tensor l(lb, lse.dtype, {H, h}, Tier::Device);
-      ops_.copy_rows(l, h, Tensor(static_cast<char*>(lse.data) + dtype_bytes(lse.dtype, h), lse.dtype, {(H - 1) * T_ + h},
-                                  lse.tier),
+      ops_.copy_rows(l, h,
+                     Tensor(static_cast<char*>(lse.data) + dtype_bytes(lse.dtype, h), lse.dtype, {(H - 1) * T_ + h},
+                            lse.tier),
                      T_, H, h);
-      ops_.attention_backward(dq2, gk, rows_of(dout, h, h), rows_of(q, h, h), kv, rows_of(o, h, h), l, rows_of(pos, h, h),
-                              scale);
+      ops_.attention_backward(dq2, gk, rows_of(dout, h, h), rows_of(q, h, h), kv, rows_of(o, h, h), l,
+                              rows_of(pos, h, h), scale);
       const Tensor dq_rows = rows_of(dq, h, h);
       ops_.axpy(dq_rows, 1.0, dq2);
     }
     char* out = gout.as<char>() + oat[static_cast<size_t>(s)];
     ops_.download(out, g);
-    outs.push_back(dist::isend(out, pieces * gpiece, base_ + s, tag(layer, kGrads)));
+    outs.push_back(dist::isend(out, grads_out(s), base_ + s, tag(layer, kGrads)));
   }
-  // The other ranks' gradients for this rank's pieces, added in rank order.
+  // The other ranks' gradients for this rank's pieces, added in rank order: keys and values of the first piece,
+  // then (from an earlier rank) of the second.
   const int64_t half = Hkv * T_ * D;
   Buffer mine = take(host_, dtype_bytes(DType::f32, 2 * half), "context parallel: own key gradients");
   float* m = mine.as<float>();
@@ -682,16 +694,12 @@ void RingKv::backward_zigzag(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Ten
     if (t == r) continue;
     dist::wait(ins[static_cast<size_t>(t)]);
     const float* src = reinterpret_cast<const float*>(gin.as<char>() + gat[static_cast<size_t>(t)]);
-    const int pieces = t < r ? 4 : 2;  // keys, values of the first piece, then of the second
-    for (int p = 0; p < pieces; ++p) {
-      const int kvi = p % 2, hp = p / 2;
-      float* base = m + kvi * half;
+    for (int p = 0; p < (t < r ? 4 : 2); ++p)
       for (int64_t g2 = 0; g2 < Hkv; ++g2) {
-        float* dst = base + (g2 * T_ + hp * h) * D;
+        float* dst = m + (p % 2) * half + (g2 * T_ + (p / 2) * h) * D;
         const float* add = src + (p * Hkv + g2) * h * D;
         for (int64_t i = 0; i < h * D; ++i) dst[i] += add[i];
       }
-    }
   }
   ops_.upload(dk, m);
   ops_.upload(dv, m + half);

@@ -105,6 +105,10 @@ class RingKv final : public ChunkKv {
   // Zigzag: this rank's keys and values as pieces (first keys, first values, second keys, second values; each
   // (Hkv, h, D)) into dst.
   void pack_pieces(char* dst, Tensor k, Tensor v);
+  // Zigzag: the own two pieces of (Hkv, T, D) tensors a and b (keys and values, or their gradients) as blocks.
+  void own_pieces(const Tensor& a, const Tensor& b, KvBlock* out) const;
+  // Zigzag: this rank's pieces packed at `at` and sent (the first to each later rank, both to each earlier one).
+  std::vector<dist::Request> send_pieces(int64_t layer, int kind, Tensor k, Tensor v, char* at);
   // Rank s's pages this rank asked for (sorted, the page's place in s's slice), from `layer`'s selection.
   std::vector<int32_t> asked_of(int64_t layer, int s) const;
   // Pages `list` of k and v ((Hkv, T, D) each) into `dst` as blocks: page i at dst + i * page bytes, its keys

@@ -39,7 +39,8 @@ void score_window(Model& model, const int32_t* ids, const int32_t* tg, int64_t T
   std::vector<double> per;
   if (slice.len > 0) {
     for (const auto& [p0, len] : pieces)
-      OOM_CHECK(kv && !grads && p0 + len <= T, "[eval] a slice of a window is scored through a store, without gradients");
+      OOM_CHECK(kv && !grads && p0 + len <= T,
+                "[eval] a slice of a window is scored through a store, without gradients");
     ce = model.chunked_eval(id_t, tg_t, n, *kv, &per, at, zig ? slice.at2 : -1);
   } else if (kv && C > 0) {
     // The gradient's count is known before backward: the supervised targets.
@@ -56,12 +57,14 @@ void score_window(Model& model, const int32_t* ids, const int32_t* tg, int64_t T
   }
   r.loss_sum += ce.loss_sum;
   r.predictions += ce.count;
-  for (PositionBucket& b : r.buckets)
-    for (int64_t i = 0, off = 0; i < static_cast<int64_t>(pieces.size()); off += pieces[static_cast<size_t>(i)][1], ++i) {
-      const int64_t p0 = pieces[static_cast<size_t>(i)][0], len = pieces[static_cast<size_t>(i)][1];
+  for (PositionBucket& b : r.buckets) {
+    int64_t off = 0;  // the piece's first row in per
+    for (const auto& [p0, len] : pieces) {
       for (int64_t t = std::max(b.start, p0); t < std::min(b.end, p0 + len); ++t)
         if (tg[t] >= 0) b.loss_sum += per[static_cast<size_t>(off + t - p0)], ++b.count;
+      off += len;
     }
+  }
 }
 
 }  // namespace

@@ -442,6 +442,8 @@ void validate_config(const TrainConfig& c) {
   const int64_t cp = c.context_parallel;
   OOM_CHECK(cp >= 1, "[train] --context-parallel ", cp, ": give the number of ranks a sequence is spread over (1: "
             "none)");
+  OOM_CHECK(cp > 1 || c.cp_split == "contiguous", "[train] --cp-split ", c.cp_split, " splits a sequence over the ranks "
+            "of --context-parallel N: give --context-parallel too (or drop --cp-split)");
   if (cp > 1) {
     OOM_CHECK(c.seq % cp == 0, "[train] --context-parallel ", cp, " cuts each sequence into ", cp, " slices of equal "
               "length: --seq ", c.seq, " is not a multiple of ", cp, " (e.g. --seq ", (c.seq / cp + 1) * cp, ")");
@@ -456,8 +458,8 @@ void validate_config(const TrainConfig& c) {
               " is not a split oomless has: contiguous or zigzag");
     if (c.cp_split == "zigzag") {
       OOM_CHECK(c.seq % (2 * cp) == 0, "[train] --cp-split zigzag cuts each sequence into ", 2 * cp, " pieces of equal "
-                "length: --seq ", c.seq, " is not a multiple of ", 2 * cp, " (e.g. --seq ", (c.seq / (2 * cp) + 1) * 2 * cp,
-                ")");
+                "length: --seq ", c.seq, " is not a multiple of ", 2 * cp, " (e.g. --seq ",
+                (c.seq / (2 * cp) + 1) * 2 * cp, ")");
       OOM_CHECK(c.sparse_pages == 0, "[train] --cp-split zigzag with --sparse-pages is not built: the page-sparse ring "
                 "takes contiguous slices (drop one of them)");
       OOM_CHECK(c.lora_dropout == 0, "[train] --cp-split zigzag with --lora-dropout is not built (dropout draws by a "

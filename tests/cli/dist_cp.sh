@@ -16,8 +16,8 @@
 #  - the 4-rank run's step-2 checkpoint resumes on 2 ranks and on 1, as the 1-rank run continues;
 #  - bad settings stop with a message that names the fix: N not a divisor of the ranks, --seq not a multiple of N,
 #    --chunk or --act-offload beside it, a --page that does not divide a sparse slice, a zigzag --seq not a
-#    multiple of 2N, zigzag beside --sparse-pages, an unknown --cp-split, an OOMLESS_DIST_LINK that is not
-#    LATENCY_US,GB_PER_S.
+#    multiple of 2N, zigzag beside --sparse-pages, an unknown --cp-split or one without --context-parallel, an
+#    OOMLESS_DIST_LINK that is not LATENCY_US,GB_PER_S.
 # Skipped (77) when mpirun or an MPI build is missing.
 # usage: dist_cp.sh OOMLESS_BINARY SOURCE_DIR WORK_DIR
 set -u
@@ -223,6 +223,7 @@ expect_error "give --page P dividing 24" 2 $args --context-parallel 2 --sparse-p
 expect_error "is not a multiple of 8" 4 $args --context-parallel 4 --cp-split zigzag --seq 52 --out "$work/bad9"
 expect_error "drop one of them" 2 $args --context-parallel 2 --cp-split zigzag --sparse-pages 1 --page 4 --out "$work/bad10"
 expect_error "contiguous or zigzag" 2 $args --context-parallel 2 --cp-split striped --out "$work/bad11"
+expect_error "give --context-parallel too" 0 $args --cp-split zigzag --out "$work/bad12"
 expect_error "2 groups of ranks share each step" 4 $args --context-parallel 2 --batch 1 --out "$work/bad7"
 (export OOMLESS_DIST_LINK=fast; expect_error "give LATENCY_US,GB_PER_S" 2 $args --context-parallel 2 --out "$work/bad6") || exit 1
 [ ! -e "$work/bad1" ] && [ ! -e "$work/bad2" ] && [ ! -e "$work/bad8" ] && [ ! -e "$work/bad9" ] || { echo "a refused run left a folder"; exit 1; }
