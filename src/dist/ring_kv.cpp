@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "dist/comm.h"
+#include "kv/kv_views.h"
 
 namespace oomless {
 
@@ -217,20 +218,32 @@ void RingKv::backward(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Tensor dou
 // ---- page-sparse ----------------------------------------------------------------------------------------
 
 namespace {
-// Consecutive query pages reading the same of one earlier rank's pages: rows [r0, r0 + n), the pages' places
-// in the rank's list.
+using kv_detail::rows;
+
+// Consecutive query pages reading the same of one earlier rank's pages: rows [r0, r0 + n), and the places of
+// those pages in the list asked of that rank.
 struct PageGroup {
   int64_t r0, n;
-  std::vector<KvBlock> blocks;
+  std::vector<int32_t> idx;
 };
 
-// Rows [r0, r0 + n) of a (T, ...) tensor.
-Tensor rows_of(const Tensor& t, int64_t r0, int64_t n) {
-  const int64_t per = t.numel() / t.dims[0];
-  Tensor x = t;
-  x.data = static_cast<char*>(t.data) + dtype_bytes(t.dtype, r0 * per);
-  x.dims[0] = n;
-  return x;
+// The arrived pages of rank s (`asked`: their places in its slice, sorted) as blocks: page i at base + i * stride,
+// its keys then its values (stride / 2 bytes each).
+std::vector<KvBlock> page_blocks(char* base, int64_t stride, const std::vector<int32_t>& asked, int64_t s,
+                                 int64_t T, int64_t P) {
+  std::vector<KvBlock> out;
+  for (size_t i = 0; i < asked.size(); ++i) {
+    char* b = base + static_cast<int64_t>(i) * stride;
+    out.push_back(KvBlock{b, b + stride / 2, static_cast<int32_t>(s * T + asked[i] * P), static_cast<int32_t>(P)});
+  }
+  return out;
+}
+
+// The blocks of `all` a group reads.
+std::vector<KvBlock> picked(const std::vector<KvBlock>& all, const std::vector<int32_t>& idx) {
+  std::vector<KvBlock> out;
+  for (int32_t i : idx) out.push_back(all[static_cast<size_t>(i)]);
+  return out;
 }
 }  // namespace
 
@@ -250,27 +263,27 @@ std::vector<int32_t> RingKv::asked_of(int64_t layer, int s) const {
 }
 
 void RingKv::pack_pages(char* dst, const std::vector<int32_t>& list, Tensor k, Tensor v) {
-  const int64_t P = sp_.P, D = d_.D, Hkv = d_.Hkv, rows = P * D, half = dtype_bytes(k.dtype, Hkv * rows);
+  const int64_t P = sp_.P, D = d_.D, Hkv = d_.Hkv, prows = P * D, half = dtype_bytes(k.dtype, Hkv * prows);
   for (size_t i = 0; i < list.size(); ++i) {
     char* page = dst + static_cast<int64_t>(i) * 2 * half;
     for (int64_t h = 0; h < Hkv; ++h) {
       const int64_t at = (h * T_ + list[i] * P) * D;
-      ops_.download(page + dtype_bytes(k.dtype, h * rows),
-                    Tensor(static_cast<char*>(k.data) + dtype_bytes(k.dtype, at), k.dtype, {rows}, k.tier));
-      ops_.download(page + half + dtype_bytes(v.dtype, h * rows),
-                    Tensor(static_cast<char*>(v.data) + dtype_bytes(v.dtype, at), v.dtype, {rows}, v.tier));
+      ops_.download(page + dtype_bytes(k.dtype, h * prows),
+                    Tensor(static_cast<char*>(k.data) + dtype_bytes(k.dtype, at), k.dtype, {prows}, k.tier));
+      ops_.download(page + half + dtype_bytes(v.dtype, h * prows),
+                    Tensor(static_cast<char*>(v.data) + dtype_bytes(v.dtype, at), v.dtype, {prows}, v.tier));
     }
   }
 }
 
 namespace {
-// The groups of query pages reading rank s's pages `asked` (its place in s's slice, sorted), `blocks` the pages
-// as they arrived (in that order), from the rank's selection sel (nq, W) and counts.
+// The groups of query pages reading rank s's pages `asked` (their places in s's slice, sorted), from the rank's
+// selection sel (nq, W) and counts.
 std::vector<PageGroup> groups_of(const std::vector<int32_t>& sel, int64_t nq, int64_t W, int64_t P, int64_t ppc, int s,
-                                 const std::vector<int32_t>& asked, const std::vector<KvBlock>& blocks) {
+                                 const std::vector<int32_t>& asked) {
   const int32_t* cnt = sel.data() + nq * W;
   std::vector<PageGroup> out;
-  std::vector<int32_t> prev;
+  bool open = false;  // the last group ends at the previous query page
   for (int64_t qp = 0; qp < nq; ++qp) {
     std::vector<int32_t> idx;
     for (int32_t i = 0; i < cnt[qp]; ++i) {
@@ -278,18 +291,12 @@ std::vector<PageGroup> groups_of(const std::vector<int32_t>& sel, int64_t nq, in
       if (p < 0 || p >= ppc) continue;
       idx.push_back(static_cast<int32_t>(std::lower_bound(asked.begin(), asked.end(), p) - asked.begin()));
     }
-    if (idx.empty()) {
-      prev.clear();
-      continue;
-    }
-    if (!out.empty() && idx == prev && out.back().r0 + out.back().n == qp * P) {
+    if (!idx.empty() && open && idx == out.back().idx) {
       out.back().n += P;
-      continue;
+    } else if (!idx.empty()) {
+      out.push_back(PageGroup{qp * P, P, std::move(idx)});
     }
-    PageGroup g{qp * P, P, {}};
-    for (int32_t i : idx) g.blocks.push_back(blocks[static_cast<size_t>(i)]);
-    out.push_back(std::move(g));
-    prev = std::move(idx);
+    open = !out.empty() && out.back().r0 + out.back().n == (qp + 1) * P;
   }
   return out;
 }
@@ -381,19 +388,15 @@ void RingKv::forward_sparse(int64_t layer, Tensor o, Tensor lse, Tensor q, Tenso
       dist::wait(pages_in[static_cast<size_t>(s)]);
       if (n == 0) continue;
       ops_.upload(Tensor(blk.data(), DType::u8, {n * page}, Tier::Device), in.as<char>() + at * page);
-      std::vector<KvBlock> blocks;
-      for (int64_t i = 0; i < n; ++i) {
-        char* b = blk.as<char>() + i * page;
-        blocks.push_back(KvBlock{b, b + page / 2, static_cast<int32_t>(s * T_ + a[static_cast<size_t>(i)] * P),
-                                 static_cast<int32_t>(P)});
-      }
-      for (const PageGroup& g : groups_of(sel, nq, W, P, ppc, s, a, blocks)) {
+      const std::vector<KvBlock> blocks = page_blocks(blk.as<char>(), page, a, s, T_, P);
+      for (const PageGroup& g : groups_of(sel, nq, W, P, ppc, s, a)) {
+        const std::vector<KvBlock> read = picked(blocks, g.idx);
         Tensor o2(part.data(), o.dtype, {g.n, o.dims[1], o.dims[2]}, Tier::Device);
         Tensor l2(part.as<char>() + dtype_bytes(o.dtype, o.numel()), lse.dtype, {lse.dims[0], g.n}, Tier::Device);
-        ops_.attention_forward(o2, l2, rows_of(q, g.r0, g.n),
-                               KvBlocks{g.blocks.data(), static_cast<int64_t>(g.blocks.size()), d_.Hkv, P, d_.D,
-                                        k.dtype, bf16_},
-                               rows_of(pos, g.r0, g.n), scale);
+        ops_.attention_forward(o2, l2, rows(q, g.r0, g.n),
+                               KvBlocks{read.data(), static_cast<int64_t>(read.size()), d_.Hkv, P, d_.D, k.dtype,
+                                        bf16_},
+                               rows(pos, g.r0, g.n), scale);
         ops_.attention_merge(o, lse, o2, l2, g.r0);
       }
     }
@@ -465,31 +468,24 @@ void RingKv::backward_sparse(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Ten
       ops_.upload(Tensor(blk, DType::u8, {n * page}, Tier::Device), in.as<char>() + at * page);
       const Tensor g(gblk, dk.dtype, {n * 2 * HD * P}, Tier::Device);
       ops_.zero(g);
-      std::vector<KvBlock> blocks, gblocks;
-      for (int64_t i = 0; i < n; ++i) {
-        const int32_t start = static_cast<int32_t>(s * T_ + a[static_cast<size_t>(i)] * P);
-        blocks.push_back(KvBlock{blk + i * page, blk + i * page + page / 2, start, static_cast<int32_t>(P)});
-        gblocks.push_back(KvBlock{gblk + i * gpage, gblk + i * gpage + gpage / 2, start, static_cast<int32_t>(P)});
-      }
-      const std::vector<PageGroup> groups = groups_of(sel, nq, W, P, ppc, s, a, blocks);
-      const std::vector<PageGroup> ggroups = groups_of(sel, nq, W, P, ppc, s, a, gblocks);
-      for (size_t j = 0; j < groups.size(); ++j) {
-        const PageGroup& gr = groups[j];
-        const KvBlocks kv{gr.blocks.data(), static_cast<int64_t>(gr.blocks.size()), d_.Hkv, P, d_.D, k.dtype, bf16_};
-        const KvBlocks gk{ggroups[j].blocks.data(), static_cast<int64_t>(gr.blocks.size()), d_.Hkv, P, d_.D, dk.dtype};
+      const std::vector<KvBlock> blocks = page_blocks(blk, page, a, s, T_, P),
+                                 gblocks = page_blocks(gblk, gpage, a, s, T_, P);
+      for (const PageGroup& gr : groups_of(sel, nq, W, P, ppc, s, a)) {
+        const std::vector<KvBlock> read = picked(blocks, gr.idx), gread = picked(gblocks, gr.idx);
+        const int64_t nb = static_cast<int64_t>(read.size());
+        const KvBlocks kv{read.data(), nb, d_.Hkv, P, d_.D, k.dtype, bf16_},
+            gk{gread.data(), nb, d_.Hkv, P, d_.D, dk.dtype};
         Tensor dq2(dq2all.data, dq.dtype, {gr.n, dq.dims[1], dq.dims[2]}, Tier::Device);
         if (gr.n == T_) {
           ops_.attention_backward(dq2, gk, dout, q, kv, o, lse, pos, scale);
         } else {  // some rows: their lse gathered into (H, n) behind dq2
           Tensor l(static_cast<char*>(dq2all.data) + dtype_bytes(dq.dtype, gr.n * dq.dims[1] * dq.dims[2]), lse.dtype,
                    {lse.dims[0], gr.n}, Tier::Device);
-          ops_.copy_rows(l, gr.n, Tensor(static_cast<char*>(lse.data) + dtype_bytes(lse.dtype, gr.r0), lse.dtype,
-                                         {(lse.dims[0] - 1) * T_ + gr.n}, lse.tier),
-                         T_, lse.dims[0], gr.n);
-          ops_.attention_backward(dq2, gk, rows_of(dout, gr.r0, gr.n), rows_of(q, gr.r0, gr.n), kv,
-                                  rows_of(o, gr.r0, gr.n), l, rows_of(pos, gr.r0, gr.n), scale);
+          kv_detail::lse_rows(ops_, l, lse, gr.r0, gr.n);
+          ops_.attention_backward(dq2, gk, rows(dout, gr.r0, gr.n), rows(q, gr.r0, gr.n), kv, rows(o, gr.r0, gr.n), l,
+                                  rows(pos, gr.r0, gr.n), scale);
         }
-        const Tensor dq_rows = rows_of(dq, gr.r0, gr.n);
+        const Tensor dq_rows = rows(dq, gr.r0, gr.n);
         ops_.add(dq_rows, dq_rows, dq2);
       }
       ops_.download(gout.as<char>() + at * gpage, g);
@@ -498,7 +494,7 @@ void RingKv::backward_sparse(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Ten
   }
   // The later ranks' gradients for this rank's pages, added in rank order (each rank's pages in order).
   if (r + 1 < N) {
-    const int64_t half = d_.Hkv * T_ * d_.D, rows = P * d_.D;
+    const int64_t half = d_.Hkv * T_ * d_.D, prows = P * d_.D;
     Buffer mine = take(host_, dtype_bytes(DType::f32, 2 * half), "context parallel: own key gradients");
     float* m = mine.as<float>();
     ops_.download(m, dk);
@@ -509,11 +505,11 @@ void RingKv::backward_sparse(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Ten
         const float* gk = reinterpret_cast<const float*>(gin.as<char>() + static_cast<int64_t>(at) * gpage);
         const float* gv = gk + HD * P;
         for (int64_t h = 0; h < d_.Hkv; ++h) {
-          float* mk = m + h * T_ * d_.D + p * rows;
-          float* mv = m + half + h * T_ * d_.D + p * rows;
-          for (int64_t i = 0; i < rows; ++i) {
-            mk[i] += gk[h * rows + i];
-            mv[i] += gv[h * rows + i];
+          float* mk = m + h * T_ * d_.D + p * prows;
+          float* mv = m + half + h * T_ * d_.D + p * prows;
+          for (int64_t i = 0; i < prows; ++i) {
+            mk[i] += gk[h * prows + i];
+            mv[i] += gv[h * prows + i];
           }
         }
         ++at;
@@ -601,8 +597,8 @@ void RingKv::forward_zigzag(int64_t layer, Tensor o, Tensor lse, Tensor q, Tenso
     const int64_t r0 = s < r ? 0 : h, n = s < r ? T_ : h;
     Tensor o2(part.data(), o.dtype, {n, o.dims[1], o.dims[2]}, Tier::Device);
     Tensor l2(part.as<char>() + dtype_bytes(o.dtype, o.numel()), lse.dtype, {lse.dims[0], n}, Tier::Device);
-    ops_.attention_forward(o2, l2, rows_of(q, r0, n), KvBlocks{blk, s < r ? 1 : 2, Hkv, h, D, k.dtype, bf16_},
-                           rows_of(pos, r0, n), scale);
+    ops_.attention_forward(o2, l2, rows(q, r0, n), KvBlocks{blk, s < r ? 1 : 2, Hkv, h, D, k.dtype, bf16_},
+                           rows(pos, r0, n), scale);
     ops_.attention_merge(o, lse, o2, l2, r0);
   }
   for (dist::Request& x : sends) dist::wait(x);
@@ -670,13 +666,10 @@ void RingKv::backward_zigzag(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Ten
     } else {  // the second piece's rows: their lse gathered into (H, h)
       Tensor dq2(dqb, dq.dtype, {h, dq.dims[1], dq.dims[2]}, Tier::Device);
       Tensor l(lb, lse.dtype, {H, h}, Tier::Device);
-      ops_.copy_rows(l, h,
-                     Tensor(static_cast<char*>(lse.data) + dtype_bytes(lse.dtype, h), lse.dtype, {(H - 1) * T_ + h},
-                            lse.tier),
-                     T_, H, h);
-      ops_.attention_backward(dq2, gk, rows_of(dout, h, h), rows_of(q, h, h), kv, rows_of(o, h, h), l,
-                              rows_of(pos, h, h), scale);
-      const Tensor dq_rows = rows_of(dq, h, h);
+      kv_detail::lse_rows(ops_, l, lse, h, h);
+      ops_.attention_backward(dq2, gk, rows(dout, h, h), rows(q, h, h), kv, rows(o, h, h), l,
+                              rows(pos, h, h), scale);
+      const Tensor dq_rows = rows(dq, h, h);
       ops_.axpy(dq_rows, 1.0, dq2);
     }
     char* out = gout.as<char>() + oat[static_cast<size_t>(s)];

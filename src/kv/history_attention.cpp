@@ -89,7 +89,7 @@ void PagedKvStore::backward(int64_t layer, Tensor dq, Tensor dk, Tensor dv, Tens
       }
       // Some rows: their lse gathered into (H, n).
       Tensor l(lse2_, lse.dtype, {H, gr.n}), dq2(dq2_, dq.dtype, {gr.n, H, D});
-      ops_.copy_rows(l, gr.n, span(lse, gr.r0, (H - 1) * Tc + gr.n), Tc, H, gr.n);
+      kv_detail::lse_rows(ops_, l, lse, gr.r0, gr.n);
       const Tensor dq_rows = rows(dq, gr.r0, gr.n);
       ops_.attention_backward(dq2, blocks_of(g, true, gr.idx), rows(dout, gr.r0, gr.n), rows(q, gr.r0, gr.n),
                               blocks_of(w, false, gr.idx), rows(o, gr.r0, gr.n), l, rows(pos, gr.r0, gr.n), scale);

@@ -4,25 +4,8 @@
 #include <array>
 #include <vector>
 
+#include "kv/kv_views.h"
 #include "kv/paged_kv.h"
-
-namespace oomless::kv_detail {
-
-// Rows [r0, r0 + n) of a (T, ...) tensor.
-inline Tensor rows(const Tensor& t, int64_t r0, int64_t n) {
-  const int64_t per = t.numel() / t.dims[0];
-  Tensor r = t;
-  r.data = static_cast<char*>(t.data) + dtype_bytes(t.dtype, r0 * per);
-  r.dims[0] = n;
-  return r;
-}
-
-// Elements [first, first + n) of t, as a 1-D tensor on t's tier.
-inline Tensor span(const Tensor& t, int64_t first, int64_t n) {
-  return Tensor(static_cast<char*>(t.data) + dtype_bytes(t.dtype, first), t.dtype, {n}, t.tier);
-}
-
-}  // namespace oomless::kv_detail
 
 namespace oomless {
 

@@ -151,45 +151,22 @@ __attribute__((target("avx512f"), always_inline)) inline void store_c_wide3(cons
 
 // Three adjacent packed panels (48 columns; the k-th at b + 16 * kc * k floats): eighteen FMA chains, three
 // B loads and six broadcasts a k step (the two-panel kernel issues eight loads per twelve FMAs), each
-// output's chain as in micro_avx512.
-template <int M>
+// output's chain as in micro_avx512. ROWS: A's rows read where they are (a stored (M, K), row i at
+// a + i * ras) instead of a packed strip: the blocked nest's products of an f32 A that is not transposed, whose
+// six rows the kernel reads as six sequential streams (the strip, 6 x kc floats, stays in L1 across a unit's
+// column groups). The same chains, so the same bits.
+template <int M, bool ROWS>
 __attribute__((target("avx512f"))) void micro_avx512_wide3(const Micro& u) {
   prefetch_c<M>(u, 3);
   __m512 c0[M], c1[M], c2[M];
 #pragma GCC unroll 6
   for (int i = 0; i < M; ++i) c0[i] = c1[i] = c2[i] = _mm512_setzero_ps();
   const float* a = u.a;
-  const float* b = u.b;
-  const int64_t second = kNr * u.kc;
-#pragma GCC unroll 2
-  for (int64_t k = 0; k < u.kc; ++k) {
-    const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + second), b2 = _mm512_loadu_ps(b + 2 * second);
-#pragma GCC unroll 6
-    for (int i = 0; i < M; ++i) {
-      const __m512 ai = _mm512_set1_ps(a[i]);
-      c0[i] = _mm512_fmadd_ps(ai, b0, c0[i]);
-      c1[i] = _mm512_fmadd_ps(ai, b1, c1[i]);
-      c2[i] = _mm512_fmadd_ps(ai, b2, c2[i]);
-    }
-    a += kMr;
-    b += kNr;
-  }
-  store_c_wide3<M>(u, c0, c1, c2);
-}
-
-// micro_avx512_wide3 with A's rows read where they are (a stored (M, K), row i at a + i * ras) instead of a
-// packed strip: the blocked nest's products of an f32 A that is not transposed, whose six rows the kernel
-// reads as six sequential streams (the strip, 6 x kc floats, stays in L1 across a unit's column groups).
-// The same chains, so the same bits.
-template <int M>
-__attribute__((target("avx512f"))) void micro_avx512_rows3(const Micro& u) {
-  prefetch_c<M>(u, 3);
-  __m512 c0[M], c1[M], c2[M];
-#pragma GCC unroll 6
-  for (int i = 0; i < M; ++i) c0[i] = c1[i] = c2[i] = _mm512_setzero_ps();
   const float* ar[kMr];
+  if constexpr (ROWS) {
 #pragma GCC unroll 6
-  for (int i = 0; i < M; ++i) ar[i] = u.a + i * u.ras;
+    for (int i = 0; i < M; ++i) ar[i] = u.a + i * u.ras;
+  }
   const float* b = u.b;
   const int64_t second = kNr * u.kc;
 #pragma GCC unroll 2
@@ -197,11 +174,12 @@ __attribute__((target("avx512f"))) void micro_avx512_rows3(const Micro& u) {
     const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + second), b2 = _mm512_loadu_ps(b + 2 * second);
 #pragma GCC unroll 6
     for (int i = 0; i < M; ++i) {
-      const __m512 ai = _mm512_set1_ps(ar[i][k]);
+      const __m512 ai = _mm512_set1_ps(ROWS ? ar[i][k] : a[i]);
       c0[i] = _mm512_fmadd_ps(ai, b0, c0[i]);
       c1[i] = _mm512_fmadd_ps(ai, b1, c1[i]);
       c2[i] = _mm512_fmadd_ps(ai, b2, c2[i]);
     }
+    if constexpr (!ROWS) a += kMr;
     b += kNr;
   }
   store_c_wide3<M>(u, c0, c1, c2);
@@ -288,8 +266,8 @@ void fill_avx512(MicroFn* f, std::integer_sequence<int, M...>) {
 template <int... M>
 void fill_avx512_wide(MicroFn* f, MicroFn* f3, MicroFn* r3, std::integer_sequence<int, M...>) {
   ((f[M + 1] = &micro_avx512_wide<M + 1>), ...);
-  ((f3[M + 1] = &micro_avx512_wide3<M + 1>), ...);
-  ((r3[M + 1] = &micro_avx512_rows3<M + 1>), ...);
+  ((f3[M + 1] = &micro_avx512_wide3<M + 1, false>), ...);
+  ((r3[M + 1] = &micro_avx512_wide3<M + 1, true>), ...);
 }
 template <bool TA, int... M>
 void fill_avx512_tile_wide(MicroFn* f, std::integer_sequence<int, M...>) {

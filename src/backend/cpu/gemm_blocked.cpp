@@ -854,8 +854,8 @@ void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, 
   const size_t a_stride = static_cast<size_t>(p.max_strips * kMr * p.kc + kSpare);
   const bool rows_of_b = std::is_same_v<BP, const float*> && !s.tb && !pairs;
   // An f32 A stored (M, K) is read where it is by kernels of unpacked rows, where the ISA has them (see
-  // micro_avx512_rows3): 6 x kc strips of it stay in L1 as packed ones would, and the pass that would pack
-  // them is saved (up to 8% of a product with N = 128). A transposed A is still packed (its rows would be
+  // micro_avx512_wide3<M, true>): 6 x kc strips of it stay in L1 as packed ones would, and the pass that would
+  // pack them is saved (up to 8% of a product with N = 128). A transposed A is still packed (its rows would be
   // columns, a cache line read for 6 floats).
   const bool in_place = std::is_same_v<TA, float> && !s.ta && kern.rows_wide3[1] != nullptr;
 #pragma omp parallel
