@@ -90,14 +90,26 @@ int main(int argc, char** argv) {
   int reps = 5;
   bool quick = false;
   std::string isa_list, tables = "all";
+  std::vector<GemmCase> given;  // --shape: the GEMM table's shapes instead of the model shapes
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) set_threads(std::atoi(argv[++i]));
     else if (!std::strcmp(argv[i], "--isa") && i + 1 < argc) isa_list = argv[++i];
     else if (!std::strcmp(argv[i], "--tables") && i + 1 < argc) tables = argv[++i];
-    else {
+    else if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) {
+      long long m = 0, n = 0, k = 0;
+      int ta = 0, tb = 0;
+      if (std::sscanf(argv[++i], "%lld,%lld,%lld,%d,%d", &m, &n, &k, &ta, &tb) < 3 || m < 1 || n < 1 || k < 1) {
+        std::fprintf(stderr, "bench_kernels: --shape %s: give M,N,K[,TA,TB] (TA, TB: 1 for a transposed operand)\n",
+                     argv[i]);
+        return 2;
+      }
+      given.push_back({"given", m, n, k, ta != 0, tb != 0});
+    } else {
       std::fprintf(stderr, "usage: bench_kernels [--reps N] [--quick] [--threads N] [--isa LIST|all] [--tables LIST|all]\n"
+                           "                     [--shape M,N,K[,TA,TB] ...]\n"
+                           "  --shape:  the GEMM table's shapes (repeatable) instead of the model shapes\n"
                            "  --tables: which tables after the GEMM one (always run: the others' reference rate), a\n"
                            "            comma-separated list of attention, decode, optim, rows (default all)\n");
       return 2;
@@ -158,6 +170,7 @@ int main(int argc, char** argv) {
   // comparable with earlier runs).
   cases.push_back({"chunk 64 x E . F", 64, 1536, 576, false, false, false});
   cases.push_back({"chunk 128 x 2048 . 5632", 128, 5632, 2048, false, false, false});
+  if (!given.empty()) cases = given;
 
   std::printf("## GEMM (median of %d alternating runs)\n\n", reps);
   std::printf("| shape | M | N | K | dtype | path | oomless GFLOP/s | oneDNN direct GFLOP/s | ratio |\n");
