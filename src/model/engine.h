@@ -44,8 +44,8 @@ struct EngineOptions {
   Tier act_offload = Tier::Device;   // --act-offload none|host|disk (ModelOptions::act_offload)
   std::string act_tiers;             // --act-offload as a per-layer list (parse_act_tiers); empty: act_offload
   std::string spill_dir;             // its spill file's folder (disk)
-  // ZeRO-3 (full training): given the model's parameters in param_specs order, whether this rank keeps each;
-  // the layers' others share one gathered layer (load_base's `held`). Empty: every parameter kept.
+  // ZeRO-3 (an f32 base, trained or frozen): given the model's parameters in param_specs order, whether this rank
+  // keeps each; the layers' others share one gathered layer (load_base's `held`). Empty: every parameter kept.
   std::function<std::vector<bool>(const std::vector<ParamSpec>&)> held;
 };
 

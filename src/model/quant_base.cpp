@@ -298,6 +298,11 @@ BaseWeights load_base(ModelSource& src, Ops& ops, Arena& arena, bool keep_quanti
             "a frozen base: it needs --lora r (and no --modules-to-save)");
   OOM_CHECK(!convert_tables || !src.gguf_tensors, "[model] ", src.spec, " is a GGUF: its embedding stays in its own "
             "blocks (--embed-dtype auto) or in fp32; bf16 and nf4 are for Hugging Face folders and presets");
+  OOM_CHECK(!held || (!src.bnb4 && !(keep_quantised && src.gguf_tensors) && !nf4 && !convert_tables), "[model] --zero 3 "
+            "shards an f32 base's layer weights over the ranks; ", src.spec, " is kept quantised here (",
+            src.bnb4 ? "bitsandbytes 4-bit" : src.gguf_tensors && keep_quantised ? "GGUF blocks"
+            : nf4 ? "--base-dtype nf4 / --qlora" : "--embed-dtype bf16 / nf4", "), which is not sharded: use --zero 1 "
+            "(the adapters' optimizer state sharded)");
   BaseWeights b;
   const bool tables_elsewhere = gguf_tables || convert_tables;
   auto quantised_slots = [&] {
@@ -369,7 +374,7 @@ BaseWeights load_base(ModelSource& src, Ops& ops, Arena& arena, bool keep_quanti
     }
   } else if (held) {
     const std::vector<ParamSpec> specs = param_specs(src.cfg);
-    OOM_CHECK(!keep_quantised && base_dtype == "fp32" && held->size() == specs.size(), "[model] internal: layer "
+    OOM_CHECK(base_dtype == "fp32" && held->size() == specs.size(), "[model] internal: layer "
               "tensors sharded over ranks need an f32 base and one entry per parameter");
     std::map<std::string, bool> keep;
     for (size_t i = 0; i < specs.size(); ++i) keep[specs[i].name] = (*held)[i] || layer_of_name(specs[i].name) < 0;

@@ -82,9 +82,10 @@ class QuantBase {
 // base_dtype nf4-dq), which need keep_quantised. Read as the GEMM reads a quantised matrix: the embedding
 // gathers dequantised rows, the fused cross-entropy dequantises each vocabulary chunk.
 //
-// held (ZeRO-3, full training in f32 only): per param_specs entry, whether this rank keeps the tensor. The
-// layers' tensors it does not keep are views into `gathered`, one layer's worth of storage (category weights)
-// that every layer's other tensors share: whoever runs a layer first fills it (Model::on_layer_weights).
+// held (ZeRO-3; an f32 base, trained or frozen under adapters, a quantised one refused): per param_specs entry,
+// whether this rank keeps the tensor. The layers' tensors it does not keep are views into `gathered`, one layer's
+// worth of storage (category weights) that every layer's other tensors share: whoever runs a layer first fills it
+// (Model::on_layer_weights).
 // Loading still reads every tensor (the others' pass through `gathered`), so a preset's values are drawn as
 // on one rank.
 struct BaseWeights {

@@ -383,17 +383,20 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
     if ((quant_proj && proj) || (tables_elsewhere && table)) continue;
     f32_slots.push_back(s);
   }
-  // --zero 3 over several ranks (full training): this rank's share of the layers' tensors, the rest whole, and
-  // one layer's storage the others are gathered into (load_base's `held`).
+  // --zero 3 over several ranks: this rank's share of the layers' tensors (trained, or an adapter run's frozen f32
+  // base), the rest whole, and one layer's storage the others are gathered into (load_base's `held`).
   // The rank owning each parameter under --zero 2 and 3 (full training: the trained tensors are specs).
+  const bool zero3 = c.zero >= 3 && ranks.size > 1;
+  OOM_CHECK(!zero3 || (!quant_proj && !tables_elsewhere), "[estimate] --zero 3 shards an f32 base's layer weights over "
+            "the ranks; this base is kept quantised, which is not sharded: use --zero 1");
   std::vector<int> spec_owner;
-  if (c.zero >= 2 && ranks.size > 1 && !adapters) {
+  if ((c.zero >= 2 && ranks.size > 1 && !adapters) || zero3) {
     std::vector<int64_t> sizes;
     for (const ParamSpec& s : specs) sizes.push_back(numel(s.shape));
     spec_owner = dist::owners(sizes, ranks.size);
   }
   size_t gathered = 0;
-  if (c.zero >= 3 && ranks.size > 1 && !adapters) {
+  if (zero3) {
     std::vector<ParamSpec> kept, layer0;
     for (size_t i = 0; i < specs.size(); ++i) {
       const int64_t layer = layer_of_name(specs[i].name);
@@ -703,14 +706,18 @@ int run_estimate(const TrainConfig& c, bool as_json, int ranks) {
          [] { return std::make_pair(0.0, std::string("the optimizer state sharded over the ranks, the same bytes sent")); }},
         {"--zero 3",
          [&](TrainConfig& x) {
-           if (ranks <= 1 || x.zero >= 3 || x.lora > 0 || x.chunk > 0 || x.context_parallel > 1) return false;
-           x.zero = 3;
+           if (ranks <= 1 || x.zero >= 3 || x.dora || x.chunk > 0 || x.context_parallel > 1) return false;
+           x.zero = 3;  // (a quantised base is refused: the option then does not apply)
            return true;
          },
-         [] {
+         [&] {
            // SmolLM2 on 4 ranks of one machine: 0.85x the 1-rank step (docs/BENCHMARKS.md, ZeRO stage 3)
-           return std::make_pair(0.15, std::string("the layers' weights, gradients and optimizer state sharded; each "
-                                                   "layer's weights sent to every rank twice a step"));
+           return std::make_pair(0.15, std::string(c.lora > 0 ? "the frozen base's layer weights and the adapters' "
+                                                               "optimizer state sharded; each layer's base weights "
+                                                               "sent to every rank twice a step"
+                                                             : "the layers' weights, gradients and optimizer state "
+                                                               "sharded; each layer's weights sent to every rank twice "
+                                                               "a step"));
          }},
         {"--context-parallel " + std::to_string(ranks),
          [&](TrainConfig& x) {

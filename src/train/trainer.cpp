@@ -222,7 +222,8 @@ const std::vector<TrainOption>& train_options() {
             "state of its share of the tensors, then sends their new\nvalues to the others); 2 the gradients too (one "
             "layer's kept at a time, each\nsummed into its owners as backward finishes it; no --chunk); 3 the "
             "layers'\nweights too (each rank keeps its share; a layer's others are sent to every rank\nbefore its "
-            "forward and again before its backward, into one layer's storage);\n0 none (default 0)",
+            "forward and again before its backward, into one layer's storage; with\n--lora, an f32 base's layer weights: "
+            "the adapters stay whole, 1 shards their\nstate, 2 is refused); 0 none (default 0)",
             &C::zero),
       whole("context-parallel", false, "N",
             "under mpirun -np N: every sequence spread over the N ranks in consecutive\nslices of --seq / N tokens, "
@@ -695,6 +696,10 @@ struct Trainer::State {
   // or stale after a step).
   bool zero3 = false;
   int64_t gathered_layer = -1;
+  // --zero 3 in an adapter run (over several ranks): the frozen base's layer weights are sharded as above (the
+  // adapters stay whole on every rank, their optimizer state sharded as --zero 1 does); per layer, its base
+  // tensors and the rank that holds each, in param_specs order (empty: not sharded).
+  std::vector<std::vector<std::pair<Tensor, int>>> base_layers;
   std::vector<int64_t> opt_entries_of;  // per rank, its optimizer state entries at the last save (0: none sent)
   std::unique_ptr<Optimizer> opt;
   std::unique_ptr<PagedKvStore> kv;
@@ -773,11 +778,20 @@ void from_owner(Trainer::State& s, size_t i) {
   }
 }
 
-// --zero 3: layer l's tensors of other ranks into the gathered layer (nothing when it holds them already).
+// --zero 3: layer l's tensors of other ranks into the gathered layer (nothing when it holds them already): the
+// trained ones, or in an adapter run the frozen base's.
 void gather_layer(Trainer::State& s, int64_t l) {
   if (s.gathered_layer == l) return;
   s.gathered_layer = -1;
-  for (size_t i : s.groups.at(l)) from_owner(s, i);
+  if (s.base_layers.empty()) {
+    for (size_t i : s.groups.at(l)) from_owner(s, i);
+  } else {
+    for (const auto& [t, owner] : s.base_layers[static_cast<size_t>(l)])
+      for (int64_t o = 0, total = t.numel(); o < total; o += dist::kSumBucket) {  // in place: any piece size
+        const int64_t len = std::min(dist::kSumBucket, total - o);
+        dist::broadcast(static_cast<float*>(t.data) + o, len * static_cast<int64_t>(sizeof(float)), owner);
+      }
+  }
   s.gathered_layer = l;
 }
 
@@ -966,11 +980,13 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
   EngineOptions eo = engine_options(c);
   if (c.act_offload.find("disk") != std::string::npos) eo.spill_dir = spill_folder("--act-offload");
   // --zero 3 over several ranks: this rank keeps its share of the layers' tensors (the owners --zero 1 and 2 give
-  // the optimizer state), and the embedding, final norm and head whole.
-  s.zero3 = c.zero >= 3 && dist::distributed();
-  OOM_CHECK(!s.zero3 || c.lora == 0, "[train] --zero 3 shards the base model's weights, which an adapter run freezes "
-            "(its own tensors are small): use --zero 1 with --lora");
-  if (s.zero3)
+  // the optimizer state), and the embedding, final norm and head whole. In an adapter run, its share of the frozen
+  // base's layer tensors (an f32 base: load_base refuses a quantised one), the adapters whole.
+  s.zero3 = c.zero >= 3 && dist::distributed() && c.lora == 0;
+  const bool base_sharded = c.zero >= 3 && dist::distributed() && c.lora > 0;
+  OOM_CHECK(!base_sharded || !c.dora, "[train] --zero 3 with --dora: DoRA's magnitudes are set from every layer's "
+            "base weights, which --zero 3 spreads over the ranks; use --zero 1 with --dora, or LoRA with --zero 3");
+  if (s.zero3 || base_sharded)
     eo.held = [](const std::vector<ParamSpec>& specs) {
       std::vector<int64_t> sizes;
       for (const ParamSpec& p : specs) sizes.push_back(numel_of(p.shape));
@@ -1007,9 +1023,10 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
         static_cast<long long>(c.seq), static_cast<long long>(cfg.max_position));
   // --zero 2 over several ranks: one layer's gradients at a time here; each is summed into its owner's buffer as
   // backward finishes it.
-  s.zero2 = c.zero >= 2 && dist::distributed();
-  OOM_CHECK(!s.zero2 || !s.e.adapters, "[train] --zero ", c.zero, " shards the base model's gradients, and an adapter "
-            "run has none (its own are small): use --zero 1 with --lora");
+  s.zero2 = c.zero >= 2 && dist::distributed() && !s.e.adapters;
+  OOM_CHECK(c.zero != 2 || !dist::distributed() || !s.e.adapters, "[train] --zero 2 shards the base model's gradients, "
+            "and an adapter run has none (its own are small, and --zero 1 sums each into its owner): use --zero 1 "
+            "with --lora, or --zero 3 to shard the frozen base's layer weights as well");
   if ((c.step_in_backward || s.zero2) && !s.e.adapters) model.share_layer_grads();
   s.trained = model.trainable();
   for (size_t i = 0; i < s.trained.size(); ++i) s.groups[s.trained[i].group].push_back(i);
@@ -1149,6 +1166,21 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
                 "[train] internal: --zero 3 placed ", s.trained[i].name, " against its owner");
     }
     // The setup's dry run above read whatever the gathered layer held (the last one loaded): only its shapes count.
+    s.e.model->on_layer_weights([&s](int64_t l) { gather_layer(s, l); });
+  } else if (c.zero >= 3 && dist::distributed()) {  // an adapter run: the frozen base's layer tensors
+    const std::vector<ParamSpec> specs = param_specs(s.e.src.cfg);
+    std::vector<int64_t> sizes;
+    for (const ParamSpec& p : specs) sizes.push_back(numel_of(p.shape));
+    const std::vector<int> own = dist::owners(sizes, dist::size());  // the `held` given to load_base
+    s.base_layers.assign(static_cast<size_t>(s.e.src.cfg.L), {});
+    for (size_t i = 0; i < specs.size(); ++i) {
+      const int64_t l = layer_of_name(specs[i].name);
+      if (l < 0) continue;
+      const Tensor* t = s.e.params->find(specs[i].name);
+      OOM_CHECK(t && t->data && t->dtype == DType::f32 && (own[i] == dist::rank()) == !in_buffer(*t, s.e.gathered),
+                "[train] internal: --zero 3 placed the base's ", specs[i].name, " against its owner");
+      s.base_layers[static_cast<size_t>(l)].push_back({*t, own[i]});
+    }
     s.e.model->on_layer_weights([&s](int64_t l) { gather_layer(s, l); });
   }
   const ModelConfig& cfg = s.e.src.cfg;
@@ -1567,7 +1599,7 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
       }
       s.prev_norm = r.grad_norm;
     }
-    s.gathered_layer = -1;  // --zero 3: the owners' tensors have stepped
+    if (s.zero3) s.gathered_layer = -1;  // --zero 3: the owners' tensors have stepped (a frozen base has not)
   } catch (const OutOfBudget& e) {
     // Setup reserves everything a step needs; reaching this is a bug in that reservation.
     fail("[train] ran out of memory budget at step ", r.step, ", after setup had reserved the run: ", e.what());
@@ -1916,9 +1948,14 @@ int train_run(const TrainConfig& c, const std::string& out, const json::Value& p
               static_cast<long long>(step), last_loss, out.c_str(), static_cast<long long>(step),
               MetricsWriter::path_in(out).c_str(), report.c_str());
   if (!g_stop && e.src.tokenizer && c.zero >= 3 && dist::distributed()) {
-    std::printf("sample: skipped (--zero 3 spreads each layer's weights over the ranks, which have finished; the "
-                "checkpoint holds them all: oomless generate --model %s/checkpoint-%lld)\n", out.c_str(),
-                static_cast<long long>(step));
+    if (e.adapters)
+      std::printf("sample: skipped (--zero 3 spreads each layer's base weights over the ranks, which have finished: "
+                  "oomless generate --model %s --adapter %s/checkpoint-%lld)\n", c.model.c_str(), out.c_str(),
+                  static_cast<long long>(step));
+    else
+      std::printf("sample: skipped (--zero 3 spreads each layer's weights over the ranks, which have finished; the "
+                  "checkpoint holds them all: oomless generate --model %s/checkpoint-%lld)\n", out.c_str(),
+                  static_cast<long long>(step));
   } else if (!g_stop && e.src.tokenizer) {
     // A sample from the trained weights, greedy, so a person sees what the run learned: for chat data the
     // first user turn of the eval (else training) data's first conversation, answered through the chat

@@ -6,7 +6,8 @@
 #    resumes on 2 to the uninterrupted run's bytes;
 #  - ranks started with different settings stop with an error naming the rank, and leave no run folder;
 #  - ZeRO stages 1, 2 and 3 (--zero 1, 2, 3): the same with the optimizer state (and gradients, and the layers'
-#    weights) sharded, which every rank holds less of;
+#    weights) sharded, which every rank holds less of; stage 3 with a LoRA adapter (the frozen base's layer weights
+#    sharded) gives the 1-rank run's losses and stage 1's adapter bit for bit;
 #  - a rank killed in the middle of a run stops the others within a minute, and its last checkpoint resumes.
 # Skipped (77) when mpirun or an MPI build is missing.
 # usage: dist_dp.sh OOMLESS_BINARY SOURCE_DIR WORK_DIR
@@ -196,12 +197,52 @@ print('zero 3: rank 0 holds %d weight bytes of %d; estimate %d, ledger %d' % (we
   echo "zero 3, $n ranks: the 1-rank losses, weights and optimizer state; --zero 2's weights bit for bit"
 done
 rerun_and_resume 3 x
-for bad in "--zero 4" "--zero 2 --chunk 16" "--zero 2 --lora 8" "--zero 3 --chunk 16" "--zero 3 --lora 8"; do
+# Stage 3 with a LoRA adapter (--zero 3 --lora 8): the frozen base's layer weights sharded and sent as above, the
+# adapters whole on every rank (their optimizer state sharded as --zero 1 shards it). 2 and 3 ranks: the 1-rank
+# losses and adapter, and --zero 1's adapter and optimizer state bit for bit on the same N (the same base values
+# reach every product); less weight memory on every rank; the estimate the largest rank's ledger; the 3-rank
+# checkpoint resumed on 1 rank continues as the 1-rank run does.
+lref=$(losses "$work/one__lora_8/metrics.jsonl")  # the 1-rank LoRA run of the --zero 1 checks above
+for n in 2 3; do
+  for z in 1 3; do
+    mpi $n train $args --lora 8 --steps 4 --save-every 2 --zero $z --out "$work/l${z}_$n" > "$work/l${z}_$n.log" 2>&1 \
+      || { echo "--lora 8 --zero $z, $n ranks failed"; cat "$work/l${z}_$n.log"; exit 1; }
+  done
+  got=$(losses "$work/l3_$n/metrics.jsonl")
+  same_losses "$lref" "$got" || { echo "--lora 8 --zero 3, $n ranks: losses $got, 1 rank: $lref"; exit 1; }
+  close "$work/one__lora_8/checkpoint-4/adapter_model.safetensors" "$work/l3_$n/checkpoint-4/adapter_model.safetensors" 1e-5 \
+    || { echo "--lora 8 --zero 3, $n ranks: the adapter differs from 1 rank's"; exit 1; }
+  for f in adapter_model.safetensors optimizer.safetensors; do
+    cmp -s "$work/l1_$n/checkpoint-4/$f" "$work/l3_$n/checkpoint-4/$f" \
+      || { echo "--lora 8 --zero 3, $n ranks: $f differs from --zero 1's"; exit 1; }
+  done
+  "$bin" estimate $args --lora 8 --steps 4 --ranks $n --zero 3 --json > "$work/estl$n.json" \
+    || { echo "estimate --lora 8 --zero 3 failed"; exit 1; }
+  python3 -c "
+import json, sys
+est = json.load(open(sys.argv[1]))['estimate']['ram_peak']
+rows = [json.loads(l) for l in open(sys.argv[2]) if '\"train\"' in l]
+one = [json.loads(l) for l in open(sys.argv[3]) if '\"train\"' in l][-1]['memory']
+weights = lambda m: sum(m[t].get('weights', {}).get('peak', 0) for t in m if isinstance(m[t], dict))
+led = max(rows[-1]['ranks']['peak'])
+assert abs(est - led) <= 0.01 * led, (est, led)
+assert weights(rows[-1]['memory']) < weights(one), (weights(rows[-1]['memory']), weights(one))
+print('zero 3 with LoRA: rank 0 holds %d weight bytes of %d; estimate %d, ledger %d' % (weights(rows[-1]['memory']),
+      weights(one), est, led))" "$work/estl$n.json" "$work/l3_$n/metrics.jsonl" "$work/one__lora_8/metrics.jsonl" \
+    || { echo "--lora 8 --zero 3, $n ranks: memory"; exit 1; }
+  echo "--lora 8 --zero 3, $n ranks: the 1-rank losses and adapter; --zero 1's adapter and optimizer state bit for bit"
+done
+ref_saved=$ref; ref=$lref; args_saved=$args; args="$args --lora 8"
+resume_from l3_3 "1"
+ref=$ref_saved; args=$args_saved
+echo "--lora 8 --zero 3: 3 ranks' checkpoint resumed on 1: the 1-rank losses"
+for bad in "--zero 4" "--zero 2 --chunk 16" "--zero 2 --lora 8" "--zero 3 --chunk 16" "--zero 3 --lora 8 --dora" \
+           "--zero 3 --lora 8 --qlora"; do
   mpi 2 train $args --steps 1 $bad --out "$work/bad" > "$work/bad.log" 2>&1 && { echo "$bad: ran"; exit 1; }
   grep -q "zero" "$work/bad.log" || { echo "$bad: no error naming --zero"; cat "$work/bad.log"; exit 1; }
   rm -rf "$work/bad"
 done
-echo "--zero 4, --zero 2 and 3 with --chunk or --lora: refused"
+echo "--zero 4, --zero 2 with --chunk or --lora, --zero 3 with --chunk, DoRA or a quantised base: refused"
 
 # Other settings on one rank (an MPMD launch): an error naming it, from every rank; no folder left.
 mpirun -np 1 "$bin" train $args --steps 2 --out "$work/mixed" : -np 1 "$bin" train $args --steps 2 --lr 1e-3 --out "$work/mixed" \

@@ -3,7 +3,8 @@
 # (dist_dp.sh and dist_cp.sh, the whole matrix, run in the other builds). Data parallel, ZeRO stages 1, 2 and 3
 # on 2 ranks, context parallel on 2, and beside data parallel on 4 (2 groups of 2): each gives the 1-rank run's
 # losses and evaluations (fp32 rounding) and writes its checkpoint through rank 0; page-sparse context parallel
-# on 3 ranks gives the 1-rank run's in chunks, and zigzag on 3 the 1-rank run's.
+# on 3 ranks gives the 1-rank run's in chunks, zigzag on 3 the 1-rank run's, and ZeRO stage 3 with a LoRA adapter
+# on 2 the 1-rank LoRA run's.
 # Skipped (77) when mpirun or an MPI build is missing.
 # usage: dist_short.sh OOMLESS_BINARY SOURCE_DIR WORK_DIR
 set -u
@@ -38,3 +39,10 @@ mpi 3 train $args --context-parallel 3 --cp-split zigzag --out "$work/zz3" > "$w
 got="$(losses "$work/zz3/metrics.jsonl") / $(evals "$work/zz3/metrics.jsonl")"
 same_losses "$(echo "$ref" | tr -d /)" "$(echo "$got" | tr -d /)" || { echo "zigzag, 3 ranks: $got, 1 rank: $ref"; exit 1; }
 echo "zigzag context parallel, 3 ranks: the 1-rank losses and evaluations"
+# ZeRO stage 3 with a LoRA adapter on 2 ranks (the frozen base's layer weights sharded): the 1-rank LoRA run's.
+"$bin" train $args --lora 8 --out "$work/lone" > "$work/lone.log" 2>&1 || { echo "LoRA, 1 rank failed"; cat "$work/lone.log"; exit 1; }
+mpi 2 train $args --lora 8 --zero 3 --out "$work/l3" > "$work/l3.log" 2>&1 || { echo "LoRA, --zero 3 failed"; cat "$work/l3.log"; exit 1; }
+want="$(losses "$work/lone/metrics.jsonl") $(evals "$work/lone/metrics.jsonl")"
+got="$(losses "$work/l3/metrics.jsonl") $(evals "$work/l3/metrics.jsonl")"
+same_losses "$want" "$got" || { echo "LoRA, --zero 3 on 2 ranks: $got, 1 rank: $want"; exit 1; }
+echo "LoRA with --zero 3, 2 ranks: the 1-rank losses and evaluations"
