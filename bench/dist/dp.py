@@ -4,7 +4,8 @@ For each N: the median tokens/s of the steps after the first (the whole step's t
 ranks' work together), each rank's ledger peak (metrics.jsonl "ranks") and peak RSS (/usr/bin/time -v around
 each rank), and the bytes each rank sent per step (bytes_sent between two steps) against the formula of a
 ring all-reduce of the gradients, 2 (N - 1) / N x 4 bytes x trainable parameters (the ZeRO paper's 2 Psi for
-data parallel), plus the few small collectives of a step. Threads: the machine's CPUs shared by the ranks
+data parallel), plus the few small collectives of a step (--zero 3: 3 Psi; with '--lora' in --train-flags, the
+adapters' 2 Psi and the frozen base's layers, m (2L - 2) layer gathers a step for m sequences a rank). Threads: the machine's CPUs shared by the ranks
 (--threads-per-rank, default CPUs / N), so on a 2-core machine N = 2 runs one thread a rank and N > 2
 oversubscribes: step time vs N measures the sum's cost there, not scaling.
 
@@ -101,6 +102,15 @@ def run(a, n, tag, link=None):
     # --zero 3: the layers' weights gathered before each forward and each backward besides the gradients' sum:
     # the ZeRO paper's 3 Psi (its mean over the ranks; who sends depends on who owns what).
     formula = [(3 if a.zero >= 3 else 2) * (n - 1) / n * 4 * params] * n
+    if a.zero >= 3 and "--lora" in a.train_flags and n > 1:
+        # An adapter run: the adapters' sum (2 Psi_adapters), and the frozen base's layers gathered for every sequence
+        # a rank runs, each layer before its forward and its backward but the one a pass turns on, and layer 0
+        # between sequences and steps (a frozen layer stays valid): m (2L - 2) layers of Psi_layers / L.
+        shape = json.loads(subprocess.run([a.oomless, "estimate", "--model", a.model, "--seq", str(a.seq), "--json"],
+                                          capture_output=True, text=True).stdout)["shape"]
+        m = a.batch // n
+        layer = shape["layer_parameters"] / shape["layers"]
+        formula = [(n - 1) / n * 4 * (2 * params + m * (2 * shape["layers"] - 2) * layer)] * n
     if cp_flags(a, n):  # the keys, values and key gradients of each layer (the model's config in the checkpoint)
         cfg = json.load(open(os.path.join(out, sorted(d for d in os.listdir(out) if d.startswith("checkpoint-"))[-1],
                                           "config.json")))
@@ -164,8 +174,9 @@ def main():
     print(f"--zero {a.zero}" + (", --context-parallel N" if a.context_parallel else ""))
     k = 3 if a.zero >= 3 else 2
     print("| ranks | threads a rank | tok/s (median of rounds) | vs 1 rank | ledger peak a rank (largest) | optimizer "
-          f"state a rank (largest) | weights a rank (largest) | peak RSS a rank | sent a step, rank 0 / mean of ranks | "
-          f"formula {k}(N-1)/N x 4 B x params |")
+          f"state a rank (largest) | weights a rank (largest) | peak RSS a rank | sent a step, rank 0 / mean of ranks | " +
+          ("formula (N-1)/N x 4 B x (2 Psi_adapters + m (2L-2) Psi_layer) |" if a.zero >= 3 and "--lora" in a.train_flags
+             else f"formula {k}(N-1)/N x 4 B x params |"))
     print("|---|---|---|---|---|---|---|---|---|---|")
     base = statistics.median(x["tokens_per_s"] for x in res[ns[0]])
     summary = []

@@ -832,6 +832,20 @@ int run_estimate(const TrainConfig& c, bool as_json, int ranks) {
   if (as_json) {
     json::Value o = json::Value::object();
     o.set("model", json::Value::string(c.model));
+    {  // the model's shape: what a reader needs for the byte counts of sharding (ZeRO-3 sends the layers' tensors)
+      json::Value shape = json::Value::object();
+      int64_t total = 0, layers = 0;
+      for (const ParamSpec& p : param_specs(cfg)) {
+        total += numel(p.shape);
+        if (layer_of_name(p.name) >= 0) layers += numel(p.shape);
+      }
+      shape.set("layers", json::Value::integer(cfg.L));
+      shape.set("width", json::Value::integer(cfg.E));
+      shape.set("vocabulary", json::Value::integer(cfg.V));
+      shape.set("parameters", json::Value::integer(total));
+      shape.set("layer_parameters", json::Value::integer(layers));
+      o.set("shape", std::move(shape));
+    }
     o.set("estimate", est.json());
     o.set("budget", json::Value::integer(static_cast<int64_t>(budget)));
     o.set("fits", json::Value::boolean(fits));
