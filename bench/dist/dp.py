@@ -19,7 +19,8 @@ column is then the gradients' sum alone). --fit SIZE: for each N, the longest --
 that --seq (its ledger peak and RSS against SIZE). --links: context parallel over simulated links
 (OOMLESS_DIST_LINK=LATENCY_US,GB_PER_S delays each message of the ring to its post time + latency + bytes /
 bandwidth), the tokens/s each gives against the plain transport: where the link's time stops hiding behind
-the attention that overlaps it.
+the attention that overlaps it; with --zero 3 instead, each link with the next layer's weights sent while one
+computes (--zero-prefetch yes) and without.
 
 usage: python3 bench/dist/dp.py [--oomless build/release/oomless] [--model preset:tiny] [--ranks 1,2,4]
                                 [--seq 256] [--batch 4] [--steps 4] [--rounds 2] [--zero 0|1] [--work build/bench-dp] [--smoke]
@@ -104,13 +105,15 @@ def run(a, n, tag, link=None):
     formula = [(3 if a.zero >= 3 else 2) * (n - 1) / n * 4 * params] * n
     if a.zero >= 3 and "--lora" in a.train_flags and n > 1:
         # An adapter run: the adapters' sum (2 Psi_adapters), and the frozen base's layers gathered for every sequence
-        # a rank runs, each layer before its forward and its backward but the one a pass turns on, and layer 0
-        # between sequences and steps (a frozen layer stays valid): m (2L - 2) layers of Psi_layers / L.
+        # a rank runs, each layer before its forward and its backward but those a pass turns on (a frozen layer stays
+        # valid between sequences and steps): m (2L - 2) layers of Psi_layers / L with one gathered layer
+        # (--zero-prefetch no), m (2L - 4) with two (the default: two layers held at each turn).
         shape = json.loads(subprocess.run([a.oomless, "estimate", "--model", a.model, "--seq", str(a.seq), "--json"],
                                           capture_output=True, text=True).stdout)["shape"]
-        m = a.batch // n
-        layer = shape["layer_parameters"] / shape["layers"]
-        formula = [(n - 1) / n * 4 * (2 * params + m * (2 * shape["layers"] - 2) * layer)] * n
+        m, L = a.batch // n, shape["layers"]
+        held = 1 if "--zero-prefetch no" in a.train_flags else 2
+        layer = shape["layer_parameters"] / L
+        formula = [(n - 1) / n * 4 * (2 * params + m * (2 * L - 2 * held) * layer)] * n
     if cp_flags(a, n):  # the keys, values and key gradients of each layer (the model's config in the checkpoint)
         cfg = json.load(open(os.path.join(out, sorted(d for d in os.listdir(out) if d.startswith("checkpoint-"))[-1],
                                           "config.json")))
@@ -152,8 +155,9 @@ def main():
     ap.add_argument("--train-flags", default="", help="more flags for oomless train, e.g. '--optim-state disk "
                     "--spill-dir DIR --save-optimizer no'")
     ap.add_argument("--links", default=None,
-                    help="with --context-parallel: simulated links to compare, ';'-separated LATENCY_US,GB_PER_S "
-                         "(OOMLESS_DIST_LINK), 'none' for the plain transport")
+                    help="with --context-parallel or --zero 3: simulated links to compare, ';'-separated "
+                         "LATENCY_US,GB_PER_S (OOMLESS_DIST_LINK), 'none' for the plain transport (--zero 3: each "
+                         "with --zero-prefetch yes and no)")
     a = ap.parse_args()
     if a.smoke:
         a.model, a.seq, a.steps, a.ranks, a.rounds, a.batch = "preset:micro", 32, 2, "1,2", 1, 2
@@ -175,7 +179,7 @@ def main():
     k = 3 if a.zero >= 3 else 2
     print("| ranks | threads a rank | tok/s (median of rounds) | vs 1 rank | ledger peak a rank (largest) | optimizer "
           f"state a rank (largest) | weights a rank (largest) | peak RSS a rank | sent a step, rank 0 / mean of ranks | " +
-          ("formula (N-1)/N x 4 B x (2 Psi_adapters + m (2L-2) Psi_layer) |" if a.zero >= 3 and "--lora" in a.train_flags
+          ("formula (N-1)/N x 4 B x (2 Psi_adapters + m (2L-2h) Psi_layer), h layers held |" if a.zero >= 3 and "--lora" in a.train_flags
              else f"formula {k}(N-1)/N x 4 B x params |"))
     print("|---|---|---|---|---|---|---|---|---|---|")
     base = statistics.median(x["tokens_per_s"] for x in res[ns[0]])
@@ -212,9 +216,38 @@ def main():
                        "summary": summary}, f, indent=1)
 
 
+def zero3_links(a, ns, ls):
+    """--zero 3 over simulated links (the layers' sends delayed; the gradients' sums, collectives, are not), with the
+    next layer sent while one computes (--zero-prefetch yes) and without: tokens/s, the settings alternating."""
+    print(f"{a.model} --dtype {a.dtype}, --seq {a.seq} --batch {a.batch}, --zero 3, {a.steps} steps, {a.rounds} "
+          f"round(s); {os.cpu_count()} CPUs")
+    print("| ranks | link (latency, bandwidth) | --zero-prefetch | tok/s (median of rounds) | vs no link | vs no "
+          "prefetch | sent a step, rank 0 |")
+    print("|---|---|---|---|---|---|---|")
+    flags, out = a.train_flags, []
+    for n in ns:
+        res = {(x, pf): [] for x in ls for pf in ("yes", "no")}
+        for _ in range(a.rounds):
+            for x, pf in res:
+                a.train_flags = f"{flags} --zero-prefetch {pf}"
+                res[(x, pf)].append(run(a, n, f"link{n}", None if x == "none" else x))
+        a.train_flags = flags
+        tps = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in res.items()}
+        for (x, pf), v in res.items():
+            name = "none (shared memory)" if x == "none" else f"{x.split(',')[0]} us, {x.split(',')[1]} GB/s"
+            print(f"| {n} | {name} | {pf} | {tps[(x, pf)]:.0f} | {tps[(x, pf)] / tps[(ls[0], pf)]:.2f}x | "
+                  f"{tps[(x, pf)] / tps[(x, 'no')]:.2f}x | {v[-1]['bytes_sent_per_step'] / 2**20:.2f} MiB |")
+            out.append({"ranks": n, "link": x, "zero_prefetch": pf, "tokens_per_s": tps[(x, pf)], "runs": v})
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"model": a.model, "seq": a.seq, "runs": out}, f, indent=1)
+
+
 def links(a, ns):
     """Context parallel over simulated links: tokens/s against the plain transport, the links alternating."""
     ls = [x.strip() for x in a.links.split(";")]
+    if a.zero >= 3 and not a.context_parallel:
+        return zero3_links(a, ns, ls)
     print(f"{a.model} --dtype {a.dtype}, --seq {a.seq} --batch {a.batch}, --context-parallel N, {a.steps} steps, "
           f"{a.rounds} round(s); {os.cpu_count()} CPUs")
     print("| ranks | link (latency, bandwidth) | tok/s (median of rounds) | vs no link | ring bytes a step, rank 0 | "

@@ -34,7 +34,7 @@ Engine build_engine(const EngineOptions& o) {
   std::vector<bool> held;
   if (o.held) held = o.held(param_specs(e.src.cfg));
   BaseWeights base = load_base(e.src, *e.ops, e.mem->device, o.keep_quantised, o.base_dtype, embed_dtype,
-                               o.held ? &held : nullptr);
+                               o.held ? &held : nullptr, o.gathered_copies);
   e.params = std::move(base.params);
   e.gathered = std::move(base.gathered);
   e.quant = std::move(base.quant);

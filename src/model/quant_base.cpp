@@ -283,7 +283,7 @@ QuantBase::QuantBase(Ops& ops, const std::vector<GgufHfTensor>& tensors, ParamSe
 }
 
 BaseWeights load_base(ModelSource& src, Ops& ops, Arena& arena, bool keep_quantised, const std::string& base_dtype,
-                      const std::string& embed_dtype, const std::vector<bool>* held) {
+                      const std::string& embed_dtype, const std::vector<bool>* held, int gathered_copies) {
   OOM_CHECK(base_dtype == "fp32" || base_dtype == "nf4" || base_dtype == "nf4-dq", "[model] base dtype '", base_dtype,
             "' is not supported; supported: fp32, nf4 (nf4-dq: double-quantised scales)");
   OOM_CHECK(embed_dtype == "auto" || embed_dtype == "fp32" || embed_dtype == "bf16" || embed_dtype == "nf4",
@@ -389,12 +389,15 @@ BaseWeights load_base(ModelSource& src, Ops& ops, Arena& arena, bool keep_quanti
       at[rest] = bytes;
       bytes += (static_cast<size_t>(numel_of(s.shape)) * sizeof(float) + 63) / 64 * 64;
     }
-    b.gathered = arena.alloc_zeroed(bytes, Category::weights, "ZeRO-3 gathered layer");
+    OOM_CHECK(gathered_copies == 1 || gathered_copies == 2, "[model] internal: ", gathered_copies, " gathered layers");
+    b.gathered = arena.alloc_zeroed(bytes * static_cast<size_t>(gathered_copies), Category::weights,
+                                    gathered_copies == 1 ? "ZeRO-3 gathered layer" : "ZeRO-3 gathered layers (2)");
     for (const ParamSpec& s : specs) {
       std::string rest;
-      if (keep.at(s.name) || layer_of_name(s.name, &rest) < 0) continue;
+      const int64_t layer = layer_of_name(s.name, &rest);
+      if (keep.at(s.name) || layer < 0) continue;
       Tensor v = *b.params->find(s.name);
-      v.data = b.gathered.as<char>() + at.at(rest);
+      v.data = b.gathered.as<char>() + static_cast<size_t>(layer % gathered_copies) * bytes + at.at(rest);
       v.tier = b.gathered.tier();
       b.params->set_view(s.name, v);
     }

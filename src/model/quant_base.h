@@ -85,16 +85,18 @@ class QuantBase {
 // held (ZeRO-3; an f32 base, trained or frozen under adapters, a quantised one refused): per param_specs entry,
 // whether this rank keeps the tensor. The layers' tensors it does not keep are views into `gathered`, one layer's
 // worth of storage (category weights) that every layer's other tensors share: whoever runs a layer first fills it
-// (Model::on_layer_weights).
+// (Model::on_layer_weights). gathered_copies 2: two layers' storage, layer l's others viewing copy l % 2, so that
+// the next layer of a pass can be filled while one computes (the trainer's prefetch).
 // Loading still reads every tensor (the others' pass through `gathered`), so a preset's values are drawn as
 // on one rank.
 struct BaseWeights {
   std::unique_ptr<ParamSet> params;
   std::unique_ptr<QuantBase> quant;  // null: nothing kept quantised
-  Buffer gathered;                   // held: one layer's storage for the tensors of other ranks
+  Buffer gathered;                   // held: one (or two) layers' storage for the tensors of other ranks
 };
 struct ModelSource;
 BaseWeights load_base(ModelSource& src, Ops& ops, Arena& arena, bool keep_quantised, const std::string& base_dtype = "fp32",
-                      const std::string& embed_dtype = "auto", const std::vector<bool>* held = nullptr);
+                      const std::string& embed_dtype = "auto", const std::vector<bool>* held = nullptr,
+                      int gathered_copies = 1);
 
 }  // namespace oomless

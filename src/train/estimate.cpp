@@ -384,7 +384,7 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
     f32_slots.push_back(s);
   }
   // --zero 3 over several ranks: this rank's share of the layers' tensors (trained, or an adapter run's frozen f32
-  // base), the rest whole, and one layer's storage the others are gathered into (load_base's `held`).
+  // base), the rest whole, and one layer's storage the others are gathered into, or two (load_base's `held`).
   // The rank owning each parameter under --zero 2 and 3 (full training: the trained tensors are specs).
   const bool zero3 = c.zero >= 3 && ranks.size > 1;
   OOM_CHECK(!zero3 || (!quant_proj && !tables_elsewhere), "[estimate] --zero 3 shards an f32 base's layer weights over "
@@ -404,7 +404,7 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
       if (layer == 0) layer0.push_back(specs[i]);
     }
     f32_slots = kept;
-    gathered = set_bytes(layer0, f);
+    gathered = set_bytes(layer0, f) * (c.zero_prefetch == "yes" ? 2 : 1);  // --zero-prefetch: two copies
   }
   size_t weights = set_bytes(f32_slots, f) + gathered, quant = 0;
   for (const ParamSpec& s : specs) {

@@ -225,6 +225,10 @@ const std::vector<TrainOption>& train_options() {
             "forward and again before its backward, into one layer's storage; with\n--lora, an f32 base's layer weights: "
             "the adapters stay whole, 1 shards their\nstate, 2 is refused); 0 none (default 0)",
             &C::zero),
+      text("zero-prefetch", false, "S",
+           "under --zero 3: yes sends the next layer's weights of a pass while one\ncomputes (two layers' storage for "
+           "the others' tensors); no, when the pass\nreaches it (one) (default yes)",
+           &C::zero_prefetch),
       whole("context-parallel", false, "N",
             "under mpirun -np N: every sequence spread over the N ranks in consecutive\nslices of --seq / N tokens, "
             "each rank's queries attending to the earlier slices'\nkeys sent to it (memory for --seq / N tokens a "
@@ -440,6 +444,8 @@ void validate_config(const TrainConfig& c) {
             "state, 1 the optimizer state, 0 none");
   OOM_CHECK(c.zero < 2 || c.chunk == 0, "[train] --zero ", c.zero, " keeps one layer's gradients at a time, which "
             "chunks' backward passes would overwrite: drop --chunk, or use --zero 1");
+  OOM_CHECK(c.zero_prefetch == "yes" || c.zero_prefetch == "no", "[train] --zero-prefetch ", c.zero_prefetch,
+            ": give yes (the next layer sent while one computes) or no");
   const int64_t cp = c.context_parallel;
   OOM_CHECK(cp >= 1, "[train] --context-parallel ", cp, ": give the number of ranks a sequence is spread over (1: "
             "none)");
@@ -691,15 +697,19 @@ struct Trainer::State {
   // model keeps one layer's at a time (and the embedding's, the norm's and the head's whole).
   bool zero2 = false;
   Buffer owned_grads;
-  // --zero 3 (over several ranks): the layers' tensors of other ranks are views into one layer's storage
-  // (Engine::gathered), filled from their owners before a pass reads them; the layer it holds now (-1: none,
-  // or stale after a step).
+  // --zero 3 (over several ranks): the layers' tensors of other ranks are views into one layer's storage, or two
+  // (Engine::gathered; --zero-prefetch yes: layer l's in copy l % 2), filled from their owners before a pass reads
+  // them. In an adapter run the frozen base's layer weights are sharded so (the adapters stay whole on every
+  // rank, their optimizer state sharded as --zero 1 does). Per layer, its sharded tensors and the rank that holds
+  // each (empty: none sharded); the layer each copy holds (-1: none, or stale after a step); the layer the model
+  // asked for last (a pass's direction); a layer on its way into its copy while another computes (-1: none) and
+  // its messages.
   bool zero3 = false;
-  int64_t gathered_layer = -1;
-  // --zero 3 in an adapter run (over several ranks): the frozen base's layer weights are sharded as above (the
-  // adapters stay whole on every rank, their optimizer state sharded as --zero 1 does); per layer, its base
-  // tensors and the rank that holds each, in param_specs order (empty: not sharded).
-  std::vector<std::vector<std::pair<Tensor, int>>> base_layers;
+  std::vector<std::vector<std::pair<Tensor, int>>> layer_tensors;
+  int copies = 1;
+  std::array<int64_t, 2> gathered_in{-1, -1};
+  int64_t last_fetch = -1, prefetching = -1;
+  std::vector<dist::Request> inflight;
   std::vector<int64_t> opt_entries_of;  // per rank, its optimizer state entries at the last save (0: none sent)
   std::unique_ptr<Optimizer> opt;
   std::unique_ptr<PagedKvStore> kv;
@@ -778,21 +788,66 @@ void from_owner(Trainer::State& s, size_t i) {
   }
 }
 
-// --zero 3: layer l's tensors of other ranks into the gathered layer (nothing when it holds them already): the
-// trained ones, or in an adapter run the frozen base's.
-void gather_layer(Trainer::State& s, int64_t l) {
-  if (s.gathered_layer == l) return;
-  s.gathered_layer = -1;
-  if (s.base_layers.empty()) {
-    for (size_t i : s.groups.at(l)) from_owner(s, i);
-  } else {
-    for (const auto& [t, owner] : s.base_layers[static_cast<size_t>(l)])
-      for (int64_t o = 0, total = t.numel(); o < total; o += dist::kSumBucket) {  // in place: any piece size
-        const int64_t len = std::min(dist::kSumBucket, total - o);
-        dist::broadcast(static_cast<float*>(t.data) + o, len * static_cast<int64_t>(sizeof(float)), owner);
+// --zero 3: the messages that bring layer l's tensors of other ranks into its gathered copy: each tensor sent by
+// its owner to every other rank, straight from and into the tensors' memory, in pieces of at most 1 GiB. Every rank
+// posts them in the same order under one tag (MPI matches a pair's messages in order).
+constexpr int kGatherTag = 0x5a3;
+void post_layer(Trainer::State& s, int64_t l, std::vector<dist::Request>* out) {
+  constexpr int64_t kPiece = int64_t{1} << 30;
+  for (const auto& [t, owner] : s.layer_tensors[static_cast<size_t>(l)]) {
+    char* p = static_cast<char*>(t.data);
+    for (int64_t o = 0, total = static_cast<int64_t>(t.nbytes()); o < total; o += kPiece) {
+      const int64_t len = std::min(kPiece, total - o);
+      if (owner != dist::rank()) {
+        out->push_back(dist::irecv(p + o, len, owner, kGatherTag));
+        continue;
       }
+      for (int r = 0; r < dist::size(); ++r)
+        if (r != owner) out->push_back(dist::isend(p + o, len, r, kGatherTag));
+    }
   }
-  s.gathered_layer = l;
+}
+void finish_layer(Trainer::State& s) {
+  for (dist::Request& r : s.inflight) dist::wait(r);
+  s.inflight.clear();
+}
+
+// --zero 3: layer l's tensors of other ranks into its gathered copy (nothing when it holds them already), before
+// the model reads them; with two copies, then the next layer of the pass into the other copy while this one
+// computes (the pass's direction from the layer asked for before: a forward climbs from 0, a backward descends
+// from the layer the forward ended on; nothing past either end, so no pass is sent ahead into the next, where an
+// evaluation or a step may come first).
+void gather_layer(Trainer::State& s, int64_t l) {
+  const int64_t prev = s.last_fetch, L = s.e.src.cfg.L;
+  s.last_fetch = l;
+  if (s.prefetching >= 0) {  // the layer sent ahead has arrived (if the pass asks for another, it is finished first)
+    finish_layer(s);
+    s.gathered_in[static_cast<size_t>(s.prefetching % s.copies)] = s.prefetching;
+    s.prefetching = -1;
+  }
+  int64_t& here = s.gathered_in[static_cast<size_t>(l % s.copies)];
+  if (here != l) {
+    here = -1;
+    post_layer(s, l, &s.inflight);
+    finish_layer(s);
+    here = l;
+  }
+  if (s.copies < 2) return;
+  const int dir = l == prev + 1 ? 1 : l == prev - 1 ? -1 : l == 0 ? 1 : l == L - 1 ? -1 : 0;
+  const int64_t next = l + dir;
+  if (dir == 0 || next < 0 || next >= L) return;
+  int64_t& there = s.gathered_in[static_cast<size_t>(next % 2)];
+  if (there == next) return;  // still there (a frozen base's)
+  there = -1;
+  post_layer(s, next, &s.inflight);
+  s.prefetching = next;
+}
+
+// --zero 3: every gathered copy stale (the owners' tensors have changed: a step of full training, a resume).
+void stale_layers(Trainer::State& s) {
+  if (s.prefetching >= 0) finish_layer(s);
+  s.prefetching = -1;
+  s.gathered_in = {-1, -1};
 }
 
 }  // namespace
@@ -986,6 +1041,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
   const bool base_sharded = c.zero >= 3 && dist::distributed() && c.lora > 0;
   OOM_CHECK(!base_sharded || !c.dora, "[train] --zero 3 with --dora: DoRA's magnitudes are set from every layer's "
             "base weights, which --zero 3 spreads over the ranks; use --zero 1 with --dora, or LoRA with --zero 3");
+  eo.gathered_copies = (s.zero3 || base_sharded) && c.zero_prefetch == "yes" ? 2 : 1;
   if (s.zero3 || base_sharded)
     eo.held = [](const std::vector<ParamSpec>& specs) {
       std::vector<int64_t> sizes;
@@ -1160,27 +1216,32 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
   if (s.zero3) {
     // Each tensor's owner is the rank that loaded it into its own storage: the optimizer's owner (dist::owners
     // over the same sizes in the same order).
+    s.layer_tensors.assign(static_cast<size_t>(s.e.src.cfg.L), {});
     for (size_t i = 0; i < s.trained.size(); ++i) {
       const bool here = s.e.gathered.size() == 0 || !in_buffer(s.trained[i].param, s.e.gathered);
       OOM_CHECK(!is_layer_group(s.trained[i].group) || (s.owner[i] == dist::rank()) == here,
                 "[train] internal: --zero 3 placed ", s.trained[i].name, " against its owner");
+      if (is_layer_group(s.trained[i].group))
+        s.layer_tensors[static_cast<size_t>(s.trained[i].group)].push_back({s.trained[i].param, s.owner[i]});
     }
-    // The setup's dry run above read whatever the gathered layer held (the last one loaded): only its shapes count.
-    s.e.model->on_layer_weights([&s](int64_t l) { gather_layer(s, l); });
   } else if (c.zero >= 3 && dist::distributed()) {  // an adapter run: the frozen base's layer tensors
     const std::vector<ParamSpec> specs = param_specs(s.e.src.cfg);
     std::vector<int64_t> sizes;
     for (const ParamSpec& p : specs) sizes.push_back(numel_of(p.shape));
     const std::vector<int> own = dist::owners(sizes, dist::size());  // the `held` given to load_base
-    s.base_layers.assign(static_cast<size_t>(s.e.src.cfg.L), {});
+    s.layer_tensors.assign(static_cast<size_t>(s.e.src.cfg.L), {});
     for (size_t i = 0; i < specs.size(); ++i) {
       const int64_t l = layer_of_name(specs[i].name);
       if (l < 0) continue;
       const Tensor* t = s.e.params->find(specs[i].name);
       OOM_CHECK(t && t->data && t->dtype == DType::f32 && (own[i] == dist::rank()) == !in_buffer(*t, s.e.gathered),
                 "[train] internal: --zero 3 placed the base's ", specs[i].name, " against its owner");
-      s.base_layers[static_cast<size_t>(l)].push_back({*t, own[i]});
+      s.layer_tensors[static_cast<size_t>(l)].push_back({*t, own[i]});
     }
+  }
+  if (!s.layer_tensors.empty()) {
+    // The setup's dry run above read whatever the gathered layers held (the last loaded): only their shapes count.
+    s.copies = c.zero_prefetch == "yes" ? 2 : 1;  // as the engine's gathered storage was laid out
     s.e.model->on_layer_weights([&s](int64_t l) { gather_layer(s, l); });
   }
   const ModelConfig& cfg = s.e.src.cfg;
@@ -1319,7 +1380,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
       load_adapter(*s.e.ops, ck->path, cfg, *s.e.adapters, *s.e.params);
     } else {
       rounded = read_tensors(*s.e.ops, SafetensorsFile::open(ck->path + "/model.safetensors"), model_state(s.e));
-      s.gathered_layer = -1;
+      if (s.zero3) stale_layers(s);
     }
     if (rounded)
       warn("the checkpoint's weights are bf16 (--save-dtype bf16): the run continues from the rounded weights, not "
@@ -1599,7 +1660,7 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
       }
       s.prev_norm = r.grad_norm;
     }
-    if (s.zero3) s.gathered_layer = -1;  // --zero 3: the owners' tensors have stepped (a frozen base has not)
+    if (s.zero3) stale_layers(s);  // --zero 3: the owners' tensors have stepped (a frozen base has not)
   } catch (const OutOfBudget& e) {
     // Setup reserves everything a step needs; reaching this is a bug in that reservation.
     fail("[train] ran out of memory budget at step ", r.step, ", after setup had reserved the run: ", e.what());
