@@ -832,6 +832,8 @@ int run_estimate(const TrainConfig& c, bool as_json, int ranks) {
   if (as_json) {
     json::Value o = json::Value::object();
     o.set("model", json::Value::string(c.model));
+    o.set("estimate", est.json());
+    o.set("budget", json::Value::integer(static_cast<int64_t>(budget)));
     {  // the model's shape: what a reader needs for the byte counts of sharding (ZeRO-3 sends the layers' tensors)
       json::Value shape = json::Value::object();
       int64_t total = 0, layers = 0;
@@ -846,8 +848,6 @@ int run_estimate(const TrainConfig& c, bool as_json, int ranks) {
       shape.set("layer_parameters", json::Value::integer(layers));
       o.set("shape", std::move(shape));
     }
-    o.set("estimate", est.json());
-    o.set("budget", json::Value::integer(static_cast<int64_t>(budget)));
     o.set("fits", json::Value::boolean(fits));
     if (ranks > 1) o.set("ranks", json::Value::integer(ranks)), o.set("rank", json::Value::integer(who));
     json::Value ch = json::Value::array();
