@@ -456,8 +456,6 @@ void validate_config(const TrainConfig& c) {
               "length: --seq ", c.seq, " is not a multiple of ", cp, " (e.g. --seq ", (c.seq / cp + 1) * cp, ")");
     OOM_CHECK(c.chunk == 0, "[train] --context-parallel with --chunk: a rank holds its slice as one chunk; drop --chunk "
               "(or use more ranks for a shorter slice)");
-    OOM_CHECK(c.zero < 2, "[train] --context-parallel with --zero ", c.zero, " is not built: use --zero 1 (the "
-              "optimizer state sharded) or 0");
     OOM_CHECK(c.act_offload == "none", "[train] --context-parallel with --act-offload ", c.act_offload, ": a rank runs "
               "its slice as one chunk of chunk-recurrent training, which offloads no saved activations; drop "
               "--act-offload (more ranks make each slice shorter)");
@@ -790,8 +788,9 @@ void from_owner(Trainer::State& s, size_t i) {
 
 // --zero 3: the messages that bring layer l's tensors of other ranks into its gathered copy: each tensor sent by
 // its owner to every other rank, straight from and into the tensors' memory, in pieces of at most 1 GiB. Every rank
-// posts them in the same order under one tag (MPI matches a pair's messages in order).
-constexpr int kGatherTag = 0x5a3;
+// posts them in the same order under one tag (MPI matches a pair's messages in order), above the context-parallel
+// ring's (dist/ring_kv.cpp: 0 to 63999).
+constexpr int kGatherTag = 64000;
 void post_layer(Trainer::State& s, int64_t l, std::vector<dist::Request>* out) {
   constexpr int64_t kPiece = int64_t{1} << 30;
   for (const auto& [t, owner] : s.layer_tensors[static_cast<size_t>(l)]) {

@@ -9,8 +9,9 @@
 #    dense ring, and the estimate is the ledger's;
 #  - zigzag (--cp-split zigzag): 2 and 4 ranks, and 4 as 2 groups, give the 1-rank run and the estimate is the
 #    ledger's (3 ranks: dist_short.sh); a rerun the same bytes;
-#  - with --zero 1 (the optimizer state sharded as well): the 1-rank losses; under bf16 compute on tiny, the 1-rank
-#    losses within bf16 rounding;
+#  - with --zero 1 (the optimizer state sharded as well): the 1-rank losses; with --zero 2 and 3 (gradients and the
+#    layers' weights too), dense, zigzag and page-sparse: the 1-rank losses and the estimate the ledger's; under bf16
+#    compute on tiny, the 1-rank losses within bf16 rounding;
 #  - each rank holds a quarter of the activations on 4 ranks, and `oomless estimate --ranks 4 --context-parallel
 #    4` gives the largest rank's ledger peak (within 1%); over budget without it, the estimate offers it;
 #  - the 4-rank run's step-2 checkpoint resumes on 2 ranks and on 1, as the 1-rank run continues;
@@ -150,6 +151,27 @@ mpi 2 train $args --context-parallel 2 --zero 1 --out "$work/z2" > "$work/z2.log
 got=$(losses "$work/z2/metrics.jsonl")
 same_losses "$ref" "$got" || { echo "--zero 1, 2 ranks: losses $got, 1 rank: $ref"; exit 1; }
 echo "--zero 1 beside it, 2 ranks: the 1-rank losses"
+# ZeRO stages 2 and 3 beside it (each rank's slice runs its layers' backward once, so the gradients can be summed
+# into their owners layer by layer, and each layer's weights gathered before use): 2 ranks under --zero 2 and 3, 4
+# as 2 groups of 2 zigzag under --zero 3 give the 1-rank losses and evaluations, and 4 page-sparse ranks under
+# --zero 3 the 1-rank run's in chunks; each the estimate the largest rank's ledger peak.
+for run in "2 --context-parallel 2 --zero 2" "2 --context-parallel 2 --zero 3" \
+           "4 --context-parallel 2 --cp-split zigzag --zero 3" "4 --context-parallel 4 --page 4 --sparse-pages 1 --zero 3"; do
+  n=${run%% *}; tag=$(echo "$run" | tr -c 'a-z0-9\n' _ | cut -c1-40)
+  mpi $n train $args ${run#$n} --out "$work/$tag" > "$work/$tag.log" 2>&1 || { echo "$run: failed"; cat "$work/$tag.log"; exit 1; }
+  case "$run" in *sparse*) want_dir=sone4 ;; *) want_dir=one ;; esac
+  want="$(losses "$work/$want_dir/metrics.jsonl") $(evals "$work/$want_dir/metrics.jsonl")"
+  got="$(losses "$work/$tag/metrics.jsonl") $(evals "$work/$tag/metrics.jsonl")"
+  same_losses "$want" "$got" || { echo "$run: $got, 1 rank: $want"; exit 1; }
+  "$bin" estimate $args --ranks $n ${run#$n} --json > "$work/est-$tag.json" || { echo "estimate, $run failed"; exit 1; }
+  python3 -c "
+import json, sys
+est = json.load(open(sys.argv[1]))['estimate']['ram_peak']
+led = max([json.loads(l) for l in open(sys.argv[2]) if '\"train\"' in l][-1]['ranks']['peak'])
+sys.exit(0 if abs(est - led) <= 0.01 * led else 1)" "$work/est-$tag.json" "$work/$tag/metrics.jsonl" \
+    || { echo "estimate, $run: not the ledger's peak"; exit 1; }
+  echo "$run: the 1-rank losses and evaluations; the estimate the ledger's"
+done
 
 # bf16 compute on tiny (D = 64: on an AMX CPU the attention's bf16 tiles): the 1-rank run's losses within 1e-4 and
 # its first gradient norm within 1e-3 (bf16 rounding: each slice's probabilities are rounded against its own max).
