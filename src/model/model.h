@@ -157,6 +157,10 @@ class Model {
   // must have the pass it arms be the step's last accumulation into the gradients.
   using GradHook = std::function<void(int64_t group)>;
   void on_grads_final(GradHook hook) { grad_hook_ = std::move(hook); }
+  // chunked_step: the hook armed by on_grads_final is called in every chunk's backward, as each group of that
+  // chunk's gradients is complete (then dropped after chunk 0's): a caller that moves each layer's gradients
+  // elsewhere and zeroes them (ZeRO-2) keeps one layer's at a time over chunks too.
+  void hook_every_chunk(bool on) { hook_every_chunk_ = on; }
   // ZeRO-3: `fetch(layer)` is called before every pass reads a layer's weights (its forward; in backward, before
   // its recompute and backward), in the same order on every rank, to fill the tensors other ranks hold (views
   // into the engine's gathered layer, load_base). Kept until replaced; an empty one: weights all here.
@@ -330,7 +334,9 @@ class Model {
   bool share_layer_grads_ = false;
   GradHook grad_hook_;
   LayerFetch layer_fetch_;
-  bool hook_this_backward_ = true;  // chunked_step: only chunk 0's backward fires the hook
+  bool hook_this_backward_ = true;  // chunked_step: only chunk 0's backward fires the hook (or every chunk's:
+  bool hook_every_chunk_ = false;   // hook_every_chunk), and the hook is dropped after chunk 0's
+  bool drop_hook_after_ = true;
   void grads_final(int64_t group);
   std::optional<double> fused_scale_;  // the last forward left dh for this grad_scale
   std::unique_ptr<ActStorage> act_storage_;

@@ -128,9 +128,10 @@ CeResult Model::chunked_step(Tensor ids, Tensor targets, int64_t C, ChunkKv& kv,
     kv.set_chunk(c);
     const CeResult r =
         chunk_forward(chunk_of(ids, c, C), chunk_of(targets, c, C), t0 + c * C, kv, false, true, true, grad_scale);
-    hook_this_backward_ = c == 0;  // the last accumulation into every gradient
+    hook_this_backward_ = c == 0 || hook_every_chunk_;  // chunk 0's: the last accumulation into every gradient
+    drop_hook_after_ = c == 0;
     backward(grad_scale);
-    hook_this_backward_ = true;
+    hook_this_backward_ = drop_hook_after_ = true;
     kv.chunk_done(c);
     total.loss_sum += r.loss_sum;
     total.count += r.count;

@@ -121,7 +121,7 @@ void Model::backward(double grad_scale) {
   if (grads_) ops_.embedding_backward(grads_->embed, dx, id_t);
   else if (g_embed_.data) ops_.embedding_backward(g_embed_, dx, id_t);
   grads_final(kEmbedGroup);
-  if (hook_this_backward_) grad_hook_ = nullptr;
+  if (hook_this_backward_ && drop_hook_after_) grad_hook_ = nullptr;
 }
 
 void Model::logits(Tensor out) {

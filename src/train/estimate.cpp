@@ -706,7 +706,7 @@ int run_estimate(const TrainConfig& c, bool as_json, int ranks) {
          [] { return std::make_pair(0.0, std::string("the optimizer state sharded over the ranks, the same bytes sent")); }},
         {"--zero 3",
          [&](TrainConfig& x) {
-           if (ranks <= 1 || x.zero >= 3 || x.dora || x.chunk > 0) return false;
+           if (ranks <= 1 || x.zero >= 3 || x.dora) return false;
            x.zero = 3;  // (a quantised base is refused: the option then does not apply)
            return true;
          },

@@ -220,7 +220,7 @@ const std::vector<TrainOption>& train_options() {
       whole("zero", false, "S",
             "under mpirun: 1 shards the optimizer state over the ranks (ZeRO stage 1: each\nrank steps and keeps the "
             "state of its share of the tensors, then sends their new\nvalues to the others); 2 the gradients too (one "
-            "layer's kept at a time, each\nsummed into its owners as backward finishes it; no --chunk); 3 the "
+            "layer's kept at a time, each\nsummed into its owners as backward finishes it, every chunk's); 3 the "
             "layers'\nweights too (each rank keeps its share; a layer's others are sent to every rank\nbefore its "
             "forward and again before its backward, into one layer's storage; with\n--lora, an f32 base's layer weights: "
             "the adapters stay whole, 1 shards their\nstate, 2 is refused); 0 none (default 0)",
@@ -442,8 +442,6 @@ void validate_config(const TrainConfig& c) {
   OOM_CHECK(c.zero >= 0 && c.zero <= 3, "[train] --zero ", c.zero, ": there is no such ZeRO stage; --zero 3 shards the "
             "layers' weights, the gradients and the optimizer state over the ranks, 2 the gradients and the optimizer "
             "state, 1 the optimizer state, 0 none");
-  OOM_CHECK(c.zero < 2 || c.chunk == 0, "[train] --zero ", c.zero, " keeps one layer's gradients at a time, which "
-            "chunks' backward passes would overwrite: drop --chunk, or use --zero 1");
   OOM_CHECK(c.zero_prefetch == "yes" || c.zero_prefetch == "no", "[train] --zero-prefetch ", c.zero_prefetch,
             ": give yes (the next layer sent while one computes) or no");
   const int64_t cp = c.context_parallel;
@@ -1083,6 +1081,9 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
             "and an adapter run has none (its own are small, and --zero 1 sums each into its owner): use --zero 1 "
             "with --lora, or --zero 3 to shard the frozen base's layer weights as well");
   if ((c.step_in_backward || s.zero2) && !s.e.adapters) model.share_layer_grads();
+  // --zero 2 with --chunk: each chunk's layer gradients summed into their owners as that chunk's backward finishes
+  // the layer (the owners' buffers add the chunks up), so one layer's are kept over chunks too.
+  model.hook_every_chunk(s.zero2 && c.chunk > 0);
   s.trained = model.trainable();
   for (size_t i = 0; i < s.trained.size(); ++i) s.groups[s.trained[i].group].push_back(i);
   // ZeRO stage 1: this rank's optimizer covers its share of the tensors only.

@@ -7,7 +7,8 @@
 #  - ranks started with different settings stop with an error naming the rank, and leave no run folder;
 #  - ZeRO stages 1, 2 and 3 (--zero 1, 2, 3): the same with the optimizer state (and gradients, and the layers'
 #    weights) sharded, which every rank holds less of; stage 3 with a LoRA adapter (the frozen base's layer weights
-#    sharded) gives the 1-rank run's losses and stage 1's adapter bit for bit;
+#    sharded) gives the 1-rank run's losses and stage 1's adapter bit for bit; stages 2 and 3 with --chunk give the
+#    1-rank chunked run's losses;
 #  - a rank killed in the middle of a run stops the others within a minute, and its last checkpoint resumes.
 # Skipped (77) when mpirun or an MPI build is missing.
 # usage: dist_dp.sh OOMLESS_BINARY SOURCE_DIR WORK_DIR
@@ -258,13 +259,32 @@ for extra in "" "--lora 4"; do
   rm -rf "$work/tyes" "$work/tno"
   echo "tiny, --zero 3 $extra: the same bytes with and without prefetching"
 done
-for bad in "--zero 4" "--zero 2 --chunk 16" "--zero 2 --lora 8" "--zero 3 --chunk 16" "--zero 3 --lora 8 --dora" \
-           "--zero 3 --lora 8 --qlora" "--zero 3 --zero-prefetch maybe"; do
+# Stages 2 and 3 with chunk-recurrent training (--chunk 16): each chunk's layer gradients summed into their owners
+# as its backward finishes the layer, each layer's weights gathered for every chunk's pass. 2 ranks under --zero 2
+# and 3 under --zero 3 give the 1-rank --chunk 16 run's losses, and the estimate is the largest rank's ledger peak.
+"$bin" train $args --steps 4 --chunk 16 --out "$work/k1" > "$work/k1.log" 2>&1 || { echo "--chunk 16, 1 rank failed"; cat "$work/k1.log"; exit 1; }
+for run in "2 --zero 2" "3 --zero 3"; do
+  n=${run%% *}; tag=k$n
+  mpi $n train $args --steps 4 --chunk 16 ${run#$n} --out "$work/$tag" > "$work/$tag.log" 2>&1 \
+    || { echo "--chunk 16 $run ranks failed"; cat "$work/$tag.log"; exit 1; }
+  want=$(losses "$work/k1/metrics.jsonl"); got=$(losses "$work/$tag/metrics.jsonl")
+  same_losses "$want" "$got" || { echo "--chunk 16, $run ranks: losses $got, 1 rank: $want"; exit 1; }
+  "$bin" estimate $args --steps 4 --chunk 16 --ranks $n ${run#$n} --json > "$work/est$tag.json" || { echo "estimate failed"; exit 1; }
+  python3 -c "
+import json, sys
+est = json.load(open(sys.argv[1]))['estimate']['ram_peak']
+led = max([json.loads(l) for l in open(sys.argv[2]) if '\"train\"' in l][-1]['ranks']['peak'])
+sys.exit(0 if abs(est - led) <= 0.01 * led else 1)" "$work/est$tag.json" "$work/$tag/metrics.jsonl" \
+    || { echo "--chunk 16, $run ranks: the estimate is not the ledger's peak"; exit 1; }
+  echo "--chunk 16, $run ranks: the 1-rank losses; the estimate the ledger's"
+done
+for bad in "--zero 4" "--zero 2 --lora 8" "--zero 3 --lora 8 --dora" "--zero 3 --lora 8 --qlora" \
+           "--zero 3 --zero-prefetch maybe"; do
   mpi 2 train $args --steps 1 $bad --out "$work/bad" > "$work/bad.log" 2>&1 && { echo "$bad: ran"; exit 1; }
   grep -q "zero" "$work/bad.log" || { echo "$bad: no error naming --zero"; cat "$work/bad.log"; exit 1; }
   rm -rf "$work/bad"
 done
-echo "--zero 4, --zero 2 with --chunk or --lora, --zero 3 with --chunk, DoRA or a quantised base: refused"
+echo "--zero 4, --zero 2 with --lora, --zero 3 with DoRA or a quantised base, an unknown --zero-prefetch: refused"
 
 # Other settings on one rank (an MPMD launch): an error naming it, from every rank; no folder left.
 mpirun -np 1 "$bin" train $args --steps 2 --out "$work/mixed" : -np 1 "$bin" train $args --steps 2 --lr 1e-3 --out "$work/mixed" \
