@@ -242,22 +242,27 @@ ref_saved=$ref; ref=$lref; args_saved=$args; args="$args --lora 8"
 resume_from l3_3 "1"
 ref=$ref_saved; args=$args_saved
 echo "--lora 8 --zero 3: 3 ranks' checkpoint resumed on 1: the 1-rank losses"
-# Prefetching over six layers (tiny: the pass turns, an evaluation between steps, a frozen base kept across steps):
-# 2 ranks with --zero-prefetch yes and no give the same weights, full training and LoRA, to the byte.
-targs="--model preset:tiny --data $src/data/kjv/eval.txt --eval-data $src/data/kjv/eval.txt --seq 32 --batch 4 \
---steps 3 --eval-every 1 --threads 1 --zero 3 --save-optimizer no"
+# Prefetching over six layers (micro's widths, six layers, random init: the pass turns, an evaluation between steps, a
+# frozen base kept across steps): 2 ranks with --zero-prefetch yes and no give the same weights, full training and
+# LoRA, to the byte.
+"$bin" convert --model preset:micro --out "$work/micro" > /dev/null 2>&1 || { echo "convert preset:micro failed"; exit 1; }
+mkdir -p "$work/six" && cp "$work/micro"/tokenizer*.json "$work/six/"
+sed 's/"num_hidden_layers": 2/"num_hidden_layers": 6/' "$work/micro/config.json" > "$work/six/config.json"
+grep -q '"num_hidden_layers": 6' "$work/six/config.json" || { echo "no six-layer config"; exit 1; }
+targs="--model $work/six/config.json --data $src/data/kjv/eval.txt --eval-data $src/data/kjv/eval.txt --seq 32 \
+--batch 4 --steps 3 --eval-every 1 --threads 1 --zero 3 --save-optimizer no"
 for extra in "" "--lora 4"; do
   for pf in yes no; do
     mpi 2 train $targs $extra --zero-prefetch $pf --out "$work/t$pf" > "$work/t$pf.log" 2>&1 \
-      || { echo "tiny --zero 3 $extra --zero-prefetch $pf failed"; cat "$work/t$pf.log"; exit 1; }
+      || { echo "six layers, --zero 3 $extra --zero-prefetch $pf failed"; cat "$work/t$pf.log"; exit 1; }
   done
   f=$([ -n "$extra" ] && echo adapter_model || echo model).safetensors
   cmp -s "$work/tyes/checkpoint-3/$f" "$work/tno/checkpoint-3/$f" \
-    || { echo "tiny --zero 3 $extra: $f differs with and without prefetching"; exit 1; }
+    || { echo "six layers, --zero 3 $extra: $f differs with and without prefetching"; exit 1; }
   [ "$(losses "$work/tyes/metrics.jsonl")" = "$(losses "$work/tno/metrics.jsonl")" ] \
-    || { echo "tiny --zero 3 $extra: losses differ with and without prefetching"; exit 1; }
+    || { echo "six layers, --zero 3 $extra: losses differ with and without prefetching"; exit 1; }
   rm -rf "$work/tyes" "$work/tno"
-  echo "tiny, --zero 3 $extra: the same bytes with and without prefetching"
+  echo "six layers, --zero 3 $extra: the same bytes with and without prefetching"
 done
 # Stages 2 and 3 with chunk-recurrent training (--chunk 16): each chunk's layer gradients summed into their owners
 # as its backward finishes the layer, each layer's weights gathered for every chunk's pass. 2 ranks under --zero 2
