@@ -59,3 +59,18 @@ print('estimate %d bytes, the largest rank\'s ledger %d' % (est, led))
 sys.exit(0 if abs(est - led) <= 0.01 * led else 1)
 PY
 }
+# `holds_less RUN REF WHAT`: in the last train lines of their metrics.jsonl, RUN's rank 0 holds fewer bytes of WHAT
+# (a ledger category: grads, weights, ...; or peak: the largest rank's peak) than REF's (both printed).
+holds_less() {
+  python3 - "$1/metrics.jsonl" "$2/metrics.jsonl" "$3" <<'PY'
+import json, sys
+last = lambda p: [json.loads(l) for l in open(p) if '"train"' in l][-1]
+def held(row, what):
+    if what == 'peak':
+        return max(row['ranks']['peak']) if 'ranks' in row else sum(row['memory'][t]['total']['peak'] for t in row['memory'] if t != 'disk')
+    return sum(row['memory'][t].get(what, {}).get('peak', 0) for t in row['memory'] if isinstance(row['memory'][t], dict))
+a, b = held(last(sys.argv[1]), sys.argv[3]), held(last(sys.argv[2]), sys.argv[3])
+print('%s: %d bytes, against %d' % (sys.argv[3], a, b))
+sys.exit(0 if a < b else 1)
+PY
+}
