@@ -404,7 +404,7 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
       if (layer == 0) layer0.push_back(specs[i]);
     }
     f32_slots = kept;
-    gathered = set_bytes(layer0, f) * (c.zero_prefetch == "yes" ? 2 : 1);  // --zero-prefetch: two copies
+    gathered = set_bytes(layer0, f) * static_cast<size_t>(eo.gathered_copies);
   }
   size_t weights = set_bytes(f32_slots, f) + gathered, quant = 0;
   for (const ParamSpec& s : specs) {

@@ -759,6 +759,9 @@ EngineOptions engine_options(const TrainConfig& c) {
   o.act_offload = c.act_offload == "host" ? Tier::Host : c.act_offload == "disk" ? Tier::Disk : Tier::Device;
   if (c.act_offload != "none" && c.act_offload != "host" && c.act_offload != "disk") o.act_tiers = c.act_offload;
   o.spill_dir = c.spill_dir;
+  // --zero 3: the layers' tensors of other ranks in two copies while the next layer is sent ahead (--zero-prefetch
+  // yes), else one (used where `held` is given).
+  o.gathered_copies = c.zero >= 3 && c.zero_prefetch == "yes" ? 2 : 1;
   return o;
 }
 
@@ -782,6 +785,13 @@ void from_owner(Trainer::State& s, size_t i) {
     const int64_t len = std::min(s.dp_bucket, total - o);
     dist::broadcast(static_cast<float*>(p.data) + o, len * static_cast<int64_t>(sizeof(float)), s.owner[i]);
   }
+}
+
+// --zero 3: the rank holding each of the model's parameters (param_specs order), as ZeRO shards them.
+std::vector<int> spec_owners(const std::vector<ParamSpec>& specs) {
+  std::vector<int64_t> sizes;
+  for (const ParamSpec& p : specs) sizes.push_back(numel_of(p.shape));
+  return dist::owners(sizes, dist::size());
 }
 
 // --zero 3: the messages that bring layer l's tensors of other ranks into its gathered copy: each tensor sent by
@@ -833,7 +843,7 @@ void gather_layer(Trainer::State& s, int64_t l) {
   const int dir = l == prev + 1 ? 1 : l == prev - 1 ? -1 : l == 0 ? 1 : l == L - 1 ? -1 : 0;
   const int64_t next = l + dir;
   if (dir == 0 || next < 0 || next >= L) return;
-  int64_t& there = s.gathered_in[static_cast<size_t>(next % 2)];
+  int64_t& there = s.gathered_in[static_cast<size_t>(next % s.copies)];
   if (there == next) return;  // still there (a frozen base's)
   there = -1;
   post_layer(s, next, &s.inflight);
@@ -1038,13 +1048,11 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
   const bool base_sharded = c.zero >= 3 && dist::distributed() && c.lora > 0;
   OOM_CHECK(!base_sharded || !c.dora, "[train] --zero 3 with --dora: DoRA's magnitudes are set from every layer's "
             "base weights, which --zero 3 spreads over the ranks; use --zero 1 with --dora, or LoRA with --zero 3");
-  eo.gathered_copies = (s.zero3 || base_sharded) && c.zero_prefetch == "yes" ? 2 : 1;
+  s.copies = eo.gathered_copies;
   if (s.zero3 || base_sharded)
     eo.held = [](const std::vector<ParamSpec>& specs) {
-      std::vector<int64_t> sizes;
-      for (const ParamSpec& p : specs) sizes.push_back(numel_of(p.shape));
       std::vector<bool> held;
-      for (int o : dist::owners(sizes, dist::size())) held.push_back(o == dist::rank());
+      for (int o : spec_owners(specs)) held.push_back(o == dist::rank());
       return held;
     };
   // What the run will hold, in closed form before anything is allocated (train/estimate.h); setup below
@@ -1226,9 +1234,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
     }
   } else if (c.zero >= 3 && dist::distributed()) {  // an adapter run: the frozen base's layer tensors
     const std::vector<ParamSpec> specs = param_specs(s.e.src.cfg);
-    std::vector<int64_t> sizes;
-    for (const ParamSpec& p : specs) sizes.push_back(numel_of(p.shape));
-    const std::vector<int> own = dist::owners(sizes, dist::size());  // the `held` given to load_base
+    const std::vector<int> own = spec_owners(specs);  // as `held` was given to load_base
     s.layer_tensors.assign(static_cast<size_t>(s.e.src.cfg.L), {});
     for (size_t i = 0; i < specs.size(); ++i) {
       const int64_t l = layer_of_name(specs[i].name);
@@ -1241,7 +1247,6 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
   }
   if (!s.layer_tensors.empty()) {
     // The setup's dry run above read whatever the gathered layers held (the last loaded): only their shapes count.
-    s.copies = c.zero_prefetch == "yes" ? 2 : 1;  // as the engine's gathered storage was laid out
     s.e.model->on_layer_weights([&s](int64_t l) { gather_layer(s, l); });
   }
   const ModelConfig& cfg = s.e.src.cfg;
