@@ -5,7 +5,8 @@ ranks' work together), each rank's ledger peak (metrics.jsonl "ranks") and peak 
 each rank), and the bytes each rank sent per step (bytes_sent between two steps) against the formula of a
 ring all-reduce of the gradients, 2 (N - 1) / N x 4 bytes x trainable parameters (the ZeRO paper's 2 Psi for
 data parallel), plus the few small collectives of a step (--zero 3: 3 Psi; with '--lora' in --train-flags, the
-adapters' 2 Psi and the frozen base's layers, m (2L - 2) layer gathers a step for m sequences a rank). Threads: the machine's CPUs shared by the ranks
+adapters' 2 Psi and the frozen base's layers, m (2L - 2h) layer gathers a step for m sequences a rank and h
+gathered layers, 2 unless '--zero-prefetch no'). Threads: the machine's CPUs shared by the ranks
 (--threads-per-rank, default CPUs / N), so on a 2-core machine N = 2 runs one thread a rank and N > 2
 oversubscribes: step time vs N measures the sum's cost there, not scaling.
 
@@ -23,7 +24,7 @@ the attention that overlaps it; with --zero 3 instead, each link with the next l
 computes (--zero-prefetch yes) and without.
 
 usage: python3 bench/dist/dp.py [--oomless build/release/oomless] [--model preset:tiny] [--ranks 1,2,4]
-                                [--seq 256] [--batch 4] [--steps 4] [--rounds 2] [--zero 0|1] [--work build/bench-dp] [--smoke]
+                                [--seq 256] [--batch 4] [--steps 4] [--rounds 2] [--zero 0-3] [--work build/bench-dp] [--smoke]
                                 [--context-parallel] [--fit SIZE] [--dtype fp32|bf16] [--links 'none;50,1.25']
                                 [--train-flags 'FLAGS']
 """
@@ -179,8 +180,8 @@ def main():
     k = 3 if a.zero >= 3 else 2
     print("| ranks | threads a rank | tok/s (median of rounds) | vs 1 rank | ledger peak a rank (largest) | optimizer "
           f"state a rank (largest) | weights a rank (largest) | peak RSS a rank | sent a step, rank 0 / mean of ranks | " +
-          ("formula (N-1)/N x 4 B x (2 Psi_adapters + m (2L-2h) Psi_layer), h layers held |" if a.zero >= 3 and "--lora" in a.train_flags
-             else f"formula {k}(N-1)/N x 4 B x params |"))
+          ("formula (N-1)/N x 4 B x (2 Psi_adapters + m (2L-2h) Psi_layer), h layers held |"
+           if a.zero >= 3 and "--lora" in a.train_flags else f"formula {k}(N-1)/N x 4 B x params |"))
     print("|---|---|---|---|---|---|---|---|---|---|")
     base = statistics.median(x["tokens_per_s"] for x in res[ns[0]])
     summary = []
