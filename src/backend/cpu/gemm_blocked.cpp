@@ -584,7 +584,7 @@ void dot_lanes(const float* a, const float* const* r, int g, int64_t n8, v8f* ac
 
 // y[j] += x[0] r[0][j], then += x[1] r[1][j], ... for g <= 4 rows and j < n: the sequence of one-row
 // updates (the same bits), with y loaded and stored once.
-__attribute__((target_clones("arch=x86-64-v3", "default")))
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 void axpy_rows(float* y, const float* x, const float* const* r, int g, int64_t n) {
   if (g == 4) {
     const float x0 = x[0], x1 = x[1], x2 = x[2], x3 = x[3];
@@ -607,6 +607,13 @@ bool dot_from_blocks() {
     return c.avx2 && c.fma;
   }();
   return yes;
+}
+
+// run_row's column range without tb: kRowSeg or less, a multiple of 16, so that the ranges number a multiple of
+// kUnits where N has at least 64 columns a range.
+int64_t row_segment(int64_t N) {
+  const int64_t units = std::min(cdiv(cdiv(N, kRowSeg), kUnits) * kUnits, std::max<int64_t>(1, N / 64));
+  return std::min(kRowSeg, cdiv(cdiv(N, units), 16) * 16);
 }
 
 // c (1, N) (+)= af (1, K) . op(b), af the gathered f32 row of a; work: kRowGroup * kRowSeg floats a thread.
@@ -668,12 +675,26 @@ void run_row(const GemmShape& s, const float* af, BP b, float* c, float* work, c
     }
     return;
   }
-  const int64_t units = cdiv(N, kRowSeg);
+  // Column ranges of at most kRowSeg, as many as a multiple of kUnits where N allows (1536 columns: six of 256,
+  // not three of 512, which left one of two threads idle a third of the time), from the shape alone. Each
+  // output's sum runs over k in order whatever its range, so the ranges do not change its bits.
+  const int64_t seg = row_segment(N);
+  const int64_t units = cdiv(N, seg);
+  if constexpr (std::is_same_v<BP, const float*>) {
+    if (const auto row_axpy = kernels().row_axpy) {
+#pragma omp parallel for schedule(static)
+      for (int64_t u = 0; u < units; ++u) {
+        const int64_t j0 = u * seg;
+        row_axpy(c + j0, af, b + j0, s.ldb, K, std::min(seg, N - j0), s.accumulate);
+      }
+      return;
+    }
+  }
 #pragma omp parallel for schedule(static)
   for (int64_t u = 0; u < units; ++u) {
     float* acc = work + static_cast<size_t>(omp_get_thread_num()) * kRowGroup * kRowSeg;
     float* buf = acc + kRowSeg;  // four row segments
-    const int64_t j0 = u * kRowSeg, n = std::min(kRowSeg, N - j0);
+    const int64_t j0 = u * seg, n = std::min(seg, N - j0);
     std::fill(acc, acc + n, 0.0f);
     for (int64_t k0 = 0; k0 < K; k0 += 4) {
       const int g = static_cast<int>(std::min<int64_t>(4, K - k0));

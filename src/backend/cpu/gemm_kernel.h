@@ -288,6 +288,9 @@ struct Kernels {
   // where the ISA has none (AVX2's 6 x 16 kernel already keeps twelve chains in flight).
   MicroFn tile_wide[2][kMr + 1];
   void (*pack_bt)(float*, const float*, int64_t, int64_t, int64_t);
+  // c[0, n) (+)= x (1, K) . b (K, n), ldb apart, each output the chain of fused multiply-adds over k ascending
+  // from 0 (the one-row product of an f32 B stored (K, N), run_row); null where the ISA has none.
+  void (*row_axpy)(float* c, const float* x, const float* b, int64_t ldb, int64_t K, int64_t n, bool accumulate);
   bool avx2;                  // the AVX2 packing routines may run
   bool amx;                   // bf16 products of two rows or more take the AMX loop nest (micro_amx)
   GemmIsa isa;
