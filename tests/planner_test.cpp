@@ -251,7 +251,15 @@ TEST(Planner, TheLargerCutModelFitsTheBudget) {
   EXPECT_EQ(cut_layers(c, src.cfg, scratch(), p4), 4);
   EXPECT_EQ(cut_layers(c, src.cfg, scratch(), p4 - 1), 3);
   EXPECT_EQ(cut_layers(c, src.cfg, scratch(), p3 - 1), 2) << "never fewer than two";
+  for (const char* cut : {"/plan-cut-1-narrow", "/plan-cut-3-narrow"}) std::filesystem::remove_all(scratch() + cut);
   EXPECT_EQ(measure_costs(c, src, {}, scratch(), nullptr, p4 - 1).cut_layers, 3) << "the cut measured";
+  // The layers were timed on cuts with a narrow vocabulary (tiny's is 8192), which open as models.
+  for (const char* cut : {"/plan-cut-1-narrow/config.json", "/plan-cut-3-narrow/config.json"}) {
+    ASSERT_TRUE(std::filesystem::exists(scratch() + cut)) << cut;
+    const ModelSource n = open_model(scratch() + cut);
+    EXPECT_EQ(n.cfg.V, 1024) << cut;
+    EXPECT_EQ(n.cfg.E, src.cfg.E) << cut;
+  }
 }
 
 TEST(Planner, APlanFileFromAnotherMachineWarnsAndOneOverTheBudgetIsRefused) {

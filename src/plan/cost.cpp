@@ -20,14 +20,24 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr int64_t kCutLayers = 4;  // the larger cut (measure_costs)
+// The vocabulary of the cuts that time the layers (measure_costs): a layer's time does not depend on it, and
+// with the model's own (SmolLM2's 49152) the embedding and head were most of both steps whose difference gave
+// the layers, so that a step's noise, not the layers, decided that difference.
+constexpr int64_t kNarrowVocab = 1024;
 
 // The model cut to L layers, as a config.json of its own (random init; an EOS id when it names none, which
-// packing needs and timing does not).
-std::string cut_model(const ModelConfig& cfg, int64_t L, const std::string& scratch) {
+// packing needs and timing does not). narrow: with a vocabulary of at most kNarrowVocab (token ids 0).
+std::string cut_model(const ModelConfig& cfg, int64_t L, const std::string& scratch, bool narrow = false) {
   json::Value j = cfg.to_json();
   j.set("num_hidden_layers", json::Value::integer(L));
   if (!cfg.eos_id) j.set("eos_token_id", json::Value::integer(0));
-  const fs::path dir = fs::path(scratch) / ("plan-cut-" + std::to_string(L));
+  narrow = narrow && cfg.V > kNarrowVocab;
+  if (narrow) {
+    j.set("vocab_size", json::Value::integer(kNarrowVocab));
+    j.set("eos_token_id", json::Value::integer(0));
+    if (cfg.bos_id) j.set("bos_token_id", json::Value::integer(0));
+  }
+  const fs::path dir = fs::path(scratch) / ("plan-cut-" + std::to_string(L) + (narrow ? "-narrow" : ""));
   fs::create_directories(dir);
   std::ofstream(dir / "config.json") << json::dump(j);
   return (dir / "config.json").string();
@@ -189,7 +199,10 @@ CostModel measure_costs(const TrainConfig& c, const ModelSource& src, const std:
   base.save_policy = "all", base.step_in_backward = false, base.resume = false, base.sparse_pages = 0;
   const int64_t K = cut_layers(base, cfg, scratch, budget);
   cm.cut_layers = K;
-  const std::string one = cut_model(cfg, 1, scratch), many = cut_model(cfg, K, scratch);
+  // one: the whole vocabulary (the embedding, head and optimizer); one_n and many: the narrow one (the layers).
+  const std::string one = cut_model(cfg, 1, scratch), one_n = cut_model(cfg, 1, scratch, true),
+                    many = cut_model(cfg, K, scratch, true);
+  const int64_t Vn = std::min(cfg.V, kNarrowVocab);
   const double blocks = static_cast<double>(K - 1);
   const int reps = 3;
   const std::string spill = c.spill_dir.empty() ? scratch : c.spill_dir;
@@ -205,8 +218,8 @@ CostModel measure_costs(const TrainConfig& c, const ModelSource& src, const std:
     return t;
   };
   // What b's steps add to a's (seconds; never below zero).
-  auto added = [&](const TrainConfig& a, const TrainConfig& b) {
-    return std::max(0.0, time_pair(a, b, cfg.V, reps, budget).diff);
+  auto added = [&](const TrainConfig& a, const TrainConfig& b, int64_t V) {
+    return std::max(0.0, time_pair(a, b, V, reps, budget).diff);
   };
   const double layer_p = c.lora > 0 ? 0 : static_cast<double>(layer_params(cfg));
   // The optimizer and one sequence at L = 1 (whole sequences at --seq, or the first chunk length).
@@ -220,6 +233,7 @@ CostModel measure_costs(const TrainConfig& c, const ModelSource& src, const std:
     if (log) std::fprintf(log, "oomless plan: measuring %s at T = %lld on this machine...\n",
                           C > 0 ? "chunks" : "whole sequences", static_cast<long long>(C > 0 ? C : c.seq));
     const TrainConfig one1 = config(one, seq, C, 1, "all"), manyK = config(many, seq, C, 1, "all");
+    const TrainConfig one1n = config(one_n, seq, C, 1, "all");
     const PairTime p1 = time_pair(one1, config(one, seq, C, 2, "all"), cfg.V, reps, budget);
     const double per_seq1 = std::max(0.0, p1.diff), opt1 = std::max(0.0, p1.a - per_seq1);
     if (cm.optim_per_param == 0) {
@@ -227,20 +241,20 @@ CostModel measure_costs(const TrainConfig& c, const ModelSource& src, const std:
       cm.optim_per_param = opt1 / static_cast<double>(std::max<int64_t>(trained, 1));
       // What keeping the state on disk adds to a step, as the engine streams it (measured, not modelled: the
       // page cache and the window's overlap decide it).
-      cm.optim_disk_per_param = added(one1, config(one, seq, C, 1, "all", "optim")) /
+      cm.optim_disk_per_param = added(one1, config(one, seq, C, 1, "all", "optim"), cfg.V) /
                                 static_cast<double>(std::max<int64_t>(trained, 1));
     }
     CostModel::AtT a;
     const double per_layer_chunk = static_cast<double>(K) * static_cast<double>(n_chunks);
-    if (C > 0) a.kv_disk = added(manyK, config(many, seq, C, 1, "all", "kv")) / per_layer_chunk;
+    if (C > 0) a.kv_disk = added(manyK, config(many, seq, C, 1, "all", "kv"), Vn) / per_layer_chunk;
     if (blocks > 0) {
-      const double layers = added(one1, manyK);  // K - 1 layers and their optimizer step
+      const double layers = added(one1n, manyK, Vn);  // K - 1 layers and their optimizer step
       a.block = std::max(0.0, layers - cm.optim_per_param * layer_p * blocks) / (blocks * static_cast<double>(n_chunks));
-      a.rec_none = added(manyK, config(many, seq, C, 1, "none")) / per_layer_chunk;
-      a.rec_sel = added(manyK, config(many, seq, C, 1, "selective")) / per_layer_chunk;
+      a.rec_none = added(manyK, config(many, seq, C, 1, "none"), Vn) / per_layer_chunk;
+      a.rec_sel = added(manyK, config(many, seq, C, 1, "selective"), Vn) / per_layer_chunk;
       // Saved sets on disk (whole sequences only): their transfers overlap compute, but on a machine whose
       // cores do the copying and the I/O they are not free; measured, as the other disk costs are.
-      if (C == 0) a.act_disk = added(manyK, config(many, seq, C, 1, "all", "act")) / static_cast<double>(K);
+      if (C == 0) a.act_disk = added(manyK, config(many, seq, C, 1, "all", "act"), Vn) / static_cast<double>(K);
     } else {
       a.block = per_seq1 / static_cast<double>(n_chunks);
     }

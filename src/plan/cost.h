@@ -1,5 +1,6 @@
 // The planner's cost model, measured on this machine for one model shape: the real kernels run short training
-// steps of a copy of the model cut to one and four layers (random weights: the time does not depend on them), so
+// steps of a copy of the model cut to one and four layers (random weights: the time does not depend on them; the
+// layers' costs timed with a narrow vocabulary, the embedding's and head's with the model's own), so
 // the figures include everything a step does at this width (chunks over the whole sequence, so that their
 // attention reads the history it will), and disk bandwidth through a spill file in the folder the run would
 // use. Each cost is the median, over several rounds after the setup's dry run, of the difference between two

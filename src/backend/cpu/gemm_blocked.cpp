@@ -36,7 +36,8 @@
 // One row (M = 1: decoding, a GEMV) with an f32 or block-quantised B takes run_row instead: nothing in B is
 // reused, so packing it would only add passes over memory. B is streamed once (quantised rows dequantised in
 // segments of kRowSeg into a per-thread buffer); with tb each output is a dot product of a with a contiguous row of B,
-// otherwise c accumulates a_k times row k of B over a range of kRowSeg columns kept in cache. Each output
+// otherwise c accumulates a_k times row k of B over a range of at most kRowSeg columns kept in cache (in registers,
+// 128 columns at a time, on the avx512 path: Kernels::row_axpy). Each output
 // sums k in a fixed order (eight lanes in k mod 8 combined in a fixed tree, then the last K mod 8 terms; or k
 // ascending) whatever the thread count or column split, so its bits do not depend on them; they are not
 // the blocked loop nest's bits.
