@@ -125,7 +125,8 @@ def main():
             row = {"model": model, "seq": seq, "budget": budget, "fraction": frac, "plan": label,
                    "predicted_peak": plan["predicted"]["ram_peak"], "ledger_peak": peak,
                    "predicted_step_s": plan["predicted"]["step_seconds"], "measured_step_s": measured,
-                   "grid_runs": len(grid), "best_grid_step_s": best, "best_grid": best_flags, "cpu": cpu}
+                   "grid_runs": len(grid), "best_grid_step_s": best, "best_grid": best_flags, "cpu": cpu,
+                   "cost_model": plan.get("cost_model")}  # what the plan measured, to see why it chose
             pe = 100 * (row["predicted_peak"] - peak) / peak
             te = 100 * (row["predicted_step_s"] - measured) / measured if row["predicted_step_s"] else float("nan")
             ratio = measured / best if best else float("nan")
