@@ -6,7 +6,8 @@ each rank), and the bytes each rank sent per step (bytes_sent between two steps)
 ring all-reduce of the gradients, 2 (N - 1) / N x 4 bytes x trainable parameters (the ZeRO paper's 2 Psi for
 data parallel), plus the few small collectives of a step (--zero 3: 3 Psi; with '--lora' in --train-flags, the
 adapters' 2 Psi and the frozen base's layers, m (2L - 2h) layer gathers a step for m sequences a rank and h
-gathered layers, 2 unless '--zero-prefetch no'). Threads: the machine's CPUs shared by the ranks
+gathered layers, 2 unless '--zero-prefetch no'; with --dtype bf16 the projection matrices travel in bf16).
+Threads: the machine's CPUs shared by the ranks
 (--threads-per-rank, default CPUs / N), so on a 2-core machine N = 2 runs one thread a rank and N > 2
 oversubscribes: step time vs N measures the sum's cost there, not scaling.
 
@@ -113,8 +114,11 @@ def run(a, n, tag, link=None):
                                           capture_output=True, text=True).stdout)["shape"]
         m, L = a.batch // n, shape["layers"]
         held = 1 if "--zero-prefetch no" in a.train_flags else 2
-        layer = shape["layer_parameters"] / L
-        formula = [(n - 1) / n * 4 * (2 * params + m * (2 * L - 2 * held) * layer)] * n
+        # A layer's bytes: 4 a parameter, but 2 for the projection matrices under bf16 compute (sent as the
+        # products read them).
+        mats = shape["layer_matrix_parameters"] / L if a.dtype == "bf16" else 0
+        layer = 4 * (shape["layer_parameters"] / L - mats) + 2 * mats
+        formula = [(n - 1) / n * (4 * 2 * params + m * (2 * L - 2 * held) * layer)] * n
     if cp_flags(a, n):  # the keys, values and key gradients of each layer (the model's config in the checkpoint)
         cfg = json.load(open(os.path.join(out, sorted(d for d in os.listdir(out) if d.startswith("checkpoint-"))[-1],
                                           "config.json")))

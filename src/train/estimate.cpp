@@ -395,7 +395,7 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
     for (const ParamSpec& s : specs) sizes.push_back(numel(s.shape));
     spec_owner = dist::owners(sizes, ranks.size);
   }
-  size_t gathered = 0;
+  size_t gathered = 0, zero3_wire = 0;
   if (zero3) {
     std::vector<ParamSpec> kept, layer0;
     for (size_t i = 0; i < specs.size(); ++i) {
@@ -405,6 +405,13 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
     }
     f32_slots = kept;
     gathered = set_bytes(layer0, f) * static_cast<size_t>(eo.gathered_copies);
+    // bf16 compute: a layer's projection weights travel in bf16 through a buffer per copy (Trainer::State::wire).
+    if (eo.dtype == ComputeDType::bf16) {
+      size_t wire = 0;
+      for (const ParamSpec& s : layer0)
+        if (is_projection_weight(s.name)) wire += a64(static_cast<size_t>(numel(s.shape)) * 2);
+      zero3_wire = wire * static_cast<size_t>(eo.gathered_copies);
+    }
   }
   size_t weights = set_bytes(f32_slots, f) + gathered, quant = 0;
   for (const ParamSpec& s : specs) {
@@ -513,6 +520,7 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
     for (const ParamSpec& s : trained) most = std::max(most, numel(s.shape));
     add(kHost, Category::workspace, a64(nbytes(f, 2 * std::min(most, dist::kSumBucket) + ranks.size)));
   }
+  add(kHost, Category::workspace, zero3_wire);
 
   // Activations and the model's workspace. Context parallel: a rank holds its slice as one chunk.
   const int64_t cp = c.context_parallel;
@@ -847,16 +855,19 @@ int run_estimate(const TrainConfig& c, bool as_json, int ranks) {
     o.set("budget", json::Value::integer(static_cast<int64_t>(budget)));
     {  // the model's shape: what a reader needs for the byte counts of sharding (ZeRO-3 sends the layers' tensors)
       json::Value shape = json::Value::object();
-      int64_t total = 0, layers = 0;
+      int64_t total = 0, layers = 0, matrices = 0;
       for (const ParamSpec& p : param_specs(cfg)) {
         total += numel(p.shape);
         if (layer_of_name(p.name) >= 0) layers += numel(p.shape);
+        if (layer_of_name(p.name) >= 0 && is_projection_weight(p.name)) matrices += numel(p.shape);
       }
       shape.set("layers", json::Value::integer(cfg.L));
       shape.set("width", json::Value::integer(cfg.E));
       shape.set("vocabulary", json::Value::integer(cfg.V));
       shape.set("parameters", json::Value::integer(total));
       shape.set("layer_parameters", json::Value::integer(layers));
+      // of which the projection matrices' (bf16 on ZeRO-3's wire under bf16 compute; norms and biases in f32)
+      shape.set("layer_matrix_parameters", json::Value::integer(matrices));
       o.set("shape", std::move(shape));
     }
     o.set("fits", json::Value::boolean(fits));

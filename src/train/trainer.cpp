@@ -699,9 +699,18 @@ struct Trainer::State {
   // rank, their optimizer state sharded as --zero 1 does). Per layer, its sharded tensors and the rank that holds
   // each (empty: none sharded); the layer each copy holds (-1: none, or stale after a step); the layer the model
   // asked for last (a pass's direction); a layer on its way into its copy while another computes (-1: none) and
-  // its messages.
+  // its messages. Under bf16 compute the projection weights travel in bf16 (the values the products read: each
+  // owner rounds its own into the wire buffer of the copy, each other rank widens them into the copy on arrival),
+  // the other tensors (norms, biases) in f32.
   bool zero3 = false;
-  std::vector<std::vector<std::pair<Tensor, int>>> layer_tensors;
+  struct LayerTensor {
+    Tensor t;
+    int owner = 0;
+    int64_t half_at = -1;  // bf16 on the wire: its offset in a wire buffer (bytes), else -1
+  };
+  std::vector<std::vector<LayerTensor>> layer_tensors;
+  std::array<Buffer, 2> wire;                                 // per gathered copy: the layer's bf16 tensors
+  std::vector<std::pair<const uint16_t*, Tensor>> to_widen;   // arrived in bf16, widened when the messages are done
   int copies = 1;
   std::array<int64_t, 2> gathered_in{-1, -1};
   int64_t last_fetch = -1, prefetching = -1;
@@ -801,9 +810,16 @@ std::vector<int> spec_owners(const std::vector<ParamSpec>& specs) {
 constexpr int kGatherTag = 64000;
 void post_layer(Trainer::State& s, int64_t l, std::vector<dist::Request>* out) {
   constexpr int64_t kPiece = int64_t{1} << 30;
-  for (const auto& [t, owner] : s.layer_tensors[static_cast<size_t>(l)]) {
+  for (const auto& [t, owner, half_at] : s.layer_tensors[static_cast<size_t>(l)]) {
     char* p = static_cast<char*>(t.data);
-    for (int64_t o = 0, total = static_cast<int64_t>(t.nbytes()); o < total; o += kPiece) {
+    int64_t bytes = static_cast<int64_t>(t.nbytes());
+    if (half_at >= 0) {  // in bf16, through the copy's wire buffer
+      p = s.wire[static_cast<size_t>(l % s.copies)].as<char>() + half_at;
+      bytes = t.numel() * 2;
+      if (owner == dist::rank()) convert(p, DType::bf16, t.data, DType::f32, t.numel());
+      else s.to_widen.push_back({reinterpret_cast<const uint16_t*>(p), t});
+    }
+    for (int64_t o = 0, total = bytes; o < total; o += kPiece) {
       const int64_t len = std::min(kPiece, total - o);
       if (owner != dist::rank()) {
         out->push_back(dist::irecv(p + o, len, owner, kGatherTag));
@@ -817,6 +833,8 @@ void post_layer(Trainer::State& s, int64_t l, std::vector<dist::Request>* out) {
 void finish_layer(Trainer::State& s) {
   for (dist::Request& r : s.inflight) dist::wait(r);
   s.inflight.clear();
+  for (const auto& [h, t] : s.to_widen) convert(t.data, DType::f32, h, DType::bf16, t.numel());  // exact
+  s.to_widen.clear();
 }
 
 // --zero 3: layer l's tensors of other ranks into its gathered copy (nothing when it holds them already), before
@@ -1230,7 +1248,8 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
       OOM_CHECK(!is_layer_group(s.trained[i].group) || (s.owner[i] == dist::rank()) == here,
                 "[train] internal: --zero 3 placed ", s.trained[i].name, " against its owner");
       if (is_layer_group(s.trained[i].group))
-        s.layer_tensors[static_cast<size_t>(s.trained[i].group)].push_back({s.trained[i].param, s.owner[i]});
+        s.layer_tensors[static_cast<size_t>(s.trained[i].group)].push_back(
+            {s.trained[i].param, s.owner[i], is_projection_weight(s.trained[i].name) ? 0 : -1});
     }
   } else if (c.zero >= 3 && dist::distributed()) {  // an adapter run: the frozen base's layer tensors
     const std::vector<ParamSpec> specs = param_specs(s.e.src.cfg);
@@ -1242,10 +1261,34 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
       const Tensor* t = s.e.params->find(specs[i].name);
       OOM_CHECK(t && t->data && t->dtype == DType::f32 && (own[i] == dist::rank()) == !in_buffer(*t, s.e.gathered),
                 "[train] internal: --zero 3 placed the base's ", specs[i].name, " against its owner");
-      s.layer_tensors[static_cast<size_t>(l)].push_back({*t, own[i]});
+      s.layer_tensors[static_cast<size_t>(l)].push_back({*t, own[i], is_projection_weight(specs[i].name) ? 0 : -1});
     }
   }
   if (!s.layer_tensors.empty()) {
+    // bf16 compute: the projection weights' places in a layer's wire buffer (the same in every layer), one buffer a
+    // gathered copy; f32 compute: every tensor in f32, no buffer.
+    const bool half = parse_compute_dtype(c.dtype) == ComputeDType::bf16;
+    size_t wire = 0;
+    for (std::vector<Trainer::State::LayerTensor>& layer : s.layer_tensors) {
+      size_t at = 0;
+      for (Trainer::State::LayerTensor& x : layer) {
+        if (x.half_at < 0) continue;
+        if (!half) {
+          x.half_at = -1;
+          continue;
+        }
+        x.half_at = static_cast<int64_t>(at);
+        at += (static_cast<size_t>(x.t.numel()) * 2 + 63) / 64 * 64;
+      }
+      wire = std::max(wire, at);
+    }
+    for (int k = 0; k < s.copies && wire > 0; ++k) {
+      try {
+        s.wire[static_cast<size_t>(k)] = s.e.mem->host.alloc(wire, Category::workspace, "ZeRO-3 bf16 wire");
+      } catch (const OutOfBudget& e) {
+        out_of_budget(c, e.what(), &s.e.mem->ledger);
+      }
+    }
     // The setup's dry run above read whatever the gathered layers held (the last loaded): only their shapes count.
     s.e.model->on_layer_weights([&s](int64_t l) { gather_layer(s, l); });
   }

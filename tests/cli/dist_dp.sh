@@ -8,7 +8,8 @@
 #  - ZeRO stages 1, 2 and 3 (--zero 1, 2, 3): the same with the optimizer state (and gradients, and the layers'
 #    weights) sharded, which every rank holds less of; stage 3 with a LoRA adapter (the frozen base's layer weights
 #    sharded) gives the 1-rank run's losses and stage 1's adapter bit for bit; stages 2 and 3 with --chunk give the
-#    1-rank chunked run's losses;
+#    1-rank chunked run's losses; stage 3 under bf16 compute sends the projection matrices in bf16 (fewer bytes, the
+#    same weights as stage 2);
 #  - a rank killed in the middle of a run stops the others within a minute, and its last checkpoint resumes.
 # Skipped (77) when mpirun or an MPI build is missing.
 # usage: dist_dp.sh OOMLESS_BINARY SOURCE_DIR WORK_DIR
@@ -226,6 +227,27 @@ for extra in "" "--lora 4"; do
     || { echo "six layers, --zero 3 $extra: losses differ with and without prefetching"; exit 1; }
   rm -rf "$work/tyes" "$work/tno"
   echo "six layers, --zero 3 $extra: the same bytes with and without prefetching"
+done
+# bf16 compute under --zero 3 (six layers, 2 ranks): the projection matrices travel in bf16, the values the products
+# read (each owner rounds its own, the others widen them on arrival), so the weights are --zero 2's bit for bit (full
+# training) and the adapter --zero 1's (LoRA), fewer bytes are sent than by the same run in fp32, and the estimate
+# is the ledger's.
+sent() { python3 -c "import json,sys; print(sum([json.loads(l) for l in open(sys.argv[1]) if '\"train\"' in l][-1]['ranks']['bytes_sent']))" "$1"; }
+bargs=$(echo "$targs" | sed 's/ --zero 3//')
+for extra in "" "--lora 4"; do
+  z=$([ -n "$extra" ] && echo 1 || echo 2)
+  for run in "b3 --zero 3 --dtype bf16" "b$z --zero $z --dtype bf16" "f3 --zero 3 --dtype fp32"; do
+    mpi 2 train $bargs $extra ${run#* } --out "$work/${run%% *}" > "$work/${run%% *}.log" 2>&1 \
+      || { echo "six layers, $extra ${run#* } failed"; cat "$work/${run%% *}.log"; exit 1; }
+  done
+  f=$([ -n "$extra" ] && echo adapter_model || echo model).safetensors
+  cmp -s "$work/b3/checkpoint-3/$f" "$work/b$z/checkpoint-3/$f" \
+    || { echo "six layers, bf16 $extra: --zero 3's $f differs from --zero $z's"; exit 1; }
+  [ "$(sent "$work/b3/metrics.jsonl")" -lt "$(sent "$work/f3/metrics.jsonl")" ] \
+    || { echo "six layers, bf16 $extra --zero 3: $(sent "$work/b3/metrics.jsonl") bytes sent, fp32 $(sent "$work/f3/metrics.jsonl")"; exit 1; }
+  estimate_is_ledger "$work/b3" $bargs $extra --zero 3 --dtype bf16 --ranks 2 || { echo "six layers, bf16 $extra --zero 3: memory"; exit 1; }
+  rm -rf "$work/b3" "$work/b$z" "$work/f3"
+  echo "six layers, bf16 $extra --zero 3: --zero $z's $f bit for bit, fewer bytes sent than in fp32"
 done
 # Stages 2 and 3 with chunk-recurrent training (--chunk 16): each chunk's layer gradients summed into their owners
 # as its backward finishes the layer, each layer's weights gathered for every chunk's pass. 2 ranks under --zero 2

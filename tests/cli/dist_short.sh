@@ -3,8 +3,8 @@
 # (dist_dp.sh and dist_cp.sh, the whole matrix, run in the other builds). Data parallel, ZeRO stages 1, 2 and 3
 # on 2 ranks, context parallel on 2, and beside data parallel on 4 (2 groups of 2): each gives the 1-rank run's
 # losses and evaluations (fp32 rounding) and writes its checkpoint through rank 0; page-sparse context parallel
-# on 3 ranks gives the 1-rank run's in chunks, zigzag on 3 the 1-rank run's, and ZeRO stage 3 with a LoRA adapter
-# on 2 the 1-rank LoRA run's.
+# on 3 ranks gives the 1-rank run's in chunks, zigzag on 3 the 1-rank run's, ZeRO stage 3 with a LoRA adapter
+# on 2 the 1-rank LoRA run's, and stage 3 under bf16 compute stage 2's weights.
 # Skipped (77) when mpirun or an MPI build is missing.
 # usage: dist_short.sh OOMLESS_BINARY SOURCE_DIR WORK_DIR
 set -u
@@ -46,3 +46,11 @@ want="$(losses "$work/lone/metrics.jsonl") $(evals "$work/lone/metrics.jsonl")"
 got="$(losses "$work/l3/metrics.jsonl") $(evals "$work/l3/metrics.jsonl")"
 same_losses "$want" "$got" || { echo "LoRA, --zero 3 on 2 ranks: $got, 1 rank: $want"; exit 1; }
 echo "LoRA with --zero 3, 2 ranks: the 1-rank losses and evaluations"
+# ZeRO stage 3 under bf16 compute on 2 ranks (the projection matrices sent in bf16): stage 2's weights bit for bit.
+for z in 2 3; do
+  mpi 2 train $args --dtype bf16 --zero $z --out "$work/b$z" > "$work/b$z.log" 2>&1 \
+    || { echo "bf16, --zero $z failed"; cat "$work/b$z.log"; exit 1; }
+done
+cmp -s "$work/b2/checkpoint-2/model.safetensors" "$work/b3/checkpoint-2/model.safetensors" \
+  || { echo "bf16, --zero 3 on 2 ranks: the weights differ from --zero 2's"; exit 1; }
+echo "bf16 with --zero 3, 2 ranks: --zero 2's weights bit for bit"
