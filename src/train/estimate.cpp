@@ -520,7 +520,6 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
     for (const ParamSpec& s : trained) most = std::max(most, numel(s.shape));
     add(kHost, Category::workspace, a64(nbytes(f, 2 * std::min(most, dist::kSumBucket) + ranks.size)));
   }
-  add(kHost, Category::workspace, zero3_wire);
 
   // Activations and the model's workspace. Context parallel: a rank holds its slice as one chunk.
   const int64_t cp = c.context_parallel;
@@ -532,7 +531,7 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
   add(kDev, Category::activations, mb.act_device);
   add(kHost, Category::activations, mb.act_host);
   add(kDisk, Category::activations, mb.act_disk);
-  workspace_fixed += mb.workspace;
+  workspace_fixed += mb.workspace + zero3_wire;  // (the wire buffers: Device workspace held through the run)
   for (int64_t l = 0; l < L; ++l) {
     std::array<size_t, 3> per{};
     for (SavePolicy p : {SavePolicy::all, SavePolicy::selective, SavePolicy::none})

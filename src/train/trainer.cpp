@@ -710,7 +710,7 @@ struct Trainer::State {
   };
   std::vector<std::vector<LayerTensor>> layer_tensors;
   std::array<Buffer, 2> wire;                                 // per gathered copy: the layer's bf16 tensors
-  std::vector<std::pair<const uint16_t*, Tensor>> to_widen;   // arrived in bf16, widened when the messages are done
+  std::vector<std::pair<Tensor, Tensor>> to_widen;           // (bf16 arrived, its f32 place): widened when done
   int copies = 1;
   std::array<int64_t, 2> gathered_in{-1, -1};
   int64_t last_fetch = -1, prefetching = -1;
@@ -813,11 +813,13 @@ void post_layer(Trainer::State& s, int64_t l, std::vector<dist::Request>* out) {
   for (const auto& [t, owner, half_at] : s.layer_tensors[static_cast<size_t>(l)]) {
     char* p = static_cast<char*>(t.data);
     int64_t bytes = static_cast<int64_t>(t.nbytes());
-    if (half_at >= 0) {  // in bf16, through the copy's wire buffer
-      p = s.wire[static_cast<size_t>(l % s.copies)].as<char>() + half_at;
+    if (half_at >= 0) {  // in bf16, through the copy's wire buffer (converted by the backend, where t lies)
+      const Buffer& w = s.wire[static_cast<size_t>(l % s.copies)];
+      p = w.as<char>() + half_at;
       bytes = t.numel() * 2;
-      if (owner == dist::rank()) convert(p, DType::bf16, t.data, DType::f32, t.numel());
-      else s.to_widen.push_back({reinterpret_cast<const uint16_t*>(p), t});
+      const Tensor h(p, DType::bf16, {t.numel()}, w.tier()), f = t.reshape({t.numel()});
+      if (owner == dist::rank()) s.e.ops->convert(h, f);
+      else s.to_widen.push_back({h, f});
     }
     for (int64_t o = 0, total = bytes; o < total; o += kPiece) {
       const int64_t len = std::min(kPiece, total - o);
@@ -833,7 +835,7 @@ void post_layer(Trainer::State& s, int64_t l, std::vector<dist::Request>* out) {
 void finish_layer(Trainer::State& s) {
   for (dist::Request& r : s.inflight) dist::wait(r);
   s.inflight.clear();
-  for (const auto& [h, t] : s.to_widen) convert(t.data, DType::f32, h, DType::bf16, t.numel());  // exact
+  for (const auto& [h, t] : s.to_widen) s.e.ops->convert(t, h);  // exact
   s.to_widen.clear();
 }
 
@@ -1284,7 +1286,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
     }
     for (int k = 0; k < s.copies && wire > 0; ++k) {
       try {
-        s.wire[static_cast<size_t>(k)] = s.e.mem->host.alloc(wire, Category::workspace, "ZeRO-3 bf16 wire");
+        s.wire[static_cast<size_t>(k)] = s.e.mem->device.alloc(wire, Category::workspace, "ZeRO-3 bf16 wire");
       } catch (const OutOfBudget& e) {
         out_of_budget(c, e.what(), &s.e.mem->ledger);
       }
