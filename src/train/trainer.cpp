@@ -1241,6 +1241,8 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
       out_of_budget(c, e.what(), &s.e.mem->ledger);
     }
   }
+  // --zero 3 under bf16 compute: the layers' projection weights travel in bf16 (State::wire).
+  const bool half_wire = parse_compute_dtype(c.dtype) == ComputeDType::bf16;
   if (s.zero3) {
     // Each tensor's owner is the rank that loaded it into its own storage: the optimizer's owner (dist::owners
     // over the same sizes in the same order).
@@ -1251,7 +1253,7 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
                 "[train] internal: --zero 3 placed ", s.trained[i].name, " against its owner");
       if (is_layer_group(s.trained[i].group))
         s.layer_tensors[static_cast<size_t>(s.trained[i].group)].push_back(
-            {s.trained[i].param, s.owner[i], is_projection_weight(s.trained[i].name) ? 0 : -1});
+            {s.trained[i].param, s.owner[i], half_wire && is_projection_weight(s.trained[i].name) ? 0 : -1});
     }
   } else if (c.zero >= 3 && dist::distributed()) {  // an adapter run: the frozen base's layer tensors
     const std::vector<ParamSpec> specs = param_specs(s.e.src.cfg);
@@ -1263,22 +1265,18 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
       const Tensor* t = s.e.params->find(specs[i].name);
       OOM_CHECK(t && t->data && t->dtype == DType::f32 && (own[i] == dist::rank()) == !in_buffer(*t, s.e.gathered),
                 "[train] internal: --zero 3 placed the base's ", specs[i].name, " against its owner");
-      s.layer_tensors[static_cast<size_t>(l)].push_back({*t, own[i], is_projection_weight(specs[i].name) ? 0 : -1});
+      s.layer_tensors[static_cast<size_t>(l)].push_back(
+          {*t, own[i], half_wire && is_projection_weight(specs[i].name) ? 0 : -1});
     }
   }
   if (!s.layer_tensors.empty()) {
-    // bf16 compute: the projection weights' places in a layer's wire buffer (the same in every layer), one buffer a
-    // gathered copy; f32 compute: every tensor in f32, no buffer.
-    const bool half = parse_compute_dtype(c.dtype) == ComputeDType::bf16;
+    // The bf16 tensors' places in a layer's wire buffer (the same in every layer), one buffer a gathered copy (none
+    // under f32 compute).
     size_t wire = 0;
     for (std::vector<Trainer::State::LayerTensor>& layer : s.layer_tensors) {
       size_t at = 0;
       for (Trainer::State::LayerTensor& x : layer) {
         if (x.half_at < 0) continue;
-        if (!half) {
-          x.half_at = -1;
-          continue;
-        }
         x.half_at = static_cast<int64_t>(at);
         at += (static_cast<size_t>(x.t.numel()) * 2 + 63) / 64 * 64;
       }
