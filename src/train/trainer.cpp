@@ -222,8 +222,9 @@ const std::vector<TrainOption>& train_options() {
             "state of its share of the tensors, then sends their new\nvalues to the others); 2 the gradients too (one "
             "layer's kept at a time, each\nsummed into its owners as backward finishes it, every chunk's); 3 the "
             "layers'\nweights too (each rank keeps its share; a layer's others are sent to every rank\nbefore its "
-            "forward and again before its backward, into one layer's storage; with\n--lora, an f32 base's layer weights: "
-            "the adapters stay whole, 1 shards their\nstate, 2 is refused); 0 none (default 0)",
+            "forward and again before its backward, into one layer's storage;\nits matrices in bf16 under --dtype bf16; "
+            "with --lora, an f32 base's layer\nweights: the adapters stay whole, 1 shards their state, 2 is refused); "
+            "0 none\n(default 0)",
             &C::zero),
       text("zero-prefetch", false, "S",
            "under --zero 3: yes sends the next layer's weights of a pass while one\ncomputes (two layers' storage for "
