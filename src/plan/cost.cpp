@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <vector>
@@ -47,15 +48,34 @@ std::string cut_model(const ModelConfig& cfg, int64_t L, const std::string& scra
 // a's, and the median of b's minus a's taken round by round. Where both fit `budget` together (0: no limit) the
 // two trainers live side by side and step in turns (a b, then b a), so that the machine's drift between two
 // runs, 10-25% within minutes on a shared host, falls on both sides of each difference; otherwise one after the
-// other. At least `reps` rounds, more (up to 25) until a's steps add up to a second, so that small models'
-// differences rise above noise.
+// other. At least `reps` rounds, more (up to 25) until a's steps add up to min_pair_seconds() (a second), so
+// that small models' differences rise above noise.
 struct PairTime {
   double a = 0, diff = 0;
 };
+
+// OOMLESS_PLAN_MIN_SECONDS: the seconds of a's steps that a pair's timing gathers at least (default 1; 0: just
+// `reps` rounds, a rougher cost model in less time, which the tests of the planner's logic use).
+double min_pair_seconds() {
+  static const double s = [] {
+    const char* v = std::getenv("OOMLESS_PLAN_MIN_SECONDS");
+    if (!v || !*v) return 1.0;
+    char* end = nullptr;
+    const double x = std::strtod(v, &end);
+    OOM_CHECK(end && *end == '\0' && x >= 0 && x <= 3600, "[plan] OOMLESS_PLAN_MIN_SECONDS=", v,
+              " is not a number of seconds from 0 to 3600; unset it for the default (1)");
+    return x;
+  }();
+  return s;
+}
+
 PairTime time_pair(const TrainConfig& ca, const TrainConfig& cb, int64_t V, int reps, size_t budget) {
   const StepBatch ba = synthetic_batch(ca.batch * ca.grad_accum, ca.seq, V);
   const StepBatch bb = synthetic_batch(cb.batch * cb.grad_accum, cb.seq, V);
-  auto more = [&](size_t n, double total) { return static_cast<int>(n) < reps || (total < 1.0 && n < 25); };
+  const double min_seconds = min_pair_seconds();
+  auto more = [&](size_t n, double total) {
+    return static_cast<int>(n) < reps || (total < min_seconds && n < 25);
+  };
   auto median = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
     return v[v.size() / 2];
