@@ -354,7 +354,8 @@ TEST(Peft, BadKeysAreNamed) {
       {"", "is not a key"},
   };
   for (const auto& [key, want] : cases) {
-    const std::string e = error_of([&] { parse_adapter_key(key, "F.safetensors"); });
+    const std::string& k = key;  // (a structured binding is not captured by clang before 16)
+    const std::string e = error_of([&] { parse_adapter_key(k, "F.safetensors"); });
     EXPECT_NE(e.find(want), std::string::npos) << key << ": " << e;
     EXPECT_NE(e.find("[adapter] F.safetensors: tensor " + json::quote(key)), std::string::npos) << e;
   }

@@ -17,6 +17,7 @@
 #include <bit>
 #include <cstring>
 
+#include "core/clones.h"
 #include "core/error.h"
 
 namespace oomless {
@@ -174,7 +175,7 @@ void convert_loop(void* dst, const void* src, int64_t n, Fn fn) {
 
 // f32 -> bf16 (f32_to_bf16's bits, NaN kept quiet) and bf16 -> f32 without a branch, cloned for AVX2 and
 // AVX-512 so that the loops vectorise (the bf16 operands of bf16 compute are converted every step).
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+OOMLESS_CLONES("arch=x86-64-v4", "arch=x86-64-v3", "default")
 void f32_to_bf16_n(uint16_t* d, const float* s, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     uint32_t u;
@@ -183,7 +184,7 @@ void f32_to_bf16_n(uint16_t* d, const float* s, int64_t n) {
     d[i] = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
   }
 }
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+OOMLESS_CLONES("arch=x86-64-v4", "arch=x86-64-v3", "default")
 void bf16_to_f32_n(float* d, const uint16_t* s, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t u = static_cast<uint32_t>(s[i]) << 16;

@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "core/clones.h"
+
 namespace oomless::cpu {
 
 namespace {
@@ -27,7 +29,7 @@ __attribute__((always_inline)) inline void update(const AdamWScalars& s, float* 
 
 }  // namespace
 
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+OOMLESS_CLONES("arch=x86-64-v4", "arch=x86-64-v3", "default")
 void adamw_range(const AdamWScalars& s, float* p, const float* g, float* m, float* v, int64_t n) {
   if (s.after) update<true>(s, p, g, m, v, n);
   else update<false>(s, p, g, m, v, n);

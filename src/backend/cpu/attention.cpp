@@ -66,6 +66,7 @@
 #include "backend/cpu/cpu_ops.h"
 #include "backend/cpu/gemm.h"
 #include "backend/cpu/gemm_kernel.h"
+#include "core/clones.h"
 
 namespace oomless {
 
@@ -385,7 +386,7 @@ __attribute__((always_inline)) inline void softmax_rows(float* S, uint16_t* Sh, 
   }
 }
 
-__attribute__((target_clones("arch=x86-64-v3", "default")))
+OOMLESS_CLONES("arch=x86-64-v3", "default")
 void online_softmax(float* S, int64_t nq, int64_t nk, float c, const int32_t* qpos, int64_t klo, float* m, float* l,
                     float* O, int64_t ldo, int64_t D) {
   softmax_rows<8>(S, nullptr, nq, nk, c, qpos, klo, m, l, O, ldo, D);
@@ -399,7 +400,7 @@ void online_softmax16(float* S, uint16_t* Sh, int64_t nq, int64_t nk, float c, c
 
 // P = 2^(c S - lse2) in place for the visible keys of each row, 0 elsewhere and on rows that see no
 // key at all (lse = -inf).
-__attribute__((target_clones("arch=x86-64-v3", "default")))
+OOMLESS_CLONES("arch=x86-64-v3", "default")
 void probabilities(float* S, int64_t nq, int64_t nk, float c, const int32_t* qpos, int64_t klo, const float* lse2) {
   for (int64_t r = 0; r < nq; ++r) {
     float* x = S + r * nk;
@@ -427,7 +428,7 @@ void probabilities16(float* S, uint16_t* Sh, int64_t nq, int64_t nk, float c, co
 }
 
 // dS = scale P (dP - D) in place of dP, tiles (nq, nk).
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+OOMLESS_CLONES("arch=x86-64-v4", "arch=x86-64-v3", "default")
 void score_grads(float* dP, const float* P, int64_t nq, int64_t nk, const float* dsum, float scale) {
   for (int64_t r = 0; r < nq; ++r) {
     float* g = dP + r * nk;

@@ -19,6 +19,7 @@
 #include "backend/cpu/adamw.h"
 #include "backend/cpu/gemm.h"
 #include "backend/rope.h"
+#include "core/clones.h"
 
 namespace oomless {
 
@@ -384,7 +385,7 @@ typedef double v8d __attribute__((vector_size(64)));
 // The sum of squares of x[0, n) in double: eight lanes (lane l sums the elements i = l mod 8 in order), then
 // the lanes pairwise and the tail in order. A square of a float is exact in double, so a fused multiply-add
 // rounds as the product and the sum do: every clone gives the same bits.
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+OOMLESS_CLONES("arch=x86-64-v4", "arch=x86-64-v3", "default")
 double sum_squares_chunk(const float* x, int64_t n) {
   v8d acc = {};
   int64_t i = 0;

@@ -68,6 +68,7 @@
 #include "backend/cpu/cpu_ops.h"
 #include "backend/cpu/exp_f32.h"
 #include "backend/cpu/gemm.h"
+#include "core/clones.h"
 
 namespace oomless {
 
@@ -133,7 +134,7 @@ size_t scratch_bytes(CeCall call, int64_t T, int64_t E, int64_t V, bool bf16, bo
 // vectorises where a float one does not (see exp_f32). A NaN need not win here; exp_f32 passes it on.
 inline int32_t order_key(int32_t bits) { return bits ^ ((bits >> 31) & 0x7fffffff); }  // an involution
 
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+OOMLESS_CLONES("arch=x86-64-v4", "arch=x86-64-v3", "default")
 float row_max(const float* x, int64_t n) {
   int32_t m = order_key(std::bit_cast<int32_t>(-std::numeric_limits<float>::infinity()));
   for (int64_t j = 0; j < n; ++j) {
@@ -144,7 +145,7 @@ float row_max(const float* x, int64_t n) {
 }
 
 // x[j] = exp(x[j] - shift) in place; returns their sum in double over kLanes fixed lanes.
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+OOMLESS_CLONES("arch=x86-64-v4", "arch=x86-64-v3", "default")
 double exp_shift_sum(float* x, int64_t n, float shift) {
   for (int64_t j = 0; j < n; ++j) x[j] = exp_f32(x[j] - shift);
   double lane[kLanes] = {};
@@ -156,7 +157,7 @@ double exp_shift_sum(float* x, int64_t n, float shift) {
 }
 
 // x[j] = gs exp(x[j] - l) in place: a row of dlogits before its target's term.
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+OOMLESS_CLONES("arch=x86-64-v4", "arch=x86-64-v3", "default")
 void scaled_exp_row(float* x, int64_t n, float gs, float l) {
   for (int64_t j = 0; j < n; ++j) x[j] = gs * exp_f32(x[j] - l);
 }

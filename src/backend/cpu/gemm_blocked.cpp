@@ -49,6 +49,7 @@
 #include <type_traits>
 
 #include "backend/cpu/gemm_kernel.h"
+#include "core/clones.h"
 #include "core/cpu_info.h"
 #include "core/dtype.h"
 #include "core/q8_act.h"
@@ -577,7 +578,7 @@ inline void dot_group(const float* a, const float* const* r, int64_t n8, v8f* ac
   }
   for (int i = 0; i < G; ++i) acc[i] = s[i];
 }
-__attribute__((target_clones("arch=x86-64-v3", "default")))
+OOMLESS_CLONES("arch=x86-64-v3", "default")
 void dot_lanes(const float* a, const float* const* r, int g, int64_t n8, v8f* acc) {
   if (g == kRowGroup) return dot_group<kRowGroup>(a, r, n8, acc);
   for (int i = 0; i < g; ++i) dot_group<1>(a, r + i, n8, acc + i);
@@ -585,7 +586,7 @@ void dot_lanes(const float* a, const float* const* r, int g, int64_t n8, v8f* ac
 
 // y[j] += x[0] r[0][j], then += x[1] r[1][j], ... for g <= 4 rows and j < n: the sequence of one-row
 // updates (the same bits), with y loaded and stored once.
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+OOMLESS_CLONES("arch=x86-64-v4", "arch=x86-64-v3", "default")
 void axpy_rows(float* y, const float* x, const float* const* r, int g, int64_t n) {
   if (g == 4) {
     const float x0 = x[0], x1 = x[1], x2 = x[2], x3 = x[3];

@@ -9,6 +9,7 @@
 #include "backend/checks.h"
 #include "backend/cpu/cpu_ops.h"
 #include "backend/cpu/exp_f32.h"
+#include "core/clones.h"
 
 namespace oomless {
 
@@ -16,12 +17,12 @@ namespace {
 
 constexpr int64_t kChunk = 4096;  // elements a thread takes at a time
 
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+OOMLESS_CLONES("arch=x86-64-v4", "arch=x86-64-v3", "default")
 void swiglu_rows(float* y, const float* g, const float* u, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
 }
 
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+OOMLESS_CLONES("arch=x86-64-v4", "arch=x86-64-v3", "default")
 void swiglu_grad_rows(float* dg, float* du, const float* dy, const float* g, const float* u, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float s = 1.0f / (1.0f + exp_f32(-g[i]));
