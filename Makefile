@@ -2,12 +2,13 @@
 # each installs missing Debian packages (scripts/setup.sh), configures, builds and runs.
 JOBS ?= $(shell nproc)
 BUILD ?= build/release
-ASAN_BUILD ?= build/asan
+# The sanitizer tree (clang; ASan + UBSan): the tests under the sanitizers and the libFuzzer targets, one build.
+ASAN_BUILD ?= build/sanitize
 CUDA ?= auto
 CTEST_FLAGS ?= --output-on-failure --timeout 120 -j$(JOBS)
 
 .PHONY: all setup build run test test-fast test-strict test-asan test-fuzz test-smoke test-all bench bench-peers bench-long \
-	bench-sparse fuzz fuzz-build peft-roundtrip gguf-roundtrip clean
+	bench-sparse fuzz fuzz-build sanitize-configure peft-roundtrip gguf-roundtrip clean
 
 all: build
 
@@ -39,11 +40,19 @@ test-fast: build
 test-strict: build
 	cd $(BUILD) && OOMLESS_STRICT_DEVICE=1 ctest $(CTEST_FLAGS) -LE "gpu|slow|mpi_short"
 
+# The sanitizer tree: clang with ASan + UBSan, the tests and the libFuzzer targets in one build (the library is
+# compiled once for both, with the fuzzer's coverage outside the kernels: CMakeLists.txt). Configured every time,
+# so that CMake's globs see new tests and fuzz targets.
+sanitize-configure:
+	@scripts/setup.sh fuzz
+	@mkdir -p $(ASAN_BUILD) && cmake -S . -B $(ASAN_BUILD) -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
+	  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DOOMLESS_SANITIZE=ON -DOOMLESS_FUZZ=ON -DOOMLESS_CUDA=off -DOOMLESS_BENCH=OFF \
+	  -DOOMLESS_SLOW_TESTS=OFF > $(ASAN_BUILD).configure.log 2>&1 || (cat $(ASAN_BUILD).configure.log; exit 1)
+
 # GemmDeterminism (the same bits for 1, 2 and 3 threads, every path) runs in the Release tree only: under the
 # sanitizers it repeated the conformance tests' shapes three times over for 45 s (the paths' buffers and packing are
 # checked there by GemmPaths, Matmul* and the conformance matrix).
-test-asan: setup
-	@cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DOOMLESS_SANITIZE=ON -DOOMLESS_CUDA=off -DOOMLESS_BENCH=OFF -DOOMLESS_SLOW_TESTS=OFF > /dev/null
+test-asan: sanitize-configure
 	@cmake --build $(ASAN_BUILD) -j$(JOBS)
 	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1 ctest $(CTEST_FLAGS) -LE "gpu|slow|dist" -E "^GemmDeterminism\."
 
@@ -82,20 +91,16 @@ bench-sparse: build
 	  --json bench/long_context/results/sparse-retrieval-$$(date +%F).json
 
 # Each libFuzzer target in fuzz/ (every fuzz/*_fuzz.cpp) for FUZZ_SECONDS (default 60) from its seed corpus;
-# new inputs it finds go to build/fuzz/corpus/NAME (the committed seeds stay as they are). Needs clang
+# new inputs it finds go to build/sanitize/corpus/NAME (the committed seeds stay as they are). Needs clang
 # (installed). docs/FUZZING.md has the figures of longer runs.
 FUZZ_SECONDS ?= 60
-FUZZ_BUILD ?= build/fuzz
+FUZZ_BUILD = $(ASAN_BUILD)
 FUZZ_TARGETS = $(patsubst fuzz/%.cpp,%,$(wildcard fuzz/*_fuzz.cpp))
 fuzz: fuzz-build
 	@scripts/fuzz.sh $(FUZZ_BUILD) $(FUZZ_SECONDS)
 
-# Configured every time, so that CMake's glob sees new fuzz/*_fuzz.cpp; only the fuzz targets are built.
-fuzz-build:
-	@scripts/setup.sh fuzz
-	@mkdir -p $(FUZZ_BUILD) && CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DOOMLESS_FUZZ=ON \
-	  -DOOMLESS_TESTS=OFF -DOOMLESS_BENCH=OFF -DOOMLESS_CUDA=off > $(FUZZ_BUILD).configure.log 2>&1 \
-	  || (cat $(FUZZ_BUILD).configure.log; exit 1)
+# Only the fuzz targets (and the library) of the sanitizer tree.
+fuzz-build: sanitize-configure
 	@cmake --build $(FUZZ_BUILD) -j$(JOBS) --target $(FUZZ_TARGETS)
 
 # CI's fuzz step: the same build, each target for TEST_FUZZ_SECONDS (20) from its committed seeds, so that a

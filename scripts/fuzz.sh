@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Runs every libFuzzer target in BUILD (default build/fuzz) for SECONDS each (default 60) from its
-# committed seeds in fuzz/corpus/NAME; inputs it discovers go to BUILD/corpus/NAME. Prints the
-# executions and fails when any target crashes, reports undefined behaviour, or spends more than 25 s on
-# one input (the reproducer is left in BUILD/crash-* or BUILD/timeout-*). FUZZ_JOBS targets run side by
-# side (default: one per core).
+# Runs every libFuzzer target in BUILD (default build/sanitize, the sanitizer tree) for SECONDS each
+# (default 60) from its committed seeds in fuzz/corpus/NAME; inputs it discovers go to BUILD/corpus/NAME.
+# Prints the executions and fails when any target crashes, reports undefined behaviour, or spends more than
+# 25 s on one input (the reproducer is left in BUILD/crash-* or BUILD/timeout-*). FUZZ_JOBS targets run side
+# by side (default: one per core).
 set -uo pipefail
-build=${1:-build/fuzz}
+build=${1:-build/sanitize}
 seconds=${2:-60}
 jobs=${FUZZ_JOBS:-$(nproc)}  # targets side by side (each fuzzer is one thread)
 status=0
