@@ -45,6 +45,11 @@ if "$bin" train $M --data "$D" --steps 1 --plan "$work/p.json" --chunk 128 --out
 grep -q -- "--chunk is set by --plan" "$work/twice.log" || { cat "$work/twice.log"; fail "no conflict named"; }
 if "$bin" train --model preset:micro --seq 128 --data "$D" --steps 1 --plan "$work/p.json" --out "$work/seq" > "$work/seq.log" 2>&1; then fail "a plan for another --seq"; fi
 grep -q "it was made for --seq 256, this run has --seq 128" "$work/seq.log" || { cat "$work/seq.log"; fail "no --seq named"; }
+# A cost model's timing setting that is not a number of seconds is refused by name.
+if OOMLESS_PLAN_MIN_SECONDS=abc "$bin" plan $M --budget "$budget" --out "$work/env.json" > "$work/env.log" 2>&1; then
+  fail "OOMLESS_PLAN_MIN_SECONDS=abc accepted"; fi
+grep -q "OOMLESS_PLAN_MIN_SECONDS=abc is not a number of seconds" "$work/env.log" || { cat "$work/env.log"; fail "no error naming OOMLESS_PLAN_MIN_SECONDS"; }
+[ ! -e "$work/env.json" ] || fail "a plan written under a refused OOMLESS_PLAN_MIN_SECONDS"
 if "$bin" plan $M --budget "$budget" --chunk 128 --out "$work/c.json" > "$work/c.log" 2>&1; then fail "plan with --chunk"; fi
 grep -q -- "--chunk is what the plan chooses" "$work/c.log" || { cat "$work/c.log"; fail "no --chunk named"; }
 echo "plan: ok (budget $budget between $lo and $hi)"
