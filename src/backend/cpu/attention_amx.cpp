@@ -131,6 +131,38 @@ OOMLESS_AMX void micro(const uint16_t* a, int64_t lda, const uint32_t* b, int64_
   gemm_detail::tile_barrier();
 }
 
+// C = A B over K = 64 (two k steps), MT 16-row tiles (1 or 2) by N columns (a multiple of 16), not
+// accumulated: the strip's A tiles stay loaded (tmm4..7) while it walks the columns sixteen at a time, so a
+// tile product takes one B tile load (micro: one A and one B) and a store of C every two. Each output is
+// the same two tile products in the same order as micro's.
+template <int MT>
+OOMLESS_AMX void strip64(const uint16_t* a, int64_t lda, const uint32_t* b, int64_t ldb, float* c, int64_t ldc,
+                         int64_t N) {
+  const int64_t cs = ldc * 4, as = lda * 2, bs = ldb * 4;
+  gemm_detail::tile_barrier();
+  _tile_loadd(4, a, as);
+  _tile_loadd(5, a + 32, as);
+  if constexpr (MT == 2) {
+    _tile_loadd(6, a + 16 * lda, as);
+    _tile_loadd(7, a + 16 * lda + 32, as);
+  }
+  for (int64_t j = 0; j < N; j += 16) {
+    _tile_zero(0);
+    _tile_loadd(2, b + j, bs);
+    _tile_loadd(3, b + 16 * ldb + j, bs);
+    _tile_dpbf16ps(0, 4, 2);
+    if constexpr (MT == 2) {
+      _tile_zero(1);
+      _tile_dpbf16ps(1, 6, 2);
+    }
+    _tile_dpbf16ps(0, 5, 3);
+    if constexpr (MT == 2) _tile_dpbf16ps(1, 7, 3);
+    _tile_stored(0, c + j, cs);
+    if constexpr (MT == 2) _tile_stored(1, c + 16 * ldc + j, cs);
+  }
+  gemm_detail::tile_barrier();
+}
+
 }  // namespace
 
 // Row x's D values as D / 2 pair words in w (bf16 as they are, f32 rounded).
@@ -219,6 +251,12 @@ void end() { gemm_detail::amx_end(); }
 
 OOMLESS_AMX void product(const uint16_t* a, int64_t lda, const uint32_t* b, int64_t ldb, float* c, int64_t ldc,
                          int64_t M, int64_t N, int64_t K, bool acc) {
+  if (K == 64 && !acc) {  // S = Q K^T and dP = dO V^T at D = 64
+    int64_t i = 0;
+    for (; i + 32 <= M; i += 32) strip64<2>(a + i * lda, lda, b, ldb, c + i * ldc, ldc, N);
+    if (i < M) strip64<1>(a + i * lda, lda, b, ldb, c + i * ldc, ldc, N);
+    return;
+  }
   for (int64_t j = 0; j < N; j += 32) {
     int64_t i = 0;
     for (; i + 32 <= M; i += 32) micro<2>(a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc, K, acc);
