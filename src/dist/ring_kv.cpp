@@ -84,7 +84,8 @@ size_t RingKv::device_bytes(const KvDims& d, int64_t T, DType kv, DType grad, in
 size_t RingKv::host_bytes(const KvDims& d, int64_t T, int rank, int ranks, DType kv, DType grad,
                           const RingOptions& sp) {
   // every message in flight at once: this rank's block and the earlier ones; backward also the earlier blocks'
-  // gradients sent and the later ranks' received
+  // gradients sent and the later ranks' received, and on a rank before the last its own keys' gradients that
+  // those are added to
   const int64_t b = block_elems(d, T);
   if (sp.zigzag) {  // in quarter blocks (a piece's keys or values): forward the own four and each other rank's
                     // message (two from an earlier rank, four from a later one); backward also the gradients
@@ -92,7 +93,8 @@ size_t RingKv::host_bytes(const KvDims& d, int64_t T, int rank, int ranks, DType
     const int64_t q = b / 4, kvq = 4 + 2 * rank + 4 * (ranks - 1 - rank);
     return static_cast<size_t>(dtype_bytes(kv, kvq * q) + dtype_bytes(grad, (6 * (ranks - 1) + 4) * q));
   }
-  if (sp.pages == 0) return static_cast<size_t>(dtype_bytes(kv, (rank + 1) * b) + dtype_bytes(grad, (ranks - 1) * b));
+  if (sp.pages == 0)
+    return static_cast<size_t>(dtype_bytes(kv, (rank + 1) * b) + dtype_bytes(grad, (rank + 1 < ranks ? ranks : ranks - 1) * b));
   // Page-sparse: buffers for every page of a slice asked of each rank (the selection is known only at the
   // step; the bound keeps the ledger the estimate's): forward, the summaries, the asks both ways, the pages
   // served to each later rank and received from each earlier one; backward, those pages again, the gradients

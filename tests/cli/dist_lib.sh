@@ -47,8 +47,9 @@ a, b = [list(map(float, s.split())) for s in sys.argv[1:3]]
 sys.exit(0 if len(a) == len(b) and all(abs(x - y) <= 1e-6 * abs(x) for x, y in zip(a, b)) else 1)" "$1" "$2"
 }
 # `estimate_is_ledger RUN ARGS...`: `oomless estimate ARGS --json` gives the peak of the largest rank's ledger in the
-# last train line of RUN/metrics.jsonl, within 16 KiB or 0.1%, the larger (both printed): on these 4-16 MB runs the
-# two have differed by 50 bytes to 6 KB, and a 1% bound let a 147 KB buffer the estimate had left out pass.
+# last train line of RUN/metrics.jsonl, within 4 KiB or 0.02%, the larger (both printed): on these 4-16 MB runs the
+# two differ by about 50 bytes; a 1% bound let a 147 KB buffer the estimate had left out pass, and 16 KiB a 6 KB
+# one (a context-parallel rank's own key gradients, seen once ZeRO made rank 0 the largest).
 estimate_is_ledger() {
   eil_run=$1; shift
   "$bin" estimate "$@" --json > "$eil_run.estimate.json" || { echo "estimate $*: failed"; return 1; }
@@ -57,7 +58,7 @@ import json, sys
 est = json.load(open(sys.argv[1]))['estimate']['ram_peak']
 led = max([json.loads(l) for l in open(sys.argv[2]) if '"train"' in l][-1]['ranks']['peak'])
 print('estimate %d bytes, the largest rank\'s ledger %d' % (est, led))
-sys.exit(0 if abs(est - led) <= max(16384, 0.001 * led) else 1)
+sys.exit(0 if abs(est - led) <= max(4096, 0.0002 * led) else 1)
 PY
 }
 # `holds_less RUN REF WHAT`: in the last train lines of their metrics.jsonl, RUN's rank 0 holds fewer bytes of WHAT
