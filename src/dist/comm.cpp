@@ -7,6 +7,7 @@
 #include <cstring>
 #include <thread>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "memory/allocator.h"
 
@@ -126,12 +127,52 @@ bool any(bool v) {
 
 // The transport reads and writes the engine's memory where it lies, as a device's own interconnect does (NCCL
 // takes device pointers): the calls that touch tensors open Device memory (memory/allocator.h, strict mode).
-void sum_floats(float* x, int64_t n, float* scratch) {
+namespace {
+// n floats to bf16 (round to nearest even), and back.
+void to_bf16(uint16_t* d, const float* s, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(s[i]);
+}
+void from_bf16(float* d, const uint16_t* s, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) d[i] = bf16_to_f32(s[i]);
+}
+}  // namespace
+
+void sum_floats(float* x, int64_t n, float* scratch, bool bf16_wire) {
 #if OOMLESS_HAS_MPI
   if (g_size <= 1 || n <= 0) return;
   DeviceAccess open;
   OOM_CHECK(n <= INT32_MAX, "[dist] a sum of ", n, " floats at once; the caller splits it");
   const int N = g_size, r = g_rank;
+  if (bf16_wire) {
+    // In scratch: this rank's x in bf16 (n halves), then every rank's copy of this rank's part (N mine halves,
+    // at most n + N): n + N / 2 floats in all.
+    auto start = [&](int s) { return static_cast<int>(n * s / N); };
+    std::vector<int> cnt(static_cast<size_t>(N)), off(static_cast<size_t>(N)), rcnt(static_cast<size_t>(N)),
+        roff(static_cast<size_t>(N));
+    const int mine = start(r + 1) - start(r);
+    for (int s = 0; s < N; ++s) {
+      cnt[static_cast<size_t>(s)] = start(s + 1) - start(s);
+      off[static_cast<size_t>(s)] = start(s);
+      rcnt[static_cast<size_t>(s)] = mine;
+      roff[static_cast<size_t>(s)] = s * mine;
+    }
+    uint16_t* wire = reinterpret_cast<uint16_t*>(scratch);
+    uint16_t* parts = wire + n;
+    to_bf16(wire, x, n);
+    MPI_Alltoallv(wire, cnt.data(), off.data(), MPI_UINT16_T, parts, rcnt.data(), roff.data(), MPI_UINT16_T,
+                  MPI_COMM_WORLD);
+    float* part = x + start(r);
+    from_bf16(part, parts, mine);
+    for (int s = 1; s < N; ++s) {
+      const uint16_t* y = parts + static_cast<size_t>(s) * static_cast<size_t>(mine);
+      for (int j = 0; j < mine; ++j) part[j] += bf16_to_f32(y[j]);
+    }
+    to_bf16(wire + start(r), part, mine);
+    MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_UINT16_T, wire, cnt.data(), off.data(), MPI_UINT16_T, MPI_COMM_WORLD);
+    from_bf16(x, wire, n);
+    g_sent += sizeof(uint16_t) * (static_cast<uint64_t>(n - mine) + static_cast<uint64_t>(mine) * static_cast<uint64_t>(N - 1));
+    return;
+  }
   // Rank s reduces floats [start(s), start(s + 1)).
   auto start = [&](int s) { return static_cast<int>(n * s / N); };
   std::vector<int> cnt(static_cast<size_t>(N)), off(static_cast<size_t>(N)), rcnt(static_cast<size_t>(N)),
@@ -154,7 +195,7 @@ void sum_floats(float* x, int64_t n, float* scratch) {
   MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_FLOAT, x, cnt.data(), off.data(), MPI_FLOAT, MPI_COMM_WORLD);
   g_sent += sizeof(float) * (static_cast<uint64_t>(n - mine) + static_cast<uint64_t>(mine) * static_cast<uint64_t>(N - 1));
 #else
-  (void)x, (void)n, (void)scratch;
+  (void)x, (void)n, (void)scratch, (void)bf16_wire;
 #endif
 }
 
@@ -277,11 +318,27 @@ std::vector<std::string> gather_strings(const std::string& s) {
   return out;
 }
 
-void sum_floats_to(float* x, int64_t n, float* scratch, int root) {
+void sum_floats_to(float* x, int64_t n, float* scratch, int root, bool bf16_wire) {
 #if OOMLESS_HAS_MPI
   if (g_size <= 1 || n <= 0) return;
   DeviceAccess open;
   OOM_CHECK(n <= INT32_MAX / g_size, "[dist] a sum of ", n, " floats at once; the caller splits it");
+  if (bf16_wire) {  // in scratch: this rank's x in bf16, then on root every rank's (N + 1) n halves
+    uint16_t* wire = reinterpret_cast<uint16_t*>(scratch);
+    uint16_t* all = wire + n;
+    to_bf16(wire, x, n);
+    MPI_Gather(wire, static_cast<int>(n), MPI_UINT16_T, all, static_cast<int>(n), MPI_UINT16_T, root, MPI_COMM_WORLD);
+    if (g_rank != root) {
+      g_sent += sizeof(uint16_t) * static_cast<uint64_t>(n);
+      return;
+    }
+    from_bf16(x, all, n);
+    for (int s = 1; s < g_size; ++s) {
+      const uint16_t* y = all + static_cast<size_t>(s) * static_cast<size_t>(n);
+      for (int64_t j = 0; j < n; ++j) x[j] += bf16_to_f32(y[j]);
+    }
+    return;
+  }
   MPI_Gather(x, static_cast<int>(n), MPI_FLOAT, scratch, static_cast<int>(n), MPI_FLOAT, root, MPI_COMM_WORLD);
   if (g_rank != root) {
     g_sent += sizeof(float) * static_cast<uint64_t>(n);
@@ -293,7 +350,7 @@ void sum_floats_to(float* x, int64_t n, float* scratch, int root) {
     for (int64_t j = 0; j < n; ++j) x[j] += y[j];
   }
 #else
-  (void)x, (void)n, (void)scratch, (void)root;
+  (void)x, (void)n, (void)scratch, (void)root, (void)bf16_wire;
 #endif
 }
 

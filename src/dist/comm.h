@@ -46,7 +46,10 @@ inline constexpr int64_t kSumBucket = int64_t{1} << 22;
 // x (n floats, the same n on every rank) becomes the sum over ranks, taken in rank order in float
 // (((x0 + x1) + x2) + ...), identical on every rank. `scratch` holds at least n + size() floats. Moves 2 (N-1)/N n
 // floats in and out of each rank (a reduce-scatter then an all-gather, as a ring all-reduce does).
-void sum_floats(float* x, int64_t n, float* scratch);
+// bf16_wire: the values travel in bf16, half the bytes: each rank's x rounded to bf16, the owner of a part sums
+// them in float in rank order and rounds the sum to bf16 (its own copy too), so x is still identical on every
+// rank, the bf16 of the sum of the bf16 values.
+void sum_floats(float* x, int64_t n, float* scratch, bool bf16_wire = false);
 
 // x (n bytes) becomes root's copy on every rank.
 void broadcast(void* x, int64_t n, int root);
@@ -67,8 +70,9 @@ void end_reads();
 std::vector<std::string> gather_strings(const std::string& s);
 
 // The same sum on rank `root` only (x elsewhere is left as it was): the float sums of sum_floats, bit for bit,
-// moving (N-1) n floats into root. `scratch` holds N n floats on root.
-void sum_floats_to(float* x, int64_t n, float* scratch, int root);
+// moving (N-1) n floats into root. `scratch` holds N n floats on root. bf16_wire: the ranks' x travel in bf16
+// (rounded, root's own too) and are summed in float in rank order; the sum stays float.
+void sum_floats_to(float* x, int64_t n, float* scratch, int root, bool bf16_wire = false);
 // Every rank's doubles, concatenated in rank order (the ranks' counts may differ).
 std::vector<double> all_doubles(const std::vector<double>& mine);
 

@@ -230,6 +230,11 @@ const std::vector<TrainOption>& train_options() {
            "under --zero 3: yes sends the next layer's weights of a pass while one\ncomputes (two layers' storage for "
            "the others' tensors); no, when the pass\nreaches it (one) (default yes)",
            &C::zero_prefetch),
+      text("grad-sum-dtype", false, "D",
+           "under mpirun: fp32 or bf16, what the ranks' gradients travel in to be summed\n(bf16: half the bytes; "
+           "each rank's gradient rounded to bf16, the sum taken in fp32\nin rank order and rounded to bf16 once, "
+           "the same on every rank) (default fp32)",
+           &C::grad_sum_dtype),
       whole("context-parallel", false, "N",
             "under mpirun -np N: every sequence spread over the N ranks in consecutive\nslices of --seq / N tokens, "
             "each rank's queries attending to the earlier slices'\nkeys sent to it (memory for --seq / N tokens a "
@@ -445,6 +450,8 @@ void validate_config(const TrainConfig& c) {
             "state, 1 the optimizer state, 0 none");
   OOM_CHECK(c.zero_prefetch == "yes" || c.zero_prefetch == "no", "[train] --zero-prefetch ", c.zero_prefetch,
             ": give yes (the next layer sent while one computes) or no");
+  OOM_CHECK(c.grad_sum_dtype == "fp32" || c.grad_sum_dtype == "bf16", "[train] --grad-sum-dtype ", c.grad_sum_dtype,
+            ": give fp32 (the gradients summed as they are) or bf16 (sent in bf16: half the bytes)");
   const int64_t cp = c.context_parallel;
   OOM_CHECK(cp >= 1, "[train] --context-parallel ", cp, ": give the number of ranks a sequence is spread over (1: "
             "none)");
@@ -1591,7 +1598,7 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
       for (int64_t o = 0, total = gr.numel(); o < total; o += piece) {
         const int64_t len = std::min(piece, total - o);
         ops.download(stage, Tensor(static_cast<float*>(gr.data) + o, DType::f32, {len}, gr.tier));
-        dist::sum_floats_to(stage, len, scratch, s.owner[i]);
+        dist::sum_floats_to(stage, len, scratch, s.owner[i], c.grad_sum_dtype == "bf16");
         if (!mine_t) continue;
         const Tensor& og = s.owned[static_cast<size_t>(s.owned_at[i])].grad;
         const Tensor dst(static_cast<float*>(og.data) + o, DType::f32, {len}, og.tier);
@@ -1650,7 +1657,7 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
       float* stage = s.dp_stage.as<float>();
       // --zero 1: each gradient summed on its owner only (the others' copies are left as they are: no rank reads
       // them), in pieces whose N copies fit the scratch; the sum is the all-reduce's, bit for bit (rank order).
-      const bool to_owner = c.zero >= 1;
+      const bool to_owner = c.zero >= 1, half_sums = c.grad_sum_dtype == "bf16";
       const int64_t piece = to_owner ? std::max<int64_t>(1, s.dp_bucket / dist::size()) : s.dp_bucket;
       for (size_t i = 0; i < s.trained.size(); ++i) {
         if (s.zero2 && is_layer_group(s.trained[i].group)) continue;  // --zero 2: summed during backward
@@ -1661,9 +1668,9 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
           const Tensor part(static_cast<float*>(g.data) + o, DType::f32, {len}, g.tier);
           ops.download(stage, part);
           if (to_owner)
-            dist::sum_floats_to(stage, len, stage + s.dp_bucket, s.owner[i]);
+            dist::sum_floats_to(stage, len, stage + s.dp_bucket, s.owner[i], half_sums);
           else
-            dist::sum_floats(stage, len, stage + s.dp_bucket);
+            dist::sum_floats(stage, len, stage + s.dp_bucket, half_sums);
           if (!to_owner || owned) ops.upload(part, stage);
         }
       }

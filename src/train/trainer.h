@@ -50,6 +50,7 @@ struct TrainConfig {
   int64_t context_parallel = 1;        // ranks each sequence is spread over (its slices; RingKv); 1: none
   std::string cp_split = "contiguous";  // context parallel: consecutive slices, or zigzag (two pieces a rank)
   std::string zero_prefetch = "yes";   // --zero 3: the next layer sent while one computes (two layers' storage)
+  std::string grad_sum_dtype = "fp32";  // fp32 | bf16: what the ranks' gradients travel in to be summed
   std::string kv_dtype = "fp32";       // fp32 | bf16 | fp8: the chunk-recurrent K/V history's storage
   std::string act_dtype = "fp32";      // fp32 | bf16 | fp8: storage of the activations kept for backward
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
