@@ -68,6 +68,16 @@ def longest(a, n):
     return lo
 
 
+def formula_bytes(a):
+    """Bytes a parameter sends a step over the ZeRO paper's (N - 1) / N: the gradients' sum (twice, reduce-scatter
+    and all-gather, under data parallel; once to the owners under ZeRO) in fp32 or, with --grad-sum-dtype bf16, in
+    bf16, then under ZeRO the new weights from their owners (and under stage 3 the layers gathered twice)."""
+    g = 2 if "--grad-sum-dtype bf16" in a.train_flags else 4
+    if a.zero == 0:
+        return 2 * g
+    return g + (4 if a.zero < 3 else 8)
+
+
 def run(a, n, tag, link=None):
     out = os.path.join(a.work, tag)
     shutil.rmtree(out, ignore_errors=True)
@@ -104,7 +114,8 @@ def run(a, n, tag, link=None):
     sent = sent_all[0]
     # --zero 3: the layers' weights gathered before each forward and each backward besides the gradients' sum:
     # the ZeRO paper's 3 Psi (its mean over the ranks; who sends depends on who owns what).
-    formula = [(3 if a.zero >= 3 else 2) * (n - 1) / n * 4 * params] * n
+    # --grad-sum-dtype bf16: the sums' share in 2-byte halves (the all-reduce's both halves under --zero 0).
+    formula = [(n - 1) / n * params * formula_bytes(a)] * n
     if a.zero >= 3 and "--lora" in a.train_flags and n > 1:
         # An adapter run: the adapters' sum (2 Psi_adapters), and the frozen base's layers gathered for every sequence
         # a rank runs, each layer before its forward and its backward but those a pass turns on (a frozen layer stays
@@ -181,11 +192,13 @@ def main():
     print(f"{a.model}, --seq {a.seq} --batch {a.batch} (global), {a.steps} steps, {a.rounds} round(s); "
           f"{os.cpu_count()} CPUs")
     print(f"--zero {a.zero}" + (", --context-parallel N" if a.context_parallel else ""))
-    k = 3 if a.zero >= 3 else 2
+    g = 2 if "--grad-sum-dtype bf16" in a.train_flags else 4
+    k = (f"{3 if a.zero >= 3 else 2}(N-1)/N x 4 B" if g == 4 else
+         f"(N-1)/N x ({'2 x 2' if a.zero == 0 else '2 + 4' if a.zero < 3 else '2 + 2 x 4'} B)")
     print("| ranks | threads a rank | tok/s (median of rounds) | vs 1 rank | ledger peak a rank (largest) | optimizer "
           f"state a rank (largest) | weights a rank (largest) | peak RSS a rank | sent a step, rank 0 / mean of ranks | " +
           ("formula (N-1)/N x 4 B x (2 Psi_adapters + m (2L-2h) Psi_layer), h layers held |"
-           if a.zero >= 3 and "--lora" in a.train_flags else f"formula {k}(N-1)/N x 4 B x params |"))
+           if a.zero >= 3 and "--lora" in a.train_flags else f"formula {k} x params |"))
     print("|---|---|---|---|---|---|---|---|---|---|")
     base = statistics.median(x["tokens_per_s"] for x in res[ns[0]])
     summary = []
@@ -210,7 +223,8 @@ def main():
                         "formula_bytes": xs[0]["formula_bytes"], "runs": xs})
     # The same global batch: the 1-rank losses within fp32 rounding (bf16 compute: the gradients' sums, rounded
     # otherwise, move the weights the products read in bf16, so within bf16's).
-    tol = 1e-3 if a.dtype == "bf16" else 1e-5
+    # bf16 compute, or gradients summed in bf16 (each rank's rounded): the runs agree to bf16 rounding
+    tol = 1e-3 if a.dtype == "bf16" or "--grad-sum-dtype bf16" in a.train_flags else 1e-5
     for n in ns[1:]:
         a0, b0 = res[ns[0]][0]["losses"], res[n][0]["losses"]
         worst = max(abs(x - y) / abs(x) for x, y in zip(a0, b0))
