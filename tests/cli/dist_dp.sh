@@ -254,12 +254,6 @@ done
 # run; with --zero 0, 1 and 2 the losses stay within 1e-4 of the 1-rank run's (each rank's gradient rounded to
 # bf16: the fp32 sums agree to 1e-6) and the weights within 5% of the largest entry of each tensor (Adam's steps on
 # entries whose gradient is near zero move most); a rerun gives the same bytes. An unknown dtype is refused.
-near_losses() {  # relative 1e-4
-  python3 -c "
-import sys
-a, b = [list(map(float, s.split())) for s in sys.argv[1:3]]
-sys.exit(0 if len(a) == len(b) and all(abs(x - y) <= 1e-4 * abs(x) for x, y in zip(a, b)) else 1)" "$1" "$2"
-}
 for run in "hf --zero 0 --grad-sum-dtype fp32" "h0 --zero 0 --grad-sum-dtype bf16" "h0b --zero 0 --grad-sum-dtype bf16" \
            "h1 --zero 1 --grad-sum-dtype bf16" "h2 --zero 2 --grad-sum-dtype bf16"; do
   tag=${run%% *}

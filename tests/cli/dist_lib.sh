@@ -46,6 +46,12 @@ import sys
 a, b = [list(map(float, s.split())) for s in sys.argv[1:3]]
 sys.exit(0 if len(a) == len(b) and all(abs(x - y) <= 1e-6 * abs(x) for x, y in zip(a, b)) else 1)" "$1" "$2"
 }
+near_losses() {  # relative 1e-4 (gradients summed in bf16)
+  python3 -c "
+import sys
+a, b = [list(map(float, s.split())) for s in sys.argv[1:3]]
+sys.exit(0 if len(a) == len(b) and all(abs(x - y) <= 1e-4 * abs(x) for x, y in zip(a, b)) else 1)" "$1" "$2"
+}
 # `estimate_is_ledger RUN ARGS...`: `oomless estimate ARGS --json` gives the peak of the largest rank's ledger in the
 # last train line of RUN/metrics.jsonl, within 4 KiB or 0.02%, the larger (both printed): on these 4-16 MB runs the
 # two differ by about 50 bytes; a 1% bound let a 147 KB buffer the estimate had left out pass, and 16 KiB a 6 KB

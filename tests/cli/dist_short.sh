@@ -4,7 +4,8 @@
 # on 2 ranks, context parallel on 2, and beside data parallel on 4 (2 groups of 2): each gives the 1-rank run's
 # losses and evaluations (fp32 rounding) and writes its checkpoint through rank 0; page-sparse context parallel
 # on 3 ranks gives the 1-rank run's in chunks, zigzag on 3 the 1-rank run's, ZeRO stage 3 with a LoRA adapter
-# on 2 the 1-rank LoRA run's, and stage 3 under bf16 compute stage 2's weights.
+# on 2 the 1-rank LoRA run's, stage 3 under bf16 compute stage 2's weights, and gradients summed in bf16 (--zero 0
+# and 2) the 1-rank run's within 1e-4.
 # Skipped (77) when mpirun or an MPI build is missing.
 # usage: dist_short.sh OOMLESS_BINARY SOURCE_DIR WORK_DIR
 set -u
@@ -54,3 +55,12 @@ done
 cmp -s "$work/b2/checkpoint-2/model.safetensors" "$work/b3/checkpoint-2/model.safetensors" \
   || { echo "bf16, --zero 3 on 2 ranks: the weights differ from --zero 2's"; exit 1; }
 echo "bf16 with --zero 3, 2 ranks: --zero 2's weights bit for bit"
+# Gradients summed in bf16 on 2 ranks, all-reduced (--zero 0) and summed into their owners (--zero 2): the 1-rank
+# losses and evaluations within 1e-4.
+for z in 0 2; do
+  mpi 2 train $args --grad-sum-dtype bf16 --zero $z --out "$work/h$z" > "$work/h$z.log" 2>&1 \
+    || { echo "bf16 sums, --zero $z failed"; cat "$work/h$z.log"; exit 1; }
+  got="$(losses "$work/h$z/metrics.jsonl") $(evals "$work/h$z/metrics.jsonl")"
+  near_losses "$(echo "$ref" | tr -d /)" "$got" || { echo "bf16 sums, --zero $z on 2 ranks: $got, 1 rank: $ref"; exit 1; }
+done
+echo "bf16 gradient sums, --zero 0 and 2, 2 ranks: the 1-rank losses and evaluations within 1e-4"
