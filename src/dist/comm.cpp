@@ -143,36 +143,6 @@ void sum_floats(float* x, int64_t n, float* scratch, bool bf16_wire) {
   DeviceAccess open;
   OOM_CHECK(n <= INT32_MAX, "[dist] a sum of ", n, " floats at once; the caller splits it");
   const int N = g_size, r = g_rank;
-  if (bf16_wire) {
-    // In scratch: this rank's x in bf16 (n halves), then every rank's copy of this rank's part (N mine halves,
-    // at most n + N): n + N / 2 floats in all.
-    auto start = [&](int s) { return static_cast<int>(n * s / N); };
-    std::vector<int> cnt(static_cast<size_t>(N)), off(static_cast<size_t>(N)), rcnt(static_cast<size_t>(N)),
-        roff(static_cast<size_t>(N));
-    const int mine = start(r + 1) - start(r);
-    for (int s = 0; s < N; ++s) {
-      cnt[static_cast<size_t>(s)] = start(s + 1) - start(s);
-      off[static_cast<size_t>(s)] = start(s);
-      rcnt[static_cast<size_t>(s)] = mine;
-      roff[static_cast<size_t>(s)] = s * mine;
-    }
-    uint16_t* wire = reinterpret_cast<uint16_t*>(scratch);
-    uint16_t* parts = wire + n;
-    to_bf16(wire, x, n);
-    MPI_Alltoallv(wire, cnt.data(), off.data(), MPI_UINT16_T, parts, rcnt.data(), roff.data(), MPI_UINT16_T,
-                  MPI_COMM_WORLD);
-    float* part = x + start(r);
-    from_bf16(part, parts, mine);
-    for (int s = 1; s < N; ++s) {
-      const uint16_t* y = parts + static_cast<size_t>(s) * static_cast<size_t>(mine);
-      for (int j = 0; j < mine; ++j) part[j] += bf16_to_f32(y[j]);
-    }
-    to_bf16(wire + start(r), part, mine);
-    MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_UINT16_T, wire, cnt.data(), off.data(), MPI_UINT16_T, MPI_COMM_WORLD);
-    from_bf16(x, wire, n);
-    g_sent += sizeof(uint16_t) * (static_cast<uint64_t>(n - mine) + static_cast<uint64_t>(mine) * static_cast<uint64_t>(N - 1));
-    return;
-  }
   // Rank s reduces floats [start(s), start(s + 1)).
   auto start = [&](int s) { return static_cast<int>(n * s / N); };
   std::vector<int> cnt(static_cast<size_t>(N)), off(static_cast<size_t>(N)), rcnt(static_cast<size_t>(N)),
@@ -184,16 +154,36 @@ void sum_floats(float* x, int64_t n, float* scratch, bool bf16_wire) {
     rcnt[static_cast<size_t>(s)] = mine;
     roff[static_cast<size_t>(s)] = s * mine;
   }
+  const uint64_t moved = static_cast<uint64_t>(n - mine) + static_cast<uint64_t>(mine) * static_cast<uint64_t>(N - 1);
+  float* part = x + start(r);
+  if (bf16_wire) {
+    // In scratch: this rank's x in bf16 (n halves), then every rank's copy of this rank's part (N mine halves,
+    // at most n + N): n + N / 2 floats in all. The part's sum goes back into the rank's halves.
+    uint16_t* wire = reinterpret_cast<uint16_t*>(scratch);
+    uint16_t* parts = wire + n;
+    to_bf16(wire, x, n);
+    MPI_Alltoallv(wire, cnt.data(), off.data(), MPI_UINT16_T, parts, rcnt.data(), roff.data(), MPI_UINT16_T,
+                  MPI_COMM_WORLD);
+    from_bf16(part, parts, mine);
+    for (int s = 1; s < N; ++s) {
+      const uint16_t* y = parts + static_cast<size_t>(s) * static_cast<size_t>(mine);
+      for (int j = 0; j < mine; ++j) part[j] += bf16_to_f32(y[j]);
+    }
+    to_bf16(wire + start(r), part, mine);
+    MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_UINT16_T, wire, cnt.data(), off.data(), MPI_UINT16_T, MPI_COMM_WORLD);
+    from_bf16(x, wire, n);
+    g_sent += sizeof(uint16_t) * moved;
+    return;
+  }
   // Every rank's copy of this rank's part, in rank order, then their sum in that order.
   MPI_Alltoallv(x, cnt.data(), off.data(), MPI_FLOAT, scratch, rcnt.data(), roff.data(), MPI_FLOAT, MPI_COMM_WORLD);
-  float* part = x + start(r);
   std::memcpy(part, scratch, sizeof(float) * static_cast<size_t>(mine));
   for (int s = 1; s < N; ++s) {
     const float* y = scratch + static_cast<size_t>(s) * static_cast<size_t>(mine);
     for (int j = 0; j < mine; ++j) part[j] += y[j];
   }
   MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_FLOAT, x, cnt.data(), off.data(), MPI_FLOAT, MPI_COMM_WORLD);
-  g_sent += sizeof(float) * (static_cast<uint64_t>(n - mine) + static_cast<uint64_t>(mine) * static_cast<uint64_t>(N - 1));
+  g_sent += sizeof(float) * moved;
 #else
   (void)x, (void)n, (void)scratch, (void)bf16_wire;
 #endif
