@@ -22,12 +22,12 @@ that --seq (its ledger peak and RSS against SIZE). --links: context parallel ove
 (OOMLESS_DIST_LINK=LATENCY_US,GB_PER_S delays each message of the ring to its post time + latency + bytes /
 bandwidth), the tokens/s each gives against the plain transport: where the link's time stops hiding behind
 the attention that overlaps it; with --zero 3 instead, each link with the next layer's weights sent while one
-computes (--zero-prefetch yes) and without.
+computes (--zero-prefetch yes), or as many layers ahead as --prefetch lists (e.g. 'yes,3,no'), and without.
 
 usage: python3 bench/dist/dp.py [--oomless build/release/oomless] [--model preset:tiny] [--ranks 1,2,4]
                                 [--seq 256] [--batch 4] [--steps 4] [--rounds 2] [--zero 0-3] [--work build/bench-dp] [--smoke]
                                 [--context-parallel] [--fit SIZE] [--dtype fp32|bf16] [--links 'none;50,1.25']
-                                [--train-flags 'FLAGS']
+                                [--train-flags 'FLAGS'] [--prefetch yes,3,no]
 """
 import argparse
 import json
@@ -173,7 +173,10 @@ def main():
     ap.add_argument("--links", default=None,
                     help="with --context-parallel or --zero 3: simulated links to compare, ';'-separated "
                          "LATENCY_US,GB_PER_S (OOMLESS_DIST_LINK), 'none' for the plain transport (--zero 3: each "
-                         "with --zero-prefetch yes and no)")
+                         "with each --prefetch)")
+    ap.add_argument("--prefetch", default="yes,no",
+                    help="with --zero 3 --links: the --zero-prefetch settings to compare (yes, 2, 3, no; no is "
+                         "always run)")
     a = ap.parse_args()
     if a.smoke:
         a.model, a.seq, a.steps, a.ranks, a.rounds, a.batch = "preset:micro", 32, 2, "1,2", 1, 2
@@ -247,8 +250,11 @@ def zero3_links(a, ns, ls):
           "prefetch | sent a step, rank 0 |")
     print("|---|---|---|---|---|---|---|")
     flags, out = a.train_flags, []
+    pfs = [x.strip() for x in a.prefetch.split(",")]
+    if "no" not in pfs:
+        pfs.append("no")  # the "vs no prefetch" column's
     for n in ns:
-        res = {(x, pf): [] for x in ls for pf in ("yes", "no")}
+        res = {(x, pf): [] for x in ls for pf in pfs}
         for _ in range(a.rounds):
             for x, pf in res:
                 a.train_flags = f"{flags} --zero-prefetch {pf}"

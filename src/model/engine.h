@@ -47,7 +47,7 @@ struct EngineOptions {
   // ZeRO-3 (an f32 base, trained or frozen): given the model's parameters in param_specs order, whether this rank
   // keeps each; the layers' others share one gathered layer (load_base's `held`). Empty: every parameter kept.
   std::function<std::vector<bool>(const std::vector<ParamSpec>&)> held;
-  int gathered_copies = 1;  // held: 2 gives the layers' others two storages (load_base), for prefetching
+  int gathered_copies = 1;  // held: k + 1 gives the layers' others k + 1 storages (load_base), for prefetching k
 };
 
 // Members are declared in destruction order: memory last, after everything holding its buffers.

@@ -389,9 +389,9 @@ BaseWeights load_base(ModelSource& src, Ops& ops, Arena& arena, bool keep_quanti
       at[rest] = bytes;
       bytes += (static_cast<size_t>(numel_of(s.shape)) * sizeof(float) + 63) / 64 * 64;
     }
-    OOM_CHECK(gathered_copies == 1 || gathered_copies == 2, "[model] internal: ", gathered_copies, " gathered layers");
+    OOM_CHECK(gathered_copies >= 1 && gathered_copies <= 4, "[model] internal: ", gathered_copies, " gathered layers");
     b.gathered = arena.alloc_zeroed(bytes * static_cast<size_t>(gathered_copies), Category::weights,
-                                    gathered_copies == 1 ? "ZeRO-3 gathered layer" : "ZeRO-3 gathered layers (2)");
+                                    gathered_copies == 1 ? "ZeRO-3 gathered layer" : "ZeRO-3 gathered layers");
     for (const ParamSpec& s : specs) {
       std::string rest;
       const int64_t layer = layer_of_name(s.name, &rest);

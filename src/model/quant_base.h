@@ -85,8 +85,8 @@ class QuantBase {
 // held (ZeRO-3; an f32 base, trained or frozen under adapters, a quantised one refused): per param_specs entry,
 // whether this rank keeps the tensor. The layers' tensors it does not keep are views into `gathered`, one layer's
 // worth of storage (category weights) that every layer's other tensors share: whoever runs a layer first fills it
-// (Model::on_layer_weights). gathered_copies 2: two layers' storage, layer l's others viewing copy l % 2, so that
-// the next layer of a pass can be filled while one computes (the trainer's prefetch).
+// (Model::on_layer_weights). gathered_copies k + 1 (up to 4): as many layers' storage, layer l's others viewing
+// copy l % (k + 1), so that the next k layers of a pass can be filled while one computes (the trainer's prefetch).
 // Loading still reads every tensor (the others' pass through `gathered`), so a preset's values are drawn as
 // on one rank.
 struct BaseWeights {

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <deque>
 #include <cctype>
 #include <chrono>
 #include <cmath>
@@ -228,7 +229,8 @@ const std::vector<TrainOption>& train_options() {
             &C::zero),
       text("zero-prefetch", false, "S",
            "under --zero 3: yes sends the next layer's weights of a pass while one\ncomputes (two layers' storage for "
-           "the others' tensors); no, when the pass\nreaches it (one) (default yes)",
+           "the others' tensors); 2 or 3, as many layers\nahead (one more layer's storage each); no, when the pass "
+           "reaches it (one)\n(default yes)",
            &C::zero_prefetch),
       text("grad-sum-dtype", false, "D",
            "under mpirun: fp32 or bf16, what the ranks' gradients travel in to be summed\n(bf16: half the bytes; "
@@ -444,12 +446,19 @@ LoraSettings lora_settings(const TrainConfig& c) {
 }
 }
 
+int64_t prefetch_depth(const std::string& v) {
+  if (v == "no") return 0;
+  if (v == "yes") return 1;
+  OOM_CHECK(v == "1" || v == "2" || v == "3", "[train] --zero-prefetch ", v, ": give yes (the next layer sent while one "
+            "computes), 2 or 3 (as many layers ahead, one layer's storage each), or no");
+  return v[0] - '0';
+}
+
 void validate_config(const TrainConfig& c) {
   OOM_CHECK(c.zero >= 0 && c.zero <= 3, "[train] --zero ", c.zero, ": there is no such ZeRO stage; --zero 3 shards the "
             "layers' weights, the gradients and the optimizer state over the ranks, 2 the gradients and the optimizer "
             "state, 1 the optimizer state, 0 none");
-  OOM_CHECK(c.zero_prefetch == "yes" || c.zero_prefetch == "no", "[train] --zero-prefetch ", c.zero_prefetch,
-            ": give yes (the next layer sent while one computes) or no");
+  prefetch_depth(c.zero_prefetch);  // names a bad value
   OOM_CHECK(c.grad_sum_dtype == "fp32" || c.grad_sum_dtype == "bf16", "[train] --grad-sum-dtype ", c.grad_sum_dtype,
             ": give fp32 (the gradients summed as they are) or bf16 (sent in bf16: half the bytes)");
   const int64_t cp = c.context_parallel;
@@ -701,13 +710,13 @@ struct Trainer::State {
   // model keeps one layer's at a time (and the embedding's, the norm's and the head's whole).
   bool zero2 = false;
   Buffer owned_grads;
-  // --zero 3 (over several ranks): the layers' tensors of other ranks are views into one layer's storage, or two
-  // (Engine::gathered; --zero-prefetch yes: layer l's in copy l % 2), filled from their owners before a pass reads
-  // them. In an adapter run the frozen base's layer weights are sharded so (the adapters stay whole on every
+  // --zero 3 (over several ranks): the layers' tensors of other ranks are views into one layer's storage, or k + 1
+  // (Engine::gathered; --zero-prefetch k layers ahead: layer l's in copy l % (k + 1)), filled from their owners
+  // before a pass reads them. In an adapter run the frozen base's layer weights are sharded so (the adapters stay whole on every
   // rank, their optimizer state sharded as --zero 1 does). Per layer, its sharded tensors and the rank that holds
   // each (empty: none sharded); the layer each copy holds (-1: none, or stale after a step); the layer the model
-  // asked for last (a pass's direction); a layer on its way into its copy while another computes (-1: none) and
-  // its messages. Under bf16 compute the projection weights travel in bf16 (the values the products read: each
+  // asked for last (a pass's direction); the layers on their way into their copies while another computes, in the
+  // order they were sent, each with its messages. Under bf16 compute the projection weights travel in bf16 (the values the products read: each
   // owner rounds its own into the wire buffer of the copy, each other rank widens them into the copy on arrival),
   // the other tensors (norms, biases) in f32.
   bool zero3 = false;
@@ -717,12 +726,16 @@ struct Trainer::State {
     int64_t half_at = -1;  // bf16 on the wire: its offset in a wire buffer (bytes), else -1
   };
   std::vector<std::vector<LayerTensor>> layer_tensors;
-  std::array<Buffer, 2> wire;                                 // per gathered copy: the layer's bf16 tensors
-  std::vector<std::pair<Tensor, Tensor>> to_widen;           // (bf16 arrived, its f32 place): widened when done
+  std::vector<Buffer> wire;  // per gathered copy: the layer's bf16 tensors
+  struct Flight {
+    int64_t layer = -1;
+    std::vector<dist::Request> requests;
+    std::vector<std::pair<Tensor, Tensor>> widen;  // (bf16 arrived, its f32 place): widened when done
+  };
   int copies = 1;
-  std::array<int64_t, 2> gathered_in{-1, -1};
-  int64_t last_fetch = -1, prefetching = -1;
-  std::vector<dist::Request> inflight;
+  std::vector<int64_t> gathered_in;
+  int64_t last_fetch = -1;
+  std::deque<Flight> flights;
   std::vector<int64_t> opt_entries_of;  // per rank, its optimizer state entries at the last save (0: none sent)
   std::unique_ptr<Optimizer> opt;
   std::unique_ptr<PagedKvStore> kv;
@@ -776,9 +789,9 @@ EngineOptions engine_options(const TrainConfig& c) {
   o.act_offload = c.act_offload == "host" ? Tier::Host : c.act_offload == "disk" ? Tier::Disk : Tier::Device;
   if (c.act_offload != "none" && c.act_offload != "host" && c.act_offload != "disk") o.act_tiers = c.act_offload;
   o.spill_dir = c.spill_dir;
-  // --zero 3: the layers' tensors of other ranks in two copies while the next layer is sent ahead (--zero-prefetch
-  // yes), else one (used where `held` is given).
-  o.gathered_copies = c.zero >= 3 && c.zero_prefetch == "yes" ? 2 : 1;
+  // --zero 3: the layers' tensors of other ranks in k + 1 copies while the next k layers are sent ahead
+  // (--zero-prefetch k; yes: 1), else one (used where `held` is given).
+  o.gathered_copies = c.zero >= 3 ? 1 + static_cast<int>(prefetch_depth(c.zero_prefetch)) : 1;
   return o;
 }
 
@@ -816,7 +829,8 @@ std::vector<int> spec_owners(const std::vector<ParamSpec>& specs) {
 // posts them in the same order under one tag (MPI matches a pair's messages in order), above the context-parallel
 // ring's (dist/ring_kv.cpp: 0 to 63999).
 constexpr int kGatherTag = 64000;
-void post_layer(Trainer::State& s, int64_t l, std::vector<dist::Request>* out) {
+void post_layer(Trainer::State& s, int64_t l, Trainer::State::Flight* out) {
+  out->layer = l;
   constexpr int64_t kPiece = int64_t{1} << 30;
   for (const auto& [t, owner, half_at] : s.layer_tensors[static_cast<size_t>(l)]) {
     char* p = static_cast<char*>(t.data);
@@ -827,62 +841,76 @@ void post_layer(Trainer::State& s, int64_t l, std::vector<dist::Request>* out) {
       bytes = t.numel() * 2;
       const Tensor h(p, DType::bf16, {t.numel()}, w.tier()), f = t.reshape({t.numel()});
       if (owner == dist::rank()) s.e.ops->convert(h, f);
-      else s.to_widen.push_back({h, f});
+      else out->widen.push_back({h, f});
     }
     for (int64_t o = 0, total = bytes; o < total; o += kPiece) {
       const int64_t len = std::min(kPiece, total - o);
       if (owner != dist::rank()) {
-        out->push_back(dist::irecv(p + o, len, owner, kGatherTag));
+        out->requests.push_back(dist::irecv(p + o, len, owner, kGatherTag));
         continue;
       }
       for (int r = 0; r < dist::size(); ++r)
-        if (r != owner) out->push_back(dist::isend(p + o, len, r, kGatherTag));
+        if (r != owner) out->requests.push_back(dist::isend(p + o, len, r, kGatherTag));
     }
   }
 }
+// The oldest layer in flight arrived: its messages done, its bf16 tensors widened, its copy holding it.
 void finish_layer(Trainer::State& s) {
-  for (dist::Request& r : s.inflight) dist::wait(r);
-  s.inflight.clear();
-  for (const auto& [h, t] : s.to_widen) s.e.ops->convert(t, h);  // exact
-  s.to_widen.clear();
+  Trainer::State::Flight& f = s.flights.front();
+  for (dist::Request& r : f.requests) dist::wait(r);
+  for (const auto& [h, t] : f.widen) s.e.ops->convert(t, h);  // exact
+  s.gathered_in[static_cast<size_t>(f.layer % s.copies)] = f.layer;
+  s.flights.pop_front();
+}
+void finish_layers(Trainer::State& s) {
+  while (!s.flights.empty()) finish_layer(s);
+}
+bool in_flight(const Trainer::State& s, int64_t l) {
+  for (const Trainer::State::Flight& f : s.flights)
+    if (f.layer == l) return true;
+  return false;
+}
+void post_flight(Trainer::State& s, int64_t l) {
+  s.gathered_in[static_cast<size_t>(l % s.copies)] = -1;
+  s.flights.emplace_back();
+  post_layer(s, l, &s.flights.back());
 }
 
 // --zero 3: layer l's tensors of other ranks into its gathered copy (nothing when it holds them already), before
-// the model reads them; with two copies, then the next layer of the pass into the other copy while this one
+// the model reads them; with k + 1 copies, then the next k layers of the pass into the other copies while this one
 // computes (the pass's direction from the layer asked for before: a forward climbs from 0, a backward descends
 // from the layer the forward ended on; nothing past either end, so no pass is sent ahead into the next, where an
-// evaluation or a step may come first).
+// evaluation or a step may come first). Layers arrive in the order they were sent; every rank sends them in the
+// same order.
 void gather_layer(Trainer::State& s, int64_t l) {
   const int64_t prev = s.last_fetch, L = s.e.src.cfg.L;
   s.last_fetch = l;
-  if (s.prefetching >= 0) {  // the layer sent ahead has arrived (if the pass asks for another, it is finished first)
+  if (in_flight(s, l)) {  // sent ahead: it and those sent before it have arrived
+    while (s.flights.front().layer != l) finish_layer(s);
     finish_layer(s);
-    s.gathered_in[static_cast<size_t>(s.prefetching % s.copies)] = s.prefetching;
-    s.prefetching = -1;
   }
-  int64_t& here = s.gathered_in[static_cast<size_t>(l % s.copies)];
-  if (here != l) {
-    here = -1;
-    post_layer(s, l, &s.inflight);
+  if (s.gathered_in[static_cast<size_t>(l % s.copies)] != l) {  // the pass turned or began elsewhere
+    finish_layers(s);
+    post_flight(s, l);
     finish_layer(s);
-    here = l;
   }
   if (s.copies < 2) return;
   const int dir = l == prev + 1 ? 1 : l == prev - 1 ? -1 : l == 0 ? 1 : l == L - 1 ? -1 : 0;
-  const int64_t next = l + dir;
-  if (dir == 0 || next < 0 || next >= L) return;
-  int64_t& there = s.gathered_in[static_cast<size_t>(next % s.copies)];
-  if (there == next) return;  // still there (a frozen base's)
-  there = -1;
-  post_layer(s, next, &s.inflight);
-  s.prefetching = next;
+  for (int64_t k = 1; dir != 0 && k < s.copies; ++k) {
+    const int64_t next = l + dir * k;
+    if (next < 0 || next >= L) break;
+    if (s.gathered_in[static_cast<size_t>(next % s.copies)] == next || in_flight(s, next)) continue;  // there
+    bool taken = false;  // its copy still awaited by another layer on its way (a turned pass): let those arrive
+    for (const Trainer::State::Flight& f : s.flights) taken |= f.layer % s.copies == next % s.copies;
+    if (taken) finish_layers(s);
+    post_flight(s, next);
+  }
 }
 
 // --zero 3: every gathered copy stale (the owners' tensors have changed: a step of full training, a resume).
 void stale_layers(Trainer::State& s) {
-  if (s.prefetching >= 0) finish_layer(s);
-  s.prefetching = -1;
-  s.gathered_in = {-1, -1};
+  finish_layers(s);
+  std::fill(s.gathered_in.begin(), s.gathered_in.end(), -1);
 }
 
 }  // namespace
@@ -1077,6 +1105,8 @@ Trainer::Trainer(const TrainConfig& cfg_in, const std::string& out, std::FILE* l
   OOM_CHECK(!base_sharded || !c.dora, "[train] --zero 3 with --dora: DoRA's magnitudes are set from every layer's "
             "base weights, which --zero 3 spreads over the ranks; use --zero 1 with --dora, or LoRA with --zero 3");
   s.copies = eo.gathered_copies;
+  s.gathered_in.assign(static_cast<size_t>(s.copies), -1);
+  s.wire.resize(static_cast<size_t>(s.copies));
   if (s.zero3 || base_sharded)
     eo.held = [](const std::vector<ParamSpec>& specs) {
       std::vector<bool> held;

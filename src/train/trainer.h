@@ -103,6 +103,9 @@ struct TrainConfig {
 // Checks the settings that need no model or data (ranges, flags that do nothing in the given mode),
 // each error naming the flag.
 void validate_config(const TrainConfig& c);
+// --zero-prefetch: the layers --zero 3 sends ahead of the one computing (no: 0, yes: 1, or 1 to 3); an error
+// naming any other value.
+int64_t prefetch_depth(const std::string& v);
 
 // The engine a run of `c` builds (model, base storage, adapters, compute and activation settings); errors
 // name the flags that do not go together.

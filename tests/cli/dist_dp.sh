@@ -208,8 +208,8 @@ resume_from l3_3 "1"
 ref=$ref_saved; args=$args_saved
 echo "--lora 8 --zero 3: 3 ranks' checkpoint resumed on 1: the 1-rank losses"
 # Prefetching over six layers (micro's widths, six layers, random init: the pass turns, an evaluation between steps, a
-# frozen base kept across steps): 2 ranks with --zero-prefetch yes and no give the same weights, full training and
-# LoRA, to the byte.
+# frozen base kept across steps): 2 ranks with --zero-prefetch yes, 3 (three layers ahead) and no give the same
+# weights, full training and LoRA, to the byte; with 3 the estimate is the ledger's (four layers' storage).
 "$bin" convert --model preset:micro --out "$work/micro" > /dev/null 2>&1 || { echo "convert preset:micro failed"; exit 1; }
 mkdir -p "$work/six" && cp "$work/micro"/tokenizer*.json "$work/six/"
 sed 's/"num_hidden_layers": 2/"num_hidden_layers": 6/' "$work/micro/config.json" > "$work/six/config.json"
@@ -217,17 +217,22 @@ grep -q '"num_hidden_layers": 6' "$work/six/config.json" || { echo "no six-layer
 targs="--model $work/six/config.json --data $src/data/kjv/eval.txt --eval-data $src/data/kjv/eval.txt --seq 32 \
 --batch 4 --steps 3 --eval-every 1 --threads 1 --zero 3 --save-optimizer no"
 for extra in "" "--lora 4"; do
-  for pf in yes no; do
+  for pf in yes 3 no; do
     mpi 2 train $targs $extra --zero-prefetch $pf --out "$work/t$pf" > "$work/t$pf.log" 2>&1 \
       || { echo "six layers, --zero 3 $extra --zero-prefetch $pf failed"; cat "$work/t$pf.log"; exit 1; }
   done
   f=$([ -n "$extra" ] && echo adapter_model || echo model).safetensors
-  cmp -s "$work/tyes/checkpoint-3/$f" "$work/tno/checkpoint-3/$f" \
-    || { echo "six layers, --zero 3 $extra: $f differs with and without prefetching"; exit 1; }
-  [ "$(losses "$work/tyes/metrics.jsonl")" = "$(losses "$work/tno/metrics.jsonl")" ] \
-    || { echo "six layers, --zero 3 $extra: losses differ with and without prefetching"; exit 1; }
-  rm -rf "$work/tyes" "$work/tno"
-  echo "six layers, --zero 3 $extra: the same bytes with and without prefetching"
+  for pf in yes 3; do
+    cmp -s "$work/t$pf/checkpoint-3/$f" "$work/tno/checkpoint-3/$f" \
+      || { echo "six layers, --zero 3 $extra: $f differs with --zero-prefetch $pf and without"; exit 1; }
+    [ "$(losses "$work/t$pf/metrics.jsonl")" = "$(losses "$work/tno/metrics.jsonl")" ] \
+      || { echo "six layers, --zero 3 $extra: losses differ with --zero-prefetch $pf and without"; exit 1; }
+  done
+  estimate_is_ledger "$work/t3" $targs $extra --zero-prefetch 3 --ranks 2 \
+    || { echo "six layers, --zero 3 $extra --zero-prefetch 3: memory"; exit 1; }
+  holds_less "$work/tno" "$work/t3" weights || { echo "six layers, --zero 3 $extra: no less held without prefetching"; exit 1; }
+  rm -rf "$work/tyes" "$work/t3" "$work/tno"
+  echo "six layers, --zero 3 $extra: the same bytes with one and three layers sent ahead and without"
 done
 # bf16 compute under --zero 3 (six layers, 2 ranks): the projection matrices travel in bf16, the values the products
 # read (each owner rounds its own, the others widen them on arrival), so the weights are --zero 2's bit for bit (full
@@ -289,12 +294,12 @@ for run in "2 --zero 2" "3 --zero 3"; do
   echo "--chunk 16, $run ranks: the 1-rank losses; the estimate the ledger's"
 done
 for bad in "--zero 4" "--zero 2 --lora 8" "--zero 3 --lora 8 --dora" "--zero 3 --lora 8 --qlora" \
-           "--zero 3 --zero-prefetch maybe"; do
+           "--zero 3 --zero-prefetch maybe" "--zero 3 --zero-prefetch 4"; do
   mpi 2 train $args --steps 1 $bad --out "$work/bad" > "$work/bad.log" 2>&1 && { echo "$bad: ran"; exit 1; }
   grep -q "zero" "$work/bad.log" || { echo "$bad: no error naming --zero"; cat "$work/bad.log"; exit 1; }
   rm -rf "$work/bad"
 done
-echo "--zero 4, --zero 2 with --lora, --zero 3 with DoRA or a quantised base, an unknown --zero-prefetch: refused"
+echo "--zero 4, --zero 2 with --lora, --zero 3 with DoRA or a quantised base, an unknown or too deep --zero-prefetch: refused"
 
 # Other settings on one rank (an MPMD launch): an error naming it, from every rank; no folder left.
 mpirun -np 1 "$bin" train $args --steps 2 --out "$work/mixed" : -np 1 "$bin" train $args --steps 2 --lr 1e-3 --out "$work/mixed" \
