@@ -27,7 +27,7 @@ std::string byte_level_doc() {
   std::string vocab;
   int id = 0;
   for (int b = 0; b < 256; ++b) vocab += (b ? "," : "") + json::quote(oomless::tok::byte_to_utf8(static_cast<uint8_t>(b))) + ":" + std::to_string(id++);
-  const char* merged[] = {"\xC4\xA0t", "he", "\xC4\xA0the", "in", "\xC4\xA0" "a", "an", "and"};
+  const char* merged[] = {"\xC4\xA0t", "he", "\xC4\xA0the", "in", ("\xC4\xA0" "a"), "an", "and"};
   for (const char* m : merged) vocab += "," + json::quote(m) + ":" + std::to_string(id++);
   return R"({"version": "1.0", "truncation": null, "padding": null,
     "added_tokens": [

@@ -94,7 +94,8 @@ size_t RingKv::host_bytes(const KvDims& d, int64_t T, int rank, int ranks, DType
     return static_cast<size_t>(dtype_bytes(kv, kvq * q) + dtype_bytes(grad, (6 * (ranks - 1) + 4) * q));
   }
   if (sp.pages == 0)
-    return static_cast<size_t>(dtype_bytes(kv, (rank + 1) * b) + dtype_bytes(grad, (rank + 1 < ranks ? ranks : ranks - 1) * b));
+    return static_cast<size_t>(dtype_bytes(kv, (rank + 1) * b) +
+                               dtype_bytes(grad, (rank + 1 < ranks ? ranks : ranks - 1) * b));
   // Page-sparse: buffers for every page of a slice asked of each rank (the selection is known only at the
   // step; the bound keeps the ledger the estimate's): forward, the summaries, the asks both ways, the pages
   // served to each later rank and received from each earlier one; backward, those pages again, the gradients

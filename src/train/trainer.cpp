@@ -3,7 +3,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <deque>
 #include <cctype>
 #include <chrono>
 #include <cmath>
@@ -12,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <deque>
 #include <filesystem>
 #include <map>
 
@@ -449,8 +449,8 @@ LoraSettings lora_settings(const TrainConfig& c) {
 int64_t prefetch_depth(const std::string& v) {
   if (v == "no") return 0;
   if (v == "yes") return 1;
-  OOM_CHECK(v == "1" || v == "2" || v == "3", "[train] --zero-prefetch ", v, ": give yes (the next layer sent while one "
-            "computes), 2 or 3 (as many layers ahead, one layer's storage each), or no");
+  OOM_CHECK(v == "1" || v == "2" || v == "3", "[train] --zero-prefetch ", v, ": give yes (the next layer sent "
+            "while one computes), 2 or 3 (as many layers ahead, one layer's storage each), or no");
   return v[0] - '0';
 }
 
@@ -712,13 +712,13 @@ struct Trainer::State {
   Buffer owned_grads;
   // --zero 3 (over several ranks): the layers' tensors of other ranks are views into one layer's storage, or k + 1
   // (Engine::gathered; --zero-prefetch k layers ahead: layer l's in copy l % (k + 1)), filled from their owners
-  // before a pass reads them. In an adapter run the frozen base's layer weights are sharded so (the adapters stay whole on every
-  // rank, their optimizer state sharded as --zero 1 does). Per layer, its sharded tensors and the rank that holds
-  // each (empty: none sharded); the layer each copy holds (-1: none, or stale after a step); the layer the model
-  // asked for last (a pass's direction); the layers on their way into their copies while another computes, in the
-  // order they were sent, each with its messages. Under bf16 compute the projection weights travel in bf16 (the values the products read: each
-  // owner rounds its own into the wire buffer of the copy, each other rank widens them into the copy on arrival),
-  // the other tensors (norms, biases) in f32.
+  // before a pass reads them. In an adapter run the frozen base's layer weights are sharded so (the adapters stay
+  // whole on every rank, their optimizer state sharded as --zero 1 does). Per layer, its sharded tensors and the
+  // rank that holds each (empty: none sharded); the layer each copy holds (-1: none, or stale after a step); the
+  // layer the model asked for last (a pass's direction); the layers on their way into their copies while another
+  // computes, in the order they were sent, each with its messages. Under bf16 compute the projection weights
+  // travel in bf16 (the values the products read: each owner rounds its own into the wire buffer of the copy, each
+  // other rank widens them into the copy on arrival), the other tensors (norms, biases) in f32.
   bool zero3 = false;
   struct LayerTensor {
     Tensor t;
