@@ -128,13 +128,9 @@ bool any(bool v) {
 // The transport reads and writes the engine's memory where it lies, as a device's own interconnect does (NCCL
 // takes device pointers): the calls that touch tensors open Device memory (memory/allocator.h, strict mode).
 namespace {
-// n floats to bf16 (round to nearest even), and back.
-void to_bf16(uint16_t* d, const float* s, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(s[i]);
-}
-void from_bf16(float* d, const uint16_t* s, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) d[i] = bf16_to_f32(s[i]);
-}
+// n floats to bf16 (round to nearest even: core/dtype's conversion), and back.
+void to_bf16(uint16_t* d, const float* s, int64_t n) { convert(d, DType::bf16, s, DType::f32, n); }
+void from_bf16(float* d, const uint16_t* s, int64_t n) { convert(d, DType::f32, s, DType::bf16, n); }
 }  // namespace
 
 void sum_floats(float* x, int64_t n, float* scratch, bool bf16_wire) {

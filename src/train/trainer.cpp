@@ -1616,6 +1616,7 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
   // --zero 2: a group of gradients, final for this sequence, summed over the ranks into its tensors' owners'
   // buffers (+=), then zeroed for the next layer's backward. Every rank runs as many sequences, so the groups
   // come in the same order everywhere.
+  const bool half_sums = c.grad_sum_dtype == "bf16";  // --grad-sum-dtype bf16: the ranks' sums in bf16 halves
   std::function<void(int64_t)> to_owners = [&](int64_t g) {
     const auto it = s.groups.find(g);
     if (it == s.groups.end() || !is_layer_group(g)) return;  // the embedding's, norm's, head's: summed at the end
@@ -1628,7 +1629,7 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
       for (int64_t o = 0, total = gr.numel(); o < total; o += piece) {
         const int64_t len = std::min(piece, total - o);
         ops.download(stage, Tensor(static_cast<float*>(gr.data) + o, DType::f32, {len}, gr.tier));
-        dist::sum_floats_to(stage, len, scratch, s.owner[i], c.grad_sum_dtype == "bf16");
+        dist::sum_floats_to(stage, len, scratch, s.owner[i], half_sums);
         if (!mine_t) continue;
         const Tensor& og = s.owned[static_cast<size_t>(s.owned_at[i])].grad;
         const Tensor dst(static_cast<float*>(og.data) + o, DType::f32, {len}, og.tier);
@@ -1687,7 +1688,7 @@ StepResult Trainer::step(const StepBatch& b, std::optional<double> lr_given) {
       float* stage = s.dp_stage.as<float>();
       // --zero 1: each gradient summed on its owner only (the others' copies are left as they are: no rank reads
       // them), in pieces whose N copies fit the scratch; the sum is the all-reduce's, bit for bit (rank order).
-      const bool to_owner = c.zero >= 1, half_sums = c.grad_sum_dtype == "bf16";
+      const bool to_owner = c.zero >= 1;
       const int64_t piece = to_owner ? std::max<int64_t>(1, s.dp_bucket / dist::size()) : s.dp_bucket;
       for (size_t i = 0; i < s.trained.size(); ++i) {
         if (s.zero2 && is_layer_group(s.trained[i].group)) continue;  // --zero 2: summed during backward
