@@ -132,8 +132,8 @@ OOMLESS_AMX void micro(const uint16_t* a, int64_t lda, const uint32_t* b, int64_
 }
 
 // C = A B over K = 64 (two k steps), MT 16-row tiles (1 or 2) by N columns (a multiple of 16), not
-// accumulated: the strip's A tiles stay loaded (tmm4..7) while it walks the columns sixteen at a time, so a
-// tile product takes one B tile load (micro: one A and one B) and a store of C every two. Each output is
+// accumulated: the strip's A tiles stay loaded (tmm4..7) while it walks the columns sixteen at a time, so four
+// tile products take two B tile loads (micro: two A and two B) and two stores of C. Each output is
 // the same two tile products in the same order as micro's.
 template <int MT>
 OOMLESS_AMX void strip64(const uint16_t* a, int64_t lda, const uint32_t* b, int64_t ldb, float* c, int64_t ldc,
