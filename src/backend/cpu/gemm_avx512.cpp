@@ -27,7 +27,7 @@ namespace {
 // lines a row (1, 2 or 3).
 template <int M>
 __attribute__((target("avx512f"), always_inline)) inline void prefetch_c(const Micro& u, int vectors) {
-#pragma GCC unroll 6
+#pragma GCC unroll 8
   for (int i = 0; i < M; ++i)
     for (int v = 0; v < vectors; ++v)
       _mm_prefetch(reinterpret_cast<const char*>(u.c + i * u.ldc + v * kNr), _MM_HINT_T0);
@@ -135,7 +135,7 @@ template <int M>
 __attribute__((target("avx512f"), always_inline)) inline void store_c_wide3(const Micro& u, __m512* c0, __m512* c1,
                                                                           __m512* c2) {
   const __mmask16 m2 = static_cast<__mmask16>((1u << (u.n - 2 * kNr)) - 1u);
-#pragma GCC unroll 6
+#pragma GCC unroll 8
   for (int i = 0; i < M; ++i) {
     float* ci = u.c + i * u.ldc;
     if (u.acc) {
@@ -152,19 +152,21 @@ __attribute__((target("avx512f"), always_inline)) inline void store_c_wide3(cons
 // Three adjacent packed panels (48 columns; the k-th at b + 16 * kc * k floats): eighteen FMA chains, three
 // B loads and six broadcasts a k step (the two-panel kernel issues eight loads per twelve FMAs), each
 // output's chain as in micro_avx512. ROWS: A's rows read where they are (a stored (M, K), row i at
-// a + i * ras) instead of a packed strip: the blocked nest's products of an f32 A that is not transposed, whose
-// six rows the kernel reads as six sequential streams (the strip, 6 x kc floats, stays in L1 across a unit's
-// column groups). The same chains, so the same bits.
+// a + i * ras) instead of a packed strip, up to kMrRows (8) of them as sequential streams: the blocked nest's
+// products of an f32 A that is not transposed. Eight rows make twenty-four chains, three B loads and eight
+// broadcasts a k step, and a quarter fewer passes of the unit's rows over the three panels (which, at 48 x kc
+// floats, come from L2): measured 4-7% faster than six at the model shapes (docs/BENCHMARKS.md). The same
+// chains, so the same bits.
 template <int M, bool ROWS>
 __attribute__((target("avx512f"))) void micro_avx512_wide3(const Micro& u) {
   prefetch_c<M>(u, 3);
   __m512 c0[M], c1[M], c2[M];
-#pragma GCC unroll 6
+#pragma GCC unroll 8
   for (int i = 0; i < M; ++i) c0[i] = c1[i] = c2[i] = _mm512_setzero_ps();
   const float* a = u.a;
-  const float* ar[kMr];
+  const float* ar[kMrRows];
   if constexpr (ROWS) {
-#pragma GCC unroll 6
+#pragma GCC unroll 8
     for (int i = 0; i < M; ++i) ar[i] = u.a + i * u.ras;
   }
   const float* b = u.b;
@@ -172,7 +174,7 @@ __attribute__((target("avx512f"))) void micro_avx512_wide3(const Micro& u) {
 #pragma GCC unroll 2
   for (int64_t k = 0; k < u.kc; ++k) {
     const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + second), b2 = _mm512_loadu_ps(b + 2 * second);
-#pragma GCC unroll 6
+#pragma GCC unroll 8
     for (int i = 0; i < M; ++i) {
       const __m512 ai = _mm512_set1_ps(ROWS ? ar[i][k] : a[i]);
       c0[i] = _mm512_fmadd_ps(ai, b0, c0[i]);
@@ -264,9 +266,12 @@ void fill_avx512(MicroFn* f, std::integer_sequence<int, M...>) {
   ((f[M + 1] = &micro_avx512<M + 1, TA, PACKED>), ...);
 }
 template <int... M>
-void fill_avx512_wide(MicroFn* f, MicroFn* f3, MicroFn* r3, std::integer_sequence<int, M...>) {
+void fill_avx512_wide(MicroFn* f, MicroFn* f3, std::integer_sequence<int, M...>) {
   ((f[M + 1] = &micro_avx512_wide<M + 1>), ...);
   ((f3[M + 1] = &micro_avx512_wide3<M + 1, false>), ...);
+}
+template <int... M>
+void fill_avx512_rows(MicroFn* r3, std::integer_sequence<int, M...>) {
   ((r3[M + 1] = &micro_avx512_wide3<M + 1, true>), ...);
 }
 template <bool TA, int... M>
@@ -374,7 +379,8 @@ void fill_avx512_kernels(Kernels& k, bool bf16) {
   fill_avx512<false, false>(k.micro[0], std::make_integer_sequence<int, kMr>{});
   fill_avx512<true, false>(k.micro[1], std::make_integer_sequence<int, kMr>{});
   fill_avx512<true, true>(k.packed, std::make_integer_sequence<int, kMr>{});
-  fill_avx512_wide(k.packed_wide, k.packed_wide3, k.rows_wide3, std::make_integer_sequence<int, kMr>{});
+  fill_avx512_wide(k.packed_wide, k.packed_wide3, std::make_integer_sequence<int, kMr>{});
+  fill_avx512_rows(k.rows_wide3, std::make_integer_sequence<int, kMrRows>{});
   fill_avx512_tile_wide<false>(k.tile_wide[0], std::make_integer_sequence<int, kMr>{});
   fill_avx512_tile_wide<true>(k.tile_wide[1], std::make_integer_sequence<int, kMr>{});
   k.row_axpy = &row_axpy_avx512;

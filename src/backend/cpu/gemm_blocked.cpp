@@ -938,12 +938,15 @@ void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, 
               m.ras = s.lda;
               m.b2 = kNr * kd;
             }
-            for (int64_t r = r0; r < r1; r += kMr) {
+            // In place, three panels take eight rows at a time (rows_wide3: the unit's rows need not be a
+            // multiple of eight, the last call takes what is left); the other kernels six.
+            const int64_t mr = in_place && w == 3 ? kMrRows : kMr;
+            for (int64_t r = r0; r < r1; r += mr) {
               if constexpr (std::is_same_v<TA, float>)
                 if (in_place) {
                   m.a = a + r * s.lda + k0;
                   m.c = c + r * s.ldc + jq;
-                  fn[std::min<int64_t>(kMr, r1 - r)](m);
+                  fn[std::min<int64_t>(mr, r1 - r)](m);
                   continue;
                 }
               m.a = ap + (r - r0) * kd;

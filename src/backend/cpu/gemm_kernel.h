@@ -23,6 +23,9 @@ namespace oomless::gemm_detail {
 
 constexpr int kMr = 6;   // rows of the micro tile
 constexpr int kNr = 16;  // columns of the micro tile
+// Rows of the AVX-512 kernel of A's rows read in place over three panels (rows_wide3): 8 x 48, twenty-four
+// accumulators, where six rows leave the FMA pipes waiting on B's loads.
+constexpr int kMrRows = 8;
 
 // Where the micro-kernel finds its operands. a(i, k) = a[i * ras + k * cas]; b(k, j) = b[k * 16 + j]
 // (a packed panel); c(i, j) = c[i * ldc + j] for j < n.
@@ -277,9 +280,9 @@ struct Kernels {
   // [rows], the same over three adjacent packed panels (n: 33..48 columns, the k-th kNr * kc * k floats after
   // the first); null where the ISA has none.
   MicroFn packed_wide3[kMr + 1];
-  // [rows], the same with A's rows read where they are (row i at a + i * ras, k contiguous; no packed strip);
-  // null where the ISA has none.
-  MicroFn rows_wide3[kMr + 1];
+  // [rows], the same with A's rows read where they are (row i at a + i * ras, k contiguous; no packed strip),
+  // up to kMrRows rows; null where the ISA has none.
+  MicroFn rows_wide3[kMrRows + 1];
   // [rows], bf16 k pairs (gemm_avx512.cpp): a pair strip and a pair panel, kc counting pairs; null
   // where the ISA has no pair instruction (bf16 then widens to f32 while packing).
   MicroFn packed_pairs[kMr + 1];
