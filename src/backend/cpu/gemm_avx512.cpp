@@ -37,7 +37,7 @@ __attribute__((target("avx512f"), always_inline)) inline void prefetch_c(const M
 template <int M>
 __attribute__((target("avx512f"), always_inline)) inline void store_c(const Micro& u, __m512* c) {
   const __mmask16 mask = static_cast<__mmask16>((1u << u.n) - 1u);
-#pragma GCC unroll 6
+#pragma GCC unroll 8
   for (int i = 0; i < M; ++i) {
     float* ci = u.c + i * u.ldc;
     if (u.acc) c[i] = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, ci), c[i]);
@@ -49,7 +49,7 @@ __attribute__((target("avx512f"), always_inline)) inline void store_c(const Micr
 template <int M>
 __attribute__((target("avx512f"), always_inline)) inline void store_c_wide(const Micro& u, __m512* c0, __m512* c1) {
   const __mmask16 m1 = static_cast<__mmask16>((1u << (u.n - kNr)) - 1u);
-#pragma GCC unroll 6
+#pragma GCC unroll 8
   for (int i = 0; i < M; ++i) {
     float* ci = u.c + i * u.ldc;
     if (u.acc) {
@@ -63,11 +63,12 @@ __attribute__((target("avx512f"), always_inline)) inline void store_c_wide(const
 
 // ---- f32 --------------------------------------------------------------------------------------------
 
-template <int M, bool TA, bool PACKED>
+// MR: the rows of a packed strip (its k stride), kMr or kMrRows.
+template <int M, bool TA, bool PACKED, int MR = kMr>
 __attribute__((target("avx512f"))) void micro_avx512(const Micro& u) {
   if constexpr (PACKED) prefetch_c<M>(u, 1);
   __m512 c[M];
-#pragma GCC unroll 6
+#pragma GCC unroll 8
   for (int i = 0; i < M; ++i) c[i] = _mm512_setzero_ps();
   const float* b = u.b;
   if constexpr (PACKED) {
@@ -75,9 +76,9 @@ __attribute__((target("avx512f"))) void micro_avx512(const Micro& u) {
 #pragma GCC unroll 4
     for (int64_t k = 0; k < u.kc; ++k) {
       const __m512 bk = _mm512_loadu_ps(b);
-#pragma GCC unroll 6
+#pragma GCC unroll 8
       for (int i = 0; i < M; ++i) c[i] = _mm512_fmadd_ps(_mm512_set1_ps(a[i]), bk, c[i]);
-      a += kMr;
+      a += MR;
       b += kNr;
     }
   } else if constexpr (TA) {
@@ -106,11 +107,11 @@ __attribute__((target("avx512f"))) void micro_avx512(const Micro& u) {
 // Two adjacent packed panels (32 columns; the second at b + 16 * kc floats) from a packed strip: twelve
 // FMA chains in flight (a CPU with two 512-bit FMA pipes needs more than six), each output's chain as in
 // micro_avx512.
-template <int M>
+template <int M, int MR = kMr>
 __attribute__((target("avx512f"))) void micro_avx512_wide(const Micro& u) {
   prefetch_c<M>(u, 2);
   __m512 c0[M], c1[M];
-#pragma GCC unroll 6
+#pragma GCC unroll 8
   for (int i = 0; i < M; ++i) c0[i] = c1[i] = _mm512_setzero_ps();
   const float* a = u.a;
   const float* b = u.b;
@@ -118,13 +119,13 @@ __attribute__((target("avx512f"))) void micro_avx512_wide(const Micro& u) {
 #pragma GCC unroll 2
   for (int64_t k = 0; k < u.kc; ++k) {
     const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + second);
-#pragma GCC unroll 6
+#pragma GCC unroll 8
     for (int i = 0; i < M; ++i) {
       const __m512 ai = _mm512_set1_ps(a[i]);
       c0[i] = _mm512_fmadd_ps(ai, b0, c0[i]);
       c1[i] = _mm512_fmadd_ps(ai, b1, c1[i]);
     }
-    a += kMr;
+    a += MR;
     b += kNr;
   }
   store_c_wide<M>(u, c0, c1);
@@ -157,7 +158,7 @@ __attribute__((target("avx512f"), always_inline)) inline void store_c_wide3(cons
 // broadcasts a k step, and a quarter fewer passes of the unit's rows over the three panels (which, at 48 x kc
 // floats, come from L2): measured 4-7% faster than six at the model shapes (docs/BENCHMARKS.md). The same
 // chains, so the same bits.
-template <int M, bool ROWS>
+template <int M, bool ROWS, int MR = kMr>
 __attribute__((target("avx512f"))) void micro_avx512_wide3(const Micro& u) {
   prefetch_c<M>(u, 3);
   __m512 c0[M], c1[M], c2[M];
@@ -181,7 +182,7 @@ __attribute__((target("avx512f"))) void micro_avx512_wide3(const Micro& u) {
       c1[i] = _mm512_fmadd_ps(ai, b1, c1[i]);
       c2[i] = _mm512_fmadd_ps(ai, b2, c2[i]);
     }
-    if constexpr (!ROWS) a += kMr;
+    if constexpr (!ROWS) a += MR;
     b += kNr;
   }
   store_c_wide3<M>(u, c0, c1, c2);
@@ -271,8 +272,11 @@ void fill_avx512_wide(MicroFn* f, MicroFn* f3, std::integer_sequence<int, M...>)
   ((f3[M + 1] = &micro_avx512_wide3<M + 1, false>), ...);
 }
 template <int... M>
-void fill_avx512_rows(MicroFn* r3, std::integer_sequence<int, M...>) {
+void fill_avx512_rows(MicroFn* r3, MicroFn* p1, MicroFn* p2, MicroFn* p3, std::integer_sequence<int, M...>) {
   ((r3[M + 1] = &micro_avx512_wide3<M + 1, true>), ...);
+  ((p1[M + 1] = &micro_avx512<M + 1, true, true, kMrRows>), ...);
+  ((p2[M + 1] = &micro_avx512_wide<M + 1, kMrRows>), ...);
+  ((p3[M + 1] = &micro_avx512_wide3<M + 1, false, kMrRows>), ...);
 }
 template <bool TA, int... M>
 void fill_avx512_tile_wide(MicroFn* f, std::integer_sequence<int, M...>) {
@@ -380,7 +384,8 @@ void fill_avx512_kernels(Kernels& k, bool bf16) {
   fill_avx512<true, false>(k.micro[1], std::make_integer_sequence<int, kMr>{});
   fill_avx512<true, true>(k.packed, std::make_integer_sequence<int, kMr>{});
   fill_avx512_wide(k.packed_wide, k.packed_wide3, std::make_integer_sequence<int, kMr>{});
-  fill_avx512_rows(k.rows_wide3, std::make_integer_sequence<int, kMrRows>{});
+  fill_avx512_rows(k.rows_wide3, k.packed8, k.packed8_wide, k.packed8_wide3,
+                   std::make_integer_sequence<int, kMrRows>{});
   fill_avx512_tile_wide<false>(k.tile_wide[0], std::make_integer_sequence<int, kMr>{});
   fill_avx512_tile_wide<true>(k.tile_wide[1], std::make_integer_sequence<int, kMr>{});
   k.row_axpy = &row_axpy_avx512;

@@ -8,7 +8,8 @@
 //       the (row block x column range) units of the panel split over the threads (static): a thread
 //       packs its row block of A (mc x kc, 6-row strips) into its own buffer and runs the 6x16
 //       micro-kernel (gemm_kernel.h) over the unit's strips and micro-panels; then a barrier. (On the
-//       avx512 path an f32 A that is not transposed is not packed: its kernels read A's rows in place.)
+//       avx512 path an f32 A that is not transposed is not packed: its kernels read A's rows in place,
+//       eight at a time over three panels; a transposed f32 A is packed in 8-row strips.)
 // The first k slice overwrites C (unless accumulate), later slices add to it. Each output element is
 // one micro-kernel sum per k slice (k ascending) added to C in slice order, whichever thread computes
 // it, and the slices depend only on K, so the bits do not depend on the number of threads. The units
@@ -214,26 +215,27 @@ __attribute__((target("avx2,fma"))) void pack_a_strip_avx2(float* d, const T* sr
 // A block rows [0, m) of a(i, k) = src[i * ld + k] (ta false) or src[k * ld + i] (ta true), k < kc,
 // as 6-row strips: strip t at dst + 6t * kc, element (i, k) at [k * 6 + i]. Rows past m in the last
 // strip are left unset; the micro-kernel for fewer rows never reads them.
-template <class T>
+// MR: the strips' rows, kMr or (a transposed A on the avx512 path's packed8 kernels) kMrRows.
+template <int MR = kMr, class T>
 void pack_a_block(float* dst, const T* src, int64_t ld, bool ta, int64_t kc, int64_t m, bool avx2) {
-  for (int64_t i0 = 0; i0 < m; i0 += kMr) {
+  for (int64_t i0 = 0; i0 < m; i0 += MR) {
     float* d = dst + i0 * kc;
-    const int64_t rows = std::min<int64_t>(kMr, m - i0);
+    const int64_t rows = std::min<int64_t>(MR, m - i0);
     if (ta) {
       const T* sp = src + i0;
-      if (rows == kMr) {
+      if (rows == MR) {
         for (int64_t k = 0; k < kc; ++k)
-          for (int i = 0; i < kMr; ++i) d[k * kMr + i] = widen(sp[k * ld + i]);
+          for (int i = 0; i < MR; ++i) d[k * MR + i] = widen(sp[k * ld + i]);
       } else {
         for (int64_t k = 0; k < kc; ++k)
-          for (int64_t i = 0; i < rows; ++i) d[k * kMr + i] = widen(sp[k * ld + i]);
+          for (int64_t i = 0; i < rows; ++i) d[k * MR + i] = widen(sp[k * ld + i]);
       }
-    } else if (avx2 && rows == kMr) {
+    } else if (avx2 && rows == kMr && MR == kMr) {
       pack_a_strip_avx2(d, src + i0 * ld, ld, kc);
     } else {
       for (int64_t i = 0; i < rows; ++i) {
         const T* row = src + (i0 + i) * ld;
-        for (int64_t k = 0; k < kc; ++k) d[k * kMr + i] = widen(row[k]);
+        for (int64_t k = 0; k < kc; ++k) d[k * MR + i] = widen(row[k]);
       }
     }
   }
@@ -448,6 +450,12 @@ template <class BP>
 void pack_b_any(float* dst, BP src, int64_t ld, bool tb, int64_t kc, int64_t n, bool avx2, bool pairs) {
   if (pairs) return pack_b_pairs(reinterpret_cast<uint32_t*>(dst), src, ld, tb, kc, n);
   pack_b_micro(dst, src, ld, tb, kc, n, avx2);
+}
+
+// A thread's packed A block in the blocked nest: the largest row block's rows rounded up to whole strips of
+// either height (kMr or kMrRows), whichever the product takes.
+size_t block_floats(const Plan& p) {
+  return static_cast<size_t>(cdiv(p.max_strips * kMr, kMrRows) * kMrRows * p.kc + kSpare);
 }
 
 // A thread's buffer in the skinny nest: its A strips, then two B micro-panels (the wide kernels read two).
@@ -871,10 +879,13 @@ void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, 
   if (p.skinny) return run_skinny(s, p, a, b, c, apack);
   const Kernels& kern = kernels();
   const bool avx2 = kern.avx2, pairs = use_pairs(s);
-  const MicroFn* micro = pairs ? kern.packed_pairs : kern.packed;
-  const MicroFn* wide = pairs ? kern.packed_pairs_wide : kern.packed_wide;
-  const MicroFn* wide3 = pairs ? nullptr : kern.packed_wide3;
-  const size_t a_stride = static_cast<size_t>(p.max_strips * kMr * p.kc + kSpare);
+  // A transposed f32 A packs into strips of eight rows where the ISA has kernels for them (packed8).
+  const bool packed8 = std::is_same_v<TA, float> && s.ta && kern.packed8_wide3[1] != nullptr;
+  const int64_t amr = packed8 ? kMrRows : kMr;  // rows of a packed strip
+  const MicroFn* micro = pairs ? kern.packed_pairs : packed8 ? kern.packed8 : kern.packed;
+  const MicroFn* wide = pairs ? kern.packed_pairs_wide : packed8 ? kern.packed8_wide : kern.packed_wide;
+  const MicroFn* wide3 = pairs ? nullptr : packed8 ? kern.packed8_wide3 : kern.packed_wide3;
+  const size_t a_stride = block_floats(p);
   const bool rows_of_b = std::is_same_v<BP, const float*> && !s.tb && !pairs;
   // An f32 A stored (M, K) is read where it is by kernels of unpacked rows, where the ISA has them (see
   // micro_avx512_wide3<M, true>): 6 x kc strips of it stay in L1 as packed ones would, and the pass that would
@@ -915,13 +926,17 @@ void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, 
           const int64_t bm = un.bm, r0 = un.r0, r1 = un.r1;
           if (bm != packed_bm && !in_place) {
             const TA* src = s.ta ? a + k0 * s.lda + r0 : a + r0 * s.lda + k0;
-            pack_a_any(ap, src, s.lda, s.ta, kc, r1 - r0, avx2, pairs);
+            if (packed8) {
+              if constexpr (std::is_same_v<TA, float>) pack_a_block<kMrRows>(ap, src, s.lda, true, kc, r1 - r0, avx2);
+            } else {
+              pack_a_any(ap, src, s.lda, s.ta, kc, r1 - r0, avx2, pairs);
+            }
             packed_bm = bm;
           }
           const int64_t q0 = un.q0, q1 = un.q1;
           Micro m{};
           m.ras = 1;
-          m.cas = kMr;
+          m.cas = amr;
           m.ldc = s.ldc;
           m.kc = kd;
           m.acc = acc;
@@ -940,7 +955,7 @@ void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, 
             }
             // In place, three panels take eight rows at a time (rows_wide3: the unit's rows need not be a
             // multiple of eight, the last call takes what is left); the other kernels six.
-            const int64_t mr = in_place && w == 3 ? kMrRows : kMr;
+            const int64_t mr = in_place ? (w == 3 ? kMrRows : kMr) : amr;
             for (int64_t r = r0; r < r1; r += mr) {
               if constexpr (std::is_same_v<TA, float>)
                 if (in_place) {
@@ -951,7 +966,7 @@ void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, 
                 }
               m.a = ap + (r - r0) * kd;
               m.c = c + r * s.ldc + jq;
-              fn[std::min<int64_t>(kMr, r1 - r)](m);
+              fn[std::min<int64_t>(mr, r1 - r)](m);
             }
             q += w;
           }
@@ -1023,7 +1038,7 @@ BlockedSizes blocked_sizes(const GemmShape& s) {
   }
   const Plan p = make_plan(s);
   z.b_floats = static_cast<size_t>(p.kc * cdiv(p.nc, kNr) * kNr);
-  z.a_floats_per_thread = static_cast<size_t>(p.max_strips * kMr * p.kc + kSpare);
+  z.a_floats_per_thread = block_floats(p);
   if (p.skinny) {
     z.b_floats = 0;
     z.a_floats_per_thread = skinny_floats(p);

@@ -283,6 +283,10 @@ struct Kernels {
   // [rows], the same with A's rows read where they are (row i at a + i * ras, k contiguous; no packed strip),
   // up to kMrRows rows; null where the ISA has none.
   MicroFn rows_wide3[kMrRows + 1];
+  // [rows], packed, wide and wide3 over packed strips of kMrRows rows (a[k * 8 + i]): the blocked nest's
+  // products of a transposed f32 A, whose strips cost no more to pack eight rows high; null where the ISA
+  // has none.
+  MicroFn packed8[kMrRows + 1], packed8_wide[kMrRows + 1], packed8_wide3[kMrRows + 1];
   // [rows], bf16 k pairs (gemm_avx512.cpp): a pair strip and a pair panel, kc counting pairs; null
   // where the ISA has no pair instruction (bf16 then widens to f32 while packing).
   MicroFn packed_pairs[kMr + 1];
