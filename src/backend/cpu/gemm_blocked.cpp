@@ -459,7 +459,9 @@ size_t block_floats(const Plan& p) {
 }
 
 // A thread's buffer in the skinny nest: its A strips, then two B micro-panels (the wide kernels read two).
-size_t skinny_floats(const Plan& p) { return static_cast<size_t>(p.strips * kMr * p.kc + kSpare + 2 * kNr * p.kc); }
+// Its A strips take the rows rounded up to whole strips of either height (kMr or kMrRows).
+int64_t skinny_a_floats(const Plan& p) { return cdiv(p.strips * kMr, kMrRows) * kMrRows * p.kc + kSpare; }
+size_t skinny_floats(const Plan& p) { return static_cast<size_t>(skinny_a_floats(p) + 2 * kNr * p.kc); }
 
 // The skinny nests' loop, inside a parallel region: for each k slice, this thread's static share of the
 // column ranges (the same share every slice, so no barrier between slices), A's slice packed once by
@@ -490,16 +492,25 @@ template <class TA, class BP>
 void run_skinny(const GemmShape& s, const Plan& p, const TA* a, BP b, float* c, float* work) {
   const Kernels& kern = kernels();
   const bool avx2 = kern.avx2, pairs = use_pairs(s);
-  const MicroFn* micro = pairs ? kern.packed_pairs : kern.packed;
-  const MicroFn* wide = pairs ? kern.packed_pairs_wide : kern.packed_wide;
+  // An f32 A packs in strips of eight rows where the ISA has kernels for them (8 x 16 and 8 x 32: 4-7% faster
+  // than six rows at 16-128 rows, docs/BENCHMARKS.md).
+  const bool packed8 = std::is_same_v<TA, float> && kern.packed8_wide[1] != nullptr;
+  const int64_t amr = packed8 ? kMrRows : kMr;  // rows of a packed strip
+  const MicroFn* micro = pairs ? kern.packed_pairs : packed8 ? kern.packed8 : kern.packed;
+  const MicroFn* wide = pairs ? kern.packed_pairs_wide : packed8 ? kern.packed8_wide : kern.packed_wide;
   const int64_t panels = cdiv(s.N, kNr);
   const size_t stride = skinny_floats(p);
 #pragma omp parallel
   {
     float* ap = work + static_cast<size_t>(omp_get_thread_num()) * stride;
-    float* bp = ap + p.strips * kMr * p.kc + kSpare;
+    float* bp = ap + skinny_a_floats(p);
     auto pack_a = [&](int64_t k0, int64_t kc) {
-      pack_a_any(ap, s.ta ? a + k0 * s.lda : a + k0, s.lda, s.ta, kc, s.M, avx2, pairs);
+      if (packed8) {
+        if constexpr (std::is_same_v<TA, float>)
+          pack_a_block<kMrRows>(ap, s.ta ? a + k0 * s.lda : a + k0, s.lda, s.ta, kc, s.M, avx2);
+      } else {
+        pack_a_any(ap, s.ta ? a + k0 * s.lda : a + k0, s.lda, s.ta, kc, s.M, avx2, pairs);
+      }
     };
     skinny_loop(s, p, panels, pack_a, [&](int64_t kp, int64_t k0, int64_t kc, int64_t q, int64_t q1) -> int64_t {
       const int64_t jq = q * kNr, kd = depth(kc, pairs);
@@ -508,7 +519,7 @@ void run_skinny(const GemmShape& s, const Plan& p, const TA* a, BP b, float* c, 
       const int64_t w = wide[1] && q + 1 < q1 ? 2 : 1;
       Micro m{};
       m.ras = 1;
-      m.cas = kMr;
+      m.cas = amr;
       m.ldc = s.ldc;
       m.kc = kd;
       m.acc = s.accumulate || kp > 0;
@@ -520,10 +531,10 @@ void run_skinny(const GemmShape& s, const Plan& p, const TA* a, BP b, float* c, 
                    std::min<int64_t>(kNr, s.N - jh), avx2, pairs);
       }
       const MicroFn* fn = w == 2 ? wide : micro;
-      for (int64_t r = 0; r < s.M; r += kMr) {
+      for (int64_t r = 0; r < s.M; r += amr) {
         m.a = ap + r * kd;
         m.c = c + r * s.ldc + jq;
-        fn[std::min<int64_t>(kMr, s.M - r)](m);
+        fn[std::min<int64_t>(amr, s.M - r)](m);
       }
       return w;
     });
