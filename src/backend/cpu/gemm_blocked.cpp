@@ -492,8 +492,8 @@ template <class TA, class BP>
 void run_skinny(const GemmShape& s, const Plan& p, const TA* a, BP b, float* c, float* work) {
   const Kernels& kern = kernels();
   const bool avx2 = kern.avx2, pairs = use_pairs(s);
-  // An f32 A packs in strips of eight rows where the ISA has kernels for them (8 x 16 and 8 x 32: 4-7% faster
-  // than six rows at 16-128 rows, docs/BENCHMARKS.md).
+  // An f32 A packs in strips of eight rows where the ISA has kernels for them (8 x 16 and 8 x 32: the same to
+  // 1.1x the speed of six rows at 16-128 rows, docs/BENCHMARKS.md).
   const bool packed8 = std::is_same_v<TA, float> && kern.packed8_wide[1] != nullptr;
   const int64_t amr = packed8 ? kMrRows : kMr;  // rows of a packed strip
   const MicroFn* micro = pairs ? kern.packed_pairs : packed8 ? kern.packed8 : kern.packed;
