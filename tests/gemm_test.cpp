@@ -223,8 +223,9 @@ TEST(GemmPaths, EveryPathGivesTheAvx2Bits) {
   for (bool pairs : pair_choices()) {
     if (isa == GemmIsa::avx2 || isa == GemmIsa::generic) continue;  // generic sums unfused (GemmRun checks it)
     for (int mode = 0; mode < 3; ++mode)  // f32, bf16, bf16 a with an f32 b read as bf16
+      // {41, 1000, 300}: the skinny nest with column ranges of three panels and more (B's rows read in place).
       for (Dims d : {Dims{50, 300, 301}, Dims{5, 100, 777}, Dims{130, 40, 64}, Dims{1, 33, 17}, Dims{300, 70, 900},
-                     Dims{7, 90, 300}, Dims{1, 1000, 70}})
+                     Dims{7, 90, 300}, Dims{1, 1000, 70}, Dims{41, 1000, 300}})
         for (int tr = 0; tr < 4; ++tr) {
           const DType t = mode == 0 ? DType::f32 : DType::bf16;
           GemmShape s;

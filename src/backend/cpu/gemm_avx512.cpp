@@ -157,8 +157,9 @@ __attribute__((target("avx512f"), always_inline)) inline void store_c_wide3(cons
 // products of an f32 A that is not transposed. Eight rows make twenty-four chains, three B loads and eight
 // broadcasts a k step, and a quarter fewer passes of the unit's rows over the three panels (which, at 48 x kc
 // floats, come from L2): measured 4-7% faster than six at the model shapes (docs/BENCHMARKS.md). The same
-// chains, so the same bits.
-template <int M, bool ROWS, int MR = kMr>
+// chains, so the same bits. MR: the rows of a packed strip (kMr or kMrRows). BROWS: B's rows read where they are,
+// b(k, j) = b[k * bs + j], the k-th panel b2 floats after the first (the skinny nest's f32 B stored (K, N)).
+template <int M, bool ROWS, int MR = kMr, bool BROWS = false>
 __attribute__((target("avx512f"))) void micro_avx512_wide3(const Micro& u) {
   prefetch_c<M>(u, 3);
   __m512 c0[M], c1[M], c2[M];
@@ -171,7 +172,7 @@ __attribute__((target("avx512f"))) void micro_avx512_wide3(const Micro& u) {
     for (int i = 0; i < M; ++i) ar[i] = u.a + i * u.ras;
   }
   const float* b = u.b;
-  const int64_t second = kNr * u.kc;
+  const int64_t second = BROWS ? u.b2 : kNr * u.kc;
 #pragma GCC unroll 2
   for (int64_t k = 0; k < u.kc; ++k) {
     const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + second), b2 = _mm512_loadu_ps(b + 2 * second);
@@ -183,7 +184,7 @@ __attribute__((target("avx512f"))) void micro_avx512_wide3(const Micro& u) {
       c2[i] = _mm512_fmadd_ps(ai, b2, c2[i]);
     }
     if constexpr (!ROWS) a += MR;
-    b += kNr;
+    b += BROWS ? u.bs : kNr;
   }
   store_c_wide3<M>(u, c0, c1, c2);
 }
@@ -272,11 +273,13 @@ void fill_avx512_wide(MicroFn* f, MicroFn* f3, std::integer_sequence<int, M...>)
   ((f3[M + 1] = &micro_avx512_wide3<M + 1, false>), ...);
 }
 template <int... M>
-void fill_avx512_rows(MicroFn* r3, MicroFn* p1, MicroFn* p2, MicroFn* p3, std::integer_sequence<int, M...>) {
+void fill_avx512_rows(MicroFn* r3, MicroFn* p1, MicroFn* p2, MicroFn* p3, MicroFn* b3,
+                      std::integer_sequence<int, M...>) {
   ((r3[M + 1] = &micro_avx512_wide3<M + 1, true>), ...);
   ((p1[M + 1] = &micro_avx512<M + 1, true, true, kMrRows>), ...);
   ((p2[M + 1] = &micro_avx512_wide<M + 1, kMrRows>), ...);
   ((p3[M + 1] = &micro_avx512_wide3<M + 1, false, kMrRows>), ...);
+  ((b3[M + 1] = &micro_avx512_wide3<M + 1, false, kMrRows, true>), ...);
 }
 template <bool TA, int... M>
 void fill_avx512_tile_wide(MicroFn* f, std::integer_sequence<int, M...>) {
@@ -384,7 +387,7 @@ void fill_avx512_kernels(Kernels& k, bool bf16) {
   fill_avx512<true, false>(k.micro[1], std::make_integer_sequence<int, kMr>{});
   fill_avx512<true, true>(k.packed, std::make_integer_sequence<int, kMr>{});
   fill_avx512_wide(k.packed_wide, k.packed_wide3, std::make_integer_sequence<int, kMr>{});
-  fill_avx512_rows(k.rows_wide3, k.packed8, k.packed8_wide, k.packed8_wide3,
+  fill_avx512_rows(k.rows_wide3, k.packed8, k.packed8_wide, k.packed8_wide3, k.packed8_brows3,
                    std::make_integer_sequence<int, kMrRows>{});
   fill_avx512_tile_wide<false>(k.tile_wide[0], std::make_integer_sequence<int, kMr>{});
   fill_avx512_tile_wide<true>(k.tile_wide[1], std::make_integer_sequence<int, kMr>{});

@@ -485,8 +485,9 @@ void skinny_loop(const GemmShape& s, const Plan& p, int64_t panels, PackA&& pack
 // Few rows: B is read once and barely reused, so sharing a packed panel buys nothing. The columns are
 // cut into ranges (from the shape) spread over the threads, and each thread packs every kc x 16
 // micro-panel of its range into a private buffer just before the micro-kernel uses it, with no barrier
-// at all; A's k slice is packed once a slice by each thread, for all its ranges. The k slices and
-// micro-kernel are those of the blocked loop nest, so the bits are too.
+// at all (on the avx512 path an f32 B stored (K, N) is not packed: three panels at a time are read where
+// they are); A's k slice is packed once a slice by each thread, for all its ranges. The k slices and
+// micro-kernel chains are those of the blocked loop nest, so the bits are too.
 // BP: a pointer to B's elements (f32, bf16, f32-as-bf16) or a QuantB position.
 template <class TA, class BP>
 void run_skinny(const GemmShape& s, const Plan& p, const TA* a, BP b, float* c, float* work) {
@@ -496,6 +497,10 @@ void run_skinny(const GemmShape& s, const Plan& p, const TA* a, BP b, float* c, 
   // 1.1x the speed of six rows at 16-128 rows, docs/BENCHMARKS.md).
   const bool packed8 = std::is_same_v<TA, float> && kern.packed8_wide[1] != nullptr;
   const int64_t amr = packed8 ? kMrRows : kMr;  // rows of a packed strip
+  // An f32 B stored (K, N): three panels at a time read where they are, row k at b + k * ldb (packed8_brows3),
+  // not packed by each thread (1.2-1.35x faster at 16-128 rows, docs/BENCHMARKS.md); the last columns of a
+  // range, fewer than three full panels, are packed.
+  const bool brows = std::is_same_v<BP, const float*> && packed8 && !s.tb && !pairs;
   const MicroFn* micro = pairs ? kern.packed_pairs : packed8 ? kern.packed8 : kern.packed;
   const MicroFn* wide = pairs ? kern.packed_pairs_wide : packed8 ? kern.packed8_wide : kern.packed_wide;
   const int64_t panels = cdiv(s.N, kNr);
@@ -514,6 +519,25 @@ void run_skinny(const GemmShape& s, const Plan& p, const TA* a, BP b, float* c, 
     };
     skinny_loop(s, p, panels, pack_a, [&](int64_t kp, int64_t k0, int64_t kc, int64_t q, int64_t q1) -> int64_t {
       const int64_t jq = q * kNr, kd = depth(kc, pairs);
+      if constexpr (std::is_same_v<BP, const float*>)
+        if (brows && q + 2 < q1 && s.N - jq >= 3 * kNr) {
+          Micro m{};
+          m.ras = 1;
+          m.cas = amr;
+          m.ldc = s.ldc;
+          m.kc = kc;
+          m.acc = s.accumulate || kp > 0;
+          m.b = b + k0 * s.ldb + jq;
+          m.bs = s.ldb;
+          m.b2 = kNr;
+          m.n = 3 * kNr;
+          for (int64_t r = 0; r < s.M; r += amr) {
+            m.a = ap + r * kd;
+            m.c = c + r * s.ldc + jq;
+            kern.packed8_brows3[std::min<int64_t>(amr, s.M - r)](m);
+          }
+          return 3;
+        }
       // Two panels at a time where the ISA has a wide kernel, packed side by side (the three-panel kernel of
       // the blocked nest was measured slower here: 0.93-0.95x at 64 rows).
       const int64_t w = wide[1] && q + 1 < q1 ? 2 : 1;

@@ -287,6 +287,9 @@ struct Kernels {
   // products of a transposed f32 A, whose strips cost no more to pack eight rows high; null where the ISA
   // has none.
   MicroFn packed8[kMrRows + 1], packed8_wide[kMrRows + 1], packed8_wide3[kMrRows + 1];
+  // [rows], packed8_wide3 with B's rows read where they are (b(k, j) = b[k * bs + j], the k-th panel b2 = 16
+  // floats after the first; all 48 columns valid): the skinny nest's f32 B stored (K, N).
+  MicroFn packed8_brows3[kMrRows + 1];
   // [rows], bf16 k pairs (gemm_avx512.cpp): a pair strip and a pair panel, kc counting pairs; null
   // where the ISA has no pair instruction (bf16 then widens to f32 while packing).
   MicroFn packed_pairs[kMr + 1];
