@@ -189,6 +189,75 @@ __attribute__((target("avx512f"))) void micro_avx512_wide3(const Micro& u) {
   store_c_wide3<M>(u, c0, c1, c2);
 }
 
+// The skinny nest's product with B stored (N, K) (x W^T) with the operands' roles swapped: C^T = B A^T, B's
+// rows read where they are (row i at a + i * ras, up to kMrRows of them) and A^T packed in P panels of 16 (the k-th
+// at b + 16 * kc * k floats), so that B is not transposed into panels by each thread. Output (i, j) is
+// C(m = j, n = i), stored at c[j * ldc + i] for j < u.n: each is the chain of fused multiply-adds of
+// A(m, k) B(n, k) over k ascending, as in micro_avx512 (a product does not depend on its factors' order), then
+// added to C as there, so the bits are the same.
+template <int M, int P>
+__attribute__((target("avx512f,avx2,fma"))) void micro_avx512_rows_t(const Micro& u) {
+  __m512 acc[P][M];
+#pragma GCC unroll 8
+  for (int i = 0; i < M; ++i)
+#pragma GCC unroll 3
+    for (int q = 0; q < P; ++q) acc[q][i] = _mm512_setzero_ps();
+  const float* ar[kMrRows];
+#pragma GCC unroll 8
+  for (int i = 0; i < M; ++i) ar[i] = u.a + i * u.ras;
+  const float* b = u.b;
+  const int64_t second = kNr * u.kc;
+#pragma GCC unroll 2
+  for (int64_t k = 0; k < u.kc; ++k) {
+    __m512 bq[P];
+#pragma GCC unroll 3
+    for (int q = 0; q < P; ++q) bq[q] = _mm512_loadu_ps(b + q * second);
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) {
+      const __m512 ai = _mm512_set1_ps(ar[i][k]);
+#pragma GCC unroll 3
+      for (int q = 0; q < P; ++q) acc[q][i] = _mm512_fmadd_ps(ai, bq[q], acc[q][i]);
+    }
+    b += kNr;
+  }
+  if constexpr (M == kMrRows) {  // eight rows: each 8 x 16 block stored as two transposed 8 x 8 halves
+#pragma GCC unroll 3
+    for (int q = 0; q < P; ++q) {
+      const int nj = std::min(kNr, u.n - q * kNr);
+      for (int h = 0; h < 2 && 8 * h < nj; ++h) {
+        __m256 r[8], t8[8];
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i)
+          r[i] = h ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[q][i]), 1))
+                   : _mm512_castps512_ps256(acc[q][i]);
+        transpose8(r, t8);
+        const int n8 = std::min(8, nj - 8 * h);
+        for (int j = 0; j < n8; ++j) {
+          float* cj = u.c + (q * kNr + 8 * h + j) * u.ldc;
+          _mm256_storeu_ps(cj, u.acc ? _mm256_add_ps(_mm256_loadu_ps(cj), t8[j]) : t8[j]);
+        }
+      }
+    }
+    return;
+  }
+  alignas(64) float t[kMrRows][kNr];
+  for (int q = 0; q < P; ++q) {
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) _mm512_store_ps(t[i], acc[q][i]);
+    const int nj = std::min(kNr, u.n - q * kNr);
+    for (int j = 0; j < nj; ++j) {
+      float* cj = u.c + (q * kNr + j) * u.ldc;
+      if (u.acc) {
+#pragma GCC unroll 8
+        for (int i = 0; i < M; ++i) cj[i] = cj[i] + t[i][j];
+      } else {
+#pragma GCC unroll 8
+        for (int i = 0; i < M; ++i) cj[i] = t[i][j];
+      }
+    }
+  }
+}
+
 // Unpacked A (Gemm::tile) over two adjacent panels, the second u.b2 floats after the first: twelve FMA chains
 // in flight where micro_avx512's six leave one of two 512-bit FMA pipes idle, each output's chain as there.
 template <int M, bool TA>
@@ -271,6 +340,12 @@ template <int... M>
 void fill_avx512_wide(MicroFn* f, MicroFn* f3, std::integer_sequence<int, M...>) {
   ((f[M + 1] = &micro_avx512_wide<M + 1>), ...);
   ((f3[M + 1] = &micro_avx512_wide3<M + 1, false>), ...);
+}
+template <int... M>
+void fill_avx512_rows_t(MicroFn (*f)[kMrRows + 1], std::integer_sequence<int, M...>) {
+  ((f[0][M + 1] = &micro_avx512_rows_t<M + 1, 1>), ...);
+  ((f[1][M + 1] = &micro_avx512_rows_t<M + 1, 2>), ...);
+  ((f[2][M + 1] = &micro_avx512_rows_t<M + 1, 3>), ...);
 }
 template <int... M>
 void fill_avx512_rows(MicroFn* r3, MicroFn* p1, MicroFn* p2, MicroFn* p3, MicroFn* b3,
@@ -389,6 +464,7 @@ void fill_avx512_kernels(Kernels& k, bool bf16) {
   fill_avx512_wide(k.packed_wide, k.packed_wide3, std::make_integer_sequence<int, kMr>{});
   fill_avx512_rows(k.rows_wide3, k.packed8, k.packed8_wide, k.packed8_wide3, k.packed8_brows3,
                    std::make_integer_sequence<int, kMrRows>{});
+  fill_avx512_rows_t(k.rows_t, std::make_integer_sequence<int, kMrRows>{});
   fill_avx512_tile_wide<false>(k.tile_wide[0], std::make_integer_sequence<int, kMr>{});
   fill_avx512_tile_wide<true>(k.tile_wide[1], std::make_integer_sequence<int, kMr>{});
   k.row_axpy = &row_axpy_avx512;

@@ -485,13 +485,52 @@ void skinny_loop(const GemmShape& s, const Plan& p, int64_t panels, PackA&& pack
 // Few rows: B is read once and barely reused, so sharing a packed panel buys nothing. The columns are
 // cut into ranges (from the shape) spread over the threads, and each thread packs every kc x 16
 // micro-panel of its range into a private buffer just before the micro-kernel uses it, with no barrier
-// at all (on the avx512 path an f32 B stored (K, N) is not packed: three panels at a time are read where
-// they are); A's k slice is packed once a slice by each thread, for all its ranges. The k slices and
+// at all (on the avx512 path an f32 B is not packed: stored (K, N), three panels at a time are read where
+// they are; stored (N, K), the product runs as C^T = B A^T, run_skinny_t); A's k slice is packed once a slice by each thread, for all its ranges. The k slices and
 // micro-kernel chains are those of the blocked loop nest, so the bits are too.
+// An f32 B stored (N, K) (x W^T) on the avx512 path: C^T = B A^T instead (micro_avx512_rows_t), B's rows
+// read where they are, eight at a time, and A^T packed once a k slice by each thread (A is the small operand:
+// packing B would transpose all of it in every product: measured 1.05-1.3x faster at 16-128 rows,
+// docs/BENCHMARKS.md). The column ranges of the nest become ranges of B's 8-row strips; the k slices are the
+// plan's and each output's chain is the same, so the bits are too.
+void run_skinny_t(const GemmShape& s, const Plan& p, const float* a, const float* b, float* c, float* work) {
+  const Kernels& kern = kernels();
+  const int64_t mp = cdiv(s.M, kNr);          // panels of A^T
+  const int64_t strips = cdiv(s.N, kMrRows);  // 8-row strips of B
+  const size_t stride = skinny_floats(p);     // holds the mp * 16 x kc panels (s.M <= 132)
+#pragma omp parallel
+  {
+    float* ap = work + static_cast<size_t>(omp_get_thread_num()) * stride;
+    auto pack_a = [&](int64_t k0, int64_t kc) { kern.pack_bt(ap, a + k0, s.lda, kc, s.M); };
+    skinny_loop(s, p, strips, pack_a, [&](int64_t kp, int64_t k0, int64_t kc, int64_t q, int64_t) -> int64_t {
+      const int64_t n0 = q * kMrRows;
+      const int64_t rows = std::min<int64_t>(kMrRows, s.N - n0);
+      Micro m{};
+      m.a = b + n0 * s.ldb + k0;
+      m.ras = s.ldb;
+      m.cas = 1;
+      m.kc = kc;
+      m.ldc = s.ldc;
+      m.acc = s.accumulate || kp > 0;
+      for (int64_t g = 0; g < mp; g += 3) {
+        const int64_t panels = std::min<int64_t>(3, mp - g);
+        m.b = ap + g * kNr * kc;
+        m.c = c + g * kNr * s.ldc + n0;
+        m.n = static_cast<int>(std::min<int64_t>(3 * kNr, s.M - g * kNr));
+        kern.rows_t[panels - 1][rows](m);
+      }
+      return 1;
+    });
+  }
+}
+
 // BP: a pointer to B's elements (f32, bf16, f32-as-bf16) or a QuantB position.
 template <class TA, class BP>
 void run_skinny(const GemmShape& s, const Plan& p, const TA* a, BP b, float* c, float* work) {
   const Kernels& kern = kernels();
+  if constexpr (std::is_same_v<TA, float> && std::is_same_v<BP, const float*>)
+    if (s.tb && !s.ta && kern.rows_t[0][1] != nullptr)
+      return run_skinny_t(s, p, a, b, c, work);
   const bool avx2 = kern.avx2, pairs = use_pairs(s);
   // An f32 A packs in strips of eight rows where the ISA has kernels for them (8 x 16 and 8 x 32: the same to
   // 1.1x the speed of six rows at 16-128 rows, docs/BENCHMARKS.md).

@@ -290,6 +290,10 @@ struct Kernels {
   // [rows], packed8_wide3 with B's rows read where they are (b(k, j) = b[k * bs + j], the k-th panel b2 = 16
   // floats after the first; all 48 columns valid): the skinny nest's f32 B stored (K, N).
   MicroFn packed8_brows3[kMrRows + 1];
+  // [panels - 1][rows], the skinny nest's f32 B stored (N, K) with the roles swapped (gemm_avx512.cpp,
+  // micro_avx512_rows_t): B's rows read in place, A^T in packed panels, C stored transposed; null where the ISA
+  // has none.
+  MicroFn rows_t[3][kMrRows + 1];
   // [rows], bf16 k pairs (gemm_avx512.cpp): a pair strip and a pair panel, kc counting pairs; null
   // where the ISA has no pair instruction (bf16 then widens to f32 while packing).
   MicroFn packed_pairs[kMr + 1];
