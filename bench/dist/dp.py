@@ -19,8 +19,8 @@ half blocks, 2 ((N - 1 - r) + 2 r) + r + 2 (N - 1 - r) (with '--sparse-pages', t
 column is then the gradients' sum alone). --fit SIZE: for each N, the longest --seq
 (a multiple of 256 N) whose `oomless estimate --ranks N [--context-parallel N]` fits SIZE a rank, then a run at
 that --seq (its ledger peak and RSS against SIZE). --links: context parallel over simulated links
-(OOMLESS_DIST_LINK=LATENCY_US,GB_PER_S delays each message of the ring to its post time + latency + bytes /
-bandwidth), the tokens/s each gives against the plain transport: where the link's time stops hiding behind
+(OOMLESS_DIST_LINK=LATENCY_US,GB_PER_S: a rank's receives cross one inbound link of that bandwidth in post
+order, each then delayed by the latency), the tokens/s each gives against the plain transport: where the link's time stops hiding behind
 the attention that overlaps it; with --zero 3 instead, each link with the next layer's weights sent while one
 computes (--zero-prefetch yes), or as many layers ahead as --prefetch lists (e.g. 'yes,3,no'), and without.
 

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <thread>
 
 #include "core/dtype.h"
@@ -406,7 +407,13 @@ Request post(void* buf, int64_t bytes, int peer, int tag, bool send) {
   } else {
     MPI_Irecv(buf, static_cast<int>(bytes), MPI_BYTE, peer, tag, MPI_COMM_WORLD, q);
     const auto [latency, rate] = simulated_link();
-    if (rate > 0) r.due = now_s() + latency + static_cast<double>(bytes) / rate;
+    if (rate > 0) {  // one inbound link a rank: a receive starts once those posted before it are through
+      static std::mutex m;
+      static double link_free = 0;  // when the receives posted so far have crossed this rank's link
+      std::lock_guard<std::mutex> hold(m);
+      link_free = std::max(now_s(), link_free) + static_cast<double>(bytes) / rate;
+      r.due = link_free + latency;
+    }
   }
   r.mpi = q;
 #else

@@ -78,8 +78,10 @@ std::vector<double> all_doubles(const std::vector<double>& mine);
 
 // Point to point without blocking (context parallel's ring): post, compute, then wait. A receive's wait
 // returns once the message is here and, under a simulated link (OOMLESS_DIST_LINK="LATENCY_US,GB_PER_S", e.g.
-// "50,1.25" for 10 GbE), not before its post time + latency + bytes / bandwidth: what a slower interconnect
-// would add where compute does not hide it. Tags tell apart the messages of one pair of ranks.
+// "50,1.25" for 10 GbE), not before it has crossed the rank's one inbound link + latency: the receives take
+// the link one after another in post order, each from its post time or the previous one's end, whichever is
+// later, for bytes / bandwidth (messages in flight together share it, as on a NIC). What a slower
+// interconnect would add where compute does not hide it. Tags tell apart the messages of one pair of ranks.
 struct Request {
   void* mpi = nullptr;  // the MPI request (owned)
   double due = 0;       // a receive under a simulated link: when it may complete (steady-clock seconds)
