@@ -377,6 +377,11 @@ double now_s() {
 }
 }  // namespace
 
+double InboundLink::due(double now, int64_t bytes) {
+  free_at = std::max(now, free_at) + static_cast<double>(bytes) / rate;
+  return free_at + latency;
+}
+
 Request& Request::operator=(Request&& o) noexcept {
   std::swap(mpi, o.mpi);
   std::swap(due, o.due);
@@ -409,10 +414,9 @@ Request post(void* buf, int64_t bytes, int peer, int tag, bool send) {
     const auto [latency, rate] = simulated_link();
     if (rate > 0) {  // one inbound link a rank: a receive starts once those posted before it are through
       static std::mutex m;
-      static double link_free = 0;  // when the receives posted so far have crossed this rank's link
+      static InboundLink link{latency, rate};
       std::lock_guard<std::mutex> hold(m);
-      link_free = std::max(now_s(), link_free) + static_cast<double>(bytes) / rate;
-      r.due = link_free + latency;
+      r.due = link.due(now_s(), bytes);
     }
   }
   r.mpi = q;

@@ -97,6 +97,13 @@ Request irecv(void* buf, int64_t bytes, int from, int tag);
 void wait(Request& r);
 // The simulated link, if any: {latency in seconds, bytes a second}; {0, 0} for none.
 std::pair<double, double> simulated_link();
+// One rank's simulated inbound link: due(now, bytes) is when a receive of `bytes` posted at `now` completes:
+// after the receives posted before it have crossed the link, its own bytes / rate, then the latency.
+struct InboundLink {
+  double latency = 0, rate = 0;
+  double free_at = 0;  // when the receives posted so far have crossed it
+  double due(double now, int64_t bytes);
+};
 
 // Bytes this rank has sent through the collectives above since the start (what the benchmarks compare with
 // the formulas: 2 (N-1)/N of the gradient per step for data parallel).
