@@ -558,34 +558,31 @@ void run_skinny(const GemmShape& s, const Plan& p, const TA* a, BP b, float* c, 
     };
     skinny_loop(s, p, panels, pack_a, [&](int64_t kp, int64_t k0, int64_t kc, int64_t q, int64_t q1) -> int64_t {
       const int64_t jq = q * kNr, kd = depth(kc, pairs);
-      if constexpr (std::is_same_v<BP, const float*>)
-        if (brows && q + 2 < q1 && s.N - jq >= 3 * kNr) {
-          Micro m{};
-          m.ras = 1;
-          m.cas = amr;
-          m.ldc = s.ldc;
-          m.kc = kc;
-          m.acc = s.accumulate || kp > 0;
-          m.b = b + k0 * s.ldb + jq;
-          m.bs = s.ldb;
-          m.b2 = kNr;
-          m.n = 3 * kNr;
-          for (int64_t r = 0; r < s.M; r += amr) {
-            m.a = ap + r * kd;
-            m.c = c + r * s.ldc + jq;
-            kern.packed8_brows3[std::min<int64_t>(amr, s.M - r)](m);
-          }
-          return 3;
-        }
-      // Two panels at a time where the ISA has a wide kernel, packed side by side (the three-panel kernel of
-      // the blocked nest was measured slower here: 0.93-0.95x at 64 rows).
-      const int64_t w = wide[1] && q + 1 < q1 ? 2 : 1;
       Micro m{};
       m.ras = 1;
       m.cas = amr;
       m.ldc = s.ldc;
       m.kc = kd;
       m.acc = s.accumulate || kp > 0;
+      auto over_strips = [&](const MicroFn* fn) {  // every strip of A times the panels at m.b
+        for (int64_t r = 0; r < s.M; r += amr) {
+          m.a = ap + r * kd;
+          m.c = c + r * s.ldc + jq;
+          fn[std::min<int64_t>(amr, s.M - r)](m);
+        }
+      };
+      if constexpr (std::is_same_v<BP, const float*>)
+        if (brows && q + 2 < q1 && s.N - jq >= 3 * kNr) {
+          m.b = b + k0 * s.ldb + jq;
+          m.bs = s.ldb;
+          m.b2 = kNr;
+          m.n = 3 * kNr;
+          over_strips(kern.packed8_brows3);
+          return 3;
+        }
+      // Two panels at a time where the ISA has a wide kernel, packed side by side (the three-panel kernel of
+      // the blocked nest was measured slower here: 0.93-0.95x at 64 rows).
+      const int64_t w = wide[1] && q + 1 < q1 ? 2 : 1;
       m.b = bp;
       m.n = static_cast<int>(std::min<int64_t>(w * kNr, s.N - jq));
       for (int64_t h = 0; h < w; ++h) {
@@ -593,12 +590,7 @@ void run_skinny(const GemmShape& s, const Plan& p, const TA* a, BP b, float* c, 
         pack_b_any(bp + h * kNr * kd, s.tb ? b + jh * s.ldb + k0 : b + k0 * s.ldb + jh, s.ldb, s.tb, kc,
                    std::min<int64_t>(kNr, s.N - jh), avx2, pairs);
       }
-      const MicroFn* fn = w == 2 ? wide : micro;
-      for (int64_t r = 0; r < s.M; r += amr) {
-        m.a = ap + r * kd;
-        m.c = c + r * s.ldc + jq;
-        fn[std::min<int64_t>(amr, s.M - r)](m);
-      }
+      over_strips(w == 2 ? wide : micro);
       return w;
     });
   }
