@@ -196,17 +196,23 @@ int main(int argc, char** argv) {
         ops.matmul(tc, ta, tb, g.ta, g.tb, false);
       }
       if (direct.ok) direct.run();
+      // Each repetition runs the paths and oneDNN in turn, the turn's first one rotating from one repetition to
+      // the next: a slot's position in the turn moves its time (the second of two runs of the same path was
+      // measured up to 10% faster), and rotating spreads that over every slot alike.
+      const size_t slots = isas.size() + (direct.ok ? 1 : 0);
       for (int r = 0; r < reps; ++r) {
-        for (size_t i = 0; i < isas.size(); ++i) {
+        for (size_t j = 0; j < slots; ++j) {
+          const size_t i = (j + static_cast<size_t>(r)) % slots;
+          const double t0 = now();
+          if (i == isas.size()) {
+            direct.run();
+            theirs.push_back(now() - t0);
+            continue;
+          }
           set_gemm_isa(isas[i]);
-          double t0 = now();
+          const double t1 = now();
           ops.matmul(tc, ta, tb, g.ta, g.tb, false);
-          ours[i].push_back(now() - t0);
-        }
-        if (direct.ok) {
-          double t0 = now();
-          direct.run();
-          theirs.push_back(now() - t0);
+          ours[i].push_back(now() - t1);
         }
       }
       set_gemm_isa(default_isa);
