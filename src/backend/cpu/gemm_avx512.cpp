@@ -2,8 +2,10 @@
 // that has it (gemm_isa.cpp):
 //
 // - f32: the 6x16 micro-kernel with one 16-wide ZMM vector per row (six accumulators, one B load per
-//   k). Each output is the same chain of fused multiply-adds in ascending k as the AVX2 kernel's, so the
-//   two give the same bits: switching ISA changes no f32 result.
+//   k), its 6x32 and 6x48 forms over two and three panels, and 8-row forms (8x16 to 8x48) where A's rows are
+//   read in place or packed eight high, B's rows read in place, or the roles swapped (rows_t). Each output is
+//   the same chain of fused multiply-adds in ascending k as the AVX2 kernel's, so the paths give the same
+//   bits: switching ISA changes no f32 result.
 // - bf16 operands (a bf16, b bf16 or f32 read as bf16, or a quantised b read as bf16), with AVX512-BF16:
 //   A and B are packed in k pairs (one 32-bit word holds a(i, k) and a(i, k + 1)) and `vdpbf16ps` adds
 //   both products of a pair to each fp32 lane. Intel's definition adds the odd element's product first,
@@ -156,7 +158,7 @@ __attribute__((target("avx512f"), always_inline)) inline void store_c_wide3(cons
 // a + i * ras) instead of a packed strip, up to kMrRows (8) of them as sequential streams: the blocked nest's
 // products of an f32 A that is not transposed. Eight rows make twenty-four chains, three B loads and eight
 // broadcasts a k step, and a quarter fewer passes of the unit's rows over the three panels (which, at 48 x kc
-// floats, come from L2): measured 4-7% faster than six at the model shapes (docs/BENCHMARKS.md). The same
+// floats, come from L2): measured faster than six at most model shapes (docs/BENCHMARKS.md). The same
 // chains, so the same bits. MR: the rows of a packed strip (kMr or kMrRows). BROWS: B's rows read where they are,
 // b(k, j) = b[k * bs + j], the k-th panel b2 floats after the first (the skinny nest's f32 B stored (K, N)).
 template <int M, bool ROWS, int MR = kMr, bool BROWS = false>
