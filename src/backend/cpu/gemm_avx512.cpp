@@ -197,13 +197,15 @@ __attribute__((target("avx512f"))) void micro_avx512_wide3(const Micro& u) {
 // C(m = j, n = i), stored at c[j * ldc + i] for j < u.n: each is the chain of fused multiply-adds of
 // A(m, k) B(n, k) over k ascending, as in micro_avx512 (a product does not depend on its factors' order), then
 // added to C as there, so the bits are the same.
+// (GCC 12's AVX-512 headers pass an undefined vector to the extract builtin, which -Wmaybe-uninitialized
+// reports once the kernel is inlined: not this code's values.)
+#pragma GCC diagnostic push
+#if !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 template <int M, int P>
 __attribute__((target("avx512f,avx2,fma"))) void micro_avx512_rows_t(const Micro& u) {
-  __m512 acc[P][M];
-#pragma GCC unroll 8
-  for (int i = 0; i < M; ++i)
-#pragma GCC unroll 3
-    for (int q = 0; q < P; ++q) acc[q][i] = _mm512_setzero_ps();
+  __m512 acc[P][M] = {};  // zeros
   const float* ar[kMrRows];
 #pragma GCC unroll 8
   for (int i = 0; i < M; ++i) ar[i] = u.a + i * u.ras;
@@ -259,6 +261,7 @@ __attribute__((target("avx512f,avx2,fma"))) void micro_avx512_rows_t(const Micro
     }
   }
 }
+#pragma GCC diagnostic pop
 
 // Unpacked A (Gemm::tile) over two adjacent panels, the second u.b2 floats after the first: twelve FMA chains
 // in flight where micro_avx512's six leave one of two 512-bit FMA pipes idle, each output's chain as there.

@@ -213,9 +213,9 @@ __attribute__((target("avx2,fma"))) void pack_a_strip_avx2(float* d, const T* sr
 }
 
 // A block rows [0, m) of a(i, k) = src[i * ld + k] (ta false) or src[k * ld + i] (ta true), k < kc,
-// as 6-row strips: strip t at dst + 6t * kc, element (i, k) at [k * 6 + i]. Rows past m in the last
-// strip are left unset; the micro-kernel for fewer rows never reads them.
-// MR: the strips' rows, kMr or (a transposed A on the avx512 path's packed8 kernels) kMrRows.
+// as MR-row strips (kMr, or kMrRows for the avx512 path's packed8 kernels): strip t at dst + MR t * kc,
+// element (i, k) at [k * MR + i]. Rows past m in the last strip are left unset; the micro-kernel for fewer
+// rows never reads them.
 template <int MR = kMr, class T>
 void pack_a_block(float* dst, const T* src, int64_t ld, bool ta, int64_t kc, int64_t m, bool avx2) {
   for (int64_t i0 = 0; i0 < m; i0 += MR) {
@@ -438,12 +438,15 @@ void pack_b_pairs(uint32_t* dst, const QuantB& src, int64_t ld, bool tb, int64_t
 // f32 products never take the pair kernels.
 void pack_b_pairs(uint32_t*, const float*, int64_t, bool, int64_t, int64_t) {}
 
-// The A block of a product: 6-row strips of floats, or pair strips for a bf16 a on the pair kernels.
+// The A block of a product: 6-row strips of floats, 8-row ones (eight: the packed8 kernels), or pair strips
+// for a bf16 a on the pair kernels.
 template <class TA>
-void pack_a_any(float* dst, const TA* src, int64_t ld, bool ta, int64_t kc, int64_t m, bool avx2, bool pairs) {
+void pack_a_any(float* dst, const TA* src, int64_t ld, bool ta, int64_t kc, int64_t m, bool avx2, bool pairs,
+                bool eight = false) {
   if constexpr (std::is_same_v<TA, uint16_t>) {
     if (pairs) return pack_a_pairs(reinterpret_cast<uint32_t*>(dst), src, ld, ta, kc, m);
   }
+  if (eight) return pack_a_block<kMrRows>(dst, src, ld, ta, kc, m, avx2);
   pack_a_block(dst, src, ld, ta, kc, m, avx2);
 }
 template <class BP>
@@ -486,8 +489,10 @@ void skinny_loop(const GemmShape& s, const Plan& p, int64_t panels, PackA&& pack
 // cut into ranges (from the shape) spread over the threads, and each thread packs every kc x 16
 // micro-panel of its range into a private buffer just before the micro-kernel uses it, with no barrier
 // at all (on the avx512 path an f32 B is not packed: stored (K, N), three panels at a time are read where
-// they are; stored (N, K), the product runs as C^T = B A^T, run_skinny_t); A's k slice is packed once a slice by each thread, for all its ranges. The k slices and
-// micro-kernel chains are those of the blocked loop nest, so the bits are too.
+// they are; stored (N, K), the product runs as C^T = B A^T, run_skinny_t); A's k slice is packed once a
+// slice by each thread, for all its ranges. The k slices and micro-kernel chains are those of the blocked
+// loop nest, so the bits are too.
+//
 // An f32 B stored (N, K) (x W^T) on the avx512 path: C^T = B A^T instead (micro_avx512_rows_t), B's rows
 // read where they are, eight at a time, and A^T packed once a k slice by each thread (A is the small operand:
 // packing B would transpose all of it in every product: measured 1.05-1.3x faster at 16-128 rows,
@@ -549,12 +554,7 @@ void run_skinny(const GemmShape& s, const Plan& p, const TA* a, BP b, float* c, 
     float* ap = work + static_cast<size_t>(omp_get_thread_num()) * stride;
     float* bp = ap + skinny_a_floats(p);
     auto pack_a = [&](int64_t k0, int64_t kc) {
-      if (packed8) {
-        if constexpr (std::is_same_v<TA, float>)
-          pack_a_block<kMrRows>(ap, s.ta ? a + k0 * s.lda : a + k0, s.lda, s.ta, kc, s.M, avx2);
-      } else {
-        pack_a_any(ap, s.ta ? a + k0 * s.lda : a + k0, s.lda, s.ta, kc, s.M, avx2, pairs);
-      }
+      pack_a_any(ap, s.ta ? a + k0 * s.lda : a + k0, s.lda, s.ta, kc, s.M, avx2, pairs, packed8);
     };
     skinny_loop(s, p, panels, pack_a, [&](int64_t kp, int64_t k0, int64_t kc, int64_t q, int64_t q1) -> int64_t {
       const int64_t jq = q * kNr, kd = depth(kc, pairs);
@@ -992,11 +992,7 @@ void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, 
           const int64_t bm = un.bm, r0 = un.r0, r1 = un.r1;
           if (bm != packed_bm && !in_place) {
             const TA* src = s.ta ? a + k0 * s.lda + r0 : a + r0 * s.lda + k0;
-            if (packed8) {
-              if constexpr (std::is_same_v<TA, float>) pack_a_block<kMrRows>(ap, src, s.lda, true, kc, r1 - r0, avx2);
-            } else {
-              pack_a_any(ap, src, s.lda, s.ta, kc, r1 - r0, avx2, pairs);
-            }
+            pack_a_any(ap, src, s.lda, s.ta, kc, r1 - r0, avx2, pairs, packed8);
             packed_bm = bm;
           }
           const int64_t q0 = un.q0, q1 = un.q1;

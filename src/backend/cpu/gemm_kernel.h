@@ -23,7 +23,7 @@ namespace oomless::gemm_detail {
 
 constexpr int kMr = 6;   // rows of the micro tile
 constexpr int kNr = 16;  // columns of the micro tile
-// Rows of the AVX-512 kernel of A's rows read in place over three panels (rows_wide3): 8 x 48, twenty-four
+// Rows of the AVX-512 f32 kernels of eight rows (rows_wide3, packed8*, rows_t): at 8 x 48, twenty-four
 // accumulators, where six rows leave the FMA pipes waiting on B's loads.
 constexpr int kMrRows = 8;
 
