@@ -1,5 +1,6 @@
 // Kernel benchmarks: GEMM at model shapes through oomless (CpuOps::matmul) beside oneDNN called
-// directly (one multi-threaded primitive created once), causal attention forward+backward, the
+// directly (one multi-threaded primitive created once), the products with a dimension of at most 32 (decode
+// rows, a chunk's, a LoRA adapter's rank) against the memory bound, causal attention forward+backward, the
 // optimizer steps (fp32 AdamW, AdamW8bit) over one large tensor, and the one-row products of decoding
 // over GGUF blocks (f32 against 8-bit activations), and a decode step's attention (its direct kernels against
 // Gemm::tile).
@@ -22,6 +23,7 @@
 #include <tuple>
 #include <vector>
 
+#include "triad.h"
 #include "backend/cpu/cpu_ops.h"
 #include "backend/cpu/gemm.h"
 #include "core/cpu_info.h"
@@ -170,6 +172,14 @@ int main(int argc, char** argv) {
   // comparable with earlier runs).
   cases.push_back({"chunk 64 x E . F", 64, 1536, 576, false, false, false});
   cases.push_back({"chunk 128 x 2048 . 5632", 128, 5632, 2048, false, false, false});
+  // The six products of a rank-16 LoRA adapter on a 576 x 576 projection over 1024 rows (z = x A^T, y += s z B^T;
+  // dz = dy B, dx += dz A, dA = dz^T x, dB = dy^T z), left out of the medians too.
+  cases.push_back({"lora z = x . A^T (r 16)", 1024, 16, 576, false, true, false});
+  cases.push_back({"lora z . B^T (r 16)", 1024, 576, 16, false, true, false});
+  cases.push_back({"lora dz = dy . B (r 16)", 1024, 16, 576, false, false, false});
+  cases.push_back({"lora dz . A (r 16)", 1024, 576, 16, false, false, false});
+  cases.push_back({"lora dA = dz^T . x (r 16)", 16, 576, 1024, true, false, false});
+  cases.push_back({"lora dB = dy^T . z (r 16)", 576, 16, 1024, true, false, false});
   if (!given.empty()) cases = given;
 
   std::printf("## GEMM (median of %d alternating runs)\n\n", reps);
@@ -177,6 +187,14 @@ int main(int argc, char** argv) {
   std::printf("|---|---|---|---|---|---|---|---|---|\n");
   double ref_rate = 0;
   std::vector<double> f32_ratios, f32_rates, bf16_rates;
+  // Products with a dimension of at most 32 (decode rows, a chunk's, an adapter's rank): their medians on the
+  // default path and oneDNN's, for the table against the memory bound.
+  struct SmallRow {
+    const GemmCase* g;
+    DType t;
+    double ours, theirs;  // seconds (theirs 0: no oneDNN product)
+  };
+  std::vector<SmallRow> small;
   for (DType t : {DType::f32, DType::bf16}) {
     for (const GemmCase& g : cases) {
       size_t esz = dtype_bytes(t, 1);
@@ -223,6 +241,8 @@ int main(int argc, char** argv) {
         const bool model_shape = g.M > 16 && g.in_median && main_path;
         if (t == DType::f32 && model_shape) f32_rates.push_back(r_ours);
         if (t == DType::bf16 && model_shape) bf16_rates.push_back(r_ours);
+        if (main_path && std::min({g.M, g.N, g.K}) <= 32)
+          small.push_back({&g, t, median(ours[i]), direct.ok ? median(theirs) : 0.0});
         if (direct.ok) {
           double r_dir = flops / median(theirs) * 1e-9;
           if (t == DType::f32 && model_shape) f32_ratios.push_back(r_ours / r_dir);
@@ -236,6 +256,31 @@ int main(int argc, char** argv) {
         }
       }
       std::fflush(stdout);
+    }
+  }
+  // The small products against the memory bound: the bytes they must move (A and B read, C written) over the
+  // triad's bandwidth, measured here after the table.
+  if (!small.empty()) {
+    const double triad = bench::triad_bytes_per_s();
+    std::printf("\n## Products with a dimension of at most 32 against the memory bound (%s path)\n\n"
+                "Bound: the bytes of A and B read and of C written over the triad, %.1f GB/s here (operands that "
+                "stay in cache can beat it).\n\n"
+                "| shape | M | N | K | dtype | MiB | oomless ms | oneDNN ms | bound ms | oomless / bound | oneDNN / bound |\n"
+                "|---|---|---|---|---|---|---|---|---|---|---|\n",
+                gemm_isa_name(default_isa), triad * 1e-9);
+    for (const SmallRow& r : small) {
+      const GemmCase& g = *r.g;
+      const double bytes = static_cast<double>(dtype_bytes(r.t, g.M * g.K) + dtype_bytes(r.t, g.K * g.N)) +
+                           4.0 * static_cast<double>(g.M * g.N);
+      const double bound = bytes / triad;
+      if (r.theirs > 0)
+        std::printf("| %s | %lld | %lld | %lld | %s | %.2f | %.3f | %.3f | %.3f | %.2f | %.2f |\n", g.what,
+                    (long long)g.M, (long long)g.N, (long long)g.K, dtype_name(r.t), bytes / 1048576.0, r.ours * 1e3,
+                    r.theirs * 1e3, bound * 1e3, r.ours / bound, r.theirs / bound);
+      else
+        std::printf("| %s | %lld | %lld | %lld | %s | %.2f | %.3f | - | %.3f | %.2f | - |\n", g.what, (long long)g.M,
+                    (long long)g.N, (long long)g.K, dtype_name(r.t), bytes / 1048576.0, r.ours * 1e3, bound * 1e3,
+                    r.ours / bound);
     }
   }
   // The attention ratio's reference: the median of this run's f32 model-shape GEMM rates.

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "triad.h"
 #include "core/cpu_info.h"
 #include "model/engine.h"
 #include "io/gguf.h"
@@ -70,21 +71,6 @@ bool parse_dtypes(const std::string& list, std::vector<DType>& out) {
 }
 
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
-
-// a[i] = b[i] + s c[i] over three 64 MiB arrays: bytes read and written per second, median of 5 after a warm-up.
-double triad_bytes_per_s() {
-  const int64_t n = int64_t{16} << 20;
-  std::vector<float> a(static_cast<size_t>(n)), b(static_cast<size_t>(n), 1.0f), c(static_cast<size_t>(n), 2.0f);
-  std::vector<double> t;
-  for (int r = 0; r < 6; ++r) {
-    const double t0 = now();
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) a[static_cast<size_t>(i)] = b[static_cast<size_t>(i)] + 0.5f * c[static_cast<size_t>(i)];
-    if (r > 0) t.push_back(now() - t0);
-  }
-  std::sort(t.begin(), t.end());
-  return 3.0 * 4.0 * static_cast<double>(n) / t[t.size() / 2];
-}
 
 double log_softmax_at(const std::vector<float>& z, int32_t t) {
   const float m = *std::max_element(z.begin(), z.end());
@@ -210,7 +196,7 @@ int main(int argc, char** argv) {
   }
   size_t weight_bytes = 0;
   for (int i = 0; i < kTierCount; ++i) weight_bytes += e.mem->device.ledger().current(static_cast<Tier>(i), Category::weights);
-  const double triad = triad_bytes_per_s();
+  const double triad = bench::triad_bytes_per_s();
   std::printf("cache for %lld positions, teacher-forced loss through it, and the positions whose most likely next\n"
               "token is the fp32 cache's (of %lld):\n",
               static_cast<long long>(T), static_cast<long long>(T - 1));
