@@ -188,7 +188,7 @@ int main(int argc, char** argv) {
   double ref_rate = 0;
   std::vector<double> f32_ratios, f32_rates, bf16_rates;
   // Products with a dimension of at most 32 (decode rows, a chunk's, an adapter's rank): their medians on the
-  // default path and oneDNN's, for the table against the memory bound.
+  // main path (the default one, or the first given) and oneDNN's, for the table against the memory bound.
   struct SmallRow {
     const GemmCase* g;
     DType t;
@@ -267,7 +267,8 @@ int main(int argc, char** argv) {
                 "stay in cache can beat it).\n\n"
                 "| shape | M | N | K | dtype | MiB | oomless ms | oneDNN ms | bound ms | oomless / bound | oneDNN / bound |\n"
                 "|---|---|---|---|---|---|---|---|---|---|---|\n",
-                gemm_isa_name(default_isa), triad * 1e-9);
+                gemm_isa_name(std::find(isas.begin(), isas.end(), default_isa) != isas.end() ? default_isa : isas[0]),
+                triad * 1e-9);
     for (const SmallRow& r : small) {
       const GemmCase& g = *r.g;
       const double bytes = static_cast<double>(dtype_bytes(r.t, g.M * g.K) + dtype_bytes(r.t, g.K * g.N)) +
