@@ -1,6 +1,6 @@
 // Kernel benchmarks: GEMM at model shapes through oomless (CpuOps::matmul) beside oneDNN called
 // directly (one multi-threaded primitive created once), the products with a dimension of at most 32 (decode
-// rows, a chunk's, a LoRA adapter's rank) against the memory bound, causal attention forward+backward, the
+// rows, 16 rows, a LoRA adapter's rank) against the memory bound, causal attention forward+backward, the
 // optimizer steps (fp32 AdamW, AdamW8bit) over one large tensor, and the one-row products of decoding
 // over GGUF blocks (f32 against 8-bit activations), and a decode step's attention (its direct kernels against
 // Gemm::tile).
@@ -187,7 +187,7 @@ int main(int argc, char** argv) {
   std::printf("|---|---|---|---|---|---|---|---|---|\n");
   double ref_rate = 0;
   std::vector<double> f32_ratios, f32_rates, bf16_rates;
-  // Products with a dimension of at most 32 (decode rows, a chunk's, an adapter's rank): their medians on the
+  // Products with a dimension of at most 32 (decode rows, 16 rows, an adapter's rank): their medians on the
   // main path (the default one, or the first given) and oneDNN's, for the table against the memory bound.
   struct SmallRow {
     const GemmCase* g;
