@@ -48,8 +48,9 @@ GemmIsa gemm_isa();                          // the current path (reads OOMLESS_
 void set_gemm_isa(GemmIsa isa);
 // The current path for logs: "avx512 (f32 zmm, bf16 vdpbf16ps)".
 std::string gemm_path();
-// The avx512 path's bf16 products of two rows or more (one-row products, bound by reading B, and the amx
-// path keep their pair kernels): in vdpbf16ps k pairs, or widened to f32 while packing and multiplied by
+// The avx512 path's bf16 products of two rows or more (one-row products with B stored (K, N), bound by reading
+// B, and the amx path keep their pair kernels; one-row x W^T reads B's rows in fp32 lanes on every path): in
+// vdpbf16ps k pairs, or widened to f32 while packing and multiplied by
 // FMAs. The same sums either way (a bf16 product is exact in fp32, each output's chain ascends in k), but
 // for the instruction's denormal handling (inputs read as zero, results flushed). Chosen at first use by
 // OOMLESS_BF16_GEMM=pairs|widened, or else by measurement: bf16_pair_speed() (the instruction's FLOPs a

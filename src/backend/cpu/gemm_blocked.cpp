@@ -34,9 +34,10 @@
 // (pack_a_amx), k slices of up to 1024 padded to whole tiles, and the 32 x 32 AMX micro tile of gemm_amx.cpp
 // (run_blocked_amx).
 //
-// One row (M = 1: decoding, a GEMV) with an f32 or block-quantised B takes run_row instead: nothing in B is
-// reused, so packing it would only add passes over memory. B is streamed once (quantised rows dequantised in
-// segments of kRowSeg into a per-thread buffer); with tb each output is a dot product of a with a contiguous row of B,
+// One row (M = 1: decoding, a GEMV) with an f32 or block-quantised B, or of bf16 operands with B stored (N, K),
+// takes run_row instead: nothing in B is reused, so packing it would only add passes over memory. B is streamed
+// once (quantised rows dequantised in segments of kRowSeg into a per-thread buffer; bf16 rows widened, and f32
+// ones read as bf16 rounded, as they are loaded); with tb each output is a dot product of a with a contiguous row of B,
 // otherwise c accumulates a_k times row k of B over a range of at most kRowSeg columns kept in cache (in registers,
 // 128 columns at a time, on the avx512 path: Kernels::row_axpy). Each output
 // sums k in a fixed order (eight lanes in k mod 8 combined in a fixed tree, then the last K mod 8 terms; or k
@@ -613,26 +614,65 @@ void pack_b_rows(float* dst, const float* src, int64_t ld, int64_t kc, int64_t n
 
 // ---- one row ----------------------------------------------------------------------------------------
 
-// run_row takes a one-row product whose B holds f32 values (f32 or block-quantised, not read as bf16: the
-// widening of a bf16 B is better done while packing, where the blocked path does it, and a product must take
-// the path its dequantised f32 copy takes, for the same bits).
-bool one_row(const GemmShape& s) { return s.M == 1 && !s.b_as_bf16 && (s.b_quant || s.ab == DType::f32); }
+// run_row takes a one-row product whose B holds f32 values (f32 or block-quantised), and one of bf16 operands
+// whose B is stored (N, K) (x W^T: a decode step's projections and LM head under bf16 compute), whatever B holds
+// (bf16, f32 read as bf16, or blocks read as bf16): each output is then a dot product of a with a contiguous row
+// of B, which packing would transpose a token at a time (a bf16 decode step spent a third of its time doing so,
+// and ran 1.4x slower than in f32). The rule depends on the shape and dtype only, not on how B is stored, so a
+// bf16 copy, an f32 matrix read as bf16 and a quantised one read as bf16 take the same path, for the same bits.
+// A bf16 B stored (K, N) keeps the packed path, where widening costs nothing extra.
+bool one_row(const GemmShape& s) {
+  if (s.M != 1) return false;
+  if (s.ab == DType::bf16 && s.tb) return true;
+  return !s.b_as_bf16 && (s.b_quant || s.ab == DType::f32);
+}
 
-// Elements [0, n) of b as floats: b itself when f32, dequantised into buf when block-quantised.
+// Elements [0, n) of b as floats: b itself when f32, dequantised into buf when block-quantised (and rounded
+// to bf16 there when read as bf16). A bf16 B, or an f32 one read as bf16, is read where it is (dot_lanes).
 inline const float* row_floats(const float* b, int64_t, int64_t, float*) { return b; }
+inline const uint16_t* row_floats(const uint16_t* b, int64_t, int64_t, float*) { return b; }
+inline const F32AsBf16* row_floats(const F32AsBf16* b, int64_t, int64_t, float*) { return b; }
 inline const float* row_floats(const QuantB& b, int64_t n, int64_t ld, float* buf) {
   b.q->dequant_row(*b.q, b.qrow0 + b.off / ld, b.off % ld, n, buf);
+  if (b.round)
+    for (int64_t k = 0; k < n; ++k) buf[k] = round_to_bf16(buf[k]);
   return buf;
 }
 
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi"
 typedef float v8f __attribute__((vector_size(32)));
-inline v8f ld8(const float* p) {
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+__attribute__((always_inline)) inline v8f ld8(const float* p) {
   v8f v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
+// Eight bf16 values, widened (exact).
+__attribute__((always_inline)) inline v8f ld8(const uint16_t* p) {
+  v8h h;
+  std::memcpy(&h, p, sizeof h);
+  const v8u w = __builtin_convertvector(h, v8u) << 16;
+  v8f v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+// Eight f32 values rounded to bf16 as f32_to_bf16 does (ties to even, a NaN kept quiet), as floats.
+__attribute__((always_inline)) inline v8f ld8(const F32AsBf16* p) {
+  v8u u;
+  std::memcpy(&u, p, sizeof u);
+  const v8i nan = (reinterpret_cast<const v8i&>(u) & 0x7fffffff) > 0x7f800000;  // all ones where NaN
+  const v8u rounded = u + (0x7fffu + ((u >> 16) & 1u));
+  const v8u w = (nan ? u | 0x00400000u : rounded) & 0xffff0000u;
+  v8f v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+inline float elem(const float* p) { return *p; }
+inline float elem(const uint16_t* p) { return bf16_to_f32(*p); }
+inline float elem(const F32AsBf16* p) { return round_to_bf16(p->v); }
 
 // acc[i] += the eight-lane products of a and r[i] over [0, n8) (n8 a multiple of 8), for rows i < g: k outer
 // (a loaded once for the group, kRowGroup independent sums in flight), each row's lanes summed in k order.
@@ -640,8 +680,10 @@ inline v8f ld8(const float* p) {
 // time kRowAhead floats ahead (past its end: the next row's start, where the group's rows are adjacent),
 // which the hardware's prefetcher did not do for eight interleaved streams (a decode step of SmolLM2-135M in
 // f32 took 12% longer without).
-template <int G>
-inline void dot_group(const float* a, const float* const* r, int64_t n8, v8f* acc) {
+// (B's rows as f32, bf16, or f32 read as bf16: each product of two bf16 values is exact in fp32, so a product
+// of bf16 operands has the same bits with or without fused multiply-adds, on every clone.)
+template <int G, class T>
+__attribute__((always_inline)) inline void dot_group(const float* a, const T* const* r, int64_t n8, v8f* acc) {
   v8f s[G];
   for (int i = 0; i < G; ++i) s[i] = acc[i];
   for (int64_t k = 0; k < n8; k += 8) {
@@ -652,11 +694,18 @@ inline void dot_group(const float* a, const float* const* r, int64_t n8, v8f* ac
   }
   for (int i = 0; i < G; ++i) acc[i] = s[i];
 }
-OOMLESS_CLONES("arch=x86-64-v3", "default")
-void dot_lanes(const float* a, const float* const* r, int g, int64_t n8, v8f* acc) {
-  if (g == kRowGroup) return dot_group<kRowGroup>(a, r, n8, acc);
-  for (int i = 0; i < g; ++i) dot_group<1>(a, r + i, n8, acc + i);
-}
+#define OOMLESS_DOT_LANES(T, ...)                                                  \
+  OOMLESS_CLONES(__VA_ARGS__)                                                      \
+  void dot_lanes(const float* a, const T* const* r, int g, int64_t n8, v8f* acc) { \
+    if (g == kRowGroup) return dot_group<kRowGroup>(a, r, n8, acc);               \
+    for (int i = 0; i < g; ++i) dot_group<1>(a, r + i, n8, acc + i);              \
+  }
+OOMLESS_DOT_LANES(float, "arch=x86-64-v3", "default")
+// (bf16 rows: widening and rounding are the work here, which AVX-512's encodings shorten; the same lanes, so the
+// same bits.)
+OOMLESS_DOT_LANES(uint16_t, "arch=x86-64-v4", "arch=x86-64-v3", "default")
+OOMLESS_DOT_LANES(F32AsBf16, "arch=x86-64-v4", "arch=x86-64-v3", "default")
+#undef OOMLESS_DOT_LANES
 
 // y[j] += x[0] r[0][j], then += x[1] r[1][j], ... for g <= 4 rows and j < n: the sequence of one-row
 // updates (the same bits), with y loaded and stored once.
@@ -692,6 +741,41 @@ int64_t row_segment(int64_t N) {
   return std::min(kRowSeg, cdiv(cdiv(N, units), 16) * 16);
 }
 
+// run_row without tb (B stored (K, N), f32 or block-quantised): c accumulates a_k times row k of B.
+template <class BP>
+void run_row_axpy(const GemmShape& s, const float* af, BP b, float* c, float* work) {
+  const int64_t N = s.N, K = s.K;
+  // Column ranges of at most kRowSeg, as many as a multiple of kUnits where N allows (1536 columns: six of 256,
+  // not three of 512, which left one of two threads idle a third of the time), from the shape alone. Each
+  // output's sum runs over k in order whatever its range, so the ranges do not change its bits.
+  const int64_t seg = row_segment(N);
+  const int64_t units = cdiv(N, seg);
+  if constexpr (std::is_same_v<BP, const float*>) {
+    if (const auto row_axpy = kernels().row_axpy) {
+#pragma omp parallel for schedule(static)
+      for (int64_t u = 0; u < units; ++u) {
+        const int64_t j0 = u * seg;
+        row_axpy(c + j0, af, b + j0, s.ldb, K, std::min(seg, N - j0), s.accumulate);
+      }
+      return;
+    }
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t u = 0; u < units; ++u) {
+    float* acc = work + static_cast<size_t>(omp_get_thread_num()) * kRowGroup * kRowSeg;
+    float* buf = acc + kRowSeg;  // four row segments
+    const int64_t j0 = u * seg, n = std::min(seg, N - j0);
+    std::fill(acc, acc + n, 0.0f);
+    for (int64_t k0 = 0; k0 < K; k0 += 4) {
+      const int g = static_cast<int>(std::min<int64_t>(4, K - k0));
+      const float* r[4];
+      for (int i = 0; i < g; ++i) r[i] = row_floats(b + (k0 + i) * s.ldb + j0, n, s.ldb, buf + i * kRowSeg);
+      axpy_rows(acc, af + k0, r, g, n);
+    }
+    for (int64_t j = 0; j < n; ++j) c[j0 + j] = s.accumulate ? c[j0 + j] + acc[j] : acc[j];
+  }
+}
+
 // c (1, N) (+)= af (1, K) . op(b), af the gathered f32 row of a; work: kRowGroup * kRowSeg floats a thread.
 // qa: af quantised to 8 bits where B's matrix takes integer one-row products (QuantMatrix::dot_rows_q8).
 template <class BP>
@@ -725,10 +809,10 @@ void run_row(const GemmShape& s, const float* af, BP b, float* c, float* work, c
       const int g = static_cast<int>(std::min<int64_t>(kRowGroup, N - j0));
       v8f acc[kRowGroup] = {};
       float tail[kRowGroup] = {};
-      const float* r[kRowGroup];
+      std::remove_cv_t<decltype(row_floats(b, 0, 0, nullptr))> r[kRowGroup];
       int64_t k_from = 0;  // [0, k_from) done from the blocks
       if constexpr (std::is_same_v<BP, QuantB>) {
-        if (b.q->dot_rows && k8 > 0 && dot_from_blocks()) {
+        if (b.q->dot_rows && !b.round && k8 > 0 && dot_from_blocks()) {
           int64_t rows[kRowGroup];
           const int64_t row0 = b.qrow0 + b.off / s.ldb;  // as above: output j is row row0 + j
           for (int i = 0; i < g; ++i) rows[i] = row0 + j0 + i;
@@ -741,7 +825,7 @@ void run_row(const GemmShape& s, const float* af, BP b, float* c, float* work, c
         const int64_t n8 = std::min(n, k8 - k0);
         if (n8 > 0) dot_lanes(af + k0, r, g, n8, acc);
         for (int i = 0; i < g; ++i)
-          for (int64_t k = std::max<int64_t>(n8, 0); k < n; ++k) tail[i] += af[k0 + k] * r[i][k];
+          for (int64_t k = std::max<int64_t>(n8, 0); k < n; ++k) tail[i] += af[k0 + k] * elem(r[i] + k);
       }
       for (int i = 0; i < g; ++i) {
         const v8f v = acc[i];
@@ -751,35 +835,10 @@ void run_row(const GemmShape& s, const float* af, BP b, float* c, float* work, c
     }
     return;
   }
-  // Column ranges of at most kRowSeg, as many as a multiple of kUnits where N allows (1536 columns: six of 256,
-  // not three of 512, which left one of two threads idle a third of the time), from the shape alone. Each
-  // output's sum runs over k in order whatever its range, so the ranges do not change its bits.
-  const int64_t seg = row_segment(N);
-  const int64_t units = cdiv(N, seg);
-  if constexpr (std::is_same_v<BP, const float*>) {
-    if (const auto row_axpy = kernels().row_axpy) {
-#pragma omp parallel for schedule(static)
-      for (int64_t u = 0; u < units; ++u) {
-        const int64_t j0 = u * seg;
-        row_axpy(c + j0, af, b + j0, s.ldb, K, std::min(seg, N - j0), s.accumulate);
-      }
-      return;
-    }
-  }
-#pragma omp parallel for schedule(static)
-  for (int64_t u = 0; u < units; ++u) {
-    float* acc = work + static_cast<size_t>(omp_get_thread_num()) * kRowGroup * kRowSeg;
-    float* buf = acc + kRowSeg;  // four row segments
-    const int64_t j0 = u * seg, n = std::min(seg, N - j0);
-    std::fill(acc, acc + n, 0.0f);
-    for (int64_t k0 = 0; k0 < K; k0 += 4) {
-      const int g = static_cast<int>(std::min<int64_t>(4, K - k0));
-      const float* r[4];
-      for (int i = 0; i < g; ++i) r[i] = row_floats(b + (k0 + i) * s.ldb + j0, n, s.ldb, buf + i * kRowSeg);
-      axpy_rows(acc, af + k0, r, g, n);
-    }
-    for (int64_t j = 0; j < n; ++j) c[j0 + j] = s.accumulate ? c[j0 + j] + acc[j] : acc[j];
-  }
+  if constexpr (std::is_same_v<BP, const float*> || std::is_same_v<BP, QuantB>)
+    return run_row_axpy(s, af, b, c, work);
+  else
+    fail("[gemm] internal: a one-row product of bf16 operands with B stored (K, N) takes the packed path");
 }
 
 // ---- the AMX nest ------------------------------------------------------------------------------------
@@ -921,18 +980,16 @@ void run_skinny_amx(const GemmShape& s, const Plan& p, const uint16_t* a, BP b, 
 
 template <class TA, class BP>
 void run_blocked(const GemmShape& s, const TA* a, BP b, float* c, float* bpack, float* apack) {
-  if constexpr (std::is_same_v<BP, const float*> || std::is_same_v<BP, QuantB>) {
-    if (one_row(s)) {  // a GEMV: a's row gathered in f32 into bpack, then B streamed (run_row)
-      for (int64_t k = 0; k < s.K; ++k) bpack[k] = widen(a[s.ta ? k * s.lda : k]);
-      if constexpr (std::is_same_v<BP, QuantB>) {
-        if (s.tb && b.q->dot_rows_q8 && s.K % kQ8Block == 0) {  // and in 8 bits after it
-          const Q8Act qa = q8_act_at(bpack + s.K, s.K);
-          quantise_q8_act(bpack, qa);
-          return run_row(s, bpack, b, c, apack, &qa);
-        }
+  if (one_row(s)) {  // a GEMV: a's row gathered in f32 into bpack, then B streamed (run_row)
+    for (int64_t k = 0; k < s.K; ++k) bpack[k] = widen(a[s.ta ? k * s.lda : k]);
+    if constexpr (std::is_same_v<BP, QuantB>) {
+      if (s.tb && !b.round && b.q->dot_rows_q8 && s.K % kQ8Block == 0) {  // and in 8 bits after it
+        const Q8Act qa = q8_act_at(bpack + s.K, s.K);
+        quantise_q8_act(bpack, qa);
+        return run_row(s, bpack, b, c, apack, &qa);
       }
-      return run_row(s, bpack, b, c, apack, nullptr);
     }
+    return run_row(s, bpack, b, c, apack, nullptr);
   }
   if constexpr (std::is_same_v<TA, uint16_t>) {
     if (use_amx(s)) {

@@ -169,7 +169,7 @@ void set_gemm_isa(GemmIsa isa) {
 std::string gemm_path() {
   const Kernels& k = current_kernels();
   std::string s = gemm_isa_name(k.isa);
-  if (k.isa == GemmIsa::amx) s += " (f32 zmm, bf16 amx tiles; one-row bf16 vdpbf16ps)";
+  if (k.isa == GemmIsa::amx) s += " (f32 zmm, bf16 amx tiles; one-row bf16 x W vdpbf16ps)";
   else if (k.isa == GemmIsa::avx512 && !k.packed_pairs[1]) s += " (f32 zmm, bf16 widened)";
   else if (k.isa == GemmIsa::avx512) {
     char speed[96];
