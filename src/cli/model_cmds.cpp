@@ -248,6 +248,7 @@ const char* kGenerateHelp =
     "each line read from stdin is the next user turn of one conversation (an empty line or end of input ends it).\n"
     "\n"
     "  --adapter DIR    a LoRA adapter folder (PEFT's format) applied to the model\n"
+    "  --dtype D        fp32 (default) or bf16 projections with fp32 accumulation (as eval)\n"
     "  --base-dtype D   fp32 (default), nf4 or nf4-dq projections (as eval)\n"
     "  --embed-dtype D  auto (default), fp32, bf16 or nf4 embedding and LM head (as eval)\n"
     "  --prompt S       text, encoded with the tokenizer's post-processor (default: empty); with --chat the\n"
