@@ -9,9 +9,9 @@
 //
 //   build/release/bench_kv_cache --model ~/.cache/oomless/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 //       [--ids tests/golden/smollm2/eval.ids] [--tokens 512] [--prompts 8] [--new 64] [--dtypes bf16,fp8,int8]
-//       [--dots f32,int8] [--compute fp32|bf16] [--embed-dtype auto|fp32|bf16|nf4]
-// --compute bf16 runs the model in bf16 (generate --dtype bf16); --embed-dtype stores its embedding and head as
-// generate's flag does.
+//       [--dots f32,int8] [--compute fp32|bf16] [--embed-dtype auto|fp32|bf16|nf4] [--base-dtype fp32|bf16|nf4|nf4-dq]
+// --compute bf16 runs the model in bf16 (generate --dtype bf16); --embed-dtype and --base-dtype store its embedding
+// and head, and its projections, as generate's flags do.
 // Every cache dtype runs with every product arithmetic of --dots; the first pair (fp32 cache, the first of
 // --dots) is the one the others are compared with.
 #include <omp.h>
@@ -88,7 +88,7 @@ int main(int argc, char** argv) {
   std::string model = std::string(home ? home : "") + "/.cache/oomless/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
   std::string ids_path = "tests/golden/smollm2/eval.ids";
   int64_t n_tokens = 512, prompts = 8, n_new = 64;
-  std::string dtypes = "bf16,fp8,int8", dots = "f32,int8", compute = "fp32", embed_dtype = "auto";
+  std::string dtypes = "bf16,fp8,int8", dots = "f32,int8", compute = "fp32", embed_dtype = "auto", base_dtype = "fp32";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--model" && i + 1 < argc) model = argv[++i];
@@ -100,10 +100,11 @@ int main(int argc, char** argv) {
     else if (a == "--dots" && i + 1 < argc) dots = argv[++i];
     else if (a == "--compute" && i + 1 < argc) compute = argv[++i];
     else if (a == "--embed-dtype" && i + 1 < argc) embed_dtype = argv[++i];
+    else if (a == "--base-dtype" && i + 1 < argc) base_dtype = argv[++i];
     else {
       std::fprintf(stderr,
                    "usage: bench_kv_cache [--model M] [--ids FILE] [--tokens N] [--prompts K] [--new N] "
-                   "[--dtypes bf16,fp8,int8] [--dots f32,int8] [--compute fp32|bf16] [--embed-dtype D]\n");
+                   "[--dtypes bf16,fp8,int8] [--dots f32,int8] [--compute fp32|bf16] [--embed-dtype D] [--base-dtype D]\n");
       return 2;
     }
   }
@@ -152,6 +153,7 @@ int main(int argc, char** argv) {
   eo.keep_quantised = true;
   eo.dtype = parse_compute_dtype(compute);
   eo.embed_dtype = embed_dtype;
+  eo.base_dtype = base_dtype;
   Engine e = build_engine(eo);
   const bool int8_possible = e.quant && e.quant->set_int8_activations(true) > 0;
   if (e.quant) e.quant->set_int8_activations(false);
@@ -160,9 +162,9 @@ int main(int argc, char** argv) {
   const ModelConfig& cfg = e.src.cfg;
   Model& m = *e.model;
   const CpuInfo cpu = detect_cpu();
-  std::printf("cpu: %s; isa %s; %d threads\nmodel %s (compute %s, embedding and head %s); %zu tokens of %s\n\n",
-              cpu.model.c_str(), cpu.isa_summary().c_str(), get_threads(), model.c_str(), compute.c_str(),
-              embed_dtype.c_str(), text.size(), ids_path.c_str());
+  std::printf("cpu: %s; isa %s; %d threads\nmodel %s (compute %s, projections %s, embedding and head %s); %zu tokens "
+              "of %s\n\n", cpu.model.c_str(), cpu.isa_summary().c_str(), get_threads(), model.c_str(), compute.c_str(),
+              base_dtype.c_str(), embed_dtype.c_str(), text.size(), ids_path.c_str());
   m.reserve(std::max<int64_t>(static_cast<int64_t>(text.size()), 64), false);
   const int64_t T = static_cast<int64_t>(text.size());
 

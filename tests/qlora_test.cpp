@@ -9,6 +9,8 @@
 
 #include "memory/allocator.h"
 #include "io/safetensors.h"
+#include "model/engine.h"
+#include "model/generate.h"
 #include "model/load.h"
 #include "model/quant_base.h"
 #include "util/chunked_run.h"
@@ -100,6 +102,55 @@ TEST(Qlora, Nf4BaseIsBitwiseTheDequantisedBase) {
   }
 }
 
+// --base-dtype bf16: the projections stored in bf16 at load (half their bytes). Under bf16 compute, which reads an
+// f32 base's projections rounded to bf16, a LoRA forward and backward over it and a few decode steps (the
+// embedding and head in bf16 in both runs) are bitwise those over the f32 base (the one-row products read the
+// bf16 rows where they are, the f32 ones rounding as they load).
+TEST(Qlora, Bf16BaseIsBitwiseTheF32BaseReadAsBf16) {
+  double loss[2];
+  std::vector<std::vector<float>> grads[2];
+  std::vector<float> logits[2];
+  size_t stored[2], proj_bytes = 0;
+  for (int k = 0; k < 2; ++k) {
+    EngineOptions o;
+    o.model = "preset:micro";
+    o.keep_quantised = true;
+    o.base_dtype = k == 0 ? "bf16" : "fp32";
+    o.embed_dtype = "bf16";  // both (an f32 embedding's rows are gathered unrounded under bf16 compute)
+    o.dtype = ComputeDType::bf16;
+    o.lora = test::all_linear_lora(3);
+    Engine e = build_engine(o);
+    const ModelConfig& cfg = e.src.cfg;
+    stored[k] = e.quant ? e.quant->bytes() : 0;
+    if (k == 1)
+      for (size_t i = 0; i < e.params->specs().size(); ++i)
+        if (is_projection_weight(e.params->specs()[i].name))
+          proj_bytes += static_cast<size_t>(e.params->tensors()[i].nbytes());
+    Model& m = *e.model;
+    const int64_t T = 40;
+    m.reserve(T, true);
+    std::vector<int32_t> ids = test::tokens(T, cfg.V, 7), tg = test::targets_of(ids);
+    const CeResult r = m.forward(Tensor::of(ids.data(), {T}), Tensor::of(tg.data(), {T}), true);
+    m.backward(1.0 / static_cast<double>(r.count));
+    loss[k] = r.loss_sum;
+    for (const Trainable& t : m.trainable()) grads[k].push_back(test::tensor_values<float>(t.grad));
+    DecodeCache cache = make_decode_cache(e.mem->device, cfg, 8, DType::f32);
+    std::vector<float> last(static_cast<size_t>(cfg.V));
+    for (int64_t t = 0; t < 8; ++t) {
+      m.decode_forward(Tensor(ids.data() + t, DType::i32, {1}), t, cache.slots, Tensor::of(last.data(), {cfg.V}));
+      logits[k].insert(logits[k].end(), last.begin(), last.end());
+    }
+  }
+  EXPECT_EQ(std::memcmp(&loss[0], &loss[1], sizeof(double)), 0) << loss[0] << " vs " << loss[1];
+  ASSERT_EQ(grads[0].size(), grads[1].size());
+  for (size_t i = 0; i < grads[0].size(); ++i)
+    EXPECT_EQ(std::memcmp(grads[0][i].data(), grads[1][i].data(), grads[0][i].size() * 4), 0) << i;
+  EXPECT_EQ(std::memcmp(logits[0].data(), logits[1].data(), logits[0].size() * 4), 0);
+  // The bf16 run stores half the projections' bytes beside the bf16 tables, which are all the f32 run stores apart.
+  EXPECT_GT(proj_bytes, 0u);
+  EXPECT_EQ(stored[0], stored[1] + proj_bytes / 2);
+}
+
 // A quantised matrix's rows as the GEMM and the embedding read them (QuantMatrix::dequant_row: 16 at a
 // time with AVX2 where a run starts on a byte) are bitwise nf4::dequantize_rows' (bit-exact with
 // bitsandbytes), for every start and length, odd widths, plain and double-quantised scales.
@@ -182,7 +233,7 @@ TEST(Qlora, MisusesAreClearErrors) {
   EXPECT_NE(message(test::source_path("tests/golden/gguf/small.gguf"), true, "nf4-dq").find("already quantised"),
             std::string::npos);
   EXPECT_NE(message("preset:micro", false, "nf4").find("needs --lora"), std::string::npos);
-  EXPECT_NE(message("preset:micro", true, "int3").find("supported: fp32, nf4"), std::string::npos);
+  EXPECT_NE(message("preset:micro", true, "int3").find("supported: fp32, bf16, nf4"), std::string::npos);
   EXPECT_EQ(message("preset:micro", true, "nf4"), "");
 }
 

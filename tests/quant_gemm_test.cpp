@@ -98,6 +98,41 @@ TEST(QuantGemm, BitwiseTheProductWithTheDequantisedMatrix) {
   omp_set_num_threads(omp_get_num_procs());
 }
 
+// A view of rows of a matrix stored in bf16 (QuantBase's "bf16" format: --base-dtype / --embed-dtype bf16), one row
+// times it (x W^T, a decode step's product, which reads the bf16 rows where they are): the product with a copy of
+// those rows, in bf16 and in f32 compute.
+TEST(QuantGemm, OneRowOverBf16RowsIsTheProductWithTheirCopy) {
+  auto ops = make_ops("cpu");
+  const int64_t N = 37, K = 605, r0 = 3;
+  const std::vector<float> w = randn((N + 5) * K, 9);
+  std::vector<uint16_t> stored(w.size());
+  convert(stored.data(), DType::bf16, w.data(), DType::f32, (N + 5) * K);
+  QuantMatrix q;  // as QuantBase::add_bf16_matrix makes it
+  q.format = "bf16";
+  q.rows = N + 5, q.cols = K;
+  q.dequant_row = [](const QuantMatrix& m, int64_t r, int64_t col, int64_t n, float* out) {
+    const uint16_t* row = static_cast<const uint16_t*>(m.data) + r * m.cols + col;
+    for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(row[i]);
+  };
+  q.data = stored.data();
+  Tensor view(nullptr, DType::f32, {N, K});
+  view.quant = &q, view.qrow0 = r0;
+  std::vector<uint16_t> copy(static_cast<size_t>(N * K));
+  convert(copy.data(), DType::bf16, w.data() + r0 * K, DType::f32, N * K);
+  std::vector<float> x = randn(K, 10), wc(copy.size());
+  convert(wc.data(), DType::f32, copy.data(), DType::bf16, N * K);
+  std::vector<uint16_t> xb(static_cast<size_t>(K));
+  convert(xb.data(), DType::bf16, x.data(), DType::f32, K);
+  for (bool bf16 : {false, true}) {
+    const Tensor xt = bf16 ? Tensor(xb.data(), DType::bf16, {1, K}) : Tensor(x.data(), DType::f32, {1, K});
+    std::vector<float> y1(static_cast<size_t>(N)), y2(y1.size());
+    ops->matmul(Tensor::of(y1.data(), {1, N}), xt, bf16 ? view.read_as_bf16() : view, false, true, false);
+    ops->matmul(Tensor::of(y2.data(), {1, N}), xt,
+                bf16 ? Tensor(copy.data(), DType::bf16, {N, K}) : Tensor::of(wc.data(), {N, K}), false, true, false);
+    EXPECT_TRUE(test::same_product(y1.data(), y2.data(), y1.size())) << (bf16 ? "bf16" : "fp32");
+  }
+}
+
 TEST(QuantGemm, RefReadsTheSameValues) {
   auto ref = make_ops("ref");
   const int64_t T = 4, N = 6, K = 10;

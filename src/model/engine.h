@@ -27,7 +27,7 @@ struct EngineOptions {
   // Keep a GGUF's projections in its blocks / a bitsandbytes folder in NF4 (frozen-base runs: adapters,
   // eval, generate); false: every parameter in f32 (full training, convert, merge).
   bool keep_quantised = false;
-  std::string base_dtype = "fp32";   // fp32, nf4 or nf4-dq: the frozen projections quantised at load
+  std::string base_dtype = "fp32";   // fp32, bf16, nf4 or nf4-dq: the frozen projections stored at load
   std::string embed_dtype = "auto";  // auto, fp32, bf16 or nf4: storage of a frozen embedding and head
   // generate --decode-dot int8: one-row products over a GGUF's Q4_0 / Q4_1 / Q8_0 blocks with the
   // activations quantised to 8 bits (QuantBase::set_int8_activations); false (the default): in f32,

@@ -284,13 +284,15 @@ QuantBase::QuantBase(Ops& ops, const std::vector<GgufHfTensor>& tensors, ParamSe
 
 BaseWeights load_base(ModelSource& src, Ops& ops, Arena& arena, bool keep_quantised, const std::string& base_dtype,
                       const std::string& embed_dtype, const std::vector<bool>* held, int gathered_copies) {
-  OOM_CHECK(base_dtype == "fp32" || base_dtype == "nf4" || base_dtype == "nf4-dq", "[model] base dtype '", base_dtype,
-            "' is not supported; supported: fp32, nf4 (nf4-dq: double-quantised scales)");
+  OOM_CHECK(base_dtype == "fp32" || base_dtype == "bf16" || base_dtype == "nf4" || base_dtype == "nf4-dq",
+            "[model] base dtype '", base_dtype, "' is not supported; supported: fp32, bf16, nf4 (nf4-dq: "
+            "double-quantised scales)");
   OOM_CHECK(embed_dtype == "auto" || embed_dtype == "fp32" || embed_dtype == "bf16" || embed_dtype == "nf4",
             "[model] embedding dtype '", embed_dtype, "' is not supported; supported: auto, fp32, bf16, nf4");
-  const bool nf4 = base_dtype != "fp32";
+  const bool nf4 = base_dtype != "fp32";  // the projections stored at load: in NF4 blocks, or in bf16
+  const bool bf16_proj = base_dtype == "bf16";
   OOM_CHECK(!nf4 || !src.gguf_tensors, "[model] ", src.spec, " is a GGUF, already quantised in its own blocks (kept as "
-            "they are for adapter training); --base-dtype nf4 / --qlora takes a Hugging Face folder or a preset");
+            "they are for adapter training); --base-dtype ", base_dtype, " takes a Hugging Face folder or a preset");
   // The frozen embedding and LM head: a GGUF's own blocks (auto), or converted at load (bf16, nf4).
   const bool gguf_tables = keep_quantised && src.gguf_tensors && embed_dtype == "auto";
   const bool convert_tables = embed_dtype == "bf16" || embed_dtype == "nf4";
@@ -301,7 +303,8 @@ BaseWeights load_base(ModelSource& src, Ops& ops, Arena& arena, bool keep_quanti
   OOM_CHECK(!held || (!src.bnb4 && !(keep_quantised && src.gguf_tensors) && !nf4 && !convert_tables), "[model] --zero 3 "
             "shards an f32 base's layer weights over the ranks; ", src.spec, " is kept quantised here (",
             src.bnb4 ? "bitsandbytes 4-bit" : src.gguf_tensors && keep_quantised ? "GGUF blocks"
-            : nf4 ? "--base-dtype nf4 / --qlora" : "--embed-dtype bf16 / nf4", "), which is not sharded: use --zero 1 "
+            : bf16_proj ? "--base-dtype bf16" : nf4 ? "--base-dtype nf4 / --qlora" : "--embed-dtype bf16 / nf4",
+            "), which is not sharded: use --zero 1 "
             "(the adapters' optimizer state sharded)");
   BaseWeights b;
   const bool tables_elsewhere = gguf_tables || convert_tables;
@@ -313,6 +316,11 @@ BaseWeights load_base(ModelSource& src, Ops& ops, Arena& arena, bool keep_quanti
   // bf16 / nf4 tables from f32 values, one matrix at a time (tied: the one matrix).
   auto add_table = [&](const std::string& name, const float* w, int64_t rows, int64_t cols) {
     if (embed_dtype == "bf16") b.quant->add_bf16_matrix(ops, name, w, rows, cols, *b.params, arena);
+    else b.quant->add_nf4_matrix(ops, name, w, rows, cols, *b.params, arena, base_dtype == "nf4-dq");
+  };
+  // One projection from f32 values into the base's storage.
+  auto add_projection = [&](const std::string& name, const float* w, int64_t rows, int64_t cols) {
+    if (bf16_proj) b.quant->add_bf16_matrix(ops, name, w, rows, cols, *b.params, arena);
     else b.quant->add_nf4_matrix(ops, name, w, rows, cols, *b.params, arena, base_dtype == "nf4-dq");
   };
   if (src.bnb4) {
@@ -335,7 +343,7 @@ BaseWeights load_base(ModelSource& src, Ops& ops, Arena& arena, bool keep_quanti
     src.load_weights(ops, *b.params);
   } else if ((nf4 || convert_tables) && src.read_f32) {
     OOM_CHECK(keep_quantised, "[model] --base-dtype ", base_dtype, " makes a frozen base: it needs --lora r");
-    // Matrix by matrix: one projection in f32 at a time beside the NF4 ones.
+    // Matrix by matrix: one projection in f32 at a time beside the stored ones.
     b.params = nf4 ? quantised_slots()
                    : std::make_unique<ParamSet>(src.cfg, DType::f32, arena, Category::weights,
                                                 [](const ParamSpec& s) { return !is_table(s.name); });
@@ -347,8 +355,7 @@ BaseWeights load_base(ModelSource& src, Ops& ops, Arena& arena, bool keep_quanti
       if (!proj && !table) continue;
       w.resize(static_cast<size_t>(s.shape[0] * s.shape[1]));
       src.read_f32(s, w.data());
-      if (proj)
-        b.quant->add_nf4_matrix(ops, s.name, w.data(), s.shape[0], s.shape[1], *b.params, arena, base_dtype == "nf4-dq");
+      if (proj) add_projection(s.name, w.data(), s.shape[0], s.shape[1]);
       else add_table(s.name, w.data(), s.shape[0], s.shape[1]);
     }
   } else if (nf4 || convert_tables) {
@@ -361,10 +368,14 @@ BaseWeights load_base(ModelSource& src, Ops& ops, Arena& arena, bool keep_quanti
     {
       ParamSet full(src.cfg, DType::f32, arena, Category::workspace);
       src.load_weights(ops, full);
-      if (nf4) b.quant->add_nf4_from(ops, full, *b.params, arena, base_dtype == "nf4-dq");
+      if (nf4 && !bf16_proj) b.quant->add_nf4_from(ops, full, *b.params, arena, base_dtype == "nf4-dq");
       for (size_t i = 0; i < full.specs().size(); ++i) {
         const Tensor& t = full.tensors()[i];
-        if (convert_tables && is_table(full.specs()[i].name))
+        if (bf16_proj && is_projection_weight(full.specs()[i].name))
+          ops.read_host(t, [&](const void* host) {
+            add_projection(full.specs()[i].name, static_cast<const float*>(host), t.dims[0], t.dims[1]);
+          });
+        else if (convert_tables && is_table(full.specs()[i].name))
           ops.read_host(t, [&](const void* host) {
             add_table(full.specs()[i].name, static_cast<const float*>(host), t.dims[0], t.dims[1]);
           });

@@ -75,8 +75,9 @@ class QuantBase {
 // GGUF source, the projection matrices in the file's blocks (QuantBase) and the rest in f32. Fills
 // them from `src` (whose weights the caller may release afterwards).
 // base_dtype: "fp32", or "nf4" / "nf4-dq" (double-quantised scales: QLoRA's --qlora) to quantise the
-// projections at load (refused for a GGUF, which keeps its own blocks). A bitsandbytes 4-bit folder is
-// always read as NF4.
+// projections at load, or "bf16" to store them rounded to bf16 (half the bytes; a matrix of format "bf16", as the
+// bf16 tables), all refused for a GGUF, which keeps its own blocks. A bitsandbytes 4-bit folder is always read as
+// NF4.
 // embed_dtype: the frozen embedding and LM head (one matrix when tied): "auto" (a GGUF's own blocks when
 // keep_quantised, else fp32), "fp32", or "bf16" / "nf4" (converted at load; nf4 double-quantised with
 // base_dtype nf4-dq), which need keep_quantised. Read as the GEMM reads a quantised matrix: the embedding

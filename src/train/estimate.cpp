@@ -374,7 +374,7 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
   const bool gguf_tables = gguf_q && eo.embed_dtype == "auto";
   const bool convert_tables = eo.embed_dtype == "bf16" || eo.embed_dtype == "nf4";
   OOM_CHECK(!nf4 || !src.gguf_tensors, "[estimate] ", c.model, " is a GGUF, already quantised in its own blocks; "
-            "--base-dtype nf4 / --qlora takes a Hugging Face folder or a preset");
+            "--base-dtype ", eo.base_dtype, " takes a Hugging Face folder or a preset");
   const bool quant_proj = (adapters && (src.bnb4 || gguf_q)) || nf4;
   const bool tables_elsewhere = gguf_tables || convert_tables;
   std::vector<ParamSpec> f32_slots;
@@ -421,6 +421,8 @@ MemoryEstimate estimate_training(const TrainConfig& c, const ModelSource& src, c
       if (src.bnb4) {
         const std::string prefix = s.name.substr(0, s.name.size() - std::string(".weight").size());
         quant += nf4::storage_bytes(load_bnb4_weight(*src.bnb4, prefix));
+      } else if (eo.base_dtype == "bf16") {
+        quant += nbytes(DType::bf16, numel(s.shape));
       } else {
         quant += nf4::storage_bytes(s.shape[0], s.shape[1], 64, eo.base_dtype == "nf4-dq");
       }

@@ -343,9 +343,9 @@ const std::vector<TrainOption>& train_options() {
            "PEFT's form, the base twice per projection)",
            &C::dora),
       text("base-dtype", true, "D",
-           "with --lora: storage of the frozen projection matrices: fp32, nf4 (bitsandbytes'\nNF4, blocksize 64) or "
-           "nf4-dq (its scales double-quantised) (default fp32; a GGUF\nkeeps its own blocks, a bitsandbytes 4-bit "
-           "folder is NF4)",
+           "with --lora: storage of the frozen projection matrices: fp32, bf16 (half the bytes;\nthe values rounded "
+           "to bf16, as --dtype bf16 reads fp32 ones), nf4 (bitsandbytes' NF4,\nblocksize 64) or nf4-dq (its scales "
+           "double-quantised) (default fp32; a GGUF keeps its\nown blocks, a bitsandbytes 4-bit folder is NF4)",
            &C::base_dtype),
       flag("qlora", true, "QLoRA: --base-dtype nf4-dq (bnb_4bit_quant_type nf4, double quantisation)", &C::qlora),
       text("embed-dtype", true, "D",

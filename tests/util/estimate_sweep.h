@@ -89,6 +89,9 @@ inline std::vector<Sweep> sweep(const std::string& model) {
     add("dora dropout none", m, 128, [](TrainConfig& c) { c.lora = 4, c.dora = true, c.lora_dropout = 0.1, c.save_policy = "none"; });
     add("qlora", m, 128, [](TrainConfig& c) { c.lora = 8, c.qlora = true; });
     add("nf4 + bf16 tables", m, 128, [](TrainConfig& c) { c.lora = 8, c.base_dtype = "nf4", c.embed_dtype = "bf16"; });
+    add("bf16 base and tables", m, 128, [](TrainConfig& c) {
+      c.lora = 8, c.base_dtype = "bf16", c.embed_dtype = "bf16", c.dtype = "bf16";
+    });
     add("qlora nf4 tables", m, 128, [](TrainConfig& c) { c.lora = 8, c.qlora = true, c.embed_dtype = "nf4"; });
     add("lora modules_to_save", m, 128, [](TrainConfig& c) { c.lora = 8, c.modules_to_save = "lm_head"; });
     add("lora adamw8bit on disk", m, 128, [](TrainConfig& c) { c.lora = 8, c.optim = "adamw8bit", c.optim_state = "disk"; });

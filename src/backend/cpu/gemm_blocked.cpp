@@ -782,6 +782,11 @@ template <class BP>
 void run_row(const GemmShape& s, const float* af, BP b, float* c, float* work, const Q8Act* qa) {
   const int64_t N = s.N, K = s.K;
   if constexpr (std::is_same_v<BP, QuantB>) {
+    // A matrix of bf16 values (QuantBase's "bf16" format: --base-dtype or --embed-dtype bf16) stored (N, K) is read
+    // where it is, as a bf16 B: the values dequant_row gives (exact in f32, so rounding them to bf16 changes
+    // none), without copying them (the same bits).
+    if (s.tb && std::strcmp(b.q->format, "bf16") == 0)
+      return run_row(s, af, static_cast<const uint16_t*>(b.q->data) + b.qrow0 * s.ldb + b.off, c, work, nullptr);
     // (Asked for no rows first: whether the span is whole blocks, which is the same for every group.)
     // Output j is the matrix's row row0 + j, from column col on (divided out once, not per row).
     const int64_t row0 = b.qrow0 + b.off / s.ldb, col = b.off % s.ldb;
@@ -1167,6 +1172,15 @@ BlockedSizes blocked_sizes(const GemmShape& s) {
 
 void gemm_blocked(const GemmShape& s, const void* a, const void* b, float* c, float* bpack, float* apack) {
   if (s.b_quant) {
+    // A matrix of bf16 values (QuantBase's "bf16" format: --base-dtype or --embed-dtype bf16) read as bf16 under bf16
+    // compute is a bf16 B where it is: the values its rows dequantise to (exact in f32, so rounding them changes
+    // none) packed without the dequantised copy, the same plan and packing buffers, so the same bits.
+    if (s.ab == DType::bf16 && s.b_as_bf16 && std::strcmp(s.b_quant->format, "bf16") == 0) {
+      GemmShape t = s;
+      t.b_quant = nullptr, t.b_qrow0 = 0, t.b_as_bf16 = false;
+      return run_blocked(t, static_cast<const uint16_t*>(a),
+                         static_cast<const uint16_t*>(s.b_quant->data) + s.b_qrow0 * s.ldb, c, bpack, apack);
+    }
     const QuantB qb{s.b_quant, s.b_qrow0, 0, s.b_as_bf16};
     if (s.ab == DType::bf16) run_blocked(s, static_cast<const uint16_t*>(a), qb, c, bpack, apack);
     else run_blocked(s, static_cast<const float*>(a), qb, c, bpack, apack);
