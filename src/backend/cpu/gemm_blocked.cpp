@@ -659,7 +659,8 @@ __attribute__((always_inline)) inline v8f ld8(const uint16_t* p) {
   std::memcpy(&v, &w, sizeof v);
   return v;
 }
-// Eight f32 values rounded to bf16 as f32_to_bf16 does (ties to even, a NaN kept quiet), as floats.
+// Eight f32 values rounded to bf16 as f32_to_bf16 does (ties to even, a NaN kept quiet), as floats: load8's rounding
+// (gemm_kernel.h) in portable vectors, for dot_lanes' clones without AVX2.
 __attribute__((always_inline)) inline v8f ld8(const F32AsBf16* p) {
   v8u u;
   std::memcpy(&u, p, sizeof u);
@@ -670,9 +671,6 @@ __attribute__((always_inline)) inline v8f ld8(const F32AsBf16* p) {
   std::memcpy(&v, &w, sizeof v);
   return v;
 }
-inline float elem(const float* p) { return *p; }
-inline float elem(const uint16_t* p) { return bf16_to_f32(*p); }
-inline float elem(const F32AsBf16* p) { return round_to_bf16(p->v); }
 
 // acc[i] += the eight-lane products of a and r[i] over [0, n8) (n8 a multiple of 8), for rows i < g: k outer
 // (a loaded once for the group, kRowGroup independent sums in flight), each row's lanes summed in k order.
@@ -784,7 +782,8 @@ void run_row(const GemmShape& s, const float* af, BP b, float* c, float* work, c
   if constexpr (std::is_same_v<BP, QuantB>) {
     // A matrix of bf16 values (QuantBase's "bf16" format: --base-dtype or --embed-dtype bf16) stored (N, K) is read
     // where it is, as a bf16 B: the values dequant_row gives (exact in f32, so rounding them to bf16 changes
-    // none), without copying them (the same bits).
+    // none), without copying them (the same bits). (Under bf16 compute gemm_blocked has already made it a bf16
+    // B; this is f32 compute's one-row product.)
     if (s.tb && std::strcmp(b.q->format, "bf16") == 0)
       return run_row(s, af, static_cast<const uint16_t*>(b.q->data) + b.qrow0 * s.ldb + b.off, c, work, nullptr);
     // (Asked for no rows first: whether the span is whole blocks, which is the same for every group.)
@@ -830,7 +829,7 @@ void run_row(const GemmShape& s, const float* af, BP b, float* c, float* work, c
         const int64_t n8 = std::min(n, k8 - k0);
         if (n8 > 0) dot_lanes(af + k0, r, g, n8, acc);
         for (int i = 0; i < g; ++i)
-          for (int64_t k = std::max<int64_t>(n8, 0); k < n; ++k) tail[i] += af[k0 + k] * elem(r[i] + k);
+          for (int64_t k = std::max<int64_t>(n8, 0); k < n; ++k) tail[i] += af[k0 + k] * widen(r[i][k]);
       }
       for (int i = 0; i < g; ++i) {
         const v8f v = acc[i];
